@@ -1,0 +1,111 @@
+"""Pure-jnp references of the three attention backward computations.
+
+Argument order and semantics follow the project spec exactly. Everything is
+computed in fp32 (matmuls at ``Precision.HIGHEST`` on upcast operands) and
+rounded to the output dtype once at the end, except where the math says
+otherwise (the two bf16 roundings of ``dL`` in problem C). These functions are
+the ``"xla"`` implementation of the differentiable ops and the yardstick the
+Pallas kernels are tested against.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import _checks
+
+_HI = jax.lax.Precision.HIGHEST
+f32 = jnp.float32
+
+
+def _dropout_scale(keep, p, p_static):
+  """``keep / (1 - p)`` as fp32, or ``None`` when no dropout is applied (p == 0)."""
+  if p_static == 0.0:
+    return None
+  scale = keep.astype(f32) * (1.0 / (1.0 - jnp.asarray(p, f32)))
+  if p_static is None:  # traced rate: p == 0 must ignore the mask
+    scale = jnp.where(jnp.asarray(p) > 0, scale, 1.0)
+  return scale
+
+
+def attention_softmax_dropout_value_backward_reference(
+    grad_attn_output, attn_weights, attn_weights_dropped, value_states, dropout_mask,
+    attention_dropout):
+  """Backward of ``O = transpose(dropout(P) @ V)`` with GQA (problem A).
+
+  Args:
+    grad_attn_output: ``[B, Sq, H, D]`` gradient of the attention output.
+    attn_weights: ``[B, H, Sq, Skv]`` softmax output P.
+    attn_weights_dropped: ``[B, H, Sq, Skv]`` Pd, the weights after dropout.
+    value_states: ``[B, KVH, Skv, D]`` with ``H % KVH == 0``.
+    dropout_mask: ``[B, H, Sq, Skv]`` bool, True = kept (ignored when p == 0).
+    attention_dropout: dropout rate p in [0, 1).
+
+  Returns:
+    ``(grad_attn_scores [B, H, Sq, Skv], grad_value_states [B, KVH, Skv, D])``
+    in the dtype of the inputs.
+  """
+  p = _checks.check_problem_a(grad_attn_output, attn_weights, attn_weights_dropped,
+                              value_states, dropout_mask, attention_dropout)
+  b, h, sq, skv = attn_weights.shape
+  kvh, d = value_states.shape[1], value_states.shape[3]
+  dtype = attn_weights.dtype
+  d_o = jnp.transpose(grad_attn_output, (0, 2, 1, 3)).astype(f32)  # [B, H, Sq, D]
+  # Upcast before repeating the kv heads, so dV's sum over the group runs in fp32.
+  v = jnp.repeat(value_states.astype(f32), h // kvh, axis=1)
+  d_pd = jnp.einsum("bhqd,bhkd->bhqk", d_o, v, precision=_HI)
+  scale = _dropout_scale(dropout_mask, attention_dropout, p)
+  d_w = d_pd if scale is None else d_pd * scale
+  probs = attn_weights.astype(f32)
+  delta = jnp.sum(d_w * probs, axis=-1, keepdims=True)
+  grad_scores = (probs * (d_w - delta)).astype(dtype)
+  d_v = jnp.einsum("bhqk,bhqd->bhkd", attn_weights_dropped.astype(f32), d_o, precision=_HI)
+  grad_value = d_v.reshape(b, kvh, h // kvh, skv, d).sum(axis=2).astype(dtype)
+  return grad_scores, grad_value
+
+
+def masked_softmax_dropout_backward_reference(grad_output, p_attn, mask, dropout_mask, p_dropout):
+  """Backward of ``dropout(softmax(scores.masked_fill(~mask, -1e4)))`` (problem B).
+
+  Args:
+    grad_output: ``[B, H, Sq, Sk]`` gradient of the dropout output.
+    p_attn: ``[B, H, Sq, Sk]`` softmax output P.
+    mask: ``[B, 1, Sq, Sk]`` bool, True = attend (broadcast over heads).
+    dropout_mask: ``[B, H, Sq, Sk]`` bool, True = kept; not read when p == 0.
+    p_dropout: dropout rate p in [0, 1).
+
+  Returns:
+    ``grad_scores [B, H, Sq, Sk]`` in the dtype of ``p_attn``.
+  """
+  p = _checks.check_problem_b(grad_output, p_attn, mask, dropout_mask, p_dropout)
+  g = grad_output.astype(f32)
+  scale = _dropout_scale(dropout_mask, p_dropout, p)
+  gd = g if scale is None else g * scale
+  probs = p_attn.astype(f32)
+  s = jnp.sum(probs * gd, axis=-1, keepdims=True)  # over all columns: the mask is not applied
+  return jnp.where(mask, probs * (gd - s), 0.0).astype(p_attn.dtype)
+
+
+def qk_scale_softmax_backward_reference(grad_output, query, key, attn_weights, scaling):
+  """Backward of ``softmax((Q @ K^T) * scaling)`` to Q and K (problem C).
+
+  Args:
+    grad_output: ``[B, H, Sq, Sk]`` gradient of the attention weights.
+    query: ``[B, H, Sq, D]``.
+    key: ``[B, H, Sk, D]``.
+    attn_weights: ``[B, H, Sq, Sk]`` softmax output P.
+    scaling: the logits' scale (``1/sqrt(D)`` in the usual case).
+
+  Returns:
+    ``(grad_query [B, H, Sq, D], grad_key [B, H, Sk, D])`` in the inputs' dtype.
+  """
+  _checks.check_problem_c(grad_output, query, key, attn_weights, scaling)
+  dtype = query.dtype
+  g = grad_output.astype(f32)
+  probs = attn_weights.astype(f32)
+  d_l = (probs * (g - jnp.sum(g * probs, axis=-1, keepdims=True))).astype(dtype)
+  d_l = (d_l.astype(f32) * jnp.asarray(scaling, f32)).astype(dtype).astype(f32)
+  grad_query = jnp.einsum("bhqk,bhkd->bhqd", d_l, key.astype(f32), precision=_HI)
+  grad_key = jnp.einsum("bhqk,bhqd->bhkd", d_l, query.astype(f32), precision=_HI)
+  return grad_query.astype(dtype), grad_key.astype(dtype)

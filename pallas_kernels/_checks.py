@@ -1,0 +1,144 @@
+"""Argument checks shared by the kernels and the differentiable ops.
+
+Every public entry point validates its arguments once, at the boundary, so a
+caller sees ``grad_output: expected [B, H, Sq, Sk] = [2, 4, 7, 7], got [2, 4, 7]``
+instead of an error from deep inside a compiler. The checks use chex and
+re-raise its assertion as a ``ValueError`` (shape, rank) or ``TypeError``
+(dtype) that names the argument.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _fmt(shape) -> str:
+  return "[" + ", ".join(str(s) for s in shape) + "]"
+
+
+def check_array(
+    name: str,
+    x,
+    axes: Sequence[str],
+    shape: Sequence[int | None] | None = None,
+    dtypes: Sequence | None = None,
+) -> None:
+  """Checks that ``x`` is an array of rank ``len(axes)`` with ``shape`` and a dtype in ``dtypes``.
+
+  ``axes`` names the dimensions (``("B", "H", "Sq", "Sk")``) for the message;
+  ``None`` entries of ``shape`` accept any size.
+  """
+  expected = "[" + ", ".join(axes) + "]"
+  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    raise TypeError(f"{name}: expected an array of shape {expected}, got {type(x).__name__}")
+  try:
+    chex.assert_rank(x, len(axes))
+  except AssertionError:
+    raise ValueError(
+        f"{name}: expected rank {len(axes)} {expected}, got shape {_fmt(x.shape)}") from None
+  if shape is not None:
+    try:
+      chex.assert_shape(x, tuple(shape))
+    except AssertionError:
+      want = _fmt("*" if s is None else s for s in shape)
+      raise ValueError(f"{name}: expected {expected} = {want}, got {_fmt(x.shape)}") from None
+  if dtypes is not None:
+    try:
+      chex.assert_type(x, tuple(dtypes))
+    except AssertionError:
+      names = " or ".join(jnp.dtype(d).name for d in dtypes)
+      raise TypeError(f"{name}: expected dtype {names}, got {jnp.dtype(x.dtype).name}") from None
+
+
+def check_positive(name: str, x, axes: Sequence[str]) -> None:
+  """Every dimension must be >= 1: empty attention matrices have no softmax."""
+  if any(s < 1 for s in x.shape):
+    raise ValueError(f"{name}: every dimension of {_fmt(axes)} must be >= 1, got {_fmt(x.shape)}")
+
+
+def check_divisible(num_heads: int, num_kv_heads: int) -> None:
+  if num_kv_heads < 1 or num_heads % num_kv_heads:
+    raise ValueError(
+        f"value_states: its heads KVH={num_kv_heads} must divide the query heads H={num_heads}")
+
+
+def concrete_float(name: str, x) -> float | None:
+  """``float(x)`` if ``x`` is a Python number or a concrete scalar array, else ``None`` (traced)."""
+  if isinstance(x, jax.core.Tracer):
+    if np.shape(x) != ():
+      raise ValueError(f"{name}: expected a scalar, got shape {_fmt(np.shape(x))}")
+    return None
+  if np.shape(x) != ():
+    raise ValueError(f"{name}: expected a scalar, got shape {_fmt(np.shape(x))}")
+  return float(x)
+
+
+def check_dropout_rate(name: str, p) -> float | None:
+  """Validates a dropout rate; returns it as a float, or ``None`` when it is traced."""
+  value = concrete_float(name, p)
+  if value is not None and not 0.0 <= value < 1.0:  # NaN fails the comparison too
+    raise ValueError(f"{name}: expected a dropout rate in [0, 1), got {value}")
+  return value
+
+
+_LOW = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+
+def check_problem_a(grad_attn_output, attn_weights, attn_weights_dropped, value_states,
+                    dropout_mask, attention_dropout, *, dtypes=_LOW) -> float | None:
+  """Checks the arguments of the attention softmax-dropout-value backward (problem A).
+
+  Returns the dropout rate as a float, or ``None`` when it is traced.
+  """
+  check_array("attn_weights", attn_weights, ("B", "H", "Sq", "Skv"), dtypes=dtypes)
+  check_positive("attn_weights", attn_weights, ("B", "H", "Sq", "Skv"))
+  b, h, sq, skv = attn_weights.shape
+  check_array("value_states", value_states, ("B", "KVH", "Skv", "D"), (b, None, skv, None),
+              dtypes=(attn_weights.dtype,))
+  check_positive("value_states", value_states, ("B", "KVH", "Skv", "D"))
+  check_divisible(h, value_states.shape[1])
+  d = value_states.shape[3]
+  check_array("grad_attn_output", grad_attn_output, ("B", "Sq", "H", "D"), (b, sq, h, d),
+              dtypes=(attn_weights.dtype,))
+  check_array("attn_weights_dropped", attn_weights_dropped, ("B", "H", "Sq", "Skv"),
+              attn_weights.shape, dtypes=(attn_weights.dtype,))
+  check_array("dropout_mask", dropout_mask, ("B", "H", "Sq", "Skv"), attn_weights.shape,
+              dtypes=(jnp.bool_,))
+  return check_dropout_rate("attention_dropout", attention_dropout)
+
+
+def check_problem_b(grad_output, p_attn, mask, dropout_mask, p_dropout, *,
+                    dtypes=_LOW) -> float | None:
+  """Checks the arguments of the masked softmax-dropout backward (problem B)."""
+  check_array("p_attn", p_attn, ("B", "H", "Sq", "Sk"), dtypes=dtypes)
+  check_positive("p_attn", p_attn, ("B", "H", "Sq", "Sk"))
+  b, h, sq, sk = p_attn.shape
+  check_array("grad_output", grad_output, ("B", "H", "Sq", "Sk"), p_attn.shape,
+              dtypes=(p_attn.dtype,))
+  check_array("mask", mask, ("B", "1", "Sq", "Sk"), (b, 1, sq, sk), dtypes=(jnp.bool_,))
+  p = check_dropout_rate("p_dropout", p_dropout)
+  if p != 0.0:  # a rate of exactly 0 never reads the dropout mask, so it may be None
+    check_array("dropout_mask", dropout_mask, ("B", "H", "Sq", "Sk"), p_attn.shape,
+                dtypes=(jnp.bool_,))
+  return p
+
+
+def check_problem_c(grad_output, query, key, attn_weights, scaling, *,
+                    dtypes=_LOW) -> float | None:
+  """Checks the arguments of the QK-scale-softmax backward (problem C)."""
+  check_array("query", query, ("B", "H", "Sq", "D"), dtypes=dtypes)
+  check_positive("query", query, ("B", "H", "Sq", "D"))
+  b, h, sq, d = query.shape
+  check_array("key", key, ("B", "H", "Sk", "D"), (b, h, None, d), dtypes=(query.dtype,))
+  check_positive("key", key, ("B", "H", "Sk", "D"))
+  sk = key.shape[2]
+  check_array("attn_weights", attn_weights, ("B", "H", "Sq", "Sk"), (b, h, sq, sk),
+              dtypes=(query.dtype,))
+  check_array("grad_output", grad_output, ("B", "H", "Sq", "Sk"), (b, h, sq, sk),
+              dtypes=(query.dtype,))
+  return concrete_float("scaling", scaling)
