@@ -109,3 +109,73 @@ def qk_scale_softmax_backward_reference(grad_output, query, key, attn_weights, s
   grad_query = jnp.einsum("bhqk,bhkd->bhqd", d_l, key.astype(f32), precision=_HI)
   grad_key = jnp.einsum("bhqk,bhqd->bhkd", d_l, query.astype(f32), precision=_HI)
   return grad_query.astype(dtype), grad_key.astype(dtype)
+
+
+# Forward passes in plain jnp. The differentiable ops run these, and the tests
+# differentiate them with jax.vjp to check the ops' custom backward passes.
+
+
+def dropout_keep_mask(rng, rate, shape):
+  """The dropout keep mask the ops draw: ``bernoulli(rng, 1 - rate)``, True = kept."""
+  return jax.random.bernoulli(rng, 1.0 - jnp.asarray(rate, f32), shape)
+
+
+def _matmul_operand(x):
+  """Matmul operands keep their dtype (fp32 accumulate via ``preferred_element_type``)
+  on accelerators; XLA:CPU has no bf16 x bf16 -> fp32 dot, so there they are upcast
+  (bf16 values are exact in fp32, so the product is the same)."""
+  return x.astype(f32) if jax.default_backend() == "cpu" else x
+
+
+def _apply_dropout(probs, keep, rate):
+  """``probs * keep / (1 - rate)`` in fp32, rounded once to ``probs.dtype``."""
+  if keep is None:
+    return probs
+  scaled = probs.astype(f32) * keep * (1.0 / (1.0 - jnp.asarray(rate, f32)))
+  return scaled.astype(probs.dtype)
+
+
+def attention_softmax_dropout_value_forward(scores, value_states, keep, rate):
+  """``(O [B, Sq, H, D], P, Pd)`` for ``O = transpose(dropout(softmax(scores)) @ V)``.
+
+  ``scores [B, H, Sq, Skv]``, ``value_states [B, KVH, Skv, D]``; ``keep`` is a
+  bool ``[B, H, Sq, Skv]`` mask or ``None`` for no dropout. The softmax runs in
+  fp32 and is rounded to the input dtype; the matmul accumulates in fp32.
+  """
+  b, h, sq, skv = scores.shape
+  kvh, d = value_states.shape[1], value_states.shape[3]
+  probs = jax.nn.softmax(scores.astype(f32), axis=-1).astype(scores.dtype)
+  dropped = _apply_dropout(probs, keep, rate)
+  grouped = dropped.reshape(b, kvh, h // kvh, sq, skv)
+  out = jnp.einsum("bkgqs,bksd->bqkgd", _matmul_operand(grouped),
+                   _matmul_operand(value_states), preferred_element_type=f32)
+  return out.reshape(b, sq, h, d).astype(scores.dtype), probs, dropped
+
+
+def masked_softmax_dropout_forward(scores, mask, keep, rate):
+  """``(y, P)`` for ``y = dropout(softmax(scores.masked_fill(~mask, -1e4)))``.
+
+  ``scores [B, H, Sq, Sk]``, ``mask [B, 1, Sq, Sk]`` bool (True = attend),
+  ``keep`` a bool ``[B, H, Sq, Sk]`` mask or ``None``. Computed in fp32.
+  """
+  filled = jnp.where(mask, scores.astype(f32), -1e4)
+  probs = jax.nn.softmax(filled, axis=-1).astype(scores.dtype)
+  return _apply_dropout(probs, keep, rate), probs
+
+
+def causal_mask(sq, sk):
+  """``[Sq, Sk]`` bool, True where key ``k <= q + (Sk - Sq)`` (bottom-right aligned)."""
+  return jnp.arange(sk)[None, :] <= jnp.arange(sq)[:, None] + (sk - sq)
+
+
+def qk_scale_softmax_forward(query, key, scaling, causal=False):
+  """``P = softmax((Q @ K^T) * scaling)`` in fp32, rounded to the input dtype.
+
+  ``query [B, H, Sq, D]``, ``key [B, H, Sk, D]``; with ``causal`` the keys
+  ``k > q + (Sk - Sq)`` get probability exactly 0.
+  """
+  logits = jnp.einsum("bhqd,bhkd->bhqk", _matmul_operand(query), _matmul_operand(key),
+                      preferred_element_type=f32) * scaling
+  if causal:
+    logits = jnp.where(causal_mask(query.shape[2], key.shape[2]), logits, -jnp.inf)
+  return jax.nn.softmax(logits, axis=-1).astype(query.dtype)

@@ -105,9 +105,11 @@ def check_problem_a(grad_attn_output, attn_weights, attn_weights_dropped, value_
               dtypes=(attn_weights.dtype,))
   check_array("attn_weights_dropped", attn_weights_dropped, ("B", "H", "Sq", "Skv"),
               attn_weights.shape, dtypes=(attn_weights.dtype,))
-  check_array("dropout_mask", dropout_mask, ("B", "H", "Sq", "Skv"), attn_weights.shape,
-              dtypes=(jnp.bool_,))
-  return check_dropout_rate("attention_dropout", attention_dropout)
+  p = check_dropout_rate("attention_dropout", attention_dropout)
+  if p != 0.0:  # a rate of exactly 0 never reads the dropout mask, so it may be None
+    check_array("dropout_mask", dropout_mask, ("B", "H", "Sq", "Skv"), attn_weights.shape,
+                dtypes=(jnp.bool_,))
+  return p
 
 
 def check_problem_b(grad_output, p_attn, mask, dropout_mask, p_dropout, *,

@@ -1,0 +1,198 @@
+"""The differentiable attention ops: plain-jnp forwards with custom backward passes.
+
+Each op is a ``jax.custom_vjp`` whose forward is the plain-jnp forward of
+:mod:`jax_ops.reference` and whose backward is picked from
+:mod:`jax_ops.registry`: ``implementation=None`` takes the Pallas kernel where
+one exists for the device, ``"pallas"`` forces it (with ``interpret=True`` it
+runs on any backend, slowly), ``"xla"`` takes the jnp reference.
+
+Dropout: ``dropout_rate == 0`` or ``dropout_rng is None`` means no dropout. The
+rate may be a Python float or a traced scalar; the ops are not differentiable
+with respect to it (its cotangent is zero).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jax_ops import reference, registry
+from pallas_kernels import _checks
+
+_FLOATS = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+
+def _dropout(rng, rate, shape):
+  """``(keep, rate_static, rate_array)``; ``keep`` is ``None`` when no dropout applies."""
+  p_static = _checks.check_dropout_rate("dropout_rate", rate)
+  if rng is None or p_static == 0.0:
+    return None, 0.0, jnp.zeros((), jnp.float32)
+  return reference.dropout_keep_mask(rng, rate, shape), p_static, jnp.asarray(rate, jnp.float32)
+
+
+def _rate_for_backward(keep, p_static, rate):
+  """What a backward implementation gets as its dropout rate: a float when known."""
+  if keep is None:
+    return 0.0
+  return rate if p_static is None else p_static
+
+
+# --- A: softmax -> dropout -> GQA value matmul ---------------------------------------------
+
+
+def attention_softmax_dropout_value(scores, value_states, *, dropout_rate=0.0, dropout_rng=None,
+                                    implementation: str | None = None, interpret: bool = False):
+  """``transpose(dropout(softmax(scores)) @ V)`` with grouped-query value heads.
+
+  Args:
+    scores: ``[B, H, Sq, Skv]`` attention logits (bf16 in the usual case; fp16
+      and fp32 run the XLA backward unless ``implementation="pallas"``).
+    value_states: ``[B, KVH, Skv, D]``, same dtype, ``H % KVH == 0``; query head
+      ``h`` reads value head ``h // (H // KVH)``.
+    dropout_rate: in [0, 1).
+    dropout_rng: a PRNG key, or ``None`` for no dropout.
+    implementation: ``None``, ``"pallas"`` or ``"xla"``: the backward pass.
+    interpret: run Pallas kernels in the interpreter (for CPU).
+
+  Returns:
+    ``[B, Sq, H, D]`` in the dtype of ``scores``. The softmax runs in fp32 and is
+    rounded to the input dtype before dropout and the value matmul (fp32 accumulate).
+  """
+  _checks.check_array("scores", scores, ("B", "H", "Sq", "Skv"), dtypes=_FLOATS)
+  _checks.check_positive("scores", scores, ("B", "H", "Sq", "Skv"))
+  b, h, _, skv = scores.shape
+  _checks.check_array("value_states", value_states, ("B", "KVH", "Skv", "D"),
+                      (b, None, skv, None), dtypes=(scores.dtype,))
+  _checks.check_positive("value_states", value_states, ("B", "KVH", "Skv", "D"))
+  _checks.check_divisible(h, value_states.shape[1])
+  keep, p_static, rate = _dropout(dropout_rng, dropout_rate, scores.shape)
+  name, _ = registry.resolve("attention_softmax_dropout_value", implementation, interpret)
+  return _asdv(scores, value_states, keep, rate, p_static, name, interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _asdv(scores, value_states, keep, rate, p_static, name, interpret):
+  return reference.attention_softmax_dropout_value_forward(scores, value_states, keep, rate)[0]
+
+
+def _asdv_fwd(scores, value_states, keep, rate, p_static, name, interpret):
+  out, probs, dropped = reference.attention_softmax_dropout_value_forward(
+      scores, value_states, keep, rate)
+  return out, (probs, dropped, value_states, keep, rate)
+
+
+def _asdv_bwd(p_static, name, interpret, res, grad_out):
+  probs, dropped, value_states, keep, rate = res
+  _, backward = registry.resolve("attention_softmax_dropout_value", name, interpret)
+  d_scores, d_value = backward(grad_out, probs, dropped, value_states, keep,
+                               _rate_for_backward(keep, p_static, rate))
+  return d_scores, d_value, None, jnp.zeros_like(rate)
+
+
+_asdv.defvjp(_asdv_fwd, _asdv_bwd)
+
+
+# --- B: masked softmax -> dropout ------------------------------------------------------------
+
+
+def masked_softmax_dropout(scores, mask, *, dropout_rate=0.0, dropout_rng=None,
+                           implementation: str | None = None, interpret: bool = False):
+  """``dropout(softmax(scores.masked_fill(~mask, -1e4)))``.
+
+  Args:
+    scores: ``[B, H, Sq, Sk]`` float (fp32 in the usual case).
+    mask: ``[B, 1, Sq, Sk]`` bool, True = attend; broadcast over the heads.
+    dropout_rate: in [0, 1).
+    dropout_rng: a PRNG key, or ``None`` for no dropout.
+    implementation: ``None``, ``"pallas"`` or ``"xla"``: the backward pass.
+    interpret: run Pallas kernels in the interpreter (for CPU).
+
+  Returns:
+    ``[B, H, Sq, Sk]`` in the dtype of ``scores`` (softmax computed in fp32).
+  """
+  _checks.check_array("scores", scores, ("B", "H", "Sq", "Sk"), dtypes=_FLOATS)
+  _checks.check_positive("scores", scores, ("B", "H", "Sq", "Sk"))
+  b, _, sq, sk = scores.shape
+  _checks.check_array("mask", mask, ("B", "1", "Sq", "Sk"), (b, 1, sq, sk), dtypes=(jnp.bool_,))
+  keep, p_static, rate = _dropout(dropout_rng, dropout_rate, scores.shape)
+  name, _ = registry.resolve("masked_softmax_dropout", implementation, interpret)
+  return _msd(scores, mask, keep, rate, p_static, name, interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _msd(scores, mask, keep, rate, p_static, name, interpret):
+  return reference.masked_softmax_dropout_forward(scores, mask, keep, rate)[0]
+
+
+def _msd_fwd(scores, mask, keep, rate, p_static, name, interpret):
+  out, probs = reference.masked_softmax_dropout_forward(scores, mask, keep, rate)
+  return out, (probs, mask, keep, rate)
+
+
+def _msd_bwd(p_static, name, interpret, res, grad_out):
+  probs, mask, keep, rate = res
+  _, backward = registry.resolve("masked_softmax_dropout", name, interpret)
+  d_scores = backward(grad_out, probs, mask, keep, _rate_for_backward(keep, p_static, rate))
+  return d_scores, None, None, jnp.zeros_like(rate)
+
+
+_msd.defvjp(_msd_fwd, _msd_bwd)
+
+
+# --- C: QK matmul -> scale -> softmax --------------------------------------------------------
+
+
+def qk_scale_softmax(query, key, *, scaling: float | None = None, causal: bool = False,
+                     implementation: str | None = None, interpret: bool = False):
+  """Attention weights ``softmax((Q @ K^T) * scaling)``.
+
+  Args:
+    query: ``[B, H, Sq, D]`` (bf16 in the usual case).
+    key: ``[B, H, Sk, D]``, same dtype.
+    scaling: the logits' scale, a Python float; ``None`` means ``1/sqrt(D)``.
+    causal: mask keys ``k > q + (Sk - Sq)`` (needs ``Sq <= Sk``); the Pallas
+      backward then skips the tiles above the diagonal.
+    implementation: ``None``, ``"pallas"`` or ``"xla"``: the backward pass.
+    interpret: run Pallas kernels in the interpreter (for CPU).
+
+  Returns:
+    ``[B, H, Sq, Sk]`` in the dtype of ``query`` (fp32 logits and softmax).
+  """
+  _checks.check_array("query", query, ("B", "H", "Sq", "D"), dtypes=_FLOATS)
+  _checks.check_positive("query", query, ("B", "H", "Sq", "D"))
+  b, h, sq, d = query.shape
+  _checks.check_array("key", key, ("B", "H", "Sk", "D"), (b, h, None, d), dtypes=(query.dtype,))
+  _checks.check_positive("key", key, ("B", "H", "Sk", "D"))
+  if causal and sq > key.shape[2]:
+    raise ValueError(f"causal: needs Sq <= Sk (every query row attends to at least one key), "
+                     f"got Sq={sq}, Sk={key.shape[2]}")
+  if scaling is None:
+    scaling = 1.0 / math.sqrt(d)
+  scaling = _checks.concrete_float("scaling", scaling)
+  if scaling is None:
+    raise TypeError("scaling: expected a Python float (or None for 1/sqrt(D)), got a traced value")
+  name, _ = registry.resolve("qk_scale_softmax", implementation, interpret)
+  return _qss(query, key, scaling, bool(causal), name, interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _qss(query, key, scaling, causal, name, interpret):
+  return reference.qk_scale_softmax_forward(query, key, scaling, causal)
+
+
+def _qss_fwd(query, key, scaling, causal, name, interpret):
+  probs = reference.qk_scale_softmax_forward(query, key, scaling, causal)
+  return probs, (query, key, probs)
+
+
+def _qss_bwd(scaling, causal, name, interpret, res, grad_probs):
+  query, key, probs = res
+  _, backward = registry.resolve("qk_scale_softmax", name, interpret)
+  kwargs = {"causal": causal} if name == registry.PALLAS else {}
+  return backward(grad_probs, query, key, probs, scaling, **kwargs)
+
+
+_qss.defvjp(_qss_fwd, _qss_bwd)

@@ -1,0 +1,35 @@
+"""Small helpers shared by the kernels."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton  # noqa: F401  (re-exported)
+
+next_power_of_2 = pl.next_power_of_2
+
+
+def cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+def compiler_params(num_warps: int, num_stages: int):
+  return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def pallas_call(*args, **kwargs):
+  """``pl.pallas_call`` with the Triton lowering's deprecation warning silenced.
+
+  The Triton lowering is the only ``pallas_call`` GPU path in jax 0.11 and is
+  deprecated upstream in favour of Mosaic GPU; kernels sit behind the
+  implementation registry in ``jax_ops`` so a Mosaic GPU version can be added.
+  """
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    return pl.pallas_call(*args, **kwargs)
+
+
+def on_gpu() -> bool:
+  return jax.default_backend() == "gpu"

@@ -1,0 +1,44 @@
+"""Shared test helpers: input makers, the spec's error test, where kernels run."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+ON_GPU = jax.default_backend() == "gpu"
+# Off a GPU the Pallas kernels run in the interpreter; on a GPU they compile.
+INTERPRET = not ON_GPU
+
+
+def pytest_collection_modifyitems(config, items):
+  if ON_GPU:
+    return
+  skip = pytest.mark.skip(reason="needs a GPU")
+  for item in items:
+    if "gpu" in item.keywords:
+      item.add_marker(skip)
+
+
+def assert_close(out, ref, *, atol, rtol, frac=0.99, name="output"):
+  """The spec's acceptance: no NaN/Inf, >= ``frac`` of elements within
+  ``atol + rtol * |ref|``, and no all-zero output where the reference is not."""
+  out = np.asarray(jnp.asarray(out, jnp.float32))
+  ref = np.asarray(jnp.asarray(ref, jnp.float32))
+  assert out.shape == ref.shape, (name, out.shape, ref.shape)
+  assert np.isfinite(out).all(), f"{name}: NaN/Inf in output"
+  ok = np.abs(out - ref) <= atol + rtol * np.abs(ref)
+  assert ok.mean() >= frac, (
+      f"{name}: {ok.mean():.4%} within tolerance, max err {np.abs(out - ref).max():.3g}")
+  if np.any(ref != 0):
+    assert np.any(out != 0), f"{name}: all-zero output"
+
+
+def softmax_probs(key, shape, dtype, scale=1.0):
+  """A real softmax of randn logits, rounded to ``dtype``."""
+  return jax.nn.softmax(jax.random.normal(key, shape) * scale, axis=-1).astype(dtype)
+
+
+def keys(seed, n):
+  return jax.random.split(jax.random.key(seed), n)

@@ -1,0 +1,178 @@
+"""The differentiable ops: gradients against jax.vjp of the plain-jnp forward,
+every implementation, and the errors bad input gets."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from conftest import INTERPRET, assert_close, keys
+import jax_ops
+from jax_ops import reference, registry
+
+F32 = jnp.float32
+
+
+def _vjp(forward, primals, cotangent):
+  out, pullback = jax.vjp(forward, *primals)
+  return out, pullback(cotangent)
+
+
+def _impls(op):
+  return [name for name in registry.available(op)]
+
+
+@pytest.mark.parametrize("implementation", _impls("masked_softmax_dropout"))
+@pytest.mark.parametrize("b,h,sq,sk,rate", [(2, 3, 7, 7, 0.1), (1, 2, 13, 5, 0.0)])
+def test_masked_softmax_dropout_grad(implementation, b, h, sq, sk, rate):
+  k = keys(0, 4)
+  scores = jax.random.normal(k[0], (b, h, sq, sk), F32)
+  mask = jax.random.bernoulli(k[1], 0.7, (b, 1, sq, sk))
+  ct = jax.random.normal(k[3], (b, h, sq, sk), F32)
+  op = lambda s: jax_ops.masked_softmax_dropout(
+      s, mask, dropout_rate=rate, dropout_rng=k[2], implementation=implementation,
+      interpret=INTERPRET)
+  keep = reference.dropout_keep_mask(k[2], rate, scores.shape) if rate else None
+  plain = lambda s: reference.masked_softmax_dropout_forward(s, mask, keep, rate)[0]
+  out, (grad,) = _vjp(jax.jit(op), (scores,), ct)
+  ref_out, (ref_grad,) = _vjp(plain, (scores,), ct)
+  assert_close(out, ref_out, atol=1e-6, rtol=1e-6)
+  assert_close(grad, ref_grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("implementation", _impls("attention_softmax_dropout_value"))
+@pytest.mark.parametrize("b,h,kvh,sq,skv,d,rate", [
+    (2, 4, 2, 7, 9, 16, 0.1),
+    (1, 10, 1, 5, 33, 64, 0.0),
+    (1, 3, 3, 17, 4, 40, 0.2),
+])
+def test_attention_softmax_dropout_value_grad(implementation, b, h, kvh, sq, skv, d, rate):
+  k = keys(1, 4)
+  scores = jax.random.normal(k[0], (b, h, sq, skv), jnp.bfloat16)
+  value = jax.random.normal(k[1], (b, kvh, skv, d), jnp.bfloat16)
+  ct = jax.random.normal(k[3], (b, sq, h, d), jnp.bfloat16)
+  op = lambda s, v: jax_ops.attention_softmax_dropout_value(
+      s, v, dropout_rate=rate, dropout_rng=k[2], implementation=implementation,
+      interpret=INTERPRET)
+  keep = reference.dropout_keep_mask(k[2], rate, scores.shape) if rate else None
+  # The plain forward in fp32: autodiff of it is the exact gradient.
+  plain = lambda s, v: reference.attention_softmax_dropout_value_forward(
+      s.astype(F32), v.astype(F32), keep, rate)[0]
+  out, (g_s, g_v) = _vjp(jax.jit(op), (scores, value), ct)
+  ref_out, (r_s, r_v) = _vjp(plain, (scores, value), ct.astype(F32))
+  assert out.shape == (b, sq, h, d) and out.dtype == jnp.bfloat16
+  assert g_s.dtype == jnp.bfloat16 and g_v.dtype == jnp.bfloat16
+  assert_close(out, ref_out, atol=1e-2, rtol=2e-2, name="output")
+  # bf16 forward residuals against an fp32 forward: compare at bf16 resolution.
+  assert_close(g_s, r_s, atol=2e-3 * float(jnp.abs(r_s).max()), rtol=5e-2, name="d_scores")
+  assert_close(g_v, r_v, atol=1e-2 * float(jnp.abs(r_v).max()), rtol=5e-2, name="d_value")
+
+
+@pytest.mark.parametrize("implementation", _impls("qk_scale_softmax"))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("b,h,sq,sk,d", [(2, 3, 7, 7, 16), (1, 2, 5, 33, 64), (1, 1, 17, 17, 40)])
+def test_qk_scale_softmax_grad(implementation, causal, b, h, sq, sk, d):
+  k = keys(2, 3)
+  query = jax.random.normal(k[0], (b, h, sq, d), jnp.bfloat16)
+  key = jax.random.normal(k[1], (b, h, sk, d), jnp.bfloat16)
+  ct = jax.random.normal(k[2], (b, h, sq, sk), jnp.bfloat16)
+  op = lambda q, kk: jax_ops.qk_scale_softmax(q, kk, causal=causal, implementation=implementation,
+                                              interpret=INTERPRET)
+  plain = lambda q, kk: reference.qk_scale_softmax_forward(
+      q.astype(F32), kk.astype(F32), d ** -0.5, causal)
+  out, (g_q, g_k) = _vjp(jax.jit(op), (query, key), ct)
+  ref_out, (r_q, r_k) = _vjp(plain, (query, key), ct.astype(F32))
+  assert_close(out, ref_out, atol=1e-2, rtol=2e-2, name="probs")
+  if causal:
+    assert bool(jnp.all(jnp.where(reference.causal_mask(sq, sk), 0, out) == 0))
+  assert_close(g_q, r_q, atol=1e-2 * float(jnp.abs(r_q).max()), rtol=5e-2, name="d_query")
+  assert_close(g_k, r_k, atol=1e-2 * float(jnp.abs(r_k).max()), rtol=5e-2, name="d_key")
+
+
+def test_no_rng_means_no_dropout():
+  k = keys(3, 2)
+  scores = jax.random.normal(k[0], (1, 2, 5, 5))
+  mask = jnp.ones((1, 1, 5, 5), bool)
+  a = jax_ops.masked_softmax_dropout(scores, mask, dropout_rate=0.5, dropout_rng=None)
+  b = jax_ops.masked_softmax_dropout(scores, mask)
+  assert bool(jnp.all(a == b))
+  assert_close(jnp.sum(a, -1), jnp.ones((1, 2, 5)), atol=1e-6, rtol=0)
+
+
+def test_traced_dropout_rate_under_jit():
+  k = keys(4, 3)
+  scores = jax.random.normal(k[0], (1, 2, 6, 6))
+  mask = jax.random.bernoulli(k[1], 0.7, (1, 1, 6, 6))
+  grad_at = lambda rate: jax.grad(lambda s: jnp.sum(jax_ops.masked_softmax_dropout(
+      s, mask, dropout_rate=rate, dropout_rng=k[2], implementation="pallas",
+      interpret=INTERPRET) ** 2))(scores)
+  for rate in (0.0, 0.25):
+    keep = reference.dropout_keep_mask(k[2], rate, scores.shape) if rate else None
+    want = jax.grad(lambda s: jnp.sum(
+        reference.masked_softmax_dropout_forward(s, mask, keep, rate)[0] ** 2))(scores)
+    assert_close(jax.jit(grad_at)(jnp.float32(rate)), want, atol=1e-5, rtol=1e-5)
+
+
+# --- bad input ------------------------------------------------------------------------------
+
+def _bf16(*shape):
+  return jnp.ones(shape, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("rate", [-0.1, 1.0, 1.5, float("nan")])
+def test_dropout_rate_out_of_range(rate):
+  with pytest.raises(ValueError, match="dropout_rate"):
+    jax_ops.masked_softmax_dropout(jnp.ones((1, 1, 2, 2)), jnp.ones((1, 1, 2, 2), bool),
+                                   dropout_rate=rate, dropout_rng=jax.random.key(0))
+  with pytest.raises(ValueError, match="p_dropout"):
+    jax_ops.masked_softmax_dropout_backward_reference(
+        jnp.ones((1, 1, 2, 2)), jnp.ones((1, 1, 2, 2)), jnp.ones((1, 1, 2, 2), bool),
+        jnp.ones((1, 1, 2, 2), bool), rate)
+  with pytest.raises(ValueError, match="attention_dropout"):
+    jax_ops.attention_softmax_dropout_value_backward_reference(
+        _bf16(1, 2, 1, 4), _bf16(1, 1, 2, 3), _bf16(1, 1, 2, 3), _bf16(1, 1, 3, 4),
+        jnp.ones((1, 1, 2, 3), bool), rate)
+
+
+def test_shape_errors_name_argument_and_expected_shape():
+  with pytest.raises(ValueError, match=r"value_states: expected \[B, KVH, Skv, D\] = \[1, \*, 3, \*\], got \[1, 1, 4, 8\]"):
+    jax_ops.attention_softmax_dropout_value(_bf16(1, 2, 2, 3), _bf16(1, 1, 4, 8))
+  with pytest.raises(ValueError, match=r"grad_attn_output: expected \[B, Sq, H, D\] = \[1, 2, 2, 8\]"):
+    jax_ops.attention_softmax_dropout_value_backward_reference(
+        _bf16(1, 2, 1, 8), _bf16(1, 2, 2, 3), _bf16(1, 2, 2, 3), _bf16(1, 1, 3, 8),
+        jnp.ones((1, 2, 2, 3), bool), 0.1)
+  with pytest.raises(ValueError, match=r"mask: expected \[B, 1, Sq, Sk\] = \[1, 1, 2, 2\]"):
+    jax_ops.masked_softmax_dropout(jnp.ones((1, 3, 2, 2)), jnp.ones((1, 3, 2, 2), bool))
+  with pytest.raises(ValueError, match=r"key: expected \[B, H, Sk, D\] = \[1, 2, \*, 8\]"):
+    jax_ops.qk_scale_softmax(_bf16(1, 2, 3, 8), _bf16(1, 2, 3, 4))
+
+
+def test_rank_dtype_and_head_errors():
+  with pytest.raises(ValueError, match=r"scores: expected rank 4"):
+    jax_ops.masked_softmax_dropout(jnp.ones((2, 2, 2)), jnp.ones((2, 1, 2, 2), bool))
+  with pytest.raises(TypeError, match=r"mask: expected dtype bool, got float32"):
+    jax_ops.masked_softmax_dropout(jnp.ones((1, 1, 2, 2)), jnp.ones((1, 1, 2, 2)))
+  with pytest.raises(TypeError, match=r"key: expected dtype bfloat16, got float32"):
+    jax_ops.qk_scale_softmax(_bf16(1, 2, 3, 8), jnp.ones((1, 2, 3, 8)))
+  with pytest.raises(TypeError, match=r"scores: expected dtype"):
+    jax_ops.masked_softmax_dropout(jnp.ones((1, 1, 2, 2), jnp.int32), jnp.ones((1, 1, 2, 2), bool))
+  with pytest.raises(ValueError, match=r"KVH=3 must divide the query heads H=4"):
+    jax_ops.attention_softmax_dropout_value(_bf16(1, 4, 2, 3), _bf16(1, 3, 3, 8))
+  with pytest.raises(ValueError, match=r"must be >= 1"):
+    jax_ops.qk_scale_softmax(_bf16(1, 2, 0, 8), _bf16(1, 2, 3, 8))
+  with pytest.raises(ValueError, match=r"causal: needs Sq <= Sk"):
+    jax_ops.qk_scale_softmax(_bf16(1, 2, 5, 8), _bf16(1, 2, 3, 8), causal=True)
+  with pytest.raises(ValueError, match=r"implementation: expected one of"):
+    jax_ops.masked_softmax_dropout(jnp.ones((1, 1, 2, 2)), jnp.ones((1, 1, 2, 2), bool),
+                                   implementation="cuda")
+
+
+def test_kernel_validates_its_arguments():
+  import pallas_kernels
+  with pytest.raises(ValueError, match=r"dropout_mask: expected \[B, H, Sq, Sk\] = \[1, 2, 3, 3\]"):
+    pallas_kernels.masked_softmax_dropout_backward(
+        jnp.ones((1, 2, 3, 3)), jnp.ones((1, 2, 3, 3)), jnp.ones((1, 1, 3, 3), bool),
+        jnp.ones((1, 1, 3, 3), bool), 0.1, interpret=True)
+  with pytest.raises(ValueError, match="block_rows"):
+    pallas_kernels.masked_softmax_dropout_backward(
+        jnp.ones((1, 2, 3, 3)), jnp.ones((1, 2, 3, 3)), jnp.ones((1, 1, 3, 3), bool),
+        None, 0.0, block_rows=3, interpret=True)
