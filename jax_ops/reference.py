@@ -1,8 +1,8 @@
 """Pure-jnp references of the three attention backward computations.
 
 Argument order and semantics follow the project spec exactly. Everything is
-computed in fp32 (matmuls at ``Precision.HIGHEST`` on upcast operands) and
-rounded to the output dtype once at the end, except where the math says
+computed in fp32 (matmuls take the inputs' exact bf16 products and accumulate in
+fp32, the natural XLA formulation) and rounded to the output dtype once at the end, except where the math says
 otherwise (the two bf16 roundings of ``dL`` in problem C). These functions are
 the ``"xla"`` implementation of the differentiable ops and the yardstick the
 Pallas kernels are tested against.
@@ -15,8 +15,22 @@ import jax.numpy as jnp
 
 from pallas_kernels import _checks
 
-_HI = jax.lax.Precision.HIGHEST
 f32 = jnp.float32
+
+
+def _matmul_operand(x):
+  """Matmul operands keep their dtype (fp32 accumulate via ``preferred_element_type``)
+  on accelerators; XLA:CPU has no bf16 x bf16 -> fp32 dot, so there they are upcast
+  (bf16 values are exact in fp32, so the product is the same)."""
+  return x.astype(f32) if jax.default_backend() == "cpu" else x
+
+
+def _mm(spec, a, b):
+  """einsum of two same-dtype operands: exact products, fp32 accumulation, fp32 result."""
+  # fp32 operands ask for full fp32 products (no TF32); bf16 products are exact anyway.
+  precision = jax.lax.Precision.HIGHEST if a.dtype == f32 else None
+  return jnp.einsum(spec, _matmul_operand(a), _matmul_operand(b), preferred_element_type=f32,
+                    precision=precision)
 
 
 def _dropout_scale(keep, p, p_static):
@@ -50,18 +64,19 @@ def attention_softmax_dropout_value_backward_reference(
                               value_states, dropout_mask, attention_dropout)
   b, h, sq, skv = attn_weights.shape
   kvh, d = value_states.shape[1], value_states.shape[3]
+  g = h // kvh
   dtype = attn_weights.dtype
-  d_o = jnp.transpose(grad_attn_output, (0, 2, 1, 3)).astype(f32)  # [B, H, Sq, D]
-  # Upcast before repeating the kv heads, so dV's sum over the group runs in fp32.
-  v = jnp.repeat(value_states.astype(f32), h // kvh, axis=1)
-  d_pd = jnp.einsum("bhqd,bhkd->bhqk", d_o, v, precision=_HI)
+  # [B, Sq, H, D] -> [B, KVH, G, Sq, D]: query head h = k * G + g reads value head k.
+  d_o = jnp.transpose(grad_attn_output.reshape(b, sq, kvh, g, d), (0, 2, 3, 1, 4))
+  d_pd = _mm("bkgqd,bksd->bkgqs", d_o, value_states).reshape(b, h, sq, skv)
   scale = _dropout_scale(dropout_mask, attention_dropout, p)
   d_w = d_pd if scale is None else d_pd * scale
   probs = attn_weights.astype(f32)
   delta = jnp.sum(d_w * probs, axis=-1, keepdims=True)
   grad_scores = (probs * (d_w - delta)).astype(dtype)
-  d_v = jnp.einsum("bhqk,bhqd->bhkd", attn_weights_dropped.astype(f32), d_o, precision=_HI)
-  grad_value = d_v.reshape(b, kvh, h // kvh, skv, d).sum(axis=2).astype(dtype)
+  # The sum over the G heads of a group happens inside the fp32 accumulation.
+  grad_value = _mm("bkgqs,bkgqd->bksd", attn_weights_dropped.reshape(b, kvh, g, sq, skv), d_o)
+  grad_value = grad_value.astype(dtype)
   return grad_scores, grad_value
 
 
@@ -105,9 +120,9 @@ def qk_scale_softmax_backward_reference(grad_output, query, key, attn_weights, s
   g = grad_output.astype(f32)
   probs = attn_weights.astype(f32)
   d_l = (probs * (g - jnp.sum(g * probs, axis=-1, keepdims=True))).astype(dtype)
-  d_l = (d_l.astype(f32) * jnp.asarray(scaling, f32)).astype(dtype).astype(f32)
-  grad_query = jnp.einsum("bhqk,bhkd->bhqd", d_l, key.astype(f32), precision=_HI)
-  grad_key = jnp.einsum("bhqk,bhqd->bhkd", d_l, query.astype(f32), precision=_HI)
+  d_l = (d_l.astype(f32) * jnp.asarray(scaling, f32)).astype(dtype)
+  grad_query = _mm("bhqk,bhkd->bhqd", d_l, key)
+  grad_key = _mm("bhqk,bhqd->bhkd", d_l, query)
   return grad_query.astype(dtype), grad_key.astype(dtype)
 
 
@@ -118,13 +133,6 @@ def qk_scale_softmax_backward_reference(grad_output, query, key, attn_weights, s
 def dropout_keep_mask(rng, rate, shape):
   """The dropout keep mask the ops draw: ``bernoulli(rng, 1 - rate)``, True = kept."""
   return jax.random.bernoulli(rng, 1.0 - jnp.asarray(rate, f32), shape)
-
-
-def _matmul_operand(x):
-  """Matmul operands keep their dtype (fp32 accumulate via ``preferred_element_type``)
-  on accelerators; XLA:CPU has no bf16 x bf16 -> fp32 dot, so there they are upcast
-  (bf16 values are exact in fp32, so the product is the same)."""
-  return x.astype(f32) if jax.default_backend() == "cpu" else x
 
 
 def _apply_dropout(probs, keep, rate):
@@ -147,8 +155,7 @@ def attention_softmax_dropout_value_forward(scores, value_states, keep, rate):
   probs = jax.nn.softmax(scores.astype(f32), axis=-1).astype(scores.dtype)
   dropped = _apply_dropout(probs, keep, rate)
   grouped = dropped.reshape(b, kvh, h // kvh, sq, skv)
-  out = jnp.einsum("bkgqs,bksd->bqkgd", _matmul_operand(grouped),
-                   _matmul_operand(value_states), preferred_element_type=f32)
+  out = _mm("bkgqs,bksd->bqkgd", grouped, value_states)
   return out.reshape(b, sq, h, d).astype(scores.dtype), probs, dropped
 
 
@@ -174,8 +181,7 @@ def qk_scale_softmax_forward(query, key, scaling, causal=False):
   ``query [B, H, Sq, D]``, ``key [B, H, Sk, D]``; with ``causal`` the keys
   ``k > q + (Sk - Sq)`` get probability exactly 0.
   """
-  logits = jnp.einsum("bhqd,bhkd->bhqk", _matmul_operand(query), _matmul_operand(key),
-                      preferred_element_type=f32) * scaling
+  logits = _mm("bhqd,bhkd->bhqk", query, key) * scaling
   if causal:
     logits = jnp.where(causal_mask(query.shape[2], key.shape[2]), logits, -jnp.inf)
   return jax.nn.softmax(logits, axis=-1).astype(query.dtype)

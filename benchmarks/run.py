@@ -1,0 +1,322 @@
+"""Benchmarks the Pallas kernels against the XLA references on the spec's workloads.
+
+Usage (on a GPU)::
+
+    PYTHONPATH=. python3 -m benchmarks.run [--op NAME ...] [--quick] [--out benchmarks/results]
+
+For each op and each of its 16 workloads (``benchmarks/workloads.json``) it
+checks the kernel against the reference (>= 99% of elements within the
+workload's tolerance, no NaN/Inf) and times both under ``jax.jit`` the same way
+(device time from the profiler, median, input sets rotated so L2 is cold). The
+memory floor is the problem's minimum bytes over the copy bandwidth measured in
+the same run. Writes ``<out>/<op>.md`` and ``<out>/<op>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import json
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_kernels
+from benchmarks.timing import copy_ceiling, device_time_us
+from jax_ops import reference, registry
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+F32, BF16 = jnp.float32, jnp.bfloat16
+_ROTATE_BYTES = 256 << 20  # input sets rotated per workload: together >= 4x the 60 MB L2
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  name: str              # the op's name in the registry and workloads.json
+  label: Callable        # workload -> short label
+  make_inputs: Callable  # (workload, constants, key) -> args tuple
+  floor_bytes: Callable  # (workload, constants) -> minimum DRAM bytes
+  kernel: Callable       # (args, workload, constants) -> outputs
+  xla: Callable          # (args, workload, constants) -> outputs
+
+
+def _softmax(key, shape, dtype):
+  return jax.nn.softmax(jax.random.normal(key, shape, F32), axis=-1).astype(dtype)
+
+
+# --- A -------------------------------------------------------------------------------------
+
+def _a_dims(w, c):
+  return (w["batch_size"], c["num_attention_heads"], c["num_key_value_heads"], w["seq_len_q"],
+          w["seq_len_kv"], c["head_dim"])
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _a_inputs(dims, p, key):
+  b, h, kvh, sq, skv, d = dims
+  k = jax.random.split(key, 4)
+  probs = _softmax(k[0], (b, h, sq, skv), BF16)
+  keep = jax.random.uniform(k[1], (b, h, sq, skv)) > p
+  dropped = (probs.astype(F32) * keep / (1.0 - p)).astype(BF16)
+  d_o = jax.random.normal(k[2], (b, sq, h, d), BF16)
+  value = jax.random.normal(k[3], (b, kvh, skv, d), BF16)
+  return d_o, probs, dropped, value, keep
+
+
+def _a_floor(w, c):
+  b, h, kvh, sq, skv, d = _a_dims(w, c)
+  return 7 * b * h * sq * skv + 2 * (b * sq * h * d + 2 * b * kvh * skv * d)
+
+
+PROBLEM_A = Problem(
+    "attention_softmax_dropout_value",
+    lambda w: f"{w['batch_size']}, {w['seq_len_q']}, {w['seq_len_kv']}",
+    lambda w, c, key: _a_inputs(_a_dims(w, c), c["attention_dropout"], key),
+    _a_floor,
+    lambda args, w, c: _jit_kernel("attention_softmax_dropout_value")(*args, c["attention_dropout"]),
+    lambda args, w, c: _jit_ref(reference.attention_softmax_dropout_value_backward_reference)(
+        *args, c["attention_dropout"]),
+)
+
+
+# --- B -------------------------------------------------------------------------------------
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _b_inputs(dims, key):
+  b, h, s = dims
+  k = jax.random.split(key, 4)
+  grad = jax.random.normal(k[0], (b, h, s, s), F32)
+  probs = _softmax(k[1], (b, h, s, s), F32)
+  mask = jax.random.bernoulli(k[2], 0.5, (b, 1, s, s))
+  keep = jax.random.bernoulli(k[3], 0.5, (b, h, s, s))
+  return grad, probs, mask, keep
+
+
+def _b_floor(w, c):
+  b, h, s, p = w["batch_size"], w["n_heads"], w["seq_len"], w["p_dropout"]
+  return b * h * s * s * (12 + (1 if p > 0 else 0)) + b * s * s
+
+
+PROBLEM_B = Problem(
+    "masked_softmax_dropout",
+    lambda w: f"{w['batch_size']}, {w['n_heads']}, {w['seq_len']}, {w['p_dropout']}",
+    lambda w, c, key: _b_inputs((w["batch_size"], w["n_heads"], w["seq_len"]), key),
+    _b_floor,
+    lambda args, w, c: _jit_kernel("masked_softmax_dropout")(*args, w["p_dropout"]),
+    lambda args, w, c: _jit_ref(reference.masked_softmax_dropout_backward_reference)(
+        *args, w["p_dropout"]),
+)
+
+
+# --- C -------------------------------------------------------------------------------------
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _c_inputs(dims, causal, key):
+  b, h, sq, sk, d = dims
+  k = jax.random.split(key, 4)
+  logits = jax.random.normal(k[0], (b, h, sq, sk), F32)
+  if causal:
+    logits = jnp.where(reference.causal_mask(sq, sk), logits, -jnp.inf)
+  probs = jax.nn.softmax(logits, axis=-1).astype(BF16)
+  grad = jax.random.normal(k[1], (b, h, sq, sk), BF16)
+  query = jax.random.normal(k[2], (b, h, sq, d), BF16)
+  key_ = jax.random.normal(k[3], (b, h, sk, d), BF16)
+  return grad, query, key_, probs
+
+
+def _c_dims(w, c):
+  return (w["batch_size"], c["num_heads"], w["seq_len_q"], w["seq_len_k"], c["head_dim"])
+
+
+def _c_floor(w, c):
+  b, h, sq, sk, d = _c_dims(w, c)
+  return 4 * b * h * sq * sk + 2 * 2 * b * h * (sq + sk) * d
+
+
+def _c_problem(causal):
+  return Problem(
+      "qk_scale_softmax",
+      lambda w: f"{w['batch_size']}, {w['seq_len_q']}, {w['seq_len_k']}" + (" causal" if causal else ""),
+      lambda w, c, key: _c_inputs(_c_dims(w, c), causal, key),
+      _c_floor,
+      lambda args, w, c: _jit_kernel("qk_scale_softmax", causal=causal)(*args, c["scaling"]),
+      lambda args, w, c: _jit_ref(reference.qk_scale_softmax_backward_reference)(
+          *args, c["scaling"]),
+  )
+
+
+PROBLEMS = {"attention_softmax_dropout_value": PROBLEM_A, "masked_softmax_dropout": PROBLEM_B,
+            "qk_scale_softmax": _c_problem(False)}
+
+
+@functools.cache
+def _jitted(fn, kw=()):
+  """``fn`` under ``jax.jit`` with its last positional argument (a Python float) static."""
+  run = jax.jit(lambda last, *args: fn(*args, last, **dict(kw)), static_argnums=0)
+  return lambda *args: run(args[-1], *args[:-1])
+
+
+@functools.cache
+def _jit_kernel(op, **kw):
+  return _jitted(registry.resolve(op, registry.PALLAS, False)[1], tuple(sorted(kw.items())))
+
+
+@functools.cache
+def _jit_ref(fn):
+  return _jitted(fn)
+
+
+# --- checking, timing, reporting -------------------------------------------------------------
+
+def check(out, ref, atol, rtol) -> dict:
+  """The spec's acceptance for one output."""
+  out = np.asarray(jnp.asarray(out, F32)).ravel()
+  ref = np.asarray(jnp.asarray(ref, F32)).ravel()
+  finite = bool(np.isfinite(out).all())
+  within = float(np.mean(np.abs(out - ref) <= atol + rtol * np.abs(ref)))
+  nonzero = bool(np.any(out != 0)) or not bool(np.any(ref != 0))
+  return {"within": within, "finite": finite, "nonzero": nonzero,
+          "ok": finite and nonzero and within >= 0.99}
+
+
+def run_problem(problem: Problem, constants, workloads, ceiling_tbps, calls):
+  rows = []
+  for index, w in enumerate(workloads):
+    first = problem.make_inputs(w, constants, jax.random.key(index))
+    set_bytes = sum(x.size * x.dtype.itemsize for x in first)
+    n_sets = int(min(32, max(2, math.ceil(_ROTATE_BYTES / set_bytes))))
+    sets = [first] + [problem.make_inputs(w, constants, jax.random.key(1000 * index + i))
+                      for i in range(1, n_sets)]
+    kernel = lambda *a: problem.kernel(a, w, constants)
+    xla = lambda *a: problem.xla(a, w, constants)
+    outs, refs = kernel(*first), xla(*first)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    refs = refs if isinstance(refs, tuple) else (refs,)
+    checks = [check(o, r, w["atol"], w["rtol"]) for o, r in zip(outs, refs)]
+    del outs, refs
+    t_kernel = device_time_us(kernel, sets, calls=calls)
+    t_xla = device_time_us(xla, sets, calls=calls)
+    floor_us = problem.floor_bytes(w, constants) / (ceiling_tbps * 1e6)
+    row = {
+        "workload": problem.label(w), **{k: v for k, v in w.items()},
+        "floor_us": floor_us, "pallas_us": t_kernel["median_us"], "xla_us": t_xla["median_us"],
+        "pallas_frac_floor": floor_us / t_kernel["median_us"],
+        "xla_frac_floor": floor_us / t_xla["median_us"],
+        "speedup": t_xla["median_us"] / t_kernel["median_us"],
+        "pallas_kernels_per_call": t_kernel["kernels_per_call"],
+        "xla_kernels_per_call": t_xla["kernels_per_call"],
+        "timing_split_ok": t_kernel["split_ok"] and t_xla["split_ok"],
+        "input_sets": n_sets,
+        "checks": checks, "passed": all(c["ok"] for c in checks),
+    }
+    rows.append(row)
+    print(f"  {row['workload']:>24}  floor {floor_us:9.1f} us  pallas {row['pallas_us']:9.1f} us "
+          f"({row['pallas_frac_floor']:5.1%})  xla {row['xla_us']:9.1f} us "
+          f"({row['xla_frac_floor']:5.1%})  x{row['speedup']:5.2f}  "
+          f"{'PASS' if row['passed'] else 'FAIL'} "
+          f"{min(c['within'] for c in checks):.4%}", flush=True)
+    del sets, first
+  return rows
+
+
+def geomean(xs):
+  return float(math.exp(sum(math.log(x) for x in xs) / len(xs)))
+
+
+def summarize(rows):
+  return {"pallas_frac_floor": geomean([r["pallas_frac_floor"] for r in rows]),
+          "xla_frac_floor": geomean([r["xla_frac_floor"] for r in rows]),
+          "speedup": geomean([r["speedup"] for r in rows]),
+          "all_passed": all(r["passed"] for r in rows),
+          "min_speedup": min(r["speedup"] for r in rows)}
+
+
+def markdown(op, meta, rows, summary):
+  lines = [f"# {op}: Pallas kernel vs XLA reference", "",
+           f"- date: {meta['date']}", f"- device: {meta['device']}",
+           f"- jax: {meta['jax']}", f"- commit: {meta['commit']}",
+           f"- copy ceiling: {meta['ceiling']['TBps']:.3f} TB/s ({meta['ceiling']['method']}; "
+           + ", ".join(f"{k} {v:.3f}" for k, v in meta['ceiling']['all_TBps'].items()) + ")",
+           "- times: median device time (JAX profiler, all kernels of a call), "
+           f"{meta['calls']} calls, input sets rotated so L2 is cold; % = floor / time", "",
+           "| workload | floor us | Pallas us | Pallas % | XLA us | XLA % | speedup | check |",
+           "|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    within = min(c["within"] for c in r["checks"])
+    lines.append(f"| {r['workload']} | {r['floor_us']:.1f} | {r['pallas_us']:.1f} | "
+                 f"{r['pallas_frac_floor']:.1%} | {r['xla_us']:.1f} | {r['xla_frac_floor']:.1%} | "
+                 f"{r['speedup']:.2f}x | {'pass' if r['passed'] else 'FAIL'} ({within:.3%}) |")
+  lines.append(f"| **geomean** | | | **{summary['pallas_frac_floor']:.1%}** | | "
+               f"**{summary['xla_frac_floor']:.1%}** | **{summary['speedup']:.2f}x** | "
+               f"{'all pass' if summary['all_passed'] else 'FAILURES'} |")
+  return "\n".join(lines) + "\n"
+
+
+def _commit():
+  commit = os.environ.get("BENCH_COMMIT")
+  if commit:
+    return commit
+  try:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True, check=True, cwd=HERE).stdout.strip()
+  except (OSError, subprocess.CalledProcessError):
+    return "unknown"
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--op", action="append", choices=sorted(PROBLEMS) + ["qk_scale_softmax_causal"],
+                      help="op(s) to run; default: every op that has a Pallas kernel")
+  parser.add_argument("--out", default=os.path.join(HERE, "results"))
+  parser.add_argument("--calls", type=int, default=30)
+  parser.add_argument("--quick", action="store_true", help="first 4 workloads only")
+  args = parser.parse_args(argv)
+  if jax.default_backend() != "gpu":
+    print("benchmarks need a CUDA GPU (jax.default_backend() is "
+          f"{jax.default_backend()!r}); the tests run the kernels on CPU instead.", file=sys.stderr)
+    return 2
+  with open(os.path.join(HERE, "workloads.json")) as f:
+    spec = json.load(f)
+  ops = args.op or [op for op in PROBLEMS if registry.PALLAS in registry.available(op)]
+  ceiling = copy_ceiling()
+  print(f"copy ceiling {ceiling['TBps']:.3f} TB/s via {ceiling['method']} {ceiling['all_TBps']}")
+  meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+          "device": jax.devices()[0].device_kind, "jax": jax.__version__, "commit": _commit(),
+          "ceiling": ceiling, "calls": args.calls}
+  os.makedirs(args.out, exist_ok=True)
+  summaries = {}
+  for op in ops:
+    causal = op.endswith("_causal")
+    problem = _c_problem(True) if causal else PROBLEMS[op]
+    workloads = spec[problem.name]["workloads"]
+    if causal:
+      workloads = [w for w in workloads if w["seq_len_q"] == w["seq_len_k"]]
+    if args.quick:
+      workloads = workloads[:4]
+    print(f"{op}:")
+    rows = run_problem(problem, spec[problem.name]["constants"], workloads,
+                       ceiling["TBps"], args.calls)
+    summary = summarize(rows)
+    summaries[op] = summary
+    with open(os.path.join(args.out, f"{op}.json"), "w") as f:
+      json.dump({"op": op, **meta, "summary": summary, "rows": rows}, f, indent=1)
+    with open(os.path.join(args.out, f"{op}.md"), "w") as f:
+      f.write(markdown(op, meta, rows, summary))
+  print("\n| op | Pallas geomean % floor | XLA geomean % floor | geomean speedup | min speedup | all pass |")
+  print("|---|---|---|---|---|---|")
+  for op, s in summaries.items():
+    print(f"| {op} | {s['pallas_frac_floor']:.1%} | {s['xla_frac_floor']:.1%} | "
+          f"{s['speedup']:.2f}x | {s['min_speedup']:.2f}x | {s['all_passed']} |")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,120 @@
+"""Device-time measurement with the JAX profiler, and the copy-bandwidth ceiling.
+
+Each call's time is the sum of the durations of every GPU kernel (and memset or
+memcpy) it launched, read from the profiler's trace of the ``/device:GPU:0``
+plane's stream lines; the reported figure is the median over calls. Calls are
+separated by a host sync and a short sleep, so the trace splits into calls at
+idle gaps. Callers rotate several input sets so no call finds its inputs in L2.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import statistics
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels._util import compiler_params, pallas_call
+
+_GAP_NS = 100_000  # idle time that separates two calls on the device
+
+
+def _device_events(trace_dir):
+  paths = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+  if not paths:
+    raise RuntimeError(f"no profiler trace written under {trace_dir}")
+  profile = jax.profiler.ProfileData.from_file(max(paths, key=os.path.getmtime))
+  events = []
+  for plane in profile.planes:
+    if plane.name != "/device:GPU:0":
+      continue
+    if os.environ.get("BENCH_DEBUG"):
+      print("trace lines:", [(l.name, sum(1 for _ in l.events)) for l in plane.lines])
+    for line in plane.lines:
+      # Stream lines hold the kernels; other lines ("XLA Ops", ...) summarise them again.
+      if not line.name.startswith("Stream"):
+        continue
+      events.extend((e.start_ns, e.duration_ns) for e in line.events)
+  return sorted(events)
+
+
+def device_time_us(fn, arg_sets, *, calls: int = 30, warmup: int = 3) -> dict:
+  """Median device time of ``fn(*arg_sets[i % len(arg_sets)])`` in microseconds."""
+  for i in range(warmup):
+    jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
+  with tempfile.TemporaryDirectory() as trace_dir:
+    jax.profiler.start_trace(trace_dir)
+    try:
+      for i in range(calls):
+        jax.block_until_ready(fn(*arg_sets[(i + warmup) % len(arg_sets)]))
+        time.sleep(0.0005)
+    finally:
+      jax.profiler.stop_trace()
+    events = _device_events(trace_dir)
+  if not events:
+    raise RuntimeError("the trace holds no GPU kernels")
+  groups, last_end = [], None
+  for start, dur in events:
+    if last_end is None or start - last_end > _GAP_NS:
+      groups.append([])
+    groups[-1].append(dur)
+    last_end = start + dur if last_end is None else max(last_end, start + dur)
+  per_call = [sum(g) / 1e3 for g in groups]
+  kernels = sorted(len(g) for g in groups)
+  return {
+      "median_us": statistics.median(per_call),
+      "calls_seen": len(groups),
+      "kernels_per_call": kernels[len(kernels) // 2],
+      "split_ok": len(groups) == calls,
+  }
+
+
+def _copy_kernel(x_ref, o_ref, *, block):
+  i = pl.program_id(0)
+  v = pltriton.load(x_ref.at[pl.ds(i * block, block)])
+  pltriton.store(o_ref.at[pl.ds(i * block, block)], v)
+
+
+def copy_ceiling(nbytes: int = 2 << 30) -> dict:
+  """Device-to-device copy bandwidth (bytes read + written per second), the
+  fastest of: a Pallas copy kernel, XLA's copy, and PyTorch's memcpy if installed."""
+  n = nbytes // 4
+  block = 16384
+  n -= n % block
+  xs = [jax.random.normal(jax.random.key(i), (n,), jnp.float32) for i in range(2)]
+  moved = 2 * n * 4
+  results = {}
+  pallas_copy = jax.jit(lambda x: pallas_call(
+      lambda a, o: _copy_kernel(a, o, block=block),
+      out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(n // block,),
+      compiler_params=compiler_params(8, 1))(x))
+  results["pallas_copy"] = moved / device_time_us(pallas_copy, [(x,) for x in xs],
+                                                  calls=10)["median_us"] / 1e6
+  xla_copy = jax.jit(lambda x: x * 2.0)
+  results["xla_scale"] = moved / device_time_us(xla_copy, [(x,) for x in xs],
+                                                calls=10)["median_us"] / 1e6
+  try:
+    import torch  # the GPU image has it; it is no dependency of the project
+    if torch.cuda.is_available():
+      a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+      b = torch.empty_like(a)
+      times = []
+      for _ in range(13):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        b.copy_(a)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+      results["torch_memcpy"] = 2 * nbytes / statistics.median(times[3:]) / 1e6
+      del a, b
+  except ImportError:
+    pass
+  best = max(results, key=results.get)
+  return {"TBps": results[best], "method": best, "all_TBps": results}
