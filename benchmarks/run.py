@@ -296,13 +296,13 @@ def main(argv=None):
   for op in ops:
     causal = op.endswith("_causal")
     problem = _c_problem(True) if causal else PROBLEMS[op]
-    workloads = spec[problem.name]["workloads"]
+    workloads = spec[problem.name + "_backward"]["workloads"]
     if causal:
       workloads = [w for w in workloads if w["seq_len_q"] == w["seq_len_k"]]
     if args.quick:
       workloads = workloads[:4]
     print(f"{op}:")
-    rows = run_problem(problem, spec[problem.name]["constants"], workloads,
+    rows = run_problem(problem, spec[problem.name + "_backward"]["constants"], workloads,
                        ceiling["TBps"], args.calls)
     summary = summarize(rows)
     summaries[op] = summary

@@ -23,6 +23,7 @@ PALLAS = "pallas"
 _BACKWARDS: dict[str, dict[str, Callable]] = {
     "attention_softmax_dropout_value": {
         XLA: reference.attention_softmax_dropout_value_backward_reference,
+        PALLAS: pallas_kernels.attention_softmax_dropout_value_backward,
     },
     "masked_softmax_dropout": {
         XLA: reference.masked_softmax_dropout_backward_reference,
@@ -30,6 +31,7 @@ _BACKWARDS: dict[str, dict[str, Callable]] = {
     },
     "qk_scale_softmax": {
         XLA: reference.qk_scale_softmax_backward_reference,
+        PALLAS: pallas_kernels.qk_scale_softmax_backward,
     },
 }
 

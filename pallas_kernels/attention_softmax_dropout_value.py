@@ -1,0 +1,379 @@
+"""Pallas (Triton) kernel: backward of ``O = transpose(dropout(softmax) @ V)`` with GQA.
+
+Problem A. The forward this differentiates is::
+
+    P  = softmax(scores)                          # [B, H, Sq, Skv]  attn_weights
+    Pd = dropout(P) = P * keep / (1 - p)          # [B, H, Sq, Skv]  attn_weights_dropped
+    O  = transpose(Pd @ repeat(V, G, axis=1))     # [B, Sq, H, D]    (G = H // KVH)
+
+and the backward, given ``dO = grad_attn_output``, is::
+
+    dPd    = dO[b, :, h, :] @ V[b, h // G]^T                 (fp32 accumulation)
+    dW     = dPd * keep / (1 - p)                           (p == 0: dW = dPd)
+    delta  = rowsum(dW * P)                                  (over Skv)
+    dS     = P * (dW - delta)                                -> grad_attn_scores
+    dV[k]  = sum_{h in group k} Pd[h]^T @ dO[h]               -> grad_value_states
+
+See :func:`attention_softmax_dropout_value_backward` for the design notes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels import _checks
+
+__all__ = ["attention_softmax_dropout_value_backward"]
+
+f32 = jnp.float32
+
+# Programs wanted in flight for the dV pass (2 per SM of an H100/H200 with 132 SMs).
+# Below that, the default kv block of the dV pass shrinks (to 32 at the least).
+_TARGET_PROGRAMS = 264
+
+
+def _next_pow2(n: int) -> int:
+  return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def _and(a, b):
+  """``a & b`` where either side may be ``None`` (meaning "all true")."""
+  if a is None:
+    return b
+  if b is None:
+    return a
+  return a & b
+
+
+def _outer(rows, cols):
+  """2D mask from optional row / column masks (``None`` = all valid)."""
+  r = None if rows is None else rows[:, None]
+  c = None if cols is None else cols[None, :]
+  return _and(r, c)
+
+
+def _dot(a, b, *, trans_a=False, trans_b=False, precision=None):
+  """2D ``a @ b`` (optionally transposed operands) with fp32 accumulation.
+
+  ``pl.dot`` is deprecated in this JAX; this is its body. The Triton lowering maps it
+  to ``tt.dot`` (tensor cores for bf16 / f16 operands; the transposes are ``tt.trans``).
+  """
+  dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
+  return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=f32)
+
+
+def _load(ref, mask, other):
+  if mask is None:
+    return pltriton.load(ref)
+  return pltriton.load(ref, mask=mask, other=other)
+
+
+def _store(ref, val, mask):
+  if mask is None:
+    pltriton.store(ref, val)
+  else:
+    pltriton.store(ref, val, mask=mask)
+
+
+# --------------------------------------------------------------------------------------
+# Pass 1: dV and the partial row sums of delta.
+# --------------------------------------------------------------------------------------
+def _dv_delta_kernel(do_ref, pd_ref, v_ref,  # inputs
+                     dv_ref, dpart_ref,  # outputs
+                     *, num_heads, num_kv_heads, sq, skv, head_dim, block_q, block_kv,
+                     precision):
+  """One program = one ``block_kv`` rows of V of one (batch, kv head).
+
+  Refs (whole arrays, indexed by hand):
+    do_ref:    [B, Sq, H, D]       dO in its native layout.
+    pd_ref:    [B*H, Sq, Skv]      Pd.
+    v_ref:     [B*KVH, Skv, D]     V.
+    dv_ref:    [B*KVH, Skv, D]     dV (output).
+    dpart_ref: [B*H, NKV, Sq]      fp32 rowsum(dPd * Pd) over this program's kv block.
+  """
+  groups = num_heads // num_kv_heads
+  d_pad = _next_pow2(max(head_dim, 16))
+  j = pl.program_id(0)  # kv block: fastest grid axis, so programs sharing dO run together
+  bk = pl.program_id(1)  # b * KVH + kvh
+  b = lax.div(bk, num_kv_heads)
+  kvh = lax.rem(bk, num_kv_heads)
+  k0 = j * block_kv
+
+  d_mask = None if d_pad == head_dim else jnp.arange(d_pad) < head_dim
+  kv_mask = None if skv % block_kv == 0 else (k0 + jnp.arange(block_kv)) < skv
+  v_tile_mask = _outer(kv_mask, d_mask)
+  v = _load(v_ref.at[bk, pl.ds(k0, block_kv), pl.ds(0, d_pad)], v_tile_mask, 0.0)
+
+  nq = pl.cdiv(sq, block_q)
+
+  def body(i, acc):
+    g = lax.div(i, nq)
+    qi = lax.rem(i, nq)
+    h = kvh * groups + g
+    bh = b * num_heads + h
+    q0 = qi * block_q
+    q_mask = None if sq % block_q == 0 else (q0 + jnp.arange(block_q)) < sq
+    do = _load(do_ref.at[b, pl.ds(q0, block_q), h, pl.ds(0, d_pad)], _outer(q_mask, d_mask),
+               0.0)
+    pd = _load(pd_ref.at[bh, pl.ds(q0, block_q), pl.ds(k0, block_kv)],
+               _outer(q_mask, kv_mask), 0.0)
+    # dV_j += Pd^T @ dO    [block_kv, d_pad]; padded rows / columns of Pd are 0.
+    acc = acc + _dot(pd, do, trans_a=True, precision=precision)
+    # dPd = dO @ V_j^T     [block_q, block_kv]
+    dpd = _dot(do, v, trans_b=True, precision=precision)
+    part = jnp.sum(dpd * pd.astype(f32), axis=1)
+    _store(dpart_ref.at[bh, j, pl.ds(q0, block_q)], part, q_mask)
+    return acc
+
+  acc = lax.fori_loop(0, groups * nq, body, jnp.zeros((block_kv, d_pad), f32))
+  _store(dv_ref.at[bk, pl.ds(k0, block_kv), pl.ds(0, d_pad)], acc.astype(dv_ref.dtype),
+         v_tile_mask)
+
+
+# --------------------------------------------------------------------------------------
+# Pass 2: dS = P * (dW - delta).
+# --------------------------------------------------------------------------------------
+def _ds_kernel(*refs, num_heads, num_kv_heads, sq, skv, head_dim, block_q, block_kv,
+               dropout, precision):
+  """One program = one ``block_q`` rows of one (batch, head); loops over all of Skv.
+
+  ``dropout`` is ``"none"`` (p == 0: keep is not an input), ``"static"`` (python
+  float ``p > 0``: ``("static", 1 / (1 - p))``) or ``"traced"`` (keep is read and
+  ``scale_ref = [keep_scale, drop_scale]`` fp32 holds ``[1/(1-p), 0]`` or ``[1, 1]``).
+
+  Refs: do [B, Sq, H, D], p [B*H, Sq, Skv], (keep [B*H, Sq, Skv] bool), v [B*KVH, Skv, D],
+  dpart [B*H, NKV1, Sq] fp32, (scale [2] fp32), and the output ds [B*H, Sq, Skv].
+  """
+  mode = dropout[0]
+  if mode == "none":
+    do_ref, p_ref, v_ref, dpart_ref, ds_ref = refs
+    keep_ref = scale_ref = None
+  elif mode == "static":
+    do_ref, p_ref, keep_ref, v_ref, dpart_ref, ds_ref = refs
+    scale_ref = None
+  else:
+    do_ref, p_ref, keep_ref, v_ref, dpart_ref, scale_ref, ds_ref = refs
+
+  groups = num_heads // num_kv_heads
+  d_pad = _next_pow2(max(head_dim, 16))
+  qi = pl.program_id(0)  # q block: fastest grid axis, so programs sharing V run together
+  bh = pl.program_id(1)  # b * H + h
+  b = lax.div(bh, num_heads)
+  h = lax.rem(bh, num_heads)
+  bk = b * num_kv_heads + lax.div(h, groups)
+  q0 = qi * block_q
+
+  d_mask = None if d_pad == head_dim else jnp.arange(d_pad) < head_dim
+  q_mask = None if sq % block_q == 0 else (q0 + jnp.arange(block_q)) < sq
+  do = _load(do_ref.at[b, pl.ds(q0, block_q), h, pl.ds(0, d_pad)], _outer(q_mask, d_mask), 0.0)
+
+  # delta = rowsum(dPd * Pd) = rowsum(dW * P) under the precondition: sum pass 1's partials.
+  n_part = dpart_ref.shape[1]
+  delta = lax.fori_loop(
+      0, n_part,
+      lambda jj, acc: acc + _load(dpart_ref.at[bh, jj, pl.ds(q0, block_q)], q_mask, 0.0),
+      jnp.zeros((block_q,), f32))
+
+  if mode == "traced":
+    keep_scale = scale_ref[0]
+    drop_scale = scale_ref[1]
+
+  nkv = pl.cdiv(skv, block_kv)
+  ragged_kv = skv % block_kv != 0
+
+  def tile(j, masked):
+    k0 = j * block_kv
+    kv_mask = (k0 + jnp.arange(block_kv)) < skv if masked else None
+    v = _load(v_ref.at[bk, pl.ds(k0, block_kv), pl.ds(0, d_pad)], _outer(kv_mask, d_mask), 0.0)
+    dw = _dot(do, v, trans_b=True, precision=precision)  # dPd, [block_q, block_kv] fp32
+    mask = _outer(q_mask, kv_mask)
+    p = _load(p_ref.at[bh, pl.ds(q0, block_q), pl.ds(k0, block_kv)], mask, 0.0).astype(f32)
+    if mode == "static":
+      keep = _load(keep_ref.at[bh, pl.ds(q0, block_q), pl.ds(k0, block_kv)], mask, False)
+      dw = jnp.where(keep, dw * dropout[1], 0.0)
+    elif mode == "traced":
+      keep = _load(keep_ref.at[bh, pl.ds(q0, block_q), pl.ds(k0, block_kv)], mask, False)
+      dw = dw * jnp.where(keep, keep_scale, drop_scale)
+    ds = p * (dw - delta[:, None])
+    _store(ds_ref.at[bh, pl.ds(q0, block_q), pl.ds(k0, block_kv)], ds.astype(ds_ref.dtype),
+           mask)
+
+  def body(j, carry, masked=False):
+    tile(j, masked)
+    return carry
+
+  if ragged_kv:
+    # Unmasked steady state, one masked tail tile (keeps the kv mask out of the hot loop).
+    # The tail is a one-trip loop so its start index stays dynamic: a constant start
+    # past the end would fail the static slice bounds check of the indexer.
+    lax.fori_loop(0, nkv - 1, body, 0)
+    lax.fori_loop(nkv - 1, nkv, functools.partial(body, masked=True), 0)
+  else:
+    lax.fori_loop(0, nkv, body, 0)
+
+
+# --------------------------------------------------------------------------------------
+# Wrapper.
+# --------------------------------------------------------------------------------------
+def _default_config(b, h, kvh, sq, skv, d, itemsize, block_q, block_kv, num_warps,
+                    num_stages):
+  """Fills in the block sizes / launch parameters not given by the caller.
+
+  Returns ``(block_q, block_kv_dv, block_kv_ds, num_warps, num_stages)``: the dV pass
+  and the dS pass may use different kv blocks when ``block_kv`` is not given.
+  """
+  d_pad = _next_pow2(max(d, 16))
+  cap_q = max(16, _next_pow2(sq))
+  cap_kv = max(16, _next_pow2(skv))
+  if block_q is None:
+    # fp32 tiles are twice the bytes: halve the q tile at D = 128+ to bound shared memory.
+    block_q = min(32 if itemsize >= 4 and d_pad >= 128 else 64, cap_q)
+  if block_kv is None:
+    block_kv_ds = min(128 if d_pad <= 64 else 64, cap_kv)
+    # dV pass: one program per (b, kv head, kv block). Shrink the block (down to 32)
+    # while too few programs would be launched to fill the GPU.
+    block_kv_dv = block_kv_ds
+    while block_kv_dv > 32 and b * kvh * pl.cdiv(skv, block_kv_dv) < _TARGET_PROGRAMS:
+      block_kv_dv //= 2
+  else:
+    block_kv_dv = block_kv_ds = block_kv
+  for name, v in (("block_q", block_q), ("block_kv", block_kv_dv)):
+    if v < 16 or v & (v - 1):
+      raise ValueError(f"{name}: expected a power of two >= 16, got {v}")
+  if num_warps is None:
+    num_warps = 4 if max(block_q, block_kv_ds) * d_pad <= 64 * 128 else 8
+  if num_stages is None:
+    num_stages = 2 if d_pad >= 128 else 3
+  return block_q, block_kv_dv, block_kv_ds, num_warps, num_stages
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=["p_static", "block_q", "block_kv", "num_warps", "num_stages",
+                     "interpret"])
+def _backward(grad_attn_output, attn_weights, attn_weights_dropped, value_states,
+              dropout_mask, p_traced, *, p_static, block_q, block_kv, num_warps,
+              num_stages, interpret):
+  b, h, sq, skv = attn_weights.shape
+  kvh, d = value_states.shape[1], value_states.shape[3]
+  dtype = attn_weights.dtype
+  block_q, block_kv_dv, block_kv_ds, num_warps, num_stages = _default_config(
+      b, h, kvh, sq, skv, d, jnp.dtype(dtype).itemsize, block_q, block_kv, num_warps,
+      num_stages)
+  # fp32 inputs: IEEE fp32 dots (the Triton default for fp32 would be TF32).
+  precision = lax.Precision.HIGHEST if dtype == jnp.float32 else None
+  params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+  common = dict(num_heads=h, num_kv_heads=kvh, sq=sq, skv=skv, head_dim=d, block_q=block_q,
+                precision=precision)
+
+  # Free (bitcast) reshapes to 3D views; dO stays [B, Sq, H, D].
+  p3 = attn_weights.reshape(b * h, sq, skv)
+  pd3 = attn_weights_dropped.reshape(b * h, sq, skv)
+  v3 = value_states.reshape(b * kvh, skv, d)
+
+  # Pass 1: dV + partial delta.
+  n_kv1 = pl.cdiv(skv, block_kv_dv)
+  dv, dpart = pl.pallas_call(
+      functools.partial(_dv_delta_kernel, block_kv=block_kv_dv, **common),
+      out_shape=(jax.ShapeDtypeStruct((b * kvh, skv, d), dtype),
+                 jax.ShapeDtypeStruct((b * h, n_kv1, sq), f32)),
+      grid=(n_kv1, b * kvh),
+      compiler_params=params,
+      interpret=interpret,
+      name="attention_dropout_value_bwd_dv",
+  )(grad_attn_output, pd3, v3)
+
+  # Pass 2: dS.
+  if p_static == 0.0:
+    dropout = ("none",)
+    inputs = (grad_attn_output, p3, v3, dpart)
+  elif p_static is not None:
+    dropout = ("static", 1.0 / (1.0 - p_static))
+    inputs = (grad_attn_output, p3, dropout_mask.reshape(b * h, sq, skv), v3, dpart)
+  else:
+    dropout = ("traced",)
+    pt = jnp.asarray(p_traced, f32)
+    on = pt > 0
+    scale = jnp.stack([jnp.where(on, 1.0 / (1.0 - pt), 1.0), jnp.where(on, 0.0, 1.0)])
+    inputs = (grad_attn_output, p3, dropout_mask.reshape(b * h, sq, skv), v3, dpart,
+              scale.astype(f32))
+  ds = pl.pallas_call(
+      functools.partial(_ds_kernel, block_kv=block_kv_ds, dropout=dropout, **common),
+      out_shape=jax.ShapeDtypeStruct((b * h, sq, skv), dtype),
+      grid=(pl.cdiv(sq, block_q), b * h),
+      compiler_params=params,
+      interpret=interpret,
+      name="attention_dropout_value_bwd_ds",
+  )(*inputs)
+  return ds.reshape(b, h, sq, skv), dv.reshape(b, kvh, skv, d)
+
+
+def attention_softmax_dropout_value_backward(
+    grad_attn_output, attn_weights, attn_weights_dropped, value_states, dropout_mask,
+    attention_dropout, *, block_q=None, block_kv=None, num_warps=None, num_stages=None,
+    interpret=False):
+  """Backward of ``O = transpose(dropout(P) @ V)`` with GQA, as two Pallas Triton kernels.
+
+  Args:
+    grad_attn_output: ``[B, Sq, H, D]`` dO.
+    attn_weights: ``[B, H, Sq, Skv]`` softmax output P.
+    attn_weights_dropped: ``[B, H, Sq, Skv]`` Pd, the weights after dropout.
+    value_states: ``[B, KVH, Skv, D]`` V, with ``H % KVH == 0`` (``G = H // KVH``
+      query heads share kv head ``h // G``).
+    dropout_mask: ``[B, H, Sq, Skv]`` bool, True = kept. Never read when the rate is a
+      concrete 0 (its content does not matter then; its shape and dtype are checked).
+    attention_dropout: dropout rate p in [0, 1): a Python float / concrete scalar (the
+      branch on p is static; each distinct value compiles once) or a traced scalar
+      (then the mask is always read, and p == 0 still ignores it).
+    block_q, block_kv: tile sizes (powers of two >= 16). Default: 64 rows of Sq (32 for
+      fp32 inputs with D > 64); 64 rows
+      of Skv for D > 64, 128 for D <= 64, capped at the padded lengths. When
+      ``block_kv`` is not given the dV pass halves its kv block (down to 32) while it
+      would launch fewer than ~264 programs.
+    num_warps, num_stages: Triton launch parameters, the same for both kernels.
+      Default: 4 warps for tiles of up to 64 x 128 (8 above), 2 stages for
+      ``D > 64`` (3 otherwise).
+    interpret: run the kernels in the Pallas interpreter (CPU testing).
+
+  Returns:
+    ``(grad_attn_scores [B, H, Sq, Skv], grad_value_states [B, KVH, Skv, D])`` in the
+    input dtype (bf16 is the target; float16 and float32 work too, computed in fp32
+    with fp32 accumulation; fp32 dots are IEEE, not TF32).
+
+  Precondition (true of every real forward): ``Pd == round(P * keep / (1 - p))`` in the
+  input dtype (``Pd == P`` when p == 0). It lets ``delta = rowsum(dW * P)`` be computed
+  as ``rowsum(dPd * Pd)``, so the first pass needs neither P nor the mask. The two
+  agree up to the rounding of Pd (one bf16 ulp per element, averaged over the row).
+
+  Design: the memory floor is reading P and Pd (2 B each in bf16) and keep (1 B) and
+  writing dS (2 B): 7 B per attention element; dO and V are O(D) per row and stay in
+  L2. Two kernels reach it, each streaming one of P / Pd exactly once:
+
+  1. dV + partial delta, grid ``(cdiv(Skv, BKV), B*KVH)`` (kv block fastest, so the
+     programs reading the same dO tiles run together). A program keeps its V block and
+     an fp32 dV accumulator on chip, loops over the G heads of its group and the Sq
+     tiles, reading Pd once: ``dV += Pd^T @ dO``, ``dPd = dO @ V^T`` and stores
+     ``rowsum(dPd * Pd)`` of its kv block to a small fp32 scratch
+     ``[B*H, cdiv(Skv, BKV), Sq]`` (4 / BKV B per element). The GQA sum over the group
+     happens in the accumulator: no atomics, no [B, H, Skv, D] intermediate.
+  2. dS, grid ``(cdiv(Sq, BQ), B*H)`` (q block fastest, so programs sharing V run
+     together). A program loads its dO tile once, sums the delta partials of its rows,
+     then loops over Skv: recomputes ``dPd = dO @ V^T`` on the tensor cores (cheaper
+     than storing and re-reading it, which would add 8 B per element), reads P and the
+     mask and writes ``dS = P * (dPd * keep / (1 - p) - delta)``.
+
+  Ragged Sq / Skv and head dims that are not powers of two are handled by padded
+  tiles with masked loads and stores.
+  """
+  p = _checks.check_problem_a(grad_attn_output, attn_weights, attn_weights_dropped,
+                              value_states, dropout_mask, attention_dropout)
+  p_traced = None if p is not None else attention_dropout
+  return _backward(grad_attn_output, attn_weights, attn_weights_dropped, value_states,
+                   dropout_mask, p_traced, p_static=p, block_q=block_q, block_kv=block_kv,
+                   num_warps=num_warps, num_stages=num_stages, interpret=interpret)

@@ -1,0 +1,188 @@
+"""Tests of the Pallas kernel for the attention softmax-dropout-value backward (problem A).
+
+The kernel runs in the Pallas interpreter (``interpret=True``) on CPU and is compared
+with the pure-jnp reference. Sizes are small: the interpreter is slow.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_ops.reference import attention_softmax_dropout_value_backward_reference as _reference
+from pallas_kernels.attention_softmax_dropout_value import (
+    attention_softmax_dropout_value_backward as kernel)
+
+
+def make_inputs(b, h, kvh, sq, skv, d, p, *, dtype=jnp.bfloat16, seed=0):
+  """Inputs as a real forward makes them: Pd == round(P * keep / (1 - p)).
+
+  Built with NumPy: eager jax.random ops would each compile, which dominates on CPU.
+  """
+  rng = np.random.default_rng(seed)
+  logits = 2.0 * rng.standard_normal((b, h, sq, skv), np.float32)
+  e = np.exp(logits - logits.max(-1, keepdims=True))
+  probs = jnp.asarray(e / e.sum(-1, keepdims=True)).astype(dtype)
+  keep = rng.uniform(size=(b, h, sq, skv)) > p
+  dropped = (np.asarray(probs, np.float32) * keep / np.float32(1.0 - p)).astype(np.float32)
+  grad_out = jnp.asarray(rng.standard_normal((b, sq, h, d), np.float32)).astype(dtype)
+  value = jnp.asarray(rng.standard_normal((b, kvh, skv, d), np.float32)).astype(dtype)
+  return grad_out, probs, jnp.asarray(dropped).astype(dtype), value, jnp.asarray(keep)
+
+
+def garbage_mask(shape, seed):
+  return jnp.asarray(np.random.default_rng(seed).uniform(size=shape) > 0.5)
+
+
+# Jitted so each shape compiles once instead of op by op.
+reference = jax.jit(_reference, static_argnums=5)
+
+
+def assert_close_fraction(out, ref, atol, rtol, frac=0.99):
+  """``|out - ref| <= atol + rtol * |ref|`` on at least ``frac`` of the elements; finite."""
+  out = np.asarray(jnp.asarray(out, jnp.float32))
+  ref = np.asarray(jnp.asarray(ref, jnp.float32))
+  assert out.shape == ref.shape, (out.shape, ref.shape)
+  assert np.all(np.isfinite(out)), "non-finite values in the kernel output"
+  ok = np.abs(out - ref) <= atol + rtol * np.abs(ref)
+  assert ok.mean() >= frac, (
+      f"only {ok.mean():.4f} of elements within atol={atol} rtol={rtol}; "
+      f"max abs err {np.abs(out - ref).max()}")
+
+
+def assert_max_error(out, ref, rel):
+  """Stricter: the largest absolute error is small relative to the scale of ``ref``."""
+  out = np.asarray(jnp.asarray(out, jnp.float32))
+  ref = np.asarray(jnp.asarray(ref, jnp.float32))
+  err = np.abs(out - ref).max()
+  scale = np.abs(ref).max()
+  assert err <= rel * scale + 1e-6, f"max abs err {err} vs ref scale {scale}"
+
+
+def check(outs, refs, dtype=jnp.bfloat16):
+  # bf16 ulp is 2^-8 relative: a one-ulp rounding difference at the largest value is
+  # below 1% of the scale; fp16/fp32 are tighter.
+  rel = {jnp.bfloat16: 1e-2, jnp.float16: 2e-3, jnp.float32: 1e-5}[dtype]
+  for name, out, ref in zip(("grad_attn_scores", "grad_value_states"), outs, refs):
+    assert out.dtype == ref.dtype == dtype, name
+    assert_close_fraction(out, ref, atol=1e-5, rtol=0.05)
+    assert_max_error(out, ref, rel)
+
+
+# (B, H, KVH, Sq, Skv, D, p): odd lengths, G in {1, 4, 10}, D in {64, 128, 40}.
+CASES = [
+    (1, 4, 1, 7, 33, 64, 0.1),      # G = 4
+    (2, 2, 2, 33, 7, 128, 0.0),     # G = 1, B = 2
+    (1, 10, 1, 131, 1, 64, 0.0),    # G = 10, Skv = 1 (p > 0: see test_single_key_dropout)
+    (1, 20, 2, 1, 131, 40, 0.1),    # G = 10, Sq = 1, odd D
+    (1, 4, 1, 131, 131, 40, 0.1),   # odd D, ragged tails on both axes
+    (1, 4, 2, 33, 131, 128, 0.1),   # G = 2, D = 128
+]
+
+
+@pytest.mark.parametrize("b,h,kvh,sq,skv,d,p", CASES)
+def test_matches_reference(b, h, kvh, sq, skv, d, p):
+  args = make_inputs(b, h, kvh, sq, skv, d, p)
+  check(kernel(*args, p, interpret=True), reference(*args, p))
+
+
+def test_single_key_dropout():
+  """Skv = 1 with dropout: the exact dS is 0 (delta == dW), the kernel's is rounding noise.
+
+  The kernel computes delta as rowsum(dPd * Pd), which equals rowsum(dW * P) up to the
+  rounding of Pd = bf16(P * keep / (1 - p)) (relative error <= 2^-9 per element). So
+  |dS - dS_ref| <= P * 2^-9 * rowsum(|dW * P|) (+ the output rounding). With one key
+  that is all there is, hence a bound check instead of a relative tolerance.
+  """
+  p = 0.1
+  args = make_inputs(1, 10, 1, 131, 1, 64, p, seed=5)
+  ds, dv = kernel(*args, p, interpret=True)
+  ref_ds, ref_dv = reference(*args, p)
+  check_dv = np.asarray(dv, np.float32), np.asarray(ref_dv, np.float32)
+  np.testing.assert_allclose(*check_dv, rtol=1e-2, atol=1e-5)
+  d_o, probs, _, value, keep = (np.asarray(a, np.float32) for a in args)
+  d_pd = np.einsum("bqhd,bhkd->bhqk", d_o, np.repeat(value, 10, axis=1))
+  d_w = d_pd * keep / (1 - p)
+  bound = probs * 2.0**-9 * np.sum(np.abs(d_w * probs), -1, keepdims=True) * 1.01 + 1e-6
+  err = np.abs(np.asarray(ds, np.float32) - np.asarray(ref_ds, np.float32))
+  assert np.all(err <= bound), float((err - bound).max())
+
+
+def test_small_blocks_many_partials():
+  """block_kv = 16 gives many delta partials; block_q = 16 many q tiles per program."""
+  args = make_inputs(1, 4, 2, 67, 100, 64, 0.1, seed=1)
+  outs = kernel(*args, 0.1, block_q=16, block_kv=16, num_warps=4, num_stages=2,
+                interpret=True)
+  check(outs, reference(*args, 0.1))
+
+
+def test_p_zero_never_reads_mask():
+  """With p == 0 the mask content is irrelevant: garbage gives bit-identical results."""
+  args = make_inputs(1, 4, 1, 33, 33, 64, 0.0, seed=2)
+  garbage = garbage_mask(args[4].shape, 7)
+  a = kernel(*args[:4], garbage, 0.0, interpret=True)
+  b = kernel(*args[:4], jnp.zeros_like(args[4]), 0.0, interpret=True)
+  c = kernel(*args, 0.0, interpret=True)
+  for x, y, z in zip(a, b, c):
+    np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(z, np.float32))
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(z, np.float32))
+  check(a, reference(*args, 0.0))
+
+
+@pytest.mark.parametrize("p", [0.0, 0.25])
+def test_traced_dropout_rate(p):
+  """p as a jit argument: the mask is read, scaled by 1/(1-p), and ignored when p == 0."""
+  args = make_inputs(1, 4, 2, 33, 40, 64, p, seed=3)
+  mask = args[4]
+  if p == 0.0:  # p == 0 must ignore the mask even when traced
+    mask = garbage_mask(mask.shape, 8)
+  fn = jax.jit(lambda rate: kernel(*args[:4], mask, rate, interpret=True))
+  outs = fn(jnp.float32(p))
+  check(outs, reference(*args, p))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.float32])
+def test_other_dtypes(dtype):
+  args = make_inputs(1, 4, 2, 20, 37, 64, 0.1, dtype=dtype, seed=4)
+  check(kernel(*args, 0.1, interpret=True), reference(*args, 0.1), dtype)
+
+
+def test_argument_errors():
+  args = make_inputs(1, 2, 1, 8, 8, 16, 0.1)
+  with pytest.raises(ValueError, match="dropout rate"):
+    kernel(*args, 1.0, interpret=True)
+  with pytest.raises(TypeError, match="dropout_mask"):
+    kernel(*args[:4], args[4].astype(jnp.float32), 0.1, interpret=True)
+  with pytest.raises(ValueError, match="value_states"):
+    kernel(*args[:3], args[3][:, :, :4], args[4], 0.1, interpret=True)
+  with pytest.raises(ValueError, match="block_q"):
+    kernel(*args, 0.1, block_q=24, interpret=True)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.1, None])
+def test_lowers_to_triton(monkeypatch, p):
+  """The kernels lower to Triton IR (no GPU needed; catches unsupported ops early).
+
+  Pretends an H200 is present by patching JAX's internal GPU-info lookup (skipped if
+  that internal moves). Compiling the IR to PTX still needs a GPU.
+  """
+  try:
+    from jax._src.pallas.triton import gpu_info
+    info = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
+  except (ImportError, AttributeError) as e:
+    pytest.skip(f"JAX internals moved: {e}")
+  monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: info)
+  b, h, kvh, sq, skv, d = 2, 8, 2, 131, 200, 40
+  dt = jnp.bfloat16
+  shapes = [jax.ShapeDtypeStruct(s, t) for s, t in (
+      ((b, sq, h, d), dt), ((b, h, sq, skv), dt), ((b, h, sq, skv), dt),
+      ((b, kvh, skv, d), dt), ((b, h, sq, skv), jnp.bool_))]
+  if p is None:
+    fn = jax.jit(lambda *a: kernel(*a))
+    shapes.append(jax.ShapeDtypeStruct((), jnp.float32))
+  else:
+    fn = jax.jit(lambda *a: kernel(*a, p))
+  text = fn.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("xla.gpu.triton") == 2
