@@ -33,6 +33,13 @@ def _mm(spec, a, b):
                     precision=precision)
 
 
+def _round_to(x, dtype):
+  """``x`` rounded to ``dtype``'s precision (kept in fp32), never optimised away."""
+  if jnp.dtype(dtype) == jnp.bfloat16:  # same exponent range as fp32: no subnormal change
+    return jax.lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7)
+  return x.astype(dtype).astype(f32)
+
+
 def _dropout_scale(keep, p, p_static):
   """``keep / (1 - p)`` as fp32, or ``None`` when no dropout is applied (p == 0)."""
   if p_static == 0.0:
@@ -119,8 +126,10 @@ def qk_scale_softmax_backward_reference(grad_output, query, key, attn_weights, s
   dtype = query.dtype
   g = grad_output.astype(f32)
   probs = attn_weights.astype(f32)
-  d_l = (probs * (g - jnp.sum(g * probs, axis=-1, keepdims=True))).astype(dtype)
-  d_l = (d_l.astype(f32) * jnp.asarray(scaling, f32)).astype(dtype)
+  # The two roundings of dL are explicit ops: XLA:GPU may otherwise drop a
+  # f32 -> bf16 -> f32 convert pair (excess precision) and skip them.
+  d_l = _round_to(probs * (g - jnp.sum(g * probs, axis=-1, keepdims=True)), dtype)
+  d_l = _round_to(d_l * jnp.asarray(scaling, f32), dtype).astype(dtype)
   grad_query = _mm("bhqk,bhkd->bhqd", d_l, key)
   grad_key = _mm("bhqk,bhqd->bhkd", d_l, query)
   return grad_query.astype(dtype), grad_key.astype(dtype)
