@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
-from benchmarks.timing import copy_ceiling, device_time_us
+from benchmarks.timing import copy_ceiling, device_times_us
 from jax_ops import reference, registry
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -202,8 +202,7 @@ def run_problem(problem: Problem, constants, workloads, ceiling_tbps, calls):
     refs = refs if isinstance(refs, tuple) else (refs,)
     checks = [check(o, r, w["atol"], w["rtol"]) for o, r in zip(outs, refs)]
     del outs, refs
-    t_kernel = device_time_us(kernel, sets, calls=calls)
-    t_xla = device_time_us(xla, sets, calls=calls)
+    t_kernel, t_xla = device_times_us([kernel, xla], sets, calls=calls)
     floor_us = problem.floor_bytes(w, constants) / (ceiling_tbps * 1e6)
     row = {
         "workload": problem.label(w), **{k: v for k, v in w.items()},

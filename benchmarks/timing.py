@@ -44,35 +44,61 @@ def _device_events(trace_dir):
   return sorted(events)
 
 
-def device_time_us(fn, arg_sets, *, calls: int = 30, warmup: int = 3) -> dict:
-  """Median device time of ``fn(*arg_sets[i % len(arg_sets)])`` in microseconds."""
-  for i in range(warmup):
-    jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
+def _split(events, gap_ns):
+  """Groups of ``(start, duration)`` events separated by idle gaps longer than ``gap_ns``."""
+  groups, last_end = [], None
+  for start, dur in events:
+    if last_end is None or start - last_end > gap_ns:
+      groups.append([])
+    groups[-1].append((start, dur))
+    last_end = start + dur if last_end is None else max(last_end, start + dur)
+  return groups
+
+
+_FN_GAP_S = 0.05  # host sleep between two functions' calls: splits the trace per function
+
+
+def device_times_us(fns, arg_sets, *, calls: int = 30, warmup: int = 3) -> list[dict]:
+  """Median device time of each ``fn(*arg_sets[i % len(arg_sets)])``, in microseconds.
+
+  All functions run inside one profiler trace, one after the other, ``calls``
+  calls each. The trace splits into functions at long idle gaps and into calls
+  at short ones; if a function's calls cannot be told apart, its figure is the
+  mean over its calls and ``split_ok`` is False.
+  """
+  for fn in fns:
+    for i in range(warmup):
+      jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
   with tempfile.TemporaryDirectory() as trace_dir:
     jax.profiler.start_trace(trace_dir)
     try:
-      for i in range(calls):
-        jax.block_until_ready(fn(*arg_sets[(i + warmup) % len(arg_sets)]))
-        time.sleep(0.0005)
+      for fn in fns:
+        time.sleep(_FN_GAP_S)
+        for i in range(calls):
+          jax.block_until_ready(fn(*arg_sets[(i + warmup) % len(arg_sets)]))
+          time.sleep(0.0005)
     finally:
       jax.profiler.stop_trace()
     events = _device_events(trace_dir)
-  if not events:
-    raise RuntimeError("the trace holds no GPU kernels")
-  groups, last_end = [], None
-  for start, dur in events:
-    if last_end is None or start - last_end > _GAP_NS:
-      groups.append([])
-    groups[-1].append(dur)
-    last_end = start + dur if last_end is None else max(last_end, start + dur)
-  per_call = [sum(g) / 1e3 for g in groups]
-  kernels = sorted(len(g) for g in groups)
-  return {
-      "median_us": statistics.median(per_call),
-      "calls_seen": len(groups),
-      "kernels_per_call": kernels[len(kernels) // 2],
-      "split_ok": len(groups) == calls,
-  }
+  segments = _split(events, int(_FN_GAP_S * 1e9 / 2))
+  if len(segments) != len(fns):
+    raise RuntimeError(f"trace split into {len(segments)} segments for {len(fns)} functions")
+  results = []
+  for segment in segments:
+    per_call = [sum(d for _, d in g) / 1e3 for g in _split(segment, _GAP_NS)]
+    if len(per_call) == calls:
+      results.append({"median_us": statistics.median(per_call),
+                      "kernels_per_call": sorted(len(g) for g in _split(segment, _GAP_NS))[calls // 2],
+                      "split_ok": True})
+    else:
+      results.append({"median_us": sum(per_call) / calls, "kernels_per_call": -1,
+                      "split_ok": False})
+  return results
+
+
+def device_time_us(fn, arg_sets, *, calls: int = 30, warmup: int = 3) -> dict:
+  """``device_times_us`` for a single function."""
+  return device_times_us([fn], arg_sets, calls=calls, warmup=warmup)[0]
 
 
 def _copy_kernel(x_ref, o_ref, *, block):

@@ -8,9 +8,11 @@ Forward (for context): ``P = softmax(scores.masked_fill(~mask, -1e4))``,
     dS = where(mask, P * (gd - s), 0)
 
 Design: the op is a row-wise reduction followed by an elementwise update, so
-one program owns ``block_rows`` whole rows of one head (the row is padded to a
-power of two and masked) and reads g, P, keep and the mask exactly once; the
-result is written once. That is the minimum traffic: 4 + 4 (+1 keep) bytes in,
+one program owns ``block_rows`` whole rows of one head and reads g, P, keep
+and the mask exactly once; the result is written once. Triton blocks are
+powers of two, so a row of odd length is covered by two masked power-of-two
+column chunks (131 = 128 + 4 lanes rather than 256), which keeps idle lanes
+below ~12%. That is the minimum traffic: 4 + 4 (+1 keep) bytes in,
 4 out per element, plus the [B, 1, Sq, Sk] attention mask. The launch grid is
 (heads, batch * row blocks) with heads fastest, so the H programs that share a
 mask tile run together and the mask comes from L2 after its first read.
@@ -20,7 +22,10 @@ rows get many rows per program (fewer, fuller programs), long rows get one.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -31,16 +36,63 @@ from pallas_kernels import _checks
 from pallas_kernels._util import cdiv, compiler_params, next_power_of_2, pallas_call
 
 
-def default_config(sq: int, sk: int) -> tuple[int, int]:
-  """``(block_rows, num_warps)`` for rows of length ``sk``: about 4096 elements a program."""
-  block_cols = next_power_of_2(sk)
-  block_rows = max(1, min(4096 // block_cols, next_power_of_2(sq)))
-  elems = block_rows * block_cols
-  num_warps = 4 if elems <= 2048 else 8 if elems <= 8192 else 16
-  return block_rows, num_warps
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Launch configuration.
+
+  Attributes:
+    block_rows: rows per program (a power of two).
+    num_warps: Triton warps per program.
+    split: cover a row whose length is not a power of two with two power-of-two
+      column chunks (the largest power of two <= Sk, then the rest padded),
+      instead of one chunk padded to ``next_power_of_2(Sk)`` (up to 2x idle lanes).
+  """
+  block_rows: int
+  num_warps: int
+  split: bool = True
 
 
-def _kernel(*refs, num_heads, n_rows, n_cols, block_rows, block_cols, dropout):
+_TUNED_PATH = os.path.join(os.path.dirname(__file__), "tuned", "masked_softmax_dropout.json")
+
+
+@functools.cache
+def _tuned_table(device_kind: str) -> dict:
+  """Configs measured on ``device_kind`` by ``benchmarks/tune.py``, keyed by next_power_of_2(Sk)."""
+  try:
+    with open(_TUNED_PATH) as f:
+      table = json.load(f)
+  except FileNotFoundError:
+    return {}
+  return table["configs"] if table.get("device_kind") == device_kind else {}
+
+
+def column_chunks(sk: int, split: bool) -> tuple[tuple[int, int], ...]:
+  """``(start, width)`` power-of-two column chunks that cover a row of ``sk``."""
+  if not split or sk & (sk - 1) == 0:
+    return ((0, next_power_of_2(sk)),)
+  main = 1 << (sk.bit_length() - 1)
+  return ((0, main), (main, next_power_of_2(sk - main)))
+
+
+def config_for(sq: int, sk: int, *, target: int, num_warps: int, split: bool) -> Config:
+  """About ``target`` elements per program: many short rows or one long one."""
+  width = sum(w for _, w in column_chunks(sk, split))
+  cap = max(1, min(target // width, next_power_of_2(sq)))
+  return Config(1 << (cap.bit_length() - 1), num_warps, split)
+
+
+def default_config(sq: int, sk: int, device_kind: str | None = None) -> Config:
+  """The tuned config for this row length on this device, else a heuristic."""
+  tuned = _tuned_table(device_kind or "").get(str(next_power_of_2(sk)))
+  if tuned:
+    return config_for(sq, sk, target=tuned["target"], num_warps=tuned["num_warps"],
+                      split=tuned["split"])
+  target = 4096
+  return config_for(sq, sk, target=target, num_warps=4 if next_power_of_2(sk) <= 512 else 8,
+                    split=True)
+
+
+def _kernel(*refs, num_heads, n_rows, n_cols, block_rows, chunks, dropout):
   if dropout == "dynamic":
     scale_ref, g_ref, p_ref, mask_ref, keep_ref, o_ref = refs
   elif dropout == "none":
@@ -53,48 +105,57 @@ def _kernel(*refs, num_heads, n_rows, n_cols, block_rows, block_cols, dropout):
   b = t // n_row_blocks
   r0 = (t % n_row_blocks) * block_rows
   rows = r0 + jnp.arange(block_rows)
-  cols = jnp.arange(block_cols)
-  valid = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
-  tile = (b * num_heads + h, pl.ds(r0, block_rows), pl.ds(0, block_cols))
+  bh = b * num_heads + h
 
-  def load(ref, other, **kw):
-    return pltriton.load(ref.at[tile], mask=valid, other=other, **kw)
+  # Pass over the chunks once to load everything and reduce the row sum, then
+  # once more (from registers) to write: every byte is read exactly once.
+  loaded = []
+  s = jnp.zeros((block_rows, 1), jnp.float32)
+  for c0, width in chunks:
+    # A traced start: a constant one past the row's end fails the indexer's
+    # static bounds check even though the masked access is fine.
+    c0 = h * 0 + c0
+    cols = c0 + jnp.arange(width)
+    valid = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    tile = (bh, pl.ds(r0, block_rows), pl.ds(c0, width))
+    g = pltriton.load(g_ref.at[tile], mask=valid, other=0.0,
+                      eviction_policy="evict_first").astype(jnp.float32)
+    probs = pltriton.load(p_ref.at[tile], mask=valid, other=0.0,
+                          eviction_policy="evict_first").astype(jnp.float32)
+    if dropout == "none":
+      gd = g
+    elif dropout == "dynamic":
+      # A traced rate: when it is 0 the predicated-off load never touches memory.
+      keep = pltriton.load(keep_ref.at[tile], mask=valid & (scale_ref[1] > 0), other=True,
+                           eviction_policy="evict_first")
+      gd = jnp.where(keep, g * scale_ref[0], 0.0)
+    else:
+      keep = pltriton.load(keep_ref.at[tile], mask=valid, other=False,
+                           eviction_policy="evict_first")
+      gd = jnp.where(keep, g * dropout, 0.0)
+    s = s + jnp.sum(probs * gd, axis=1, keepdims=True)
+    loaded.append((c0, width, valid, probs, gd))
+  for c0, width, valid, probs, gd in loaded:
+    attend = pltriton.load(mask_ref.at[b, pl.ds(r0, block_rows), pl.ds(c0, width)],
+                           mask=valid, other=False)
+    out = jnp.where(attend, probs * (gd - s), 0.0)
+    pltriton.store(o_ref.at[bh, pl.ds(r0, block_rows), pl.ds(c0, width)],
+                   out.astype(o_ref.dtype), mask=valid)
 
-  g = load(g_ref, 0.0, eviction_policy="evict_first").astype(jnp.float32)
-  probs = load(p_ref, 0.0, eviction_policy="evict_first").astype(jnp.float32)
-  if dropout == "none":
-    gd = g
-  elif dropout == "dynamic":
-    # A traced rate: when it is 0 the predicated-off load never touches memory.
-    scale = scale_ref[0]
-    read_keep = valid & (scale_ref[1] > 0)
-    keep = pltriton.load(keep_ref.at[tile], mask=read_keep, other=True,
-                         eviction_policy="evict_first")
-    gd = jnp.where(keep, g * scale, 0.0)
-  else:
-    keep = load(keep_ref, False, eviction_policy="evict_first")
-    gd = jnp.where(keep, g * dropout, 0.0)
-  s = jnp.sum(probs * gd, axis=1, keepdims=True)
-  attend = pltriton.load(mask_ref.at[b, pl.ds(r0, block_rows), pl.ds(0, block_cols)],
-                         mask=valid, other=False, eviction_policy="evict_last")
-  out = jnp.where(attend, probs * (gd - s), 0.0)
-  pltriton.store(o_ref.at[tile], out.astype(o_ref.dtype), mask=valid)
 
-
-@functools.partial(jax.jit, static_argnames=("p_static", "block_rows", "num_warps",
-                                             "num_stages", "interpret"))
-def _call(grad_output, p_attn, mask, dropout_mask, p_dropout, *, p_static, block_rows,
-          num_warps, num_stages, interpret):
+@functools.partial(jax.jit, static_argnames=("p_static", "config", "num_stages", "interpret"))
+def _call(grad_output, p_attn, mask, dropout_mask, p_dropout, *, p_static, config, num_stages,
+          interpret):
   b, h, sq, sk = p_attn.shape
-  block_cols = next_power_of_2(sk)
+  block_rows = config.block_rows
   if p_static is None:
     dropout = "dynamic"
   elif p_static == 0.0:
     dropout = "none"
   else:
     dropout = 1.0 / (1.0 - p_static)
-  kernel = functools.partial(_kernel, num_heads=h, n_rows=sq, n_cols=sk,
-                             block_rows=block_rows, block_cols=block_cols, dropout=dropout)
+  kernel = functools.partial(_kernel, num_heads=h, n_rows=sq, n_cols=sk, block_rows=block_rows,
+                             chunks=column_chunks(sk, config.split), dropout=dropout)
   args = [grad_output.reshape(b * h, sq, sk), p_attn.reshape(b * h, sq, sk),
           mask.reshape(b, sq, sk)]
   if dropout == "dynamic":
@@ -106,7 +167,7 @@ def _call(grad_output, p_attn, mask, dropout_mask, p_dropout, *, p_static, block
       kernel,
       out_shape=jax.ShapeDtypeStruct((b * h, sq, sk), p_attn.dtype),
       grid=(h, b * cdiv(sq, block_rows)),
-      compiler_params=compiler_params(num_warps, num_stages),
+      compiler_params=compiler_params(config.num_warps, num_stages),
       interpret=interpret,
       name="masked_softmax_dropout_backward",
   )(*args)
@@ -114,8 +175,8 @@ def _call(grad_output, p_attn, mask, dropout_mask, p_dropout, *, p_static, block
 
 
 def masked_softmax_dropout_backward(grad_output, p_attn, mask, dropout_mask, p_dropout, *,
-                                    block_rows: int | None = None, num_warps: int | None = None,
-                                    num_stages: int = 1, interpret: bool = False):
+                                    config: Config | None = None, num_stages: int = 1,
+                                    interpret: bool = False):
   """Gradient of the scores through masked softmax and dropout.
 
   Args:
@@ -126,17 +187,18 @@ def masked_softmax_dropout_backward(grad_output, p_attn, mask, dropout_mask, p_d
     dropout_mask: ``[B, H, Sq, Sk]`` bool, True = kept. Never read when the rate
       is 0 (it may then be ``None`` if the rate is a Python number).
     p_dropout: dropout rate in [0, 1): a Python float, or a traced scalar.
-    block_rows: rows per program (power of two); default from the shape.
-    num_warps, num_stages: Triton launch parameters.
+    config: launch configuration; default: tuned for the device, else a heuristic.
+    num_stages: Triton pipelining depth (the kernel has no loop; 1 is right).
     interpret: run the kernel in the Pallas interpreter (any backend).
 
   Returns:
     ``grad_scores [B, H, Sq, Sk]`` in the dtype of ``p_attn``.
   """
   p = _checks.check_problem_b(grad_output, p_attn, mask, dropout_mask, p_dropout)
-  default_rows, default_warps = default_config(p_attn.shape[2], p_attn.shape[3])
-  if block_rows is not None and (block_rows < 1 or block_rows & (block_rows - 1)):
-    raise ValueError(f"block_rows: expected a power of two, got {block_rows}")
-  return _call(grad_output, p_attn, mask, dropout_mask, p_dropout, p_static=p,
-               block_rows=block_rows or default_rows, num_warps=num_warps or default_warps,
+  if config is None:
+    device_kind = None if interpret else jax.devices()[0].device_kind
+    config = default_config(p_attn.shape[2], p_attn.shape[3], device_kind)
+  if config.block_rows < 1 or config.block_rows & (config.block_rows - 1):
+    raise ValueError(f"config.block_rows: expected a power of two, got {config.block_rows}")
+  return _call(grad_output, p_attn, mask, dropout_mask, p_dropout, p_static=p, config=config,
                num_stages=num_stages, interpret=interpret)

@@ -7,6 +7,7 @@ import pytest
 from conftest import INTERPRET, assert_close, keys, softmax_probs
 from jax_ops import masked_softmax_dropout_backward_reference as reference
 from pallas_kernels import masked_softmax_dropout_backward as kernel
+from pallas_kernels.masked_softmax_dropout import Config, column_chunks
 
 
 def make_inputs(b, h, sq, sk, seed=0, dtype=jnp.float32):
@@ -29,12 +30,21 @@ def test_matches_reference(b, h, s, p):
   assert float(jnp.abs(out - ref).max()) < 1e-5
 
 
-@pytest.mark.parametrize("sq,sk", [(5, 33), (33, 5)])
-@pytest.mark.parametrize("block_rows", [None, 1, 4])
-def test_rectangular_and_block_rows(sq, sk, block_rows):
+@pytest.mark.parametrize("sq,sk", [(5, 33), (33, 5), (3, 100)])
+@pytest.mark.parametrize("config", [None, Config(1, 4, False), Config(4, 4, True), Config(2, 8, False)])
+def test_rectangular_and_configs(sq, sk, config):
   args = make_inputs(2, 2, sq, sk, seed=1)
-  out = kernel(*args, 0.2, block_rows=block_rows, interpret=INTERPRET)
+  out = kernel(*args, 0.2, config=config, interpret=INTERPRET)
   assert_close(out, reference(*args, 0.2), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("sk,split,want", [
+    (128, True, ((0, 128),)), (131, True, ((0, 128), (128, 4))), (131, False, ((0, 256),)),
+    (919, True, ((0, 512), (512, 512))), (1, True, ((0, 1),)), (7, True, ((0, 4), (4, 4)))])
+def test_column_chunks_cover_the_row(sk, split, want):
+  chunks = column_chunks(sk, split)
+  assert chunks == want
+  assert chunks[-1][0] + chunks[-1][1] >= sk
 
 
 def test_masked_positions_are_exactly_zero():
@@ -78,3 +88,26 @@ def test_vmap_over_extra_axis():
   for i in range(3):
     assert_close(out[i], reference(grads[i], probs[i], masks[i], keeps[i], 0.1),
                  atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.1, None])
+@pytest.mark.parametrize("split", [True, False])
+def test_lowers_to_triton(monkeypatch, p, split):
+  """The kernel lowers to Triton IR for a GPU (no GPU needed; catches unsupported ops)."""
+  try:
+    from jax._src.pallas.triton import gpu_info
+    info = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
+  except (ImportError, AttributeError) as e:
+    pytest.skip(f"JAX internals moved: {e}")
+  monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: info)
+  b, h, s = 2, 3, 131
+  shapes = [jax.ShapeDtypeStruct((b, h, s, s), jnp.float32)] * 2 + [
+      jax.ShapeDtypeStruct((b, 1, s, s), jnp.bool_), jax.ShapeDtypeStruct((b, h, s, s), jnp.bool_)]
+  config = Config(4, 4, split)
+  if p is None:
+    fn = jax.jit(lambda *a: kernel(*a, config=config))
+    shapes.append(jax.ShapeDtypeStruct((), jnp.float32))
+  else:
+    fn = jax.jit(lambda *a: kernel(*a, p, config=config))
+  text = fn.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("xla.gpu.triton") == 1

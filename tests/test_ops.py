@@ -172,7 +172,8 @@ def test_kernel_validates_its_arguments():
     pallas_kernels.masked_softmax_dropout_backward(
         jnp.ones((1, 2, 3, 3)), jnp.ones((1, 2, 3, 3)), jnp.ones((1, 1, 3, 3), bool),
         jnp.ones((1, 1, 3, 3), bool), 0.1, interpret=True)
+  from pallas_kernels.masked_softmax_dropout import Config
   with pytest.raises(ValueError, match="block_rows"):
     pallas_kernels.masked_softmax_dropout_backward(
         jnp.ones((1, 2, 3, 3)), jnp.ones((1, 2, 3, 3)), jnp.ones((1, 1, 3, 3), bool),
-        None, 0.0, block_rows=3, interpret=True)
+        None, 0.0, config=Config(3, 4), interpret=True)

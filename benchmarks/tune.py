@@ -1,0 +1,90 @@
+"""Tunes the masked-softmax-dropout kernel's launch config on this GPU.
+
+Usage (on a GPU)::
+
+    PYTHONPATH=. python3 -m benchmarks.tune [--out pallas_kernels/tuned/masked_softmax_dropout.json]
+
+For every workload of ``benchmarks/workloads.json`` it times a set of
+candidate configs (elements per program, warps, split columns) in one profiler
+trace, then picks for each row-length class (``next_power_of_2(Sk)``) the
+candidate with the best geomean over that class's workloads (each time divided
+by the workload's best). The kernel uses the table when the device matches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+
+import jax
+
+from benchmarks import run as bench
+from benchmarks.timing import device_times_us
+from pallas_kernels import masked_softmax_dropout as msd
+from pallas_kernels._util import next_power_of_2
+
+CANDIDATES = [(1024, 4), (2048, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 8), (8192, 16),
+              (16384, 16)]
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", default=msd._TUNED_PATH)
+  parser.add_argument("--calls", type=int, default=10)
+  args = parser.parse_args(argv)
+  if jax.default_backend() != "gpu":
+    print("tuning needs a CUDA GPU", file=sys.stderr)
+    return 2
+  with open(os.path.join(bench.HERE, "workloads.json")) as f:
+    workloads = json.load(f)["masked_softmax_dropout_backward"]["workloads"]
+  by_class: dict[int, list[dict]] = {}
+  for index, w in enumerate(workloads):
+    sq = sk = w["seq_len"]
+    sets = [bench.PROBLEM_B.make_inputs(w, {}, jax.random.key(7000 + 100 * index + i))
+            for i in range(2)]
+    set_bytes = sum(x.size * x.dtype.itemsize for x in sets[0])
+    n_sets = int(min(32, max(2, math.ceil(bench._ROTATE_BYTES / set_bytes))))
+    sets += [bench.PROBLEM_B.make_inputs(w, {}, jax.random.key(7000 + 100 * index + i))
+             for i in range(2, n_sets)]
+    cands = {}
+    for target, warps in CANDIDATES:
+      for split in (True, False):  # identical configs when Sk is a power of two
+        config = msd.config_for(sq, sk, target=target, num_warps=warps, split=split)
+        cands.setdefault(config, []).append((target, warps, split))
+    configs = list(cands)
+    fns = [jax.jit(lambda g, p, m, k, c=c: msd.masked_softmax_dropout_backward(
+        g, p, m, k, w["p_dropout"], config=c)) for c in configs]
+    times = [t["median_us"] for t in device_times_us(fns, sets, calls=args.calls, warmup=2)]
+    best = min(times)
+    floor = bench._b_floor(w, {}) / (4.27e6)
+    print(f"{bench.PROBLEM_B.label(w):>22}  best {best:8.1f} us (~{floor / best:.0%} of a 4.27 TB/s "
+          "floor)  " + "  ".join(f"{c.block_rows}r/{c.num_warps}w/{'s' if c.split else 'p'}:{t:.1f}"
+                                for c, t in zip(configs, times)), flush=True)
+    ratio = {}
+    for config, t in zip(configs, times):
+      for cand in cands[config]:
+        ratio[cand] = t / best
+    by_class.setdefault(next_power_of_2(sk), []).append(ratio)
+  table = {}
+  for width, ratios in sorted(by_class.items()):
+    common = set.intersection(*(set(r) for r in ratios))
+    score = {c: math.exp(sum(math.log(r[c]) for r in ratios) / len(ratios)) for c in common}
+    target, warps, split = min(score, key=score.get)
+    table[str(width)] = {"target": target, "num_warps": warps, "split": split,
+                         "geomean_vs_best": round(score[(target, warps, split)], 4)}
+  result = {"device_kind": jax.devices()[0].device_kind,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "jax": jax.__version__, "configs": table}
+  os.makedirs(os.path.dirname(args.out), exist_ok=True)
+  with open(args.out, "w") as f:
+    json.dump(result, f, indent=1)
+  print(json.dumps(result, indent=1))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
