@@ -3,8 +3,10 @@
 Each op is a ``jax.custom_vjp`` whose forward is the plain-jnp forward of
 :mod:`jax_ops.reference` and whose backward is picked from
 :mod:`jax_ops.registry`: ``implementation=None`` takes the Pallas kernel where
-one exists for the device, ``"pallas"`` forces it (with ``interpret=True`` it
-runs on any backend, slowly), ``"xla"`` takes the jnp reference.
+one exists for the device and is measured faster than XLA (today: the masked
+softmax dropout backward), ``"pallas"`` forces the Pallas kernel (with
+``interpret=True`` it runs on any backend, slowly), ``"xla"`` takes the jnp
+reference.
 
 Dropout: ``dropout_rate == 0`` or ``dropout_rng is None`` means no dropout. The
 rate may be a Python float or a traced scalar; the ops are not differentiable

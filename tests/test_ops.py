@@ -177,3 +177,13 @@ def test_kernel_validates_its_arguments():
     pallas_kernels.masked_softmax_dropout_backward(
         jnp.ones((1, 2, 3, 3)), jnp.ones((1, 2, 3, 3)), jnp.ones((1, 1, 3, 3), bool),
         None, 0.0, config=Config(3, 4), interpret=True)
+
+
+def test_registry_defaults():
+  # Off a GPU, None means XLA; with interpret=True the measured-default kernel runs.
+  assert registry.resolve("masked_softmax_dropout", None, False)[0] == "xla"
+  assert registry.resolve("masked_softmax_dropout", None, True)[0] == "pallas"
+  # Kernels not yet faster than XLA everywhere are opt-in.
+  assert registry.resolve("qk_scale_softmax", None, True)[0] == "xla"
+  assert registry.resolve("qk_scale_softmax", "pallas", False)[0] == "pallas"
+  assert set(registry.available("attention_softmax_dropout_value")) == {"xla", "pallas"}
