@@ -187,3 +187,32 @@ def test_registry_defaults():
   assert registry.resolve("qk_scale_softmax", None, True)[0] == "xla"
   assert registry.resolve("qk_scale_softmax", "pallas", False)[0] == "pallas"
   assert set(registry.available("attention_softmax_dropout_value")) == {"xla", "pallas"}
+
+
+@pytest.mark.parametrize("op_name", ["attention_softmax_dropout_value", "masked_softmax_dropout",
+                                     "qk_scale_softmax"])
+def test_vmap_of_grad_over_extra_axis(op_name):
+  """vmap over a leading axis of the op's gradient equals a loop over it."""
+  k = keys(5, 4)
+  if op_name == "attention_softmax_dropout_value":
+    xs = (jax.random.normal(k[0], (2, 1, 4, 5, 7), jnp.bfloat16),
+          jax.random.normal(k[1], (2, 1, 2, 7, 16), jnp.bfloat16))
+    fn = lambda s, v: jax_ops.attention_softmax_dropout_value(
+        s, v, dropout_rate=0.1, dropout_rng=k[2], implementation="pallas", interpret=INTERPRET)
+  elif op_name == "masked_softmax_dropout":
+    mask = jax.random.bernoulli(k[3], 0.7, (1, 1, 5, 5))
+    xs = (jax.random.normal(k[0], (2, 1, 3, 5, 5), F32),)
+    fn = lambda s: jax_ops.masked_softmax_dropout(
+        s, mask, dropout_rate=0.1, dropout_rng=k[2], implementation="pallas", interpret=INTERPRET)
+  else:
+    xs = (jax.random.normal(k[0], (2, 1, 2, 5, 16), jnp.bfloat16),
+          jax.random.normal(k[1], (2, 1, 2, 6, 16), jnp.bfloat16))
+    fn = lambda q, kk: jax_ops.qk_scale_softmax(q, kk, causal=True, implementation="pallas",
+                                                interpret=INTERPRET)
+  loss = lambda *a: jnp.sum(fn(*a).astype(F32) ** 2)
+  argnums = tuple(range(len(xs)))
+  batched = jax.jit(jax.vmap(jax.grad(loss, argnums=argnums)))(*xs)
+  for i in range(2):
+    single = jax.grad(loss, argnums=argnums)(*(x[i] for x in xs))
+    for got, want in zip(batched, single):
+      assert_close(got[i], want, atol=1e-6, rtol=1e-6)
