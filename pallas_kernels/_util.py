@@ -33,3 +33,17 @@ def pallas_call(*args, **kwargs):
 
 def on_gpu() -> bool:
   return jax.default_backend() == "gpu"
+
+
+def out_struct(shape, dtype, *like) -> jax.ShapeDtypeStruct:
+  """A kernel output's shape and dtype; inside ``jax.shard_map`` it varies over
+  the mesh axes that any of the inputs ``like`` vary over (needed with check_vma)."""
+  varying = frozenset()
+  for x in like:
+    mat = getattr(jax.typeof(x), "mat", None)
+    if mat is not None:
+      varying |= mat.varying
+  if not varying:
+    return jax.ShapeDtypeStruct(shape, dtype)
+  return jax.ShapeDtypeStruct(shape, dtype,
+                              manual_axis_type=jax.sharding.ManualAxisType(varying=varying))

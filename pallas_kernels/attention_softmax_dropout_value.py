@@ -28,6 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import _checks
+from pallas_kernels._util import out_struct
 
 __all__ = ["attention_softmax_dropout_value_backward"]
 
@@ -281,8 +282,8 @@ def _backward(grad_attn_output, attn_weights, attn_weights_dropped, value_states
   n_kv1 = pl.cdiv(skv, block_kv_dv)
   dv, dpart = pl.pallas_call(
       functools.partial(_dv_delta_kernel, block_kv=block_kv_dv, **common),
-      out_shape=(jax.ShapeDtypeStruct((b * kvh, skv, d), dtype),
-                 jax.ShapeDtypeStruct((b * h, n_kv1, sq), f32)),
+      out_shape=(out_struct((b * kvh, skv, d), dtype, grad_attn_output, pd3, v3),
+                 out_struct((b * h, n_kv1, sq), f32, grad_attn_output, pd3, v3)),
       grid=(n_kv1, b * kvh),
       compiler_params=params,
       interpret=interpret,
@@ -305,7 +306,7 @@ def _backward(grad_attn_output, attn_weights, attn_weights_dropped, value_states
               scale.astype(f32))
   ds = pl.pallas_call(
       functools.partial(_ds_kernel, block_kv=block_kv_ds, dropout=dropout, **common),
-      out_shape=jax.ShapeDtypeStruct((b * h, sq, skv), dtype),
+      out_shape=out_struct((b * h, sq, skv), dtype, *inputs),
       grid=(pl.cdiv(sq, block_q), b * h),
       compiler_params=params,
       interpret=interpret,

@@ -33,7 +33,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import _checks
-from pallas_kernels._util import cdiv, compiler_params, next_power_of_2, pallas_call
+from pallas_kernels._util import (cdiv, compiler_params, next_power_of_2, out_struct,
+                                  pallas_call)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +166,7 @@ def _call(grad_output, p_attn, mask, dropout_mask, p_dropout, *, p_static, confi
     args.append(dropout_mask.reshape(b * h, sq, sk))
   out = pallas_call(
       kernel,
-      out_shape=jax.ShapeDtypeStruct((b * h, sq, sk), p_attn.dtype),
+      out_shape=out_struct((b * h, sq, sk), p_attn.dtype, *args),
       grid=(h, b * cdiv(sq, block_rows)),
       compiler_params=compiler_params(config.num_warps, num_stages),
       interpret=interpret,

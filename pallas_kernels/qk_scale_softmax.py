@@ -62,6 +62,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import _checks
+from pallas_kernels._util import out_struct
 
 __all__ = ["qk_scale_softmax_backward"]
 
@@ -287,8 +288,8 @@ def _backward(grad_output, query, key, attn_weights, scaling, *, causal, block_q
                                    num_stages, row=True)
   grad_query, delta = pl.pallas_call(
       functools.partial(_row_kernel, block_q=bq, block_k=bk, **common),
-      out_shape=(jax.ShapeDtypeStruct((bh, seq_q, head_dim), dtype),
-                 jax.ShapeDtypeStruct((bh, seq_q), _F32)),
+      out_shape=(out_struct((bh, seq_q, head_dim), dtype, g, p, k),
+                 out_struct((bh, seq_q), _F32, g, p, k)),
       grid=(pl.cdiv(seq_q, bq), bh),
       compiler_params=pltriton.CompilerParams(num_warps=nw, num_stages=ns),
       interpret=interpret,
@@ -299,7 +300,7 @@ def _backward(grad_output, query, key, attn_weights, scaling, *, causal, block_q
                                    num_stages, row=False)
   grad_key = pl.pallas_call(
       functools.partial(_col_kernel, block_q=bq, block_k=bk, **common),
-      out_shape=jax.ShapeDtypeStruct((bh, seq_k, head_dim), dtype),
+      out_shape=out_struct((bh, seq_k, head_dim), dtype, g, p, q),
       grid=(pl.cdiv(seq_k, bk), bh),
       compiler_params=pltriton.CompilerParams(num_warps=nw, num_stages=ns),
       interpret=interpret,

@@ -1,0 +1,118 @@
+"""Flax NNX attention layers built on the ops (needs ``flax``: ``pip install '.[flax]'``).
+
+Each layer projects ``x [B, S, E]`` to heads, runs one of the ops, and projects
+back to ``[B, S, E]``. Dropout keys come from the ``dropout`` stream of the
+``nnx.Rngs`` given at construction; ``deterministic=True`` (at construction or
+per call) turns dropout off. ``implementation`` and ``interpret`` pass through
+to the op (see :mod:`jax_ops.ops`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_ops import ops
+
+
+class _Projections(nnx.Module):
+  def __init__(self, embed_dim, num_heads, num_kv_heads, head_dim, *, rngs, dtype):
+    self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+    linear = lambda n: nnx.Linear(embed_dim, n * head_dim, use_bias=False, dtype=dtype, rngs=rngs)
+    self.query, self.key, self.value = linear(num_heads), linear(num_kv_heads), linear(num_kv_heads)
+    self.out = nnx.Linear(num_heads * head_dim, embed_dim, use_bias=False, dtype=dtype, rngs=rngs)
+
+  def heads(self, x, proj, n):
+    b, s, _ = x.shape
+    return proj(x).reshape(b, s, n, self.head_dim).transpose(0, 2, 1, 3)  # [B, n, S, D]
+
+  def merge(self, out_bshd):
+    b, s = out_bshd.shape[:2]
+    return self.out(out_bshd.reshape(b, s, self.num_heads * self.head_dim))
+
+
+def _dropout_args(layer, deterministic):
+  off = layer.deterministic if deterministic is None else deterministic
+  if off or layer.dropout_rate == 0.0:
+    return {"dropout_rate": 0.0, "dropout_rng": None}
+  return {"dropout_rate": layer.dropout_rate, "dropout_rng": layer.rngs.dropout()}
+
+
+class GQASelfAttention(nnx.Module):
+  """Grouped-query self-attention on :func:`jax_ops.attention_softmax_dropout_value`.
+
+  ``x [B, S, E]`` -> ``[B, S, E]``; ``num_heads % num_kv_heads == 0``. Scores
+  ``q @ k^T / sqrt(D)`` are formed in ``dtype`` (bf16 by default, as in the models
+  this op comes from); the op runs softmax in fp32, dropout and the GQA value matmul.
+  """
+
+  def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
+               dropout_rate: float = 0.0, deterministic: bool = False, dtype=jnp.bfloat16,
+               implementation: str | None = None, interpret: bool = False, rngs: nnx.Rngs):
+    if num_heads % num_kv_heads:
+      raise ValueError(f"num_kv_heads={num_kv_heads} must divide num_heads={num_heads}")
+    self.proj = _Projections(embed_dim, num_heads, num_kv_heads, head_dim, rngs=rngs, dtype=dtype)
+    self.dropout_rate, self.deterministic, self.rngs = dropout_rate, deterministic, rngs
+    self.implementation, self.interpret = implementation, interpret
+
+  def __call__(self, x, mask=None, *, deterministic: bool | None = None):
+    """``x [B, S, E]``; ``mask`` (optional) bool, broadcastable to ``[B, H, S, S]``,
+    True = attend (e.g. ``causal_mask(S, S)``)."""
+    p = self.proj
+    q, k = p.heads(x, p.query, p.num_heads), p.heads(x, p.key, p.num_kv_heads)
+    v = p.heads(x, p.value, p.num_kv_heads)
+    k = jnp.repeat(k, p.num_heads // p.num_kv_heads, axis=1)
+    scores = jnp.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(p.head_dim)
+    if mask is not None:
+      scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
+    out = ops.attention_softmax_dropout_value(
+        scores, v, implementation=self.implementation, interpret=self.interpret,
+        **_dropout_args(self, deterministic))
+    return p.merge(out)
+
+
+class MaskedAttention(nnx.Module):
+  """Multi-head attention on :func:`jax_ops.masked_softmax_dropout` (fp32 softmax).
+
+  ``x [B, S, E]``, ``mask [B, 1, S, S]`` bool (True = attend) -> ``[B, S, E]``.
+  """
+
+  def __init__(self, embed_dim: int, num_heads: int, head_dim: int, *,
+               dropout_rate: float = 0.0, deterministic: bool = False, dtype=jnp.float32,
+               implementation: str | None = None, interpret: bool = False, rngs: nnx.Rngs):
+    self.proj = _Projections(embed_dim, num_heads, num_heads, head_dim, rngs=rngs, dtype=dtype)
+    self.dropout_rate, self.deterministic, self.rngs = dropout_rate, deterministic, rngs
+    self.implementation, self.interpret = implementation, interpret
+
+  def __call__(self, x, mask, *, deterministic: bool | None = None):
+    p = self.proj
+    q, k, v = (p.heads(x, f, p.num_heads) for f in (p.query, p.key, p.value))
+    scores = jnp.einsum("bhqd,bhkd->bhqk", q, k).astype(jnp.float32) / math.sqrt(p.head_dim)
+    probs = ops.masked_softmax_dropout(
+        scores, mask, implementation=self.implementation, interpret=self.interpret,
+        **_dropout_args(self, deterministic))
+    return p.merge(jnp.einsum("bhqk,bhkd->bqhd", probs.astype(v.dtype), v))
+
+
+class QKSoftmaxAttention(nnx.Module):
+  """Multi-head attention whose weights come from :func:`jax_ops.qk_scale_softmax`.
+
+  ``x [B, S, E]`` -> ``[B, S, E]``; ``causal=True`` masks future keys (and the
+  Pallas backward then skips the tiles above the diagonal).
+  """
+
+  def __init__(self, embed_dim: int, num_heads: int, head_dim: int, *, causal: bool = False,
+               dtype=jnp.bfloat16, implementation: str | None = None, interpret: bool = False,
+               rngs: nnx.Rngs):
+    self.proj = _Projections(embed_dim, num_heads, num_heads, head_dim, rngs=rngs, dtype=dtype)
+    self.causal, self.implementation, self.interpret = causal, implementation, interpret
+
+  def __call__(self, x):
+    p = self.proj
+    q, k, v = (p.heads(x, f, p.num_heads) for f in (p.query, p.key, p.value))
+    weights = ops.qk_scale_softmax(q, k, causal=self.causal, implementation=self.implementation,
+                                   interpret=self.interpret)
+    return p.merge(jnp.einsum("bhqk,bhkd->bqhd", weights, v,
+                              preferred_element_type=jnp.float32).astype(v.dtype))

@@ -1,0 +1,73 @@
+"""The Flax NNX layers: shapes, dropout from nnx.Rngs, deterministic mode, and
+gradients through the Pallas kernels against the XLA references."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from conftest import INTERPRET, assert_close
+
+nnx = pytest.importorskip("flax.nnx")
+from jax_ops.nnx import GQASelfAttention, MaskedAttention, QKSoftmaxAttention  # noqa: E402
+
+E, S = 32, 9
+
+
+def _layers(impl):
+  kw = dict(implementation=impl, interpret=INTERPRET)
+  return {
+      "gqa": (GQASelfAttention(E, 4, 2, 8, dropout_rate=0.1, rngs=nnx.Rngs(params=0, dropout=1),
+                               **kw), jnp.bfloat16),
+      "masked": (MaskedAttention(E, 4, 8, dropout_rate=0.1, rngs=nnx.Rngs(params=0, dropout=1),
+                                 **kw), jnp.float32),
+      "qk": (QKSoftmaxAttention(E, 4, 8, causal=True, rngs=nnx.Rngs(params=0), **kw),
+             jnp.bfloat16),
+  }
+
+
+def _call(name, layer, x, **kw):
+  if name == "masked":
+    mask = jnp.ones((x.shape[0], 1, S, S), bool).at[1, :, :, -3:].set(False)
+    return layer(x, mask, **kw)
+  return layer(x, **kw)
+
+
+@pytest.mark.parametrize("name", ["gqa", "masked", "qk"])
+def test_grads_match_xla_under_nnx_jit(name):
+  x = jax.random.normal(jax.random.key(0), (2, S, E))
+  results = {}
+  for impl in ("pallas", "xla"):
+    layer, dtype = _layers(impl)[name]
+
+    @nnx.jit
+    def step(layer, x):
+      loss = lambda m: jnp.mean(_call(name, m, x).astype(jnp.float32) ** 2)
+      return nnx.value_and_grad(loss)(layer)
+
+    loss, grads = step(layer, x.astype(dtype))
+    results[impl] = (loss, jax.tree.leaves(nnx.state(grads)))
+  assert_close(results["pallas"][0], results["xla"][0], atol=1e-6, rtol=1e-5, name="loss")
+  for got, want in zip(results["pallas"][1], results["xla"][1]):
+    scale = float(jnp.abs(want).max())
+    assert_close(got, want, atol=2e-2 * scale, rtol=2e-2, name="grad")
+
+
+@pytest.mark.parametrize("name", ["gqa", "masked"])
+def test_dropout_keys_from_rngs_and_deterministic_mode(name):
+  layer, dtype = _layers("xla")[name]
+  x = jax.random.normal(jax.random.key(1), (2, S, E)).astype(dtype)
+  a, b = _call(name, layer, x), _call(name, layer, x)
+  assert not bool(jnp.all(a == b))  # each call draws a fresh dropout key
+  c = _call(name, layer, x, deterministic=True)
+  d = _call(name, layer, x, deterministic=True)
+  assert bool(jnp.all(c == d))
+  layer.dropout_rate = 0.0
+  assert bool(jnp.all(_call(name, layer, x) == c))
+
+
+def test_layer_errors():
+  with pytest.raises(ValueError, match="num_kv_heads=3 must divide num_heads=4"):
+    GQASelfAttention(E, 4, 3, 8, rngs=nnx.Rngs(0))
+  layer, _ = _layers("xla")["masked"]
+  with pytest.raises(ValueError, match=r"mask: expected \[B, 1, Sq, Sk\]"):
+    layer(jnp.ones((2, S, E)), jnp.ones((2, 4, S, S), bool))
