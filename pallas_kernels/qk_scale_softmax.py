@@ -93,10 +93,24 @@ def _dot(a, b, *, trans_a: bool = False):
   return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=_F32)
 
 
+def _round_to(x, dtype):
+  """``x`` (fp32) rounded to nearest-even in ``dtype``, returned as fp32.
+
+  For bf16 the rounding is done on the bits: a ``truncf``/``extf`` pair can be
+  folded away by the compiler (the kernel then keeps fp32 precision and misses
+  the reference's roundings), integer arithmetic cannot. Inputs are finite.
+  """
+  if dtype == jnp.bfloat16:
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    bits = bits + (jnp.uint32(0x7FFF) + ((bits >> 16) & jnp.uint32(1)))
+    return jax.lax.bitcast_convert_type(bits & jnp.uint32(0xFFFF0000), _F32)
+  return x.astype(dtype).astype(_F32)
+
+
 def _dl_tile(g, p, delta, scale, dtype):
   """``dL = dtype(dtype(P * (g - delta)) * scaling)``, exactly the reference's roundings."""
-  d_l = (p.astype(_F32) * (g.astype(_F32) - delta[:, None])).astype(dtype)
-  return (d_l.astype(_F32) * scale).astype(dtype)
+  d_l = _round_to(p.astype(_F32) * (g.astype(_F32) - delta[:, None]), dtype)
+  return _round_to(d_l * scale, dtype).astype(dtype)
 
 
 # ----------------------------------------------------------------------- causal ranges

@@ -183,3 +183,31 @@ def test_default_blocks():
       assert blk >= 16 and blk & (blk - 1) == 0
     assert bq <= max(16, qks._next_pow2(sq)) and bk <= max(16, qks._next_pow2(sk))
     assert nw in (4, 8) and ns in (1, 2, 3)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_lowers_to_triton(monkeypatch, causal, dtype):
+  """Both kernels lower to Triton IR for a GPU (no GPU needed; catches unsupported ops)."""
+  try:
+    from jax._src.pallas.triton import gpu_info
+    info = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
+  except (ImportError, AttributeError) as e:
+    pytest.skip(f"JAX internals moved: {e}")
+  monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: info)
+  b, h, sq, sk, d = 1, 2, 131, 300, 64
+  shapes = [jax.ShapeDtypeStruct(s, dtype) for s in
+            ((b, h, sq, sk), (b, h, sq, d), (b, h, sk, d), (b, h, sq, sk))]
+  fn = jax.jit(lambda *a: qk_scale_softmax_backward(*a, 0.125, causal=causal))
+  text = fn.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("xla.gpu.triton") == 2
+
+
+def test_rounding_is_bit_exact():
+  """The kernel's bit-level bf16 rounding equals a plain conversion (round to nearest even)."""
+  x = jax.random.normal(jax.random.PRNGKey(0), (4096,)) * 10.0 ** jax.random.randint(
+      jax.random.PRNGKey(1), (4096,), -30, 30)
+  x = jnp.concatenate([x, jnp.array([0.0, -0.0, 1.00390625, 1.01171875, 1e-40])]).astype(jnp.float32)
+  got = qks._round_to(x, jnp.bfloat16)
+  want = x.astype(jnp.bfloat16).astype(jnp.float32)
+  assert bool(jnp.all(got.view(jnp.uint32) == want.view(jnp.uint32)))
