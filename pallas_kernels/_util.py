@@ -5,8 +5,9 @@ from __future__ import annotations
 import warnings
 
 import jax
+import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton  # noqa: F401  (re-exported)
+from jax.experimental.pallas import triton as pltriton
 
 next_power_of_2 = pl.next_power_of_2
 
@@ -31,8 +32,17 @@ def pallas_call(*args, **kwargs):
     return pl.pallas_call(*args, **kwargs)
 
 
-def on_gpu() -> bool:
-  return jax.default_backend() == "gpu"
+def dot(a, b, *, trans_a: bool = False, trans_b: bool = False):
+  """2D ``a @ b`` (optionally with transposed operands), fp32 accumulation.
+
+  ``pl.dot`` is deprecated in this JAX; this is its body. The Triton lowering maps
+  it to ``tt.dot`` (tensor cores for bf16/fp16 operands; transposes become
+  ``tt.trans``). fp32 operands ask for HIGHEST: Triton's default for them is TF32.
+  """
+  dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
+  precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+  return jax.lax.dot_general(a, b, dims, precision=precision,
+                             preferred_element_type=jnp.float32)
 
 
 def out_struct(shape, dtype, *like) -> jax.ShapeDtypeStruct:

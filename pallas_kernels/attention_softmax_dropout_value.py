@@ -28,7 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import _checks
-from pallas_kernels._util import out_struct
+from pallas_kernels._util import dot, next_power_of_2, out_struct
 
 __all__ = ["attention_softmax_dropout_value_backward"]
 
@@ -37,10 +37,6 @@ f32 = jnp.float32
 # Programs wanted in flight for the dV pass (2 per SM of an H100/H200 with 132 SMs).
 # Below that, the default kv block of the dV pass shrinks (to 32 at the least).
 _TARGET_PROGRAMS = 264
-
-
-def _next_pow2(n: int) -> int:
-  return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
 
 def _and(a, b):
@@ -57,16 +53,6 @@ def _outer(rows, cols):
   r = None if rows is None else rows[:, None]
   c = None if cols is None else cols[None, :]
   return _and(r, c)
-
-
-def _dot(a, b, *, trans_a=False, trans_b=False, precision=None):
-  """2D ``a @ b`` (optionally transposed operands) with fp32 accumulation.
-
-  ``pl.dot`` is deprecated in this JAX; this is its body. The Triton lowering maps it
-  to ``tt.dot`` (tensor cores for bf16 / f16 operands; the transposes are ``tt.trans``).
-  """
-  dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
-  return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=f32)
 
 
 def _load(ref, mask, other):
@@ -87,8 +73,7 @@ def _store(ref, val, mask):
 # --------------------------------------------------------------------------------------
 def _dv_delta_kernel(do_ref, pd_ref, v_ref,  # inputs
                      dv_ref, dpart_ref,  # outputs
-                     *, num_heads, num_kv_heads, sq, skv, head_dim, block_q, block_kv,
-                     precision):
+                     *, num_heads, num_kv_heads, sq, skv, head_dim, block_q, block_kv):
   """One program = one ``block_kv`` rows of V of one (batch, kv head).
 
   Refs (whole arrays, indexed by hand):
@@ -99,7 +84,7 @@ def _dv_delta_kernel(do_ref, pd_ref, v_ref,  # inputs
     dpart_ref: [B*H, NKV, Sq]      fp32 rowsum(dPd * Pd) over this program's kv block.
   """
   groups = num_heads // num_kv_heads
-  d_pad = _next_pow2(max(head_dim, 16))
+  d_pad = next_power_of_2(max(head_dim, 16))
   j = pl.program_id(0)  # kv block: fastest grid axis, so programs sharing dO run together
   bk = pl.program_id(1)  # b * KVH + kvh
   b = lax.div(bk, num_kv_heads)
@@ -125,9 +110,9 @@ def _dv_delta_kernel(do_ref, pd_ref, v_ref,  # inputs
     pd = _load(pd_ref.at[bh, pl.ds(q0, block_q), pl.ds(k0, block_kv)],
                _outer(q_mask, kv_mask), 0.0)
     # dV_j += Pd^T @ dO    [block_kv, d_pad]; padded rows / columns of Pd are 0.
-    acc = acc + _dot(pd, do, trans_a=True, precision=precision)
+    acc = acc + dot(pd, do, trans_a=True)
     # dPd = dO @ V_j^T     [block_q, block_kv]
-    dpd = _dot(do, v, trans_b=True, precision=precision)
+    dpd = dot(do, v, trans_b=True)
     part = jnp.sum(dpd * pd.astype(f32), axis=1)
     _store(dpart_ref.at[bh, j, pl.ds(q0, block_q)], part, q_mask)
     return acc
@@ -141,7 +126,7 @@ def _dv_delta_kernel(do_ref, pd_ref, v_ref,  # inputs
 # Pass 2: dS = P * (dW - delta).
 # --------------------------------------------------------------------------------------
 def _ds_kernel(*refs, num_heads, num_kv_heads, sq, skv, head_dim, block_q, block_kv,
-               dropout, precision):
+               dropout):
   """One program = one ``block_q`` rows of one (batch, head); loops over all of Skv.
 
   ``dropout`` is ``"none"`` (p == 0: keep is not an input), ``"static"`` (python
@@ -162,7 +147,7 @@ def _ds_kernel(*refs, num_heads, num_kv_heads, sq, skv, head_dim, block_q, block
     do_ref, p_ref, keep_ref, v_ref, dpart_ref, scale_ref, ds_ref = refs
 
   groups = num_heads // num_kv_heads
-  d_pad = _next_pow2(max(head_dim, 16))
+  d_pad = next_power_of_2(max(head_dim, 16))
   qi = pl.program_id(0)  # q block: fastest grid axis, so programs sharing V run together
   bh = pl.program_id(1)  # b * H + h
   b = lax.div(bh, num_heads)
@@ -192,7 +177,7 @@ def _ds_kernel(*refs, num_heads, num_kv_heads, sq, skv, head_dim, block_q, block
     k0 = j * block_kv
     kv_mask = (k0 + jnp.arange(block_kv)) < skv if masked else None
     v = _load(v_ref.at[bk, pl.ds(k0, block_kv), pl.ds(0, d_pad)], _outer(kv_mask, d_mask), 0.0)
-    dw = _dot(do, v, trans_b=True, precision=precision)  # dPd, [block_q, block_kv] fp32
+    dw = dot(do, v, trans_b=True)  # dPd, [block_q, block_kv] fp32
     mask = _outer(q_mask, kv_mask)
     p = _load(p_ref.at[bh, pl.ds(q0, block_q), pl.ds(k0, block_kv)], mask, 0.0).astype(f32)
     if mode == "static":
@@ -229,9 +214,9 @@ def _default_config(b, h, kvh, sq, skv, d, itemsize, block_q, block_kv, num_warp
   Returns ``(block_q, block_kv_dv, block_kv_ds, num_warps, num_stages)``: the dV pass
   and the dS pass may use different kv blocks when ``block_kv`` is not given.
   """
-  d_pad = _next_pow2(max(d, 16))
-  cap_q = max(16, _next_pow2(sq))
-  cap_kv = max(16, _next_pow2(skv))
+  d_pad = next_power_of_2(max(d, 16))
+  cap_q = max(16, next_power_of_2(sq))
+  cap_kv = max(16, next_power_of_2(skv))
   if block_q is None:
     # fp32 tiles are twice the bytes: halve the q tile at D = 128+ to bound shared memory.
     block_q = min(32 if itemsize >= 4 and d_pad >= 128 else 64, cap_q)
@@ -267,11 +252,8 @@ def _backward(grad_attn_output, attn_weights, attn_weights_dropped, value_states
   block_q, block_kv_dv, block_kv_ds, num_warps, num_stages = _default_config(
       b, h, kvh, sq, skv, d, jnp.dtype(dtype).itemsize, block_q, block_kv, num_warps,
       num_stages)
-  # fp32 inputs: IEEE fp32 dots (the Triton default for fp32 would be TF32).
-  precision = lax.Precision.HIGHEST if dtype == jnp.float32 else None
   params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-  common = dict(num_heads=h, num_kv_heads=kvh, sq=sq, skv=skv, head_dim=d, block_q=block_q,
-                precision=precision)
+  common = dict(num_heads=h, num_kv_heads=kvh, sq=sq, skv=skv, head_dim=d, block_q=block_q)
 
   # Free (bitcast) reshapes to 3D views; dO stays [B, Sq, H, D].
   p3 = attn_weights.reshape(b * h, sq, skv)

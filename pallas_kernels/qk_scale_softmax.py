@@ -62,7 +62,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import _checks
-from pallas_kernels._util import out_struct
+from pallas_kernels._util import dot, next_power_of_2, out_struct
 
 __all__ = ["qk_scale_softmax_backward"]
 
@@ -70,27 +70,11 @@ _F32 = jnp.float32
 _SUPPORTED = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 
-def _next_pow2(n: int) -> int:
-  return 1 << max(0, int(n) - 1).bit_length()
-
-
 def _check_block(name: str, value: int) -> int:
   value = int(value)
   if value < 16 or value & (value - 1):
     raise ValueError(f"{name}: expected a power of two >= 16, got {value}")
   return value
-
-
-def _dot(a, b, *, trans_a: bool = False):
-  """``a @ b`` (or ``a^T @ b``) with fp32 accumulation; operands stay in their dtype.
-
-  ``pl.dot`` is deprecated in this JAX; ``lax.dot_general`` lowers to the same ``tt.dot``
-  (a transposed lhs becomes ``tt.trans``).
-  """
-  dims = (((0,) if trans_a else (1,), (0,)), ((), ()))
-  # Triton's default for fp32 operands is TF32; HIGHEST selects the IEEE fp32 path.
-  precision = jax.lax.Precision.HIGHEST if a.dtype == _F32 else None
-  return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=_F32)
 
 
 def _round_to(x, dtype):
@@ -141,7 +125,7 @@ def _row_kernel(scale_ref, g_ref, p_ref, k_ref, dq_ref, delta_ref, *, seq_q: int
   qi = pl.program_id(0)  # grid axis 0 is CUDA's fastest: neighbours share a head (K in L2)
   bh = pl.program_id(1)
   dtype = g_ref.dtype
-  d_pad = _next_pow2(max(head_dim, 16))
+  d_pad = next_power_of_2(max(head_dim, 16))
   scale = scale_ref[0]
 
   q_start = qi * block_q
@@ -179,7 +163,7 @@ def _row_kernel(scale_ref, g_ref, p_ref, k_ref, dq_ref, delta_ref, *, seq_q: int
       g, p = load_gp(j)
       delta = row_delta(g, p)
       d_l = _dl_tile(g, p, delta, scale, dtype)
-      return delta, carry[1] + _dot(d_l, load_k(j))
+      return delta, carry[1] + dot(d_l, load_k(j))
 
     delta, acc = jax.lax.fori_loop(0, n_tiles, fused, (jnp.zeros((block_q,), _F32), acc))
   else:
@@ -193,7 +177,7 @@ def _row_kernel(scale_ref, g_ref, p_ref, k_ref, dq_ref, delta_ref, *, seq_q: int
       j = n_tiles - 1 - t  # newest tiles first: they are the likeliest still in L2
       g, p = load_gp(j)
       d_l = _dl_tile(g, p, delta, scale, dtype)
-      return acc + _dot(d_l, load_k(j))
+      return acc + dot(d_l, load_k(j))
 
     acc = jax.lax.fori_loop(0, n_tiles, pass_dq, acc)
 
@@ -211,7 +195,7 @@ def _col_kernel(scale_ref, g_ref, p_ref, q_ref, delta_ref, dk_ref, *, seq_q: int
   kj = pl.program_id(0)  # neighbours share a head: its Q and delta stay in L2
   bh = pl.program_id(1)
   dtype = g_ref.dtype
-  d_pad = _next_pow2(max(head_dim, 16))
+  d_pad = next_power_of_2(max(head_dim, 16))
   scale = scale_ref[0]
 
   k_start = kj * block_k
@@ -237,7 +221,7 @@ def _col_kernel(scale_ref, g_ref, p_ref, q_ref, delta_ref, dk_ref, *, seq_q: int
     q = pltriton.load(q_ref.at[bh, pl.ds(q_start, block_q), pl.ds(0, d_pad)],
                       mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     d_l = _dl_tile(g, p, delta, scale, dtype)
-    return acc + _dot(d_l, q, trans_a=True)
+    return acc + dot(d_l, q, trans_a=True)
 
   acc = jax.lax.fori_loop(lo, num_q_tiles, body, jnp.zeros((block_k, d_pad), _F32))
   pltriton.store(dk_ref.at[bh, pl.ds(k_start, block_k), pl.ds(0, d_pad)], acc.astype(dk_ref.dtype),
@@ -261,9 +245,9 @@ def _default_blocks(seq_q: int, seq_k: int, head_dim: int, block_q, block_k, num
 
   Explicit ``block_q``/``block_k`` are used as given by both kernels.
   """
-  d_pad = _next_pow2(max(head_dim, 16))
-  pq = max(16, _next_pow2(seq_q))
-  pk = max(16, _next_pow2(seq_k))
+  d_pad = next_power_of_2(max(head_dim, 16))
+  pq = max(16, next_power_of_2(seq_q))
+  pk = max(16, next_power_of_2(seq_k))
   if block_q is None:
     block_q = min(32 if row and pk > 128 else 64, pq)
   if block_k is None:

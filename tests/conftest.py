@@ -42,3 +42,16 @@ def softmax_probs(key, shape, dtype, scale=1.0):
 
 def keys(seed, n):
   return jax.random.split(jax.random.key(seed), n)
+
+
+@pytest.fixture
+def pretend_h200(monkeypatch):
+  """Makes the Triton lowering believe an H200 is present, so kernels lower to
+  Triton IR on any machine (catches unsupported ops; compiling to PTX still
+  needs a GPU). Skips the test if the JAX internal it patches has moved."""
+  try:
+    from jax._src.pallas.triton import gpu_info
+    info = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
+  except (ImportError, AttributeError) as e:
+    pytest.skip(f"JAX internals moved: {e}")
+  monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: info)
