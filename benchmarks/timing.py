@@ -9,6 +9,7 @@ idle gaps. Callers rotate several input sets so no call finds its inputs in L2.
 
 from __future__ import annotations
 
+import concurrent.futures
 import glob
 import os
 import statistics
@@ -21,6 +22,20 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels._util import compiler_params, pallas_call
+
+def compile_all(fns, args, *, workers: int = 8):
+  """Ahead-of-time compiles of ``jax.jit(fn)`` for ``args``, several at once (compiling
+  Triton kernels is host-bound and releases the GIL). A candidate that fails to compile
+  (too much shared memory, say) is ``None``; its error is printed."""
+  def one(fn):
+    try:
+      return jax.jit(fn).lower(*args).compile()
+    except Exception as e:  # noqa: BLE001 - a failed candidate is skipped, not fatal
+      print(f"  compile failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
+      return None
+  with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+    return list(pool.map(one, fns))
+
 
 _GAP_NS = 100_000  # idle time that separates two calls on the device
 

@@ -6,7 +6,7 @@ Task: each position predicts the token two places back (a causal copy task the
 attention layers must learn). Each block has one of each attention layer of
 ``jax_ops.nnx``.
 
-    python3 examples/train_transformer.py [--steps 300]
+    python3 examples/train_transformer.py [--steps 300] [--seq 32] [--batch 16]
 """
 
 from __future__ import annotations
@@ -87,11 +87,16 @@ def train(impl, steps, interpret):
 
 
 def main():
+  global S, B
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--steps", type=int, default=300)
+  parser.add_argument("--seq", type=int, default=S, help="sequence length")
+  parser.add_argument("--batch", type=int, default=B, help="batch size")
   args = parser.parse_args()
+  S, B = args.seq, args.batch
   on_gpu = jax.default_backend() == "gpu"
-  print(f"backend {jax.default_backend()}: Pallas kernels {'compiled' if on_gpu else 'interpreted'}")
+  print(f"backend {jax.default_backend()}: Pallas kernels {'compiled' if on_gpu else 'interpreted'}"
+        f"; batch {B}, sequence {S}, {args.steps} steps")
   results = {impl: train(impl, args.steps, interpret=not on_gpu) for impl in ("pallas", "xla")}
   for i in sorted({0, args.steps // 4, args.steps // 2, args.steps - 1}):
     print(f"step {i:4d}  loss pallas {results['pallas'][0][i]:.4f}  xla {results['xla'][0][i]:.4f}")

@@ -20,6 +20,9 @@ See :func:`attention_softmax_dropout_value_backward` for the design notes.
 from __future__ import annotations
 
 import functools
+import json
+import os
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +33,7 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels import _checks
 from pallas_kernels._util import dot, next_power_of_2, out_struct
 
-__all__ = ["attention_softmax_dropout_value_backward"]
+__all__ = ["attention_softmax_dropout_value_backward", "Config", "PassConfig"]
 
 f32 = jnp.float32
 
@@ -205,102 +208,174 @@ def _ds_kernel(*refs, num_heads, num_kv_heads, sq, skv, head_dim, block_q, block
 
 
 # --------------------------------------------------------------------------------------
-# Wrapper.
+# Launch configuration.
 # --------------------------------------------------------------------------------------
-def _default_config(b, h, kvh, sq, skv, d, itemsize, block_q, block_kv, num_warps,
-                    num_stages):
-  """Fills in the block sizes / launch parameters not given by the caller.
+class PassConfig(NamedTuple):
+  """Tiles and Triton launch parameters of one pass (tiles: powers of two >= 16)."""
+  block_q: int
+  block_kv: int
+  num_warps: int
+  num_stages: int
 
-  Returns ``(block_q, block_kv_dv, block_kv_ds, num_warps, num_stages)``: the dV pass
-  and the dS pass may use different kv blocks when ``block_kv`` is not given.
-  """
+
+class Config(NamedTuple):
+  """``dv``: the dV + delta pass; ``ds``: the dS pass."""
+  dv: PassConfig
+  ds: PassConfig
+
+
+_TUNED_PATH = os.path.join(os.path.dirname(__file__), "tuned",
+                           "attention_softmax_dropout_value.json")
+
+
+@functools.cache
+def _tuned_table(device_kind: str) -> dict:
+  """Pass configs measured on ``device_kind`` by ``benchmarks/tune_attention.py``."""
+  try:
+    with open(_TUNED_PATH) as f:
+      table = json.load(f)
+  except FileNotFoundError:
+    return {}
+  return table["configs"] if table.get("device_kind") == device_kind else {}
+
+
+def length_class(skv: int) -> str:
+  """The tuning table's key: the padded kv length, 128 to 1024 (longer rows share 1024)."""
+  return str(min(max(next_power_of_2(skv), 128), 1024))
+
+
+def _heuristic(b, h, kvh, sq, skv, d, itemsize) -> Config:
+  """Untuned defaults: 64 x 64 tiles (fp32 with D > 64: 32 query rows), 4-8 warps."""
   d_pad = next_power_of_2(max(d, 16))
   cap_q = max(16, next_power_of_2(sq))
   cap_kv = max(16, next_power_of_2(skv))
-  if block_q is None:
-    # fp32 tiles are twice the bytes: halve the q tile at D = 128+ to bound shared memory.
-    block_q = min(32 if itemsize >= 4 and d_pad >= 128 else 64, cap_q)
-  if block_kv is None:
-    block_kv_ds = min(128 if d_pad <= 64 else 64, cap_kv)
-    # dV pass: one program per (b, kv head, kv block). Shrink the block (down to 32)
-    # while too few programs would be launched to fill the GPU.
-    block_kv_dv = block_kv_ds
-    while block_kv_dv > 32 and b * kvh * pl.cdiv(skv, block_kv_dv) < _TARGET_PROGRAMS:
-      block_kv_dv //= 2
-  else:
-    block_kv_dv = block_kv_ds = block_kv
-  for name, v in (("block_q", block_q), ("block_kv", block_kv_dv)):
+  block_q = min(32 if itemsize >= 4 and d_pad >= 128 else 64, cap_q)
+  block_kv_ds = min(128 if d_pad <= 64 else 64, cap_kv)
+  # dV pass: one program per (b, kv head, kv block). Shrink the block (down to 32)
+  # while too few programs would be launched to fill the GPU.
+  block_kv_dv = block_kv_ds
+  while block_kv_dv > 32 and b * kvh * pl.cdiv(skv, block_kv_dv) < _TARGET_PROGRAMS:
+    block_kv_dv //= 2
+  num_warps = 4 if max(block_q, block_kv_ds) * d_pad <= 64 * 128 else 8
+  num_stages = 2 if d_pad >= 128 else 3
+  return Config(PassConfig(block_q, block_kv_dv, num_warps, num_stages),
+                PassConfig(block_q, block_kv_ds, num_warps, num_stages))
+
+
+def default_config(b, h, kvh, sq, skv, d, dtype, device_kind=None) -> Config:
+  """The tuned config (bf16/fp16, D <= 128, on the device it was tuned on), else a heuristic.
+
+  Tuned tiles are capped at the padded lengths, so short sequences get smaller tiles.
+  """
+  itemsize = jnp.dtype(dtype).itemsize
+  tuned = _tuned_table(device_kind or "").get(length_class(skv))
+  if not tuned or itemsize > 2 or next_power_of_2(d) > 128:
+    return _heuristic(b, h, kvh, sq, skv, d, itemsize)
+  cap_q = max(16, next_power_of_2(sq))
+  cap_kv = max(16, next_power_of_2(skv))
+  def cap(c):
+    return PassConfig(min(c[0], cap_q), min(c[1], cap_kv), c[2], c[3])
+  return Config(cap(tuned["dv"]), cap(tuned["ds"]))
+
+
+def _check_pass(name, c: PassConfig) -> PassConfig:
+  c = PassConfig(*(int(v) for v in c))
+  for field, v in (("block_q", c.block_q), ("block_kv", c.block_kv)):
     if v < 16 or v & (v - 1):
-      raise ValueError(f"{name}: expected a power of two >= 16, got {v}")
-  if num_warps is None:
-    num_warps = 4 if max(block_q, block_kv_ds) * d_pad <= 64 * 128 else 8
-  if num_stages is None:
-    num_stages = 2 if d_pad >= 128 else 3
-  return block_q, block_kv_dv, block_kv_ds, num_warps, num_stages
+      raise ValueError(f"{name}.{field}: expected a power of two >= 16, got {v}")
+  if c.num_warps < 1 or c.num_stages < 1:
+    raise ValueError(f"{name}: num_warps and num_stages must be >= 1, got {c}")
+  return c
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=["p_static", "block_q", "block_kv", "num_warps", "num_stages",
-                     "interpret"])
+# --------------------------------------------------------------------------------------
+# The two passes (each jitted on its own so it can be timed and tuned alone).
+# --------------------------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnames=["num_heads", "cfg", "interpret"])
+def dv_pass(grad_attn_output, attn_weights_dropped, value_states, *, num_heads, cfg, interpret):
+  """Pass 1: ``(dV [B*KVH, Skv, D], delta partials [B*H, cdiv(Skv, block_kv), Sq] fp32)``.
+
+  ``attn_weights_dropped`` is ``[B*H, Sq, Skv]``, ``value_states`` ``[B*KVH, Skv, D]``.
+  """
+  b, sq, h, d = grad_attn_output.shape
+  bkvh, skv, _ = value_states.shape
+  kvh = bkvh // b
+  n_kv = pl.cdiv(skv, cfg.block_kv)
+  return pl.pallas_call(
+      functools.partial(_dv_delta_kernel, num_heads=num_heads, num_kv_heads=kvh, sq=sq,
+                        skv=skv, head_dim=d, block_q=cfg.block_q, block_kv=cfg.block_kv),
+      out_shape=(out_struct((bkvh, skv, d), value_states.dtype, grad_attn_output,
+                            attn_weights_dropped, value_states),
+                 out_struct((b * h, n_kv, sq), f32, grad_attn_output, attn_weights_dropped,
+                            value_states)),
+      grid=(n_kv, bkvh),
+      compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps,
+                                              num_stages=cfg.num_stages),
+      interpret=interpret,
+      name="attention_dropout_value_bwd_dv",
+  )(grad_attn_output, attn_weights_dropped, value_states)
+
+
+@functools.partial(jax.jit, static_argnames=["num_heads", "dropout", "cfg", "interpret"])
+def ds_pass(grad_attn_output, attn_weights, keep, value_states, dpart, scale, *, num_heads,
+            dropout, cfg, interpret):
+  """Pass 2: ``dS [B*H, Sq, Skv]``; ``keep`` / ``scale`` are unused (may be None) as
+  ``dropout`` says (see ``_ds_kernel``)."""
+  b, sq, h, d = grad_attn_output.shape
+  bkvh, skv, _ = value_states.shape
+  if dropout[0] == "none":
+    inputs = (grad_attn_output, attn_weights, value_states, dpart)
+  elif dropout[0] == "static":
+    inputs = (grad_attn_output, attn_weights, keep, value_states, dpart)
+  else:
+    inputs = (grad_attn_output, attn_weights, keep, value_states, dpart, scale)
+  return pl.pallas_call(
+      functools.partial(_ds_kernel, num_heads=num_heads, num_kv_heads=bkvh // b, sq=sq,
+                        skv=skv, head_dim=d, block_q=cfg.block_q, block_kv=cfg.block_kv,
+                        dropout=dropout),
+      out_shape=out_struct((b * h, sq, skv), attn_weights.dtype, *inputs),
+      grid=(pl.cdiv(sq, cfg.block_q), b * h),
+      compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps,
+                                              num_stages=cfg.num_stages),
+      interpret=interpret,
+      name="attention_dropout_value_bwd_ds",
+  )(*inputs)
+
+
+def _dropout_args(p_static, p_traced):
+  """``(dropout mode, scale array or None)`` for ``ds_pass``."""
+  if p_static == 0.0:
+    return ("none",), None
+  if p_static is not None:
+    return ("static", 1.0 / (1.0 - p_static)), None
+  pt = jnp.asarray(p_traced, f32)
+  on = pt > 0
+  scale = jnp.stack([jnp.where(on, 1.0 / (1.0 - pt), 1.0), jnp.where(on, 0.0, 1.0)])
+  return ("traced",), scale.astype(f32)
+
+
+@functools.partial(jax.jit, static_argnames=["p_static", "config", "interpret"])
 def _backward(grad_attn_output, attn_weights, attn_weights_dropped, value_states,
-              dropout_mask, p_traced, *, p_static, block_q, block_kv, num_warps,
-              num_stages, interpret):
+              dropout_mask, p_traced, *, p_static, config, interpret):
   b, h, sq, skv = attn_weights.shape
   kvh, d = value_states.shape[1], value_states.shape[3]
-  dtype = attn_weights.dtype
-  block_q, block_kv_dv, block_kv_ds, num_warps, num_stages = _default_config(
-      b, h, kvh, sq, skv, d, jnp.dtype(dtype).itemsize, block_q, block_kv, num_warps,
-      num_stages)
-  params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-  common = dict(num_heads=h, num_kv_heads=kvh, sq=sq, skv=skv, head_dim=d, block_q=block_q)
-
   # Free (bitcast) reshapes to 3D views; dO stays [B, Sq, H, D].
   p3 = attn_weights.reshape(b * h, sq, skv)
   pd3 = attn_weights_dropped.reshape(b * h, sq, skv)
   v3 = value_states.reshape(b * kvh, skv, d)
-
-  # Pass 1: dV + partial delta.
-  n_kv1 = pl.cdiv(skv, block_kv_dv)
-  dv, dpart = pl.pallas_call(
-      functools.partial(_dv_delta_kernel, block_kv=block_kv_dv, **common),
-      out_shape=(out_struct((b * kvh, skv, d), dtype, grad_attn_output, pd3, v3),
-                 out_struct((b * h, n_kv1, sq), f32, grad_attn_output, pd3, v3)),
-      grid=(n_kv1, b * kvh),
-      compiler_params=params,
-      interpret=interpret,
-      name="attention_dropout_value_bwd_dv",
-  )(grad_attn_output, pd3, v3)
-
-  # Pass 2: dS.
-  if p_static == 0.0:
-    dropout = ("none",)
-    inputs = (grad_attn_output, p3, v3, dpart)
-  elif p_static is not None:
-    dropout = ("static", 1.0 / (1.0 - p_static))
-    inputs = (grad_attn_output, p3, dropout_mask.reshape(b * h, sq, skv), v3, dpart)
-  else:
-    dropout = ("traced",)
-    pt = jnp.asarray(p_traced, f32)
-    on = pt > 0
-    scale = jnp.stack([jnp.where(on, 1.0 / (1.0 - pt), 1.0), jnp.where(on, 0.0, 1.0)])
-    inputs = (grad_attn_output, p3, dropout_mask.reshape(b * h, sq, skv), v3, dpart,
-              scale.astype(f32))
-  ds = pl.pallas_call(
-      functools.partial(_ds_kernel, block_kv=block_kv_ds, dropout=dropout, **common),
-      out_shape=out_struct((b * h, sq, skv), dtype, *inputs),
-      grid=(pl.cdiv(sq, block_q), b * h),
-      compiler_params=params,
-      interpret=interpret,
-      name="attention_dropout_value_bwd_ds",
-  )(*inputs)
+  dv, dpart = dv_pass(grad_attn_output, pd3, v3, num_heads=h, cfg=config.dv,
+                      interpret=interpret)
+  dropout, scale = _dropout_args(p_static, p_traced)
+  keep = None if dropout[0] == "none" else dropout_mask.reshape(b * h, sq, skv)
+  ds = ds_pass(grad_attn_output, p3, keep, v3, dpart, scale, num_heads=h, dropout=dropout,
+               cfg=config.ds, interpret=interpret)
   return ds.reshape(b, h, sq, skv), dv.reshape(b, kvh, skv, d)
 
 
 def attention_softmax_dropout_value_backward(
     grad_attn_output, attn_weights, attn_weights_dropped, value_states, dropout_mask,
-    attention_dropout, *, block_q=None, block_kv=None, num_warps=None, num_stages=None,
-    interpret=False):
+    attention_dropout, *, config: Config | None = None, block_q=None, block_kv=None,
+    num_warps=None, num_stages=None, interpret=False):
   """Backward of ``O = transpose(dropout(P) @ V)`` with GQA, as two Pallas Triton kernels.
 
   Args:
@@ -314,14 +389,11 @@ def attention_softmax_dropout_value_backward(
     attention_dropout: dropout rate p in [0, 1): a Python float / concrete scalar (the
       branch on p is static; each distinct value compiles once) or a traced scalar
       (then the mask is always read, and p == 0 still ignores it).
-    block_q, block_kv: tile sizes (powers of two >= 16). Default: 64 rows of Sq (32 for
-      fp32 inputs with D > 64); 64 rows
-      of Skv for D > 64, 128 for D <= 64, capped at the padded lengths. When
-      ``block_kv`` is not given the dV pass halves its kv block (down to 32) while it
-      would launch fewer than ~264 programs.
-    num_warps, num_stages: Triton launch parameters, the same for both kernels.
-      Default: 4 warps for tiles of up to 64 x 128 (8 above), 2 stages for
-      ``D > 64`` (3 otherwise).
+    config: tiles and launch parameters of each pass (:class:`Config`). Default: the
+      table ``tuned/attention_softmax_dropout_value.json`` measured on an H200 (for
+      16-bit inputs with D <= 128 on that device), else a heuristic (64 x 64 tiles).
+    block_q, block_kv, num_warps, num_stages: override one field of both passes'
+      configs (tiles: powers of two >= 16).
     interpret: run the kernels in the Pallas interpreter (CPU testing).
 
   Returns:
@@ -357,6 +429,15 @@ def attention_softmax_dropout_value_backward(
   p = _checks.check_problem_a(grad_attn_output, attn_weights, attn_weights_dropped,
                               value_states, dropout_mask, attention_dropout)
   p_traced = None if p is not None else attention_dropout
+  if config is None:
+    b, h, sq, skv = attn_weights.shape
+    kvh, d = value_states.shape[1], value_states.shape[3]
+    device_kind = None if interpret else jax.devices()[0].device_kind
+    config = default_config(b, h, kvh, sq, skv, d, attn_weights.dtype, device_kind)
+  overrides = dict(block_q=block_q, block_kv=block_kv, num_warps=num_warps,
+                   num_stages=num_stages)
+  overrides = {k: v for k, v in overrides.items() if v is not None}
+  config = Config(_check_pass("config.dv", config.dv._replace(**overrides)),
+                  _check_pass("config.ds", config.ds._replace(**overrides)))
   return _backward(grad_attn_output, attn_weights, attn_weights_dropped, value_states,
-                   dropout_mask, p_traced, p_static=p, block_q=block_q, block_kv=block_kv,
-                   num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+                   dropout_mask, p_traced, p_static=p, config=config, interpret=interpret)

@@ -82,9 +82,20 @@ def config_for(sq: int, sk: int, *, target: int, num_warps: int, split: bool) ->
   return Config(1 << (cap.bit_length() - 1), num_warps, split)
 
 
+def length_class(sk: int) -> str:
+  """The tuning table's key for rows of ``sk``: the padded length, and whether it is padded.
+
+  Rows whose length is not a power of two are split or padded and their loads cannot be
+  vectorised (odd strides), so they are tuned apart from the aligned ones.
+  """
+  width = next_power_of_2(sk)
+  return str(width) if width == sk else f"{width}-ragged"
+
+
 def default_config(sq: int, sk: int, device_kind: str | None = None) -> Config:
   """The tuned config for this row length on this device, else a heuristic."""
-  tuned = _tuned_table(device_kind or "").get(str(next_power_of_2(sk)))
+  table = _tuned_table(device_kind or "")
+  tuned = table.get(length_class(sk)) or table.get(str(next_power_of_2(sk)))
   if tuned:
     return config_for(sq, sk, target=tuned["target"], num_warps=tuned["num_warps"],
                       split=tuned["split"])
@@ -134,11 +145,13 @@ def _kernel(*refs, num_heads, n_rows, n_cols, block_rows, chunks, dropout):
       keep = pltriton.load(keep_ref.at[tile], mask=valid, other=False,
                            eviction_policy="evict_first")
       gd = jnp.where(keep, g * dropout, 0.0)
-    s = s + jnp.sum(probs * gd, axis=1, keepdims=True)
-    loaded.append((c0, width, valid, probs, gd))
-  for c0, width, valid, probs, gd in loaded:
+    # The attention mask is loaded with the others (not after the row sum), so a
+    # program waits for one round trip to memory, not two.
     attend = pltriton.load(mask_ref.at[b, pl.ds(r0, block_rows), pl.ds(c0, width)],
                            mask=valid, other=False)
+    s = s + jnp.sum(probs * gd, axis=1, keepdims=True)
+    loaded.append((c0, width, valid, probs, gd, attend))
+  for c0, width, valid, probs, gd, attend in loaded:
     out = jnp.where(attend, probs * (gd - s), 0.0)
     pltriton.store(o_ref.at[bh, pl.ds(r0, block_rows), pl.ds(c0, width)],
                    out.astype(o_ref.dtype), mask=valid)

@@ -55,6 +55,9 @@ diagonal tiles the loads are masked by the same index condition.
 from __future__ import annotations
 
 import functools
+import json
+import os
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -64,7 +67,7 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels import _checks
 from pallas_kernels._util import dot, next_power_of_2, out_struct
 
-__all__ = ["qk_scale_softmax_backward"]
+__all__ = ["qk_scale_softmax_backward", "Config", "PassConfig"]
 
 _F32 = jnp.float32
 _SUPPORTED = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -193,7 +196,8 @@ def _col_kernel(scale_ref, g_ref, p_ref, q_ref, delta_ref, dk_ref, *, seq_q: int
                 head_dim: int, block_q: int, block_k: int, causal: bool):
   """One program: ``block_k`` key rows of one head -> grad_key rows."""
   kj = pl.program_id(0)  # neighbours share a head: its Q and delta stay in L2
-  bh = pl.program_id(1)
+  # Heads in reverse: the row kernel's last heads are the likeliest to be still in L2.
+  bh = pl.num_programs(1) - 1 - pl.program_id(1)
   dtype = g_ref.dtype
   d_pad = next_power_of_2(max(head_dim, 16))
   scale = scale_ref[0]
@@ -231,9 +235,41 @@ def _col_kernel(scale_ref, g_ref, p_ref, q_ref, delta_ref, dk_ref, *, seq_q: int
 # ------------------------------------------------------------------------------ wrapper
 
 
-def _default_blocks(seq_q: int, seq_k: int, head_dim: int, block_q, block_k, num_warps,
-                    num_stages, *, row: bool):
-  """Heuristic tile sizes / launch parameters for one of the two kernels (unmeasured on GPU).
+class PassConfig(NamedTuple):
+  """Tiles and Triton launch parameters of one kernel (tiles: powers of two >= 16)."""
+  block_q: int
+  block_k: int
+  num_warps: int
+  num_stages: int
+
+
+class Config(NamedTuple):
+  """``row``: the delta + grad_query kernel; ``col``: the grad_key kernel."""
+  row: PassConfig
+  col: PassConfig
+
+
+_TUNED_PATH = os.path.join(os.path.dirname(__file__), "tuned", "qk_scale_softmax.json")
+
+
+@functools.cache
+def _tuned_table(device_kind: str) -> dict:
+  """Kernel configs measured on ``device_kind`` by ``benchmarks/tune_attention.py``."""
+  try:
+    with open(_TUNED_PATH) as f:
+      table = json.load(f)
+  except FileNotFoundError:
+    return {}
+  return table["configs"] if table.get("device_kind") == device_kind else {}
+
+
+def length_class(seq_k: int) -> str:
+  """The tuning table's key: the padded key length, 128 to 1024 (longer rows share 1024)."""
+  return str(min(max(next_power_of_2(seq_k), 128), 1024))
+
+
+def _heuristic(seq_q: int, seq_k: int, head_dim: int, *, row: bool) -> PassConfig:
+  """Untuned tiles and launch parameters for one of the two kernels.
 
   Base tiles are ``block_q=64`` x ``block_k=128``, capped by the padded sequence lengths and
   kept >= 16 (the tensor-core minimum). The row kernel deviates in two ways:
@@ -242,75 +278,106 @@ def _default_blocks(seq_q: int, seq_k: int, head_dim: int, block_q, block_k, num
     its two passes fuse and ``g``/``P`` are read once.
   * ``Sk > 256``: ``block_q=32``, halving each program's row footprint (``32*Sk*4`` B) so
     that pass 2's re-read of the row is more likely to hit L2 (~260 programs in flight).
-
-  Explicit ``block_q``/``block_k`` are used as given by both kernels.
   """
   d_pad = next_power_of_2(max(head_dim, 16))
   pq = max(16, next_power_of_2(seq_q))
   pk = max(16, next_power_of_2(seq_k))
-  if block_q is None:
-    block_q = min(32 if row and pk > 128 else 64, pq)
-  if block_k is None:
-    block_k = min(256 if row and pk <= 256 else 128, pk)
-  block_q = _check_block("block_q", block_q)
-  block_k = _check_block("block_k", block_k)
+  block_q = min(32 if row and pk > 128 else 64, pq)
+  block_k = min(256 if row and pk <= 256 else 128, pk)
   tile = block_q * block_k
-  if num_warps is None:
-    num_warps = 8 if tile >= 8192 or (d_pad >= 128 and tile >= 4096) else 4
-  if num_stages is None:
-    if row and block_k >= pk:
-      num_stages = 1  # one-tile rows: the loop runs once, there is nothing to prefetch
-    else:
-      num_stages = 2 if d_pad >= 128 or tile >= 8192 else 3
-  return block_q, block_k, int(num_warps), int(num_stages)
+  num_warps = 8 if tile >= 8192 or (d_pad >= 128 and tile >= 4096) else 4
+  if row and block_k >= pk:
+    num_stages = 1  # one-tile rows: the loop runs once, there is nothing to prefetch
+  else:
+    num_stages = 2 if d_pad >= 128 or tile >= 8192 else 3
+  return PassConfig(block_q, block_k, num_warps, num_stages)
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "block_q", "block_k", "num_warps",
-                                             "num_stages", "interpret"))
-def _backward(grad_output, query, key, attn_weights, scaling, *, causal, block_q, block_k,
-              num_warps, num_stages, interpret):
+def default_config(seq_q: int, seq_k: int, head_dim: int, dtype, device_kind=None) -> Config:
+  """The tuned config (bf16/fp16, D <= 128, on the device it was tuned on), else a heuristic.
+
+  Tuned tiles are capped at the padded lengths; a tuned row kernel with a whole-row tile
+  (``block_k == 0`` in the table) takes ``block_k`` = the padded ``Sk``.
+  """
+  tuned = _tuned_table(device_kind or "").get(length_class(seq_k))
+  if not tuned or jnp.dtype(dtype).itemsize > 2 or next_power_of_2(head_dim) > 128:
+    return Config(_heuristic(seq_q, seq_k, head_dim, row=True),
+                  _heuristic(seq_q, seq_k, head_dim, row=False))
+  pq = max(16, next_power_of_2(seq_q))
+  pk = max(16, next_power_of_2(seq_k))
+
+  def cap(c):
+    block_k = pk if c[1] == 0 else min(c[1], pk)
+    return PassConfig(min(c[0], pq), block_k, c[2], c[3])
+
+  return Config(cap(tuned["row"]), cap(tuned["col"]))
+
+
+def _check_pass(name: str, c: PassConfig) -> PassConfig:
+  c = PassConfig(*(int(v) for v in c))
+  _check_block(f"{name}.block_q", c.block_q)
+  _check_block(f"{name}.block_k", c.block_k)
+  if c.num_warps < 1 or c.num_stages < 1:
+    raise ValueError(f"{name}: num_warps and num_stages must be >= 1, got {c}")
+  return c
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "cfg", "interpret"))
+def row_pass(scale, g, p, k, *, causal, cfg, interpret):
+  """``(grad_query [B*H, Sq, D], delta [B*H, Sq] fp32)`` from 3D ``[B*H, ...]`` views."""
+  bh, seq_q, seq_k = g.shape
+  head_dim = k.shape[-1]
+  return pl.pallas_call(
+      functools.partial(_row_kernel, seq_q=seq_q, seq_k=seq_k, head_dim=head_dim,
+                        block_q=cfg.block_q, block_k=cfg.block_k, causal=causal),
+      out_shape=(out_struct((bh, seq_q, head_dim), k.dtype, g, p, k),
+                 out_struct((bh, seq_q), _F32, g, p, k)),
+      grid=(pl.cdiv(seq_q, cfg.block_q), bh),
+      compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps,
+                                              num_stages=cfg.num_stages),
+      interpret=interpret,
+      name="qk_scale_softmax_bwd_dq",
+  )(scale, g, p, k)
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "cfg", "interpret"))
+def col_pass(scale, g, p, q, delta, *, causal, cfg, interpret):
+  """``grad_key [B*H, Sk, D]`` from 3D ``[B*H, ...]`` views and the row pass's delta."""
+  bh, seq_q, seq_k = g.shape
+  head_dim = q.shape[-1]
+  return pl.pallas_call(
+      functools.partial(_col_kernel, seq_q=seq_q, seq_k=seq_k, head_dim=head_dim,
+                        block_q=cfg.block_q, block_k=cfg.block_k, causal=causal),
+      out_shape=out_struct((bh, seq_k, head_dim), q.dtype, g, p, q),
+      grid=(pl.cdiv(seq_k, cfg.block_k), bh),
+      compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps,
+                                              num_stages=cfg.num_stages),
+      interpret=interpret,
+      name="qk_scale_softmax_bwd_dk",
+  )(scale, g, p, q, delta)
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "config", "interpret"))
+def _backward(grad_output, query, key, attn_weights, scaling, *, causal, config, interpret):
   b, h, seq_q, head_dim = query.shape
   seq_k = key.shape[2]
   bh = b * h
-  dtype = query.dtype
   # Free reshapes to [B*H, ...] views; the kernels index every dimension separately.
   g = grad_output.reshape(bh, seq_q, seq_k)
   p = attn_weights.reshape(bh, seq_q, seq_k)
   q = query.reshape(bh, seq_q, head_dim)
   k = key.reshape(bh, seq_k, head_dim)
   scale = jnp.asarray(scaling, _F32).reshape(1)
-
-  common = dict(seq_q=seq_q, seq_k=seq_k, head_dim=head_dim, causal=causal)
-
-  bq, bk, nw, ns = _default_blocks(seq_q, seq_k, head_dim, block_q, block_k, num_warps,
-                                   num_stages, row=True)
-  grad_query, delta = pl.pallas_call(
-      functools.partial(_row_kernel, block_q=bq, block_k=bk, **common),
-      out_shape=(out_struct((bh, seq_q, head_dim), dtype, g, p, k),
-                 out_struct((bh, seq_q), _F32, g, p, k)),
-      grid=(pl.cdiv(seq_q, bq), bh),
-      compiler_params=pltriton.CompilerParams(num_warps=nw, num_stages=ns),
-      interpret=interpret,
-      name="qk_scale_softmax_bwd_dq",
-  )(scale, g, p, k)
-
-  bq, bk, nw, ns = _default_blocks(seq_q, seq_k, head_dim, block_q, block_k, num_warps,
-                                   num_stages, row=False)
-  grad_key = pl.pallas_call(
-      functools.partial(_col_kernel, block_q=bq, block_k=bk, **common),
-      out_shape=out_struct((bh, seq_k, head_dim), dtype, g, p, q),
-      grid=(pl.cdiv(seq_k, bk), bh),
-      compiler_params=pltriton.CompilerParams(num_warps=nw, num_stages=ns),
-      interpret=interpret,
-      name="qk_scale_softmax_bwd_dk",
-  )(scale, g, p, q, delta)
-
+  grad_query, delta = row_pass(scale, g, p, k, causal=causal, cfg=config.row,
+                               interpret=interpret)
+  grad_key = col_pass(scale, g, p, q, delta, causal=causal, cfg=config.col,
+                      interpret=interpret)
   return grad_query.reshape(b, h, seq_q, head_dim), grad_key.reshape(b, h, seq_k, head_dim)
 
 
 def qk_scale_softmax_backward(grad_output, query, key, attn_weights, scaling, *, causal=False,
-                              block_q=None, block_k=None, num_warps=None, num_stages=None,
-                              interpret=False):
+                              config: Config | None = None, block_q=None, block_k=None,
+                              num_warps=None, num_stages=None, interpret=False):
   """Backward of ``softmax((Q @ K^T) * scaling)`` to ``Q`` and ``K`` (problem C).
 
   Args:
@@ -321,11 +388,12 @@ def qk_scale_softmax_backward(grad_output, query, key, attn_weights, scaling, *,
     scaling: the logits' scale; a Python float or a (possibly traced) scalar.
     causal: the caller promises ``P_ij == 0`` for ``j > i + (Sk - Sq)``; tiles entirely in
       that region are skipped (never loaded, no MMAs). Results equal the dense ones.
-    block_q, block_k: tile sizes (powers of two >= 16) along ``Sq`` and ``Sk``, used by both
-      kernels; ``None`` picks 64 x 128 capped by the padded lengths (row kernel: 32 query
-      rows, and a whole row of up to 256 keys as one tile).
-    num_warps, num_stages: Triton launch parameters; ``None`` picks 4/8 warps and 2/3 stages
-      from the tile and head sizes.
+    config: tiles and launch parameters of each kernel (:class:`Config`). Default: the
+      table ``tuned/qk_scale_softmax.json`` measured on an H200 (16-bit inputs, D <= 128,
+      on that device), else a heuristic (64 x 128 tiles; the row kernel takes 32 query rows
+      and a whole row of up to 256 keys as one tile).
+    block_q, block_k, num_warps, num_stages: override one field of both kernels' configs
+      (tiles: powers of two >= 16 along ``Sq`` and ``Sk``).
     interpret: run the kernels in Pallas interpret mode (CPU testing).
 
   All arrays share one dtype: bfloat16 (main target), float16 or float32. Arithmetic is fp32
@@ -344,6 +412,14 @@ def qk_scale_softmax_backward(grad_output, query, key, attn_weights, scaling, *,
     ``(grad_query [B, H, Sq, D], grad_key [B, H, Sk, D])`` in the inputs' dtype.
   """
   _checks.check_problem_c(grad_output, query, key, attn_weights, scaling, dtypes=_SUPPORTED)
+  if config is None:
+    device_kind = None if interpret else jax.devices()[0].device_kind
+    config = default_config(query.shape[2], key.shape[2], query.shape[3], query.dtype,
+                            device_kind)
+  overrides = dict(block_q=block_q, block_k=block_k, num_warps=num_warps,
+                   num_stages=num_stages)
+  overrides = {k: v for k, v in overrides.items() if v is not None}
+  config = Config(_check_pass("config.row", config.row._replace(**overrides)),
+                  _check_pass("config.col", config.col._replace(**overrides)))
   return _backward(grad_output, query, key, attn_weights, scaling, causal=bool(causal),
-                   block_q=block_q, block_k=block_k, num_warps=num_warps,
-                   num_stages=num_stages, interpret=bool(interpret))
+                   config=config, interpret=bool(interpret))

@@ -1,7 +1,9 @@
-"""Run by tests/test_transforms.py in a subprocess with 4 forced CPU devices.
+"""Run by tests/test_transforms.py in a subprocess with 4 forced CPU devices, and on
+a machine with several GPUs as it is (``PYTHONPATH=. python3 tests/shard_map_check.py``).
 
 A training step of a tiny model that uses all three ops (Pallas kernels in
-interpret mode), jitted over a 4-device mesh with batch-sharded inputs through
+interpret mode on CPU, compiled on GPU), jitted over a mesh of all devices with
+batch-sharded inputs through
 ``jax.shard_map``; prints JSON: the largest relative difference (norm) from the
 single-device loss and gradients, and the all-gather ops in the compiled program.
 """
@@ -43,7 +45,7 @@ def main():
   mask = jax.random.bernoulli(keys[4], 0.8, (B, 1, S, S))
   single = jax.jit(jax.value_and_grad(loss))(params, x, mask)
 
-  mesh = jax.make_mesh((4,), ("batch",))
+  mesh = jax.make_mesh((jax.device_count(),), ("batch",))
 
   def per_shard(params, x, mask):
     value, grads = jax.value_and_grad(loss)(params, x, mask)

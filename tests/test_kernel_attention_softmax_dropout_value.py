@@ -180,3 +180,19 @@ def test_lowers_to_triton(pretend_h200, p):
     fn = jax.jit(lambda *a: kernel(*a, p))
   text = fn.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("xla.gpu.triton") == 2
+
+
+@pytest.mark.parametrize("device_kind", [None, "NVIDIA H200"])
+def test_default_config(device_kind):
+  """Heuristic and tuned defaults: powers of two >= 16, capped by the padded lengths."""
+  import itertools
+  from pallas_kernels import attention_softmax_dropout_value as asdv
+  for sq, skv, d, dtype in itertools.product([1, 33, 211, 4096], [1, 200, 449, 4096],
+                                             [40, 64, 128], [jnp.bfloat16, jnp.float32]):
+    config = asdv.default_config(2, 8, 2, sq, skv, d, dtype, device_kind)
+    for c in config:
+      for blk in (c.block_q, c.block_kv):
+        assert blk >= 16 and blk & (blk - 1) == 0
+      assert c.block_q <= max(16, asdv.next_power_of_2(sq))
+      assert c.block_kv <= max(16, asdv.next_power_of_2(skv))
+      assert c.num_warps in (2, 4, 8, 16) and 1 <= c.num_stages <= 4

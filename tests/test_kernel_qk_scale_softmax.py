@@ -174,15 +174,18 @@ def test_argument_errors():
     qk_scale_softmax_backward(g, q, k, p, jnp.ones(2), interpret=True)
 
 
-def test_default_blocks():
-  """Heuristic defaults: powers of two >= 16, capped by the padded lengths."""
-  for sq, sk, d, row in itertools.product([1, 33, 211, 4096], [1, 200, 4096], [40, 64, 128],
-                                          [True, False]):
-    bq, bk, nw, ns = qks._default_blocks(sq, sk, d, None, None, None, None, row=row)
-    for blk in (bq, bk):
-      assert blk >= 16 and blk & (blk - 1) == 0
-    assert bq <= max(16, qks.next_power_of_2(sq)) and bk <= max(16, qks.next_power_of_2(sk))
-    assert nw in (4, 8) and ns in (1, 2, 3)
+@pytest.mark.parametrize("device_kind", [None, "NVIDIA H200"])
+def test_default_config(device_kind):
+  """Heuristic and tuned defaults: powers of two >= 16, capped by the padded lengths."""
+  for sq, sk, d, dtype in itertools.product([1, 33, 211, 4096], [1, 200, 449, 4096],
+                                            [40, 64, 128], [jnp.bfloat16, jnp.float32]):
+    config = qks.default_config(sq, sk, d, dtype, device_kind)
+    for c in config:
+      for blk in (c.block_q, c.block_k):
+        assert blk >= 16 and blk & (blk - 1) == 0
+      assert c.block_q <= max(16, qks.next_power_of_2(sq))
+      assert c.block_k <= max(16, qks.next_power_of_2(sk))
+      assert c.num_warps in (2, 4, 8, 16) and 1 <= c.num_stages <= 4
 
 
 @pytest.mark.parametrize("causal", [False, True])

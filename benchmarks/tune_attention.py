@@ -1,0 +1,192 @@
+"""Tunes the two passes of the attention kernels (problems A and C) on this GPU.
+
+Usage (on a GPU)::
+
+    PYTHONPATH=. python3 -m benchmarks.tune_attention --op attention_softmax_dropout_value
+    PYTHONPATH=. python3 -m benchmarks.tune_attention --op qk_scale_softmax
+
+Each kernel runs as two Pallas calls (A: dV + delta, then dS; C: delta + grad_query,
+then grad_key); they are timed apart, each over a list of candidate tiles and launch
+parameters, on a spread of the op's workloads (inputs rotated so L2 is cold). For each
+length class of the kernel (``length_class``) the table keeps, per pass, the candidate
+with the best geomean of time / best time over the class's workloads, and is written
+after every workload (``pallas_kernels/tuned/<op>.json``, used when the device matches).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks import run as bench
+from benchmarks.timing import compile_all, device_times_us
+from pallas_kernels import attention_softmax_dropout_value as asdv
+from pallas_kernels import qk_scale_softmax as qks
+
+# (block_q, block_kv, num_warps, num_stages)
+A_DV = [(64, 64, 4, 2), (64, 64, 4, 3), (32, 128, 8, 2), (64, 128, 8, 2), (64, 128, 8, 3),
+        (128, 128, 8, 2), (32, 64, 4, 3), (128, 64, 8, 2), (64, 128, 4, 2), (32, 128, 4, 3)]
+A_DS = [(64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 128, 4, 2),
+        (64, 128, 8, 3), (128, 32, 4, 3), (256, 64, 8, 2), (128, 64, 4, 3), (64, 32, 4, 3)]
+A_WORKLOADS = [0, 1, 2, 3, 4, 8, 10, 15]
+# (block_q, block_k, num_warps, num_stages); block_k 0 = the whole (padded) row as one tile.
+C_ROW = [(16, 0, 4, 1), (32, 0, 4, 1), (32, 0, 8, 1), (64, 0, 8, 1), (16, 128, 4, 2),
+         (32, 128, 4, 2), (32, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3), (64, 64, 4, 3),
+         (32, 256, 8, 2), (64, 256, 8, 2)]
+C_COL = [(64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (128, 64, 8, 2), (64, 128, 4, 2),
+         (128, 128, 8, 2), (32, 64, 4, 3), (64, 128, 8, 3), (128, 64, 4, 3)]
+C_WORKLOADS = [0, 1, 2, 4, 8, 9, 10, 13, 14]
+
+
+def _a_passes(w, constants, sets):
+  """``{pass: (candidates, [fn(*set) per candidate], sets)}`` for problem A."""
+  p = constants["attention_dropout"]
+  h = constants["num_attention_heads"]
+  b, _, kvh, sq, skv, d = bench._a_dims(w, constants)
+
+  def views(d_o, probs, dropped, value, keep):
+    return (d_o, dropped.reshape(b * h, sq, skv), probs.reshape(b * h, sq, skv),
+            keep.reshape(b * h, sq, skv), value.reshape(b * kvh, skv, d))
+
+  base = asdv.default_config(b, h, kvh, sq, skv, d, jnp.bfloat16)
+  view_sets = [views(*s) for s in sets]
+  dv_sets = [(s[0], s[1], s[4]) for s in view_sets]
+  ds_sets = []
+  for d_o, pd3, p3, k3, v3 in view_sets:
+    _, dpart = asdv.dv_pass(d_o, pd3, v3, num_heads=h, cfg=base.dv, interpret=False)
+    ds_sets.append((d_o, p3, k3, v3, dpart))
+  dropout = ("static", 1.0 / (1.0 - p))
+  cap_q, cap_kv = max(16, asdv.next_power_of_2(sq)), max(16, asdv.next_power_of_2(skv))
+
+  def capped(c):
+    return asdv.PassConfig(min(c[0], cap_q), min(c[1], cap_kv), c[2], c[3])
+
+  dv = [(c, lambda d_o, pd3, v3, cfg=capped(c): asdv.dv_pass(d_o, pd3, v3, num_heads=h, cfg=cfg,
+                                                             interpret=False)) for c in A_DV]
+  ds = [(c, lambda d_o, p3, k3, v3, dpart, cfg=capped(c): asdv.ds_pass(
+      d_o, p3, k3, v3, dpart, None, num_heads=h, dropout=dropout, cfg=cfg, interpret=False))
+        for c in A_DS]
+  return {"dv": (dv, dv_sets), "ds": (ds, ds_sets)}, asdv.length_class(skv)
+
+
+def _c_passes(w, constants, sets):
+  b, h, sq, sk, d = bench._c_dims(w, constants)
+  scale = jnp.asarray([constants["scaling"]], jnp.float32)
+  pk = max(16, qks.next_power_of_2(sk))
+  cap_q = max(16, qks.next_power_of_2(sq))
+
+  def views(g, q, k, p):
+    return (g.reshape(b * h, sq, sk), p.reshape(b * h, sq, sk), q.reshape(b * h, sq, d),
+            k.reshape(b * h, sk, d))
+
+  base = qks.default_config(sq, sk, d, jnp.bfloat16)
+  view_sets = [views(*s) for s in sets]
+  row_sets = [(g, p, k) for g, p, _, k in view_sets]
+  col_sets = []
+  for g, p, q, k in view_sets:
+    _, delta = qks.row_pass(scale, g, p, k, causal=False, cfg=base.row, interpret=False)
+    col_sets.append((g, p, q, delta))
+
+  def capped(c):
+    return qks.PassConfig(min(c[0], cap_q), pk if c[1] == 0 else min(c[1], pk), c[2], c[3])
+
+  row_cands = [c for c in C_ROW if c[1] != 0 or pk <= 512]
+  row = [(c, lambda g, p, k, cfg=capped(c): qks.row_pass(scale, g, p, k, causal=False, cfg=cfg,
+                                                         interpret=False)) for c in row_cands]
+  col = [(c, lambda g, p, q, delta, cfg=capped(c): qks.col_pass(
+      scale, g, p, q, delta, causal=False, cfg=cfg, interpret=False)) for c in C_COL]
+  return {"row": (row, row_sets), "col": (col, col_sets)}, qks.length_class(sk)
+
+
+OPS = {
+    "attention_softmax_dropout_value": (bench.PROBLEM_A, A_WORKLOADS, _a_passes, asdv._TUNED_PATH),
+    "qk_scale_softmax": (bench.PROBLEMS["qk_scale_softmax"], C_WORKLOADS, _c_passes,
+                         qks._TUNED_PATH),
+}
+
+
+def _write_table(ratios, out):
+  """ratios[class][pass] = list of {candidate: time / best} dicts, one per workload."""
+  table = {}
+  for key, passes in sorted(ratios.items()):
+    entry = {}
+    for name, per_workload in passes.items():
+      common = set.intersection(*(set(r) for r in per_workload))
+      score = {c: math.exp(sum(math.log(r[c]) for r in per_workload) / len(per_workload))
+               for c in common}
+      best = min(score, key=score.get)
+      entry[name] = list(best)
+      entry[f"{name}_geomean_vs_best"] = round(score[best], 4)
+    table[key] = entry
+  result = {"device_kind": jax.devices()[0].device_kind,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "jax": jax.__version__, "configs": table}
+  os.makedirs(os.path.dirname(out), exist_ok=True)
+  with open(out, "w") as f:
+    json.dump(result, f, indent=1)
+  return result
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--op", required=True, choices=sorted(OPS))
+  parser.add_argument("--out", default=None)
+  parser.add_argument("--calls", type=int, default=8)
+  parser.add_argument("--workloads", default=None,
+                      help="comma-separated workload indices (default: a fixed spread)")
+  args = parser.parse_args(argv)
+  if jax.default_backend() != "gpu":
+    print("tuning needs a CUDA GPU", file=sys.stderr)
+    return 2
+  problem, indices, passes_fn, default_out = OPS[args.op]
+  out = args.out or default_out
+  if args.workloads:
+    indices = [int(i) for i in args.workloads.split(",")]
+  with open(os.path.join(bench.HERE, "workloads.json")) as f:
+    spec = json.load(f)[problem.name + "_backward"]
+  constants, workloads = spec["constants"], spec["workloads"]
+  ratios: dict[str, dict[str, list[dict]]] = {}
+  result = None
+  for index in indices:
+    w = workloads[index]
+    first = problem.make_inputs(w, constants, jax.random.key(9000 + 100 * index))
+    set_bytes = sum(x.size * x.dtype.itemsize for x in first)
+    n_sets = int(min(16, max(2, math.ceil(bench._ROTATE_BYTES / set_bytes))))
+    sets = [first] + [problem.make_inputs(w, constants, jax.random.key(9000 + 100 * index + i))
+                      for i in range(1, n_sets)]
+    passes, key = passes_fn(w, constants, sets)
+    line = [f"{problem.label(w):>18} [{key}]"]
+    for name, (cands, pass_sets) in passes.items():
+      compiled = compile_all([fn for _, fn in cands], pass_sets[0])
+      ok = []
+      for (cand, _), exe in zip(cands, compiled):
+        if exe is None:
+          continue
+        try:
+          jax.block_until_ready(exe(*pass_sets[0]))
+        except Exception as e:  # noqa: BLE001 - e.g. out of shared memory at launch
+          print(f"  {name} {cand}: launch failed: {str(e).splitlines()[0][:160]}", flush=True)
+          continue
+        ok.append((cand, exe))
+      times = [t["median_us"] for t in device_times_us([exe for _, exe in ok], pass_sets,
+                                                        calls=args.calls, warmup=1)]
+      best = min(times)
+      ratios.setdefault(key, {}).setdefault(name, []).append(
+          {cand: t / best for (cand, _), t in zip(ok, times)})
+      line.append(f"{name}: " + " ".join(f"{c[0]}x{c[1]}/{c[2]}w/{c[3]}s={t:.1f}"
+                                         for (c, _), t in zip(ok, times)))
+    print("  ".join(line), flush=True)
+    result = _write_table(ratios, out)
+  print(json.dumps(result, indent=1))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
