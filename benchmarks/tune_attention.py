@@ -30,18 +30,24 @@ from benchmarks.timing import compile_all, device_times_us
 from pallas_kernels import attention_softmax_dropout_value as asdv
 from pallas_kernels import qk_scale_softmax as qks
 
-# (block_q, block_kv, num_warps, num_stages)
+# (block_q, block_kv, num_warps, num_stages[, prefetch])
 A_DV = [(64, 64, 4, 2), (64, 64, 4, 3), (32, 128, 8, 2), (64, 128, 8, 2), (64, 128, 8, 3),
         (128, 128, 8, 2), (32, 64, 4, 3), (128, 64, 8, 2), (64, 128, 4, 2), (32, 128, 4, 3)]
 A_DS = [(64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 128, 4, 2),
         (64, 128, 8, 3), (128, 32, 4, 3), (256, 64, 8, 2), (128, 64, 4, 3), (64, 32, 4, 3)]
+A_DS += [(64, 64, 4, 2, True), (64, 128, 4, 2, True), (32, 64, 4, 2, True),
+         (64, 64, 4, 1, True), (64, 32, 4, 2, True)]
 A_WORKLOADS = [0, 1, 2, 3, 4, 8, 10, 15]
-# (block_q, block_k, num_warps, num_stages); block_k 0 = the whole (padded) row as one tile.
+# (block_q, block_k, num_warps, num_stages[, prefetch]); block_k 0 = the whole (padded) row.
 C_ROW = [(16, 0, 4, 1), (32, 0, 4, 1), (32, 0, 8, 1), (64, 0, 8, 1), (16, 128, 4, 2),
          (32, 128, 4, 2), (32, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3), (64, 64, 4, 3),
          (32, 256, 8, 2), (64, 256, 8, 2)]
 C_COL = [(64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (128, 64, 8, 2), (64, 128, 4, 2),
          (128, 128, 8, 2), (32, 64, 4, 3), (64, 128, 8, 3), (128, 64, 4, 3)]
+C_ROW += [(32, 128, 4, 2, True), (16, 128, 4, 2, True), (32, 64, 4, 2, True),
+          (32, 128, 4, 1, True)]
+C_COL += [(32, 64, 4, 3, True), (32, 64, 4, 2, True), (64, 64, 4, 2, True),
+          (32, 128, 4, 2, True)]
 C_WORKLOADS = [0, 1, 2, 4, 8, 9, 10, 13, 14]
 
 
@@ -66,7 +72,7 @@ def _a_passes(w, constants, sets):
   cap_q, cap_kv = max(16, asdv.next_power_of_2(sq)), max(16, asdv.next_power_of_2(skv))
 
   def capped(c):
-    return asdv.PassConfig(min(c[0], cap_q), min(c[1], cap_kv), c[2], c[3])
+    return asdv.PassConfig(min(c[0], cap_q), min(c[1], cap_kv), *c[2:])
 
   dv = [(c, lambda d_o, pd3, v3, cfg=capped(c): asdv.dv_pass(d_o, pd3, v3, num_heads=h, cfg=cfg,
                                                              interpret=False)) for c in A_DV]
@@ -95,7 +101,7 @@ def _c_passes(w, constants, sets):
     col_sets.append((g, p, q, delta))
 
   def capped(c):
-    return qks.PassConfig(min(c[0], cap_q), pk if c[1] == 0 else min(c[1], pk), c[2], c[3])
+    return qks.PassConfig(min(c[0], cap_q), pk if c[1] == 0 else min(c[1], pk), *c[2:])
 
   row_cands = [c for c in C_ROW if c[1] != 0 or pk <= 512]
   row = [(c, lambda g, p, k, cfg=capped(c): qks.row_pass(scale, g, p, k, causal=False, cfg=cfg,
@@ -113,8 +119,16 @@ OPS = {
 
 
 def _write_table(ratios, out):
-  """ratios[class][pass] = list of {candidate: time / best} dicts, one per workload."""
+  """ratios[class][pass] = list of {candidate: time / best} dicts, one per workload.
+
+  Classes not measured in this run keep their entries from the table already at ``out``.
+  """
   table = {}
+  if os.path.exists(out):
+    with open(out) as f:
+      old = json.load(f)
+    if old.get("device_kind") == jax.devices()[0].device_kind:
+      table.update(old["configs"])
   for key, passes in sorted(ratios.items()):
     entry = {}
     for name, per_workload in passes.items():
@@ -139,6 +153,8 @@ def main(argv=None):
   parser.add_argument("--op", required=True, choices=sorted(OPS))
   parser.add_argument("--out", default=None)
   parser.add_argument("--calls", type=int, default=8)
+  parser.add_argument("--only", default=None,
+                      help="keep only candidates whose repr contains this (e.g. True)")
   parser.add_argument("--workloads", default=None,
                       help="comma-separated workload indices (default: a fixed spread)")
   args = parser.parse_args(argv)
@@ -164,6 +180,8 @@ def main(argv=None):
     passes, key = passes_fn(w, constants, sets)
     line = [f"{problem.label(w):>18} [{key}]"]
     for name, (cands, pass_sets) in passes.items():
+      if args.only:
+        cands = [(c, fn) for c, fn in cands if args.only in repr(c)]
       compiled = compile_all([fn for _, fn in cands], pass_sets[0])
       ok = []
       for (cand, _), exe in zip(cands, compiled):
@@ -180,7 +198,7 @@ def main(argv=None):
       best = min(times)
       ratios.setdefault(key, {}).setdefault(name, []).append(
           {cand: t / best for (cand, _), t in zip(ok, times)})
-      line.append(f"{name}: " + " ".join(f"{c[0]}x{c[1]}/{c[2]}w/{c[3]}s={t:.1f}"
+      line.append(f"{name}: " + " ".join(f"{c[0]}x{c[1]}/{c[2]}w/{c[3]}s{'/pf' if c[4:] else ''}={t:.1f}"
                                          for (c, _), t in zip(ok, times)))
     print("  ".join(line), flush=True)
     result = _write_table(ratios, out)

@@ -129,7 +129,7 @@ def _dv_delta_kernel(do_ref, pd_ref, v_ref,  # inputs
 # Pass 2: dS = P * (dW - delta).
 # --------------------------------------------------------------------------------------
 def _ds_kernel(*refs, num_heads, num_kv_heads, sq, skv, head_dim, block_q, block_kv,
-               dropout):
+               dropout, prefetch=False):
   """One program = one ``block_q`` rows of one (batch, head); loops over all of Skv.
 
   ``dropout`` is ``"none"`` (p == 0: keep is not an input), ``"static"`` (python
@@ -176,20 +176,28 @@ def _ds_kernel(*refs, num_heads, num_kv_heads, sq, skv, head_dim, block_q, block
   nkv = pl.cdiv(skv, block_kv)
   ragged_kv = skv % block_kv != 0
 
-  def tile(j, masked):
+  def load_p_keep(j, masked):
+    k0 = j * block_kv
+    kv_mask = (k0 + jnp.arange(block_kv)) < skv if masked else None
+    mask = _outer(q_mask, kv_mask)
+    p = _load(p_ref.at[bh, pl.ds(q0, block_q), pl.ds(k0, block_kv)], mask, 0.0)
+    keep = (jnp.zeros((), jnp.bool_) if mode == "none" else
+            _load(keep_ref.at[bh, pl.ds(q0, block_q), pl.ds(k0, block_kv)], mask, False))
+    return p, keep
+
+  def tile(j, masked, p=None, keep=None):
     k0 = j * block_kv
     kv_mask = (k0 + jnp.arange(block_kv)) < skv if masked else None
     v = _load(v_ref.at[bk, pl.ds(k0, block_kv), pl.ds(0, d_pad)], _outer(kv_mask, d_mask), 0.0)
     dw = dot(do, v, trans_b=True)  # dPd, [block_q, block_kv] fp32
     mask = _outer(q_mask, kv_mask)
-    p = _load(p_ref.at[bh, pl.ds(q0, block_q), pl.ds(k0, block_kv)], mask, 0.0).astype(f32)
+    if p is None:
+      p, keep = load_p_keep(j, masked)
     if mode == "static":
-      keep = _load(keep_ref.at[bh, pl.ds(q0, block_q), pl.ds(k0, block_kv)], mask, False)
       dw = jnp.where(keep, dw * dropout[1], 0.0)
     elif mode == "traced":
-      keep = _load(keep_ref.at[bh, pl.ds(q0, block_q), pl.ds(k0, block_kv)], mask, False)
       dw = dw * jnp.where(keep, keep_scale, drop_scale)
-    ds = p * (dw - delta[:, None])
+    ds = p.astype(f32) * (dw - delta[:, None])
     _store(ds_ref.at[bh, pl.ds(q0, block_q), pl.ds(k0, block_kv)], ds.astype(ds_ref.dtype),
            mask)
 
@@ -197,7 +205,17 @@ def _ds_kernel(*refs, num_heads, num_kv_heads, sq, skv, head_dim, block_q, block
     tile(j, masked)
     return carry
 
-  if ragged_kv:
+  if prefetch:
+    # Software prefetch in registers: tile j + 1's P and keep are requested before tile
+    # j is computed. Rows of odd length cannot use the asynchronous (16-byte) copies
+    # Triton pipelines with, so without this each tile would wait for its loads.
+    def prefetch_body(j, carry):
+      nxt = load_p_keep(j + 1, True)  # past the end: fully masked, touches no memory
+      tile(j, True, *carry)
+      return nxt
+
+    lax.fori_loop(0, nkv, prefetch_body, load_p_keep(h * 0, True))
+  elif ragged_kv:
     # Unmasked steady state, one masked tail tile (keeps the kv mask out of the hot loop).
     # The tail is a one-trip loop so its start index stays dynamic: a constant start
     # past the end would fail the static slice bounds check of the indexer.
@@ -211,11 +229,15 @@ def _ds_kernel(*refs, num_heads, num_kv_heads, sq, skv, head_dim, block_q, block
 # Launch configuration.
 # --------------------------------------------------------------------------------------
 class PassConfig(NamedTuple):
-  """Tiles and Triton launch parameters of one pass (tiles: powers of two >= 16)."""
+  """Tiles and Triton launch parameters of one pass (tiles: powers of two >= 16).
+
+  ``prefetch`` (dS pass only): load the next tile's P and keep while computing this one.
+  """
   block_q: int
   block_kv: int
   num_warps: int
   num_stages: int
+  prefetch: bool = False
 
 
 class Config(NamedTuple):
@@ -240,8 +262,11 @@ def _tuned_table(device_kind: str) -> dict:
 
 
 def length_class(skv: int) -> str:
-  """The tuning table's key: the padded kv length, 128 to 1024 (longer rows share 1024)."""
-  return str(min(max(next_power_of_2(skv), 128), 1024))
+  """The tuning table's key: the padded kv length, 128 to 1024 (longer rows share 1024),
+  and ``-ragged`` when rows are not a multiple of 8 elements (not 16-byte aligned in bf16:
+  Triton cannot vectorise or pipeline their loads, so other tiles win)."""
+  key = str(min(max(next_power_of_2(skv), 128), 1024))
+  return key if skv % 8 == 0 else key + "-ragged"
 
 
 def _heuristic(b, h, kvh, sq, skv, d, itemsize) -> Config:
@@ -268,18 +293,19 @@ def default_config(b, h, kvh, sq, skv, d, dtype, device_kind=None) -> Config:
   Tuned tiles are capped at the padded lengths, so short sequences get smaller tiles.
   """
   itemsize = jnp.dtype(dtype).itemsize
-  tuned = _tuned_table(device_kind or "").get(length_class(skv))
+  table = _tuned_table(device_kind or "")
+  tuned = table.get(length_class(skv)) or table.get(length_class(skv).split("-")[0])
   if not tuned or itemsize > 2 or next_power_of_2(d) > 128:
     return _heuristic(b, h, kvh, sq, skv, d, itemsize)
   cap_q = max(16, next_power_of_2(sq))
   cap_kv = max(16, next_power_of_2(skv))
   def cap(c):
-    return PassConfig(min(c[0], cap_q), min(c[1], cap_kv), c[2], c[3])
+    return PassConfig(min(c[0], cap_q), min(c[1], cap_kv), *c[2:])
   return Config(cap(tuned["dv"]), cap(tuned["ds"]))
 
 
 def _check_pass(name, c: PassConfig) -> PassConfig:
-  c = PassConfig(*(int(v) for v in c))
+  c = PassConfig(*(int(v) for v in c[:4]), *(bool(v) for v in c[4:]))
   for field, v in (("block_q", c.block_q), ("block_kv", c.block_kv)):
     if v < 16 or v & (v - 1):
       raise ValueError(f"{name}.{field}: expected a power of two >= 16, got {v}")
@@ -332,7 +358,7 @@ def ds_pass(grad_attn_output, attn_weights, keep, value_states, dpart, scale, *,
   return pl.pallas_call(
       functools.partial(_ds_kernel, num_heads=num_heads, num_kv_heads=bkvh // b, sq=sq,
                         skv=skv, head_dim=d, block_q=cfg.block_q, block_kv=cfg.block_kv,
-                        dropout=dropout),
+                        dropout=dropout, prefetch=cfg.prefetch),
       out_shape=out_struct((b * h, sq, skv), attn_weights.dtype, *inputs),
       grid=(pl.cdiv(sq, cfg.block_q), b * h),
       compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps,

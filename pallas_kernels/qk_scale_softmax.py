@@ -123,7 +123,8 @@ def _col_first_q_tile(kj, seq_q: int, seq_k: int, block_q: int, block_k: int):
 
 
 def _row_kernel(scale_ref, g_ref, p_ref, k_ref, dq_ref, delta_ref, *, seq_q: int, seq_k: int,
-                head_dim: int, block_q: int, block_k: int, causal: bool):
+                head_dim: int, block_q: int, block_k: int, causal: bool,
+                prefetch: bool = False):
   """One program: ``block_q`` query rows of one head -> grad_query rows and delta."""
   qi = pl.program_id(0)  # grid axis 0 is CUDA's fastest: neighbours share a head (K in L2)
   bh = pl.program_id(1)
@@ -140,9 +141,11 @@ def _row_kernel(scale_ref, g_ref, p_ref, k_ref, dq_ref, delta_ref, *, seq_q: int
   num_k_tiles = pl.cdiv(seq_k, block_k)
   n_tiles = _row_num_k_tiles(qi, seq_q, seq_k, block_q, block_k) if causal else num_k_tiles
 
-  def load_gp(j):
+  def load_gp(j, in_range=None):
     cols = j * block_k + jnp.arange(block_k)
     mask = row_ok[:, None] & (cols < seq_k)[None, :]
+    if in_range is not None:
+      mask &= in_range
     if causal:
       mask &= cols[None, :] <= rows[:, None] + offset
     idx = (bh, pl.ds(q_start, block_q), pl.ds(j * block_k, block_k))
@@ -169,6 +172,28 @@ def _row_kernel(scale_ref, g_ref, p_ref, k_ref, dq_ref, delta_ref, *, seq_q: int
       return delta, carry[1] + dot(d_l, load_k(j))
 
     delta, acc = jax.lax.fori_loop(0, n_tiles, fused, (jnp.zeros((block_q,), _F32), acc))
+  elif prefetch:
+    # Software prefetch in registers: the next tile's g and P are requested before this
+    # one is used (rows of odd length cannot use Triton's pipelined 16-byte copies).
+    # Start indices are traced (``qi * 0 + ...``): a constant start past the end fails
+    # the indexer's static bounds check even though the load is masked.
+    def pass_delta_pf(j, carry):
+      delta, g, p = carry
+      nxt = load_gp(j + 1, j + 1 < n_tiles)
+      return (delta + row_delta(g, p), *nxt)
+
+    delta, _, _ = jax.lax.fori_loop(
+        0, n_tiles, pass_delta_pf, (jnp.zeros((block_q,), _F32), *load_gp(qi * 0, n_tiles > 0)))
+
+    def pass_dq_pf(t, carry):
+      acc, g, p = carry
+      j = n_tiles - 1 - t
+      nxt = load_gp(j - 1, j >= 1)
+      d_l = _dl_tile(g, p, delta, scale, dtype)
+      return (acc + dot(d_l, load_k(j)), *nxt)
+
+    acc, _, _ = jax.lax.fori_loop(0, n_tiles, pass_dq_pf,
+                                  (acc, *load_gp(qi * 0 + n_tiles - 1, n_tiles > 0)))
   else:
     def pass_delta(j, delta):
       g, p = load_gp(j)
@@ -193,7 +218,8 @@ def _row_kernel(scale_ref, g_ref, p_ref, k_ref, dq_ref, delta_ref, *, seq_q: int
 
 
 def _col_kernel(scale_ref, g_ref, p_ref, q_ref, delta_ref, dk_ref, *, seq_q: int, seq_k: int,
-                head_dim: int, block_q: int, block_k: int, causal: bool):
+                head_dim: int, block_q: int, block_k: int, causal: bool,
+                prefetch: bool = False):
   """One program: ``block_k`` key rows of one head -> grad_key rows."""
   kj = pl.program_id(0)  # neighbours share a head: its Q and delta stay in L2
   # Heads in reverse: the row kernel's last heads are the likeliest to be still in L2.
@@ -211,23 +237,36 @@ def _col_kernel(scale_ref, g_ref, p_ref, q_ref, delta_ref, dk_ref, *, seq_q: int
   num_q_tiles = pl.cdiv(seq_q, block_q)
   lo = _col_first_q_tile(kj, seq_q, seq_k, block_q, block_k) if causal else 0
 
-  def body(i, acc):
+  def load_gp(i):
     q_start = i * block_q
     rows = q_start + jnp.arange(block_q)
-    row_ok = rows < seq_q
-    mask = row_ok[:, None] & col_ok[None, :]
+    mask = (rows < seq_q)[:, None] & col_ok[None, :]  # past the last tile: all masked
     if causal:
       mask &= cols[None, :] <= rows[:, None] + offset
     idx = (bh, pl.ds(q_start, block_q), pl.ds(k_start, block_k))
-    g = pltriton.load(g_ref.at[idx], mask=mask, other=0.0)
-    p = pltriton.load(p_ref.at[idx], mask=mask, other=0.0)
+    return (pltriton.load(g_ref.at[idx], mask=mask, other=0.0),
+            pltriton.load(p_ref.at[idx], mask=mask, other=0.0))
+
+  def step(i, acc, g, p):
+    q_start = i * block_q
+    row_ok = q_start + jnp.arange(block_q) < seq_q
     delta = pltriton.load(delta_ref.at[bh, pl.ds(q_start, block_q)], mask=row_ok, other=0.0)
     q = pltriton.load(q_ref.at[bh, pl.ds(q_start, block_q), pl.ds(0, d_pad)],
                       mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     d_l = _dl_tile(g, p, delta, scale, dtype)
     return acc + dot(d_l, q, trans_a=True)
 
-  acc = jax.lax.fori_loop(lo, num_q_tiles, body, jnp.zeros((block_k, d_pad), _F32))
+  acc = jnp.zeros((block_k, d_pad), _F32)
+  if prefetch:
+    # The next tile's g and P are requested before this one is used (see the row kernel).
+    def body_pf(i, carry):
+      acc, g, p = carry
+      nxt = load_gp(i + 1)
+      return (step(i, acc, g, p), *nxt)
+
+    acc, _, _ = jax.lax.fori_loop(lo, num_q_tiles, body_pf, (acc, *load_gp(kj * 0 + lo)))
+  else:
+    acc = jax.lax.fori_loop(lo, num_q_tiles, lambda i, acc: step(i, acc, *load_gp(i)), acc)
   pltriton.store(dk_ref.at[bh, pl.ds(k_start, block_k), pl.ds(0, d_pad)], acc.astype(dk_ref.dtype),
                  mask=col_ok[:, None] & d_ok[None, :])
 
@@ -236,11 +275,15 @@ def _col_kernel(scale_ref, g_ref, p_ref, q_ref, delta_ref, dk_ref, *, seq_q: int
 
 
 class PassConfig(NamedTuple):
-  """Tiles and Triton launch parameters of one kernel (tiles: powers of two >= 16)."""
+  """Tiles and Triton launch parameters of one kernel (tiles: powers of two >= 16).
+
+  ``prefetch``: load the next tile's g and P while this one is computed.
+  """
   block_q: int
   block_k: int
   num_warps: int
   num_stages: int
+  prefetch: bool = False
 
 
 class Config(NamedTuple):
@@ -264,8 +307,11 @@ def _tuned_table(device_kind: str) -> dict:
 
 
 def length_class(seq_k: int) -> str:
-  """The tuning table's key: the padded key length, 128 to 1024 (longer rows share 1024)."""
-  return str(min(max(next_power_of_2(seq_k), 128), 1024))
+  """The tuning table's key: the padded key length, 128 to 1024 (longer rows share 1024),
+  and ``-ragged`` when rows are not a multiple of 8 elements (not 16-byte aligned in bf16:
+  Triton cannot vectorise or pipeline their loads, so other tiles win)."""
+  key = str(min(max(next_power_of_2(seq_k), 128), 1024))
+  return key if seq_k % 8 == 0 else key + "-ragged"
 
 
 def _heuristic(seq_q: int, seq_k: int, head_dim: int, *, row: bool) -> PassConfig:
@@ -299,7 +345,8 @@ def default_config(seq_q: int, seq_k: int, head_dim: int, dtype, device_kind=Non
   Tuned tiles are capped at the padded lengths; a tuned row kernel with a whole-row tile
   (``block_k == 0`` in the table) takes ``block_k`` = the padded ``Sk``.
   """
-  tuned = _tuned_table(device_kind or "").get(length_class(seq_k))
+  table = _tuned_table(device_kind or "")
+  tuned = table.get(length_class(seq_k)) or table.get(length_class(seq_k).split("-")[0])
   if not tuned or jnp.dtype(dtype).itemsize > 2 or next_power_of_2(head_dim) > 128:
     return Config(_heuristic(seq_q, seq_k, head_dim, row=True),
                   _heuristic(seq_q, seq_k, head_dim, row=False))
@@ -308,13 +355,13 @@ def default_config(seq_q: int, seq_k: int, head_dim: int, dtype, device_kind=Non
 
   def cap(c):
     block_k = pk if c[1] == 0 else min(c[1], pk)
-    return PassConfig(min(c[0], pq), block_k, c[2], c[3])
+    return PassConfig(min(c[0], pq), block_k, *c[2:])
 
   return Config(cap(tuned["row"]), cap(tuned["col"]))
 
 
 def _check_pass(name: str, c: PassConfig) -> PassConfig:
-  c = PassConfig(*(int(v) for v in c))
+  c = PassConfig(*(int(v) for v in c[:4]), *(bool(v) for v in c[4:]))
   _check_block(f"{name}.block_q", c.block_q)
   _check_block(f"{name}.block_k", c.block_k)
   if c.num_warps < 1 or c.num_stages < 1:
@@ -329,7 +376,8 @@ def row_pass(scale, g, p, k, *, causal, cfg, interpret):
   head_dim = k.shape[-1]
   return pl.pallas_call(
       functools.partial(_row_kernel, seq_q=seq_q, seq_k=seq_k, head_dim=head_dim,
-                        block_q=cfg.block_q, block_k=cfg.block_k, causal=causal),
+                        block_q=cfg.block_q, block_k=cfg.block_k, causal=causal,
+                        prefetch=cfg.prefetch),
       out_shape=(out_struct((bh, seq_q, head_dim), k.dtype, g, p, k),
                  out_struct((bh, seq_q), _F32, g, p, k)),
       grid=(pl.cdiv(seq_q, cfg.block_q), bh),
@@ -347,7 +395,8 @@ def col_pass(scale, g, p, q, delta, *, causal, cfg, interpret):
   head_dim = q.shape[-1]
   return pl.pallas_call(
       functools.partial(_col_kernel, seq_q=seq_q, seq_k=seq_k, head_dim=head_dim,
-                        block_q=cfg.block_q, block_k=cfg.block_k, causal=causal),
+                        block_q=cfg.block_q, block_k=cfg.block_k, causal=causal,
+                        prefetch=cfg.prefetch),
       out_shape=out_struct((bh, seq_k, head_dim), q.dtype, g, p, q),
       grid=(pl.cdiv(seq_k, cfg.block_k), bh),
       compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps,

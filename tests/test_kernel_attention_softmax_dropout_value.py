@@ -118,6 +118,20 @@ def test_small_blocks_many_partials():
   check(outs, reference(*args, 0.1))
 
 
+@pytest.mark.parametrize("p", [0.0, 0.1, "traced"])
+def test_prefetch_ds_pass(p):
+  """The dS pass with the next tile's loads issued early, on ragged tiles and all modes."""
+  from pallas_kernels.attention_softmax_dropout_value import Config, PassConfig
+  rate = 0.1 if p == "traced" else p
+  args = make_inputs(1, 4, 2, 37, 83, 64, rate, seed=6)
+  config = Config(PassConfig(16, 32, 4, 2), PassConfig(16, 32, 4, 2, prefetch=True))
+  if p == "traced":
+    outs = jax.jit(lambda r: kernel(*args, r, config=config, interpret=True))(jnp.float32(rate))
+  else:
+    outs = kernel(*args, rate, config=config, interpret=True)
+  check(outs, reference(*args, rate))
+
+
 def test_p_zero_never_reads_mask():
   """With p == 0 the mask content is irrelevant: garbage gives bit-identical results."""
   args = make_inputs(1, 4, 1, 33, 33, 64, 0.0, seed=2)
@@ -161,8 +175,9 @@ def test_argument_errors():
     kernel(*args, 0.1, block_q=24, interpret=True)
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("p", [0.0, 0.1, None])
-def test_lowers_to_triton(pretend_h200, p):
+def test_lowers_to_triton(pretend_h200, p, prefetch):
   """The kernels lower to Triton IR (no GPU needed; catches unsupported ops early).
 
   Pretends an H200 is present by patching JAX's internal GPU-info lookup (skipped if
@@ -173,11 +188,13 @@ def test_lowers_to_triton(pretend_h200, p):
   shapes = [jax.ShapeDtypeStruct(s, t) for s, t in (
       ((b, sq, h, d), dt), ((b, h, sq, skv), dt), ((b, h, sq, skv), dt),
       ((b, kvh, skv, d), dt), ((b, h, sq, skv), jnp.bool_))]
+  from pallas_kernels.attention_softmax_dropout_value import Config, PassConfig
+  config = Config(PassConfig(64, 64, 4, 3), PassConfig(64, 64, 4, 2, prefetch))
   if p is None:
-    fn = jax.jit(lambda *a: kernel(*a))
+    fn = jax.jit(lambda *a: kernel(*a, config=config))
     shapes.append(jax.ShapeDtypeStruct((), jnp.float32))
   else:
-    fn = jax.jit(lambda *a: kernel(*a, p))
+    fn = jax.jit(lambda *a: kernel(*a, p, config=config))
   text = fn.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("xla.gpu.triton") == 2
 

@@ -96,6 +96,15 @@ def test_causal(sq, sk, d, blocks):
   run_and_check(args, 1.0 / np.sqrt(d), causal=True, **blocks)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq, sk, bq, bk", [(33, 131, 16, 32), (131, 33, 32, 16), (1, 70, 16, 16)])
+def test_prefetch(causal, sq, sk, bq, bk):
+  """Both kernels with the next tile's loads issued early: tails, causal, empty rows."""
+  cfg = qks.PassConfig(bq, bk, 4, 2, prefetch=True)
+  args = make_inputs(2, 1, 2, sq, sk, 64, causal=causal)
+  run_and_check(args, 0.125, causal=causal, config=qks.Config(cfg, cfg))
+
+
 def test_causal_ignores_upper_triangle():
   """With causal=True nothing above the diagonal is used: garbage there changes nothing,
   and skipping tiles gives bit-identical results to the dense walk on clean inputs."""
@@ -190,12 +199,15 @@ def test_default_config(device_kind):
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_lowers_to_triton(pretend_h200, causal, dtype):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_lowers_to_triton(pretend_h200, causal, dtype, prefetch):
   """Both kernels lower to Triton IR for a GPU (no GPU needed; catches unsupported ops)."""
   b, h, sq, sk, d = 1, 2, 131, 300, 64
   shapes = [jax.ShapeDtypeStruct(s, dtype) for s in
             ((b, h, sq, sk), (b, h, sq, d), (b, h, sk, d), (b, h, sq, sk))]
-  fn = jax.jit(lambda *a: qk_scale_softmax_backward(*a, 0.125, causal=causal))
+  cfg = qks.PassConfig(32, 64, 4, 2, prefetch)
+  fn = jax.jit(lambda *a: qk_scale_softmax_backward(*a, 0.125, causal=causal,
+                                                    config=qks.Config(cfg, cfg)))
   text = fn.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("xla.gpu.triton") == 2
 
