@@ -47,14 +47,18 @@ def main():
 
   mesh = jax.make_mesh((jax.device_count(),), ("batch",))
 
-  def per_shard(params, x, mask):
-    value, grads = jax.value_and_grad(loss)(params, x, mask)
-    return jax.lax.psum((value, grads), "batch")
-
   # The Pallas interpreter pads with unvarying constants, which check_vma rejects
   # (an upstream limitation); compiled kernels declare their outputs' varying axes.
+  check_vma = not OPS["interpret"]
+
+  def per_shard(params, x, mask):
+    value, grads = jax.value_and_grad(loss)(params, x, mask)
+    # With check_vma=True the gradients of the replicated params come back already summed
+    # over the axis (the transpose of the implicit broadcast is a psum); without it, sum them.
+    return jax.lax.psum(value, "batch"), grads if check_vma else jax.lax.psum(grads, "batch")
+
   step = jax.jit(jax.shard_map(per_shard, mesh=mesh, in_specs=(P(), P("batch"), P("batch")),
-                               out_specs=P(), check_vma=not OPS["interpret"]))
+                               out_specs=P(), check_vma=check_vma))
   put = lambda a, spec: jax.device_put(a, jax.sharding.NamedSharding(mesh, spec))
   params, x, mask = put(params, P()), put(x, P("batch")), put(mask, P("batch"))
   sharded = step(params, x, mask)
