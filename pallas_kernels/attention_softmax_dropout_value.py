@@ -261,6 +261,20 @@ def _tuned_table(device_kind: str) -> dict:
   return table["configs"] if table.get("device_kind") == device_kind else {}
 
 
+def _lookup(table: dict, key: str):
+  """The table's entry for ``key``; a ragged class without one takes the nearest ragged
+  class's entry (ragged rows want the same kind of config at any length), else the
+  aligned class of its length."""
+  if key in table or not key.endswith("-ragged"):
+    return table.get(key)
+  width = int(key.split("-")[0])
+  ragged = [k for k in table if k.endswith("-ragged")]
+  if ragged:
+    return table[min(ragged, key=lambda k: abs(int(k.split("-")[0]).bit_length()
+                                              - width.bit_length()))]
+  return table.get(str(width))
+
+
 def length_class(skv: int) -> str:
   """The tuning table's key: the padded kv length, 128 to 1024 (longer rows share 1024),
   and ``-ragged`` when rows are not a multiple of 8 elements (not 16-byte aligned in bf16:
@@ -293,8 +307,7 @@ def default_config(b, h, kvh, sq, skv, d, dtype, device_kind=None) -> Config:
   Tuned tiles are capped at the padded lengths, so short sequences get smaller tiles.
   """
   itemsize = jnp.dtype(dtype).itemsize
-  table = _tuned_table(device_kind or "")
-  tuned = table.get(length_class(skv)) or table.get(length_class(skv).split("-")[0])
+  tuned = _lookup(_tuned_table(device_kind or ""), length_class(skv))
   if not tuned or itemsize > 2 or next_power_of_2(d) > 128:
     return _heuristic(b, h, kvh, sq, skv, d, itemsize)
   cap_q = max(16, next_power_of_2(sq))

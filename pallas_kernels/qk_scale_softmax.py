@@ -306,6 +306,20 @@ def _tuned_table(device_kind: str) -> dict:
   return table["configs"] if table.get("device_kind") == device_kind else {}
 
 
+def _lookup(table: dict, key: str):
+  """The table's entry for ``key``; a ragged class without one takes the nearest ragged
+  class's entry (ragged rows want the same kind of config at any length), else the
+  aligned class of its length."""
+  if key in table or not key.endswith("-ragged"):
+    return table.get(key)
+  width = int(key.split("-")[0])
+  ragged = [k for k in table if k.endswith("-ragged")]
+  if ragged:
+    return table[min(ragged, key=lambda k: abs(int(k.split("-")[0]).bit_length()
+                                              - width.bit_length()))]
+  return table.get(str(width))
+
+
 def length_class(seq_k: int) -> str:
   """The tuning table's key: the padded key length, 128 to 1024 (longer rows share 1024),
   and ``-ragged`` when rows are not a multiple of 8 elements (not 16-byte aligned in bf16:
@@ -345,8 +359,7 @@ def default_config(seq_q: int, seq_k: int, head_dim: int, dtype, device_kind=Non
   Tuned tiles are capped at the padded lengths; a tuned row kernel with a whole-row tile
   (``block_k == 0`` in the table) takes ``block_k`` = the padded ``Sk``.
   """
-  table = _tuned_table(device_kind or "")
-  tuned = table.get(length_class(seq_k)) or table.get(length_class(seq_k).split("-")[0])
+  tuned = _lookup(_tuned_table(device_kind or ""), length_class(seq_k))
   if not tuned or jnp.dtype(dtype).itemsize > 2 or next_power_of_2(head_dim) > 128:
     return Config(_heuristic(seq_q, seq_k, head_dim, row=True),
                   _heuristic(seq_q, seq_k, head_dim, row=False))
