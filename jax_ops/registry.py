@@ -40,7 +40,7 @@ _BACKWARDS: dict[str, dict[str, Callable]] = {
 # those measured faster than XLA on every benchmark workload (benchmarks/results/).
 # The other kernels are correct and selectable with ``implementation="pallas"``,
 # but not yet faster than XLA everywhere, so they are not the default.
-_PALLAS_BY_DEFAULT = {"masked_softmax_dropout"}
+_PALLAS_BY_DEFAULT = {"masked_softmax_dropout", "attention_softmax_dropout_value"}
 
 
 def register(op: str, name: str, fn: Callable) -> None:

@@ -119,6 +119,22 @@ def _col_first_q_tile(kj, seq_q: int, seq_k: int, block_q: int, block_k: int):
   return jnp.minimum(first_row // block_q, pl.cdiv(seq_q, block_q))
 
 
+def _row_num_full_k_tiles(qi, seq_q: int, seq_k: int, block_q: int, block_k: int):
+  """Key tiles ``[0, n)`` lie wholly on or below the diagonal for every row of tile ``qi``
+  (they need no element-wise causal mask); ``n <= _row_num_k_tiles(...)``."""
+  allowed = qi * block_q + (seq_k - seq_q) + 1  # keys the tile's first row may see
+  return jnp.clip(allowed // block_k, 0, _row_num_k_tiles(qi, seq_q, seq_k, block_q, block_k))
+
+
+def _col_first_full_q_tile(kj, seq_q: int, seq_k: int, block_q: int, block_k: int):
+  """Query tiles ``[m, cdiv(Sq, block_q))`` see every column of key tile ``kj`` (no
+  element-wise causal mask needed); ``m >= _col_first_q_tile(...)``."""
+  need = kj * block_k + block_k - 1 - (seq_k - seq_q)  # first row that sees the last column
+  first = -((-need) // block_q)  # ceil, also for negative values
+  return jnp.clip(first, _col_first_q_tile(kj, seq_q, seq_k, block_q, block_k),
+                  pl.cdiv(seq_q, block_q))
+
+
 # --------------------------------------------------------------------------- row kernel
 
 
@@ -141,12 +157,12 @@ def _row_kernel(scale_ref, g_ref, p_ref, k_ref, dq_ref, delta_ref, *, seq_q: int
   num_k_tiles = pl.cdiv(seq_k, block_k)
   n_tiles = _row_num_k_tiles(qi, seq_q, seq_k, block_q, block_k) if causal else num_k_tiles
 
-  def load_gp(j, in_range=None):
+  def load_gp(j, in_range=None, diagonal=causal):
     cols = j * block_k + jnp.arange(block_k)
     mask = row_ok[:, None] & (cols < seq_k)[None, :]
     if in_range is not None:
       mask &= in_range
-    if causal:
+    if diagonal:
       mask &= cols[None, :] <= rows[:, None] + offset
     idx = (bh, pl.ds(q_start, block_q), pl.ds(j * block_k, block_k))
     g = pltriton.load(g_ref.at[idx], mask=mask, other=0.0)
@@ -195,19 +211,30 @@ def _row_kernel(scale_ref, g_ref, p_ref, k_ref, dq_ref, delta_ref, *, seq_q: int
     acc, _, _ = jax.lax.fori_loop(0, n_tiles, pass_dq_pf,
                                   (acc, *load_gp(qi * 0 + n_tiles - 1, n_tiles > 0)))
   else:
-    def pass_delta(j, delta):
-      g, p = load_gp(j)
+    # Causal: tiles [0, n_full) lie wholly on or below the diagonal, so only the diagonal
+    # tiles [n_full, n_tiles) get the element-wise causal mask (a mask that varies along a
+    # row stops Triton from vectorising the loads).
+    n_full = _row_num_full_k_tiles(qi, seq_q, seq_k, block_q, block_k) if causal else n_tiles
+
+    def pass_delta(j, delta, diagonal=False):
+      g, p = load_gp(j, diagonal=diagonal)
       return delta + row_delta(g, p)
 
-    delta = jax.lax.fori_loop(0, n_tiles, pass_delta, jnp.zeros((block_q,), _F32))
+    delta = jax.lax.fori_loop(0, n_full, pass_delta, jnp.zeros((block_q,), _F32))
+    if causal:
+      delta = jax.lax.fori_loop(n_full, n_tiles, functools.partial(pass_delta, diagonal=True),
+                                delta)
 
-    def pass_dq(t, acc):
-      j = n_tiles - 1 - t  # newest tiles first: they are the likeliest still in L2
-      g, p = load_gp(j)
+    def pass_dq(t, acc, last=n_tiles, diagonal=False):
+      j = last - 1 - t  # newest tiles first: they are the likeliest still in L2
+      g, p = load_gp(j, diagonal=diagonal)
       d_l = _dl_tile(g, p, delta, scale, dtype)
       return acc + dot(d_l, load_k(j))
 
-    acc = jax.lax.fori_loop(0, n_tiles, pass_dq, acc)
+    if causal:
+      acc = jax.lax.fori_loop(0, n_tiles - n_full,
+                              functools.partial(pass_dq, last=n_tiles, diagonal=True), acc)
+    acc = jax.lax.fori_loop(0, n_full, functools.partial(pass_dq, last=n_full), acc)
 
   pltriton.store(dq_ref.at[bh, pl.ds(q_start, block_q), pl.ds(0, d_pad)], acc.astype(dq_ref.dtype),
                  mask=row_ok[:, None] & d_ok[None, :])
@@ -237,11 +264,11 @@ def _col_kernel(scale_ref, g_ref, p_ref, q_ref, delta_ref, dk_ref, *, seq_q: int
   num_q_tiles = pl.cdiv(seq_q, block_q)
   lo = _col_first_q_tile(kj, seq_q, seq_k, block_q, block_k) if causal else 0
 
-  def load_gp(i):
+  def load_gp(i, diagonal=causal):
     q_start = i * block_q
     rows = q_start + jnp.arange(block_q)
     mask = (rows < seq_q)[:, None] & col_ok[None, :]  # past the last tile: all masked
-    if causal:
+    if diagonal:
       mask &= cols[None, :] <= rows[:, None] + offset
     idx = (bh, pl.ds(q_start, block_q), pl.ds(k_start, block_k))
     return (pltriton.load(g_ref.at[idx], mask=mask, other=0.0),
@@ -266,7 +293,13 @@ def _col_kernel(scale_ref, g_ref, p_ref, q_ref, delta_ref, dk_ref, *, seq_q: int
 
     acc, _, _ = jax.lax.fori_loop(lo, num_q_tiles, body_pf, (acc, *load_gp(kj * 0 + lo)))
   else:
-    acc = jax.lax.fori_loop(lo, num_q_tiles, lambda i, acc: step(i, acc, *load_gp(i)), acc)
+    # Causal: query tiles [lo, full) cross the diagonal and get the element-wise mask;
+    # tiles [full, end) see every column of this key tile and load unmasked (vectorised).
+    full = _col_first_full_q_tile(kj, seq_q, seq_k, block_q, block_k) if causal else lo
+    if causal:
+      acc = jax.lax.fori_loop(lo, full, lambda i, acc: step(i, acc, *load_gp(i, True)), acc)
+    acc = jax.lax.fori_loop(full, num_q_tiles, lambda i, acc: step(i, acc, *load_gp(i, False)),
+                            acc)
   pltriton.store(dk_ref.at[bh, pl.ds(k_start, block_k), pl.ds(0, d_pad)], acc.astype(dk_ref.dtype),
                  mask=col_ok[:, None] & d_ok[None, :])
 

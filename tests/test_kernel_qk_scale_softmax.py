@@ -141,6 +141,19 @@ def test_causal_tile_ranges_are_tight(sq, sk, block_q, block_k):
     lo = int(qks._col_first_q_tile(j, sq, sk, block_q, block_k))
     assert [i for i in range(nq) if tile_live(i, j)] == list(range(lo, nq)), (j, lo)
 
+  # Tiles loaded without the element-wise mask must hold no element above the diagonal.
+  def tile_full(i, j):
+    return live[i * block_q:(i + 1) * block_q, j * block_k:(j + 1) * block_k].all()
+
+  for i in range(nq):
+    n = int(qks._row_num_k_tiles(i, sq, sk, block_q, block_k))
+    n_full = int(qks._row_num_full_k_tiles(i, sq, sk, block_q, block_k))
+    assert 0 <= n_full <= n and all(tile_full(i, j) for j in range(n_full)), (i, n_full)
+  for j in range(nk):
+    lo = int(qks._col_first_q_tile(j, sq, sk, block_q, block_k))
+    full = int(qks._col_first_full_q_tile(j, sq, sk, block_q, block_k))
+    assert lo <= full <= nq and all(tile_full(i, j) for i in range(full, nq)), (j, full)
+
 
 @pytest.mark.parametrize("probs", ["softmax", "sharp", "randn"])
 def test_realistic_long_rows(probs):

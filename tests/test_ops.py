@@ -183,6 +183,7 @@ def test_registry_defaults():
   # Off a GPU, None means XLA; with interpret=True the measured-default kernel runs.
   assert registry.resolve("masked_softmax_dropout", None, False)[0] == "xla"
   assert registry.resolve("masked_softmax_dropout", None, True)[0] == "pallas"
+  assert registry.resolve("attention_softmax_dropout_value", None, True)[0] == "pallas"
   # Kernels not yet faster than XLA everywhere are opt-in.
   assert registry.resolve("qk_scale_softmax", None, True)[0] == "xla"
   assert registry.resolve("qk_scale_softmax", "pallas", False)[0] == "pallas"
