@@ -28,7 +28,6 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-import pallas_kernels
 from benchmarks.timing import copy_ceiling, device_times_us
 from jax_ops import reference, registry
 

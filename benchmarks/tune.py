@@ -25,6 +25,7 @@ import jax
 
 from benchmarks import run as bench
 from benchmarks.timing import compile_all, device_times_us
+from pallas_kernels import _tuning
 from pallas_kernels import masked_softmax_dropout as msd
 
 # (elements per program, warps): 4 to 32 elements per thread and array.
@@ -33,27 +34,47 @@ CANDIDATES = [(512, 1), (512, 2), (512, 4), (1024, 1), (1024, 2), (1024, 4), (10
               (8192, 16)]
 
 
-def _write_table(by_class: dict[str, list[dict]], out: str) -> dict:
-  """Per length class, the candidate with the best geomean of time / best time."""
+def write_table(configs: dict, out: str, *, merge: bool = False) -> dict:
+  """Writes a tuned table for this device; ``merge`` keeps the classes of the table
+  already at ``out`` (same device kind) that ``configs`` does not replace."""
+  device_kind = jax.devices()[0].device_kind
   table = {}
-  for key, ratios in sorted(by_class.items()):
-    common = set.intersection(*(set(r) for r in ratios))
-    score = {c: math.exp(sum(math.log(r[c]) for r in ratios) / len(ratios)) for c in common}
-    target, warps, split = min(score, key=score.get)
-    table[key] = {"target": target, "num_warps": warps, "split": split,
-                  "geomean_vs_best": round(score[(target, warps, split)], 4)}
-  result = {"device_kind": jax.devices()[0].device_kind,
+  if merge and os.path.exists(out):
+    with open(out) as f:
+      old = json.load(f)
+    if old.get("device_kind") == device_kind:
+      table.update(old["configs"])
+  table.update(configs)
+  result = {"device_kind": device_kind,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "jax": jax.__version__, "configs": table}
+            "jax": jax.__version__, "configs": dict(sorted(table.items()))}
   os.makedirs(os.path.dirname(out), exist_ok=True)
   with open(out, "w") as f:
     json.dump(result, f, indent=1)
   return result
 
 
+def best_by_geomean(ratios: list[dict]):
+  """The candidate with the best geomean of time / best time over the workloads, and it."""
+  common = set.intersection(*(set(r) for r in ratios))
+  score = {c: math.exp(sum(math.log(r[c]) for r in ratios) / len(ratios)) for c in common}
+  best = min(score, key=score.get)
+  return best, round(score[best], 4)
+
+
+def _write_table(by_class: dict[str, list[dict]], out: str) -> dict:
+  """Per length class, the candidate with the best geomean of time / best time."""
+  table = {}
+  for key, ratios in sorted(by_class.items()):
+    (target, warps, split), score = best_by_geomean(ratios)
+    table[key] = {"target": target, "num_warps": warps, "split": split,
+                  "geomean_vs_best": score}
+  return write_table(table, out)
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--out", default=msd._TUNED_PATH)
+  parser.add_argument("--out", default=_tuning.table_path("masked_softmax_dropout"))
   parser.add_argument("--calls", type=int, default=10)
   args = parser.parse_args(argv)
   if jax.default_backend() != "gpu":

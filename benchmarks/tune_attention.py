@@ -16,7 +16,6 @@ after every workload (``pallas_kernels/tuned/<op>.json``, used when the device m
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
@@ -27,6 +26,8 @@ import jax.numpy as jnp
 
 from benchmarks import run as bench
 from benchmarks.timing import compile_all, device_times_us
+from benchmarks.tune import best_by_geomean, write_table
+from pallas_kernels import _tuning
 from pallas_kernels import attention_softmax_dropout_value as asdv
 from pallas_kernels import qk_scale_softmax as qks
 
@@ -112,9 +113,10 @@ def _c_passes(w, constants, sets):
 
 
 OPS = {
-    "attention_softmax_dropout_value": (bench.PROBLEM_A, A_WORKLOADS, _a_passes, asdv._TUNED_PATH),
+    "attention_softmax_dropout_value": (bench.PROBLEM_A, A_WORKLOADS, _a_passes,
+                                        _tuning.table_path("attention_softmax_dropout_value")),
     "qk_scale_softmax": (bench.PROBLEMS["qk_scale_softmax"], C_WORKLOADS, _c_passes,
-                         qks._TUNED_PATH),
+                         _tuning.table_path("qk_scale_softmax")),
 }
 
 
@@ -124,28 +126,14 @@ def _write_table(ratios, out):
   Classes not measured in this run keep their entries from the table already at ``out``.
   """
   table = {}
-  if os.path.exists(out):
-    with open(out) as f:
-      old = json.load(f)
-    if old.get("device_kind") == jax.devices()[0].device_kind:
-      table.update(old["configs"])
-  for key, passes in sorted(ratios.items()):
+  for key, passes in ratios.items():
     entry = {}
     for name, per_workload in passes.items():
-      common = set.intersection(*(set(r) for r in per_workload))
-      score = {c: math.exp(sum(math.log(r[c]) for r in per_workload) / len(per_workload))
-               for c in common}
-      best = min(score, key=score.get)
+      best, score = best_by_geomean(per_workload)
       entry[name] = list(best)
-      entry[f"{name}_geomean_vs_best"] = round(score[best], 4)
+      entry[f"{name}_geomean_vs_best"] = score
     table[key] = entry
-  result = {"device_kind": jax.devices()[0].device_kind,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "jax": jax.__version__, "configs": table}
-  os.makedirs(os.path.dirname(out), exist_ok=True)
-  with open(out, "w") as f:
-    json.dump(result, f, indent=1)
-  return result
+  return write_table(table, out, merge=True)
 
 
 def main(argv=None):

@@ -24,14 +24,17 @@ never written to memory:
 
 Memory traffic per attention element: ``g`` and ``P`` are 2 B each in bf16, so
 each full read is 4 B/element. The column kernel reads them once (4 B). The
-row kernel reads them once (4 B) when a row is one tile (default for
-``Sk <= 256``), else twice; its second pass re-reads a row the same program
-just read (newest tile first, 32-row tiles by default), which should mostly
-hit L2 for rows up to ~1-2K keys. So DRAM traffic is 8 B/element, up to 12 B
-for long rows whose re-read misses L2 (not measured: no GPU was available),
-plus ``Q``, ``K``, ``dQ``, ``dK``. The grids put the tile index on the
-fastest launch axis, so programs running together share one head and its
-``K``/``Q``/``delta`` tiles come from L2. The floor would be one read (4 B), but it
+row kernel reads them once (4 B) when a row is one tile (the tuned choice
+for ``Sk <= 256``), else twice; its second pass re-reads a row the same program
+just read (newest tile first). So DRAM traffic is 8 B/element, up to 12 B when
+that re-read misses L2, plus ``Q``, ``K``, ``dQ``, ``dK``. On the H200 the
+row kernel with long rows takes ~1.6x the column kernel's time (1089 vs 683 us
+at 2048 x 2048), so its re-read mostly misses: the kernel reaches 31-65% of
+the 4 B floor (38.5% geomean, XLA 34%; ``benchmarks/results/qk_scale_softmax.md``).
+The grids put the tile index on the fastest launch axis, so programs running
+together share one head and its ``K``/``Q``/``delta`` tiles come from L2; the
+column kernel walks the heads in reverse, so it starts on the heads the row
+kernel finished last. The floor would be one read (4 B), but it
 needs ``delta`` (a full-row reduction) before any ``dL`` exists, and ``dK``
 needs whole columns of ``dL``: a single pass would have to write ``dL`` (2 B
 write + 2 B read = the same 8 B) or accumulate ``dQ``/``dK`` with atomics.
@@ -55,8 +58,6 @@ diagonal tiles the loads are masked by the same index condition.
 from __future__ import annotations
 
 import functools
-import json
-import os
 from typing import NamedTuple
 
 import jax
@@ -64,7 +65,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels import _checks
+from pallas_kernels import _checks, _tuning
 from pallas_kernels._util import dot, next_power_of_2, out_struct
 
 __all__ = ["qk_scale_softmax_backward", "Config", "PassConfig"]
@@ -325,40 +326,12 @@ class Config(NamedTuple):
   col: PassConfig
 
 
-_TUNED_PATH = os.path.join(os.path.dirname(__file__), "tuned", "qk_scale_softmax.json")
-
-
-@functools.cache
-def _tuned_table(device_kind: str) -> dict:
-  """Kernel configs measured on ``device_kind`` by ``benchmarks/tune_attention.py``."""
-  try:
-    with open(_TUNED_PATH) as f:
-      table = json.load(f)
-  except FileNotFoundError:
-    return {}
-  return table["configs"] if table.get("device_kind") == device_kind else {}
-
-
-def _lookup(table: dict, key: str):
-  """The table's entry for ``key``; a ragged class without one takes the nearest ragged
-  class's entry (ragged rows want the same kind of config at any length), else the
-  aligned class of its length."""
-  if key in table or not key.endswith("-ragged"):
-    return table.get(key)
-  width = int(key.split("-")[0])
-  ragged = [k for k in table if k.endswith("-ragged")]
-  if ragged:
-    return table[min(ragged, key=lambda k: abs(int(k.split("-")[0]).bit_length()
-                                              - width.bit_length()))]
-  return table.get(str(width))
+_KERNEL = "qk_scale_softmax"
 
 
 def length_class(seq_k: int) -> str:
-  """The tuning table's key: the padded key length, 128 to 1024 (longer rows share 1024),
-  and ``-ragged`` when rows are not a multiple of 8 elements (not 16-byte aligned in bf16:
-  Triton cannot vectorise or pipeline their loads, so other tiles win)."""
-  key = str(min(max(next_power_of_2(seq_k), 128), 1024))
-  return key if seq_k % 8 == 0 else key + "-ragged"
+  """The tuning table's key for rows of ``seq_k`` keys (see ``_tuning.tile_length_class``)."""
+  return _tuning.tile_length_class(seq_k)
 
 
 def _heuristic(seq_q: int, seq_k: int, head_dim: int, *, row: bool) -> PassConfig:
@@ -392,7 +365,7 @@ def default_config(seq_q: int, seq_k: int, head_dim: int, dtype, device_kind=Non
   Tuned tiles are capped at the padded lengths; a tuned row kernel with a whole-row tile
   (``block_k == 0`` in the table) takes ``block_k`` = the padded ``Sk``.
   """
-  tuned = _lookup(_tuned_table(device_kind or ""), length_class(seq_k))
+  tuned = _tuning.lookup(_tuning.table(_KERNEL, device_kind or ""), length_class(seq_k))
   if not tuned or jnp.dtype(dtype).itemsize > 2 or next_power_of_2(head_dim) > 128:
     return Config(_heuristic(seq_q, seq_k, head_dim, row=True),
                   _heuristic(seq_q, seq_k, head_dim, row=False))
