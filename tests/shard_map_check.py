@@ -66,7 +66,7 @@ def main():
              zip(jax.tree.leaves(single), jax.tree.leaves(sharded)))
   hlo = step.lower(params, x, mask).compile().as_text()
   gathers = re.findall(r"all-gather[^\n]*", hlo)
-  print(json.dumps({"devices": jax.device_count(), "max_rel_diff": diff,
+  print(json.dumps({"devices": jax.device_count(), "check_vma": check_vma, "max_rel_diff": diff,
                     "loss": float(single[0]), "all_gathers": gathers,
                     "all_reduces": len(re.findall(r"all-reduce", hlo))}))
 
