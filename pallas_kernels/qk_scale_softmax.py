@@ -373,7 +373,9 @@ def default_config(seq_q: int, seq_k: int, head_dim: int, dtype, device_kind=Non
   pk = max(16, next_power_of_2(seq_k))
 
   def cap(c):
-    block_k = pk if c[1] == 0 else min(c[1], pk)
+    # A whole-row tile (0) is only tuned for short rows; a long row borrowing that entry
+    # (see _tuning.lookup) takes 128-key tiles instead of a tile too large for registers.
+    block_k = (pk if pk <= 512 else 128) if c[1] == 0 else min(c[1], pk)
     return PassConfig(min(c[0], pq), block_k, *c[2:])
 
   return Config(cap(tuned["row"]), cap(tuned["col"]))
