@@ -160,19 +160,24 @@ def _ds_kernel(*refs, num_heads, num_kv_heads, sq, skv, head_dim, block_q, block
   q_mask = None if sq % block_q == 0 else (q0 + jnp.arange(block_q)) < sq
   do = _load(do_ref.at[b, pl.ds(q0, block_q), h, pl.ds(0, d_pad)], _outer(q_mask, d_mask), 0.0)
 
-  # delta = rowsum(dPd * Pd) = rowsum(dW * P) under the precondition: sum pass 1's partials.
-  n_part = dpart_ref.shape[1]
-  delta = lax.fori_loop(
-      0, n_part,
-      lambda jj, acc: acc + _load(dpart_ref.at[bh, jj, pl.ds(q0, block_q)], q_mask, 0.0),
-      jnp.zeros((block_q,), f32))
+  nkv = pl.cdiv(skv, block_kv)
+  ragged_kv = skv % block_kv != 0
+  if nkv == 1:
+    # The whole row is one tile: delta = rowsum(dW * P) is computed exactly as the
+    # reference does (below), without the rounding of Pd that pass 1's partials carry,
+    # which matters most for short rows.
+    delta = None
+  else:
+    # delta = rowsum(dPd * Pd) = rowsum(dW * P) under the precondition: sum pass 1's partials.
+    n_part = dpart_ref.shape[1]
+    delta = lax.fori_loop(
+        0, n_part,
+        lambda jj, acc: acc + _load(dpart_ref.at[bh, jj, pl.ds(q0, block_q)], q_mask, 0.0),
+        jnp.zeros((block_q,), f32))
 
   if mode == "traced":
     keep_scale = scale_ref[0]
     drop_scale = scale_ref[1]
-
-  nkv = pl.cdiv(skv, block_kv)
-  ragged_kv = skv % block_kv != 0
 
   def load_p_keep(j, masked):
     k0 = j * block_kv
@@ -195,7 +200,9 @@ def _ds_kernel(*refs, num_heads, num_kv_heads, sq, skv, head_dim, block_q, block
       dw = jnp.where(keep, dw * dropout[1], 0.0)
     elif mode == "traced":
       dw = dw * jnp.where(keep, keep_scale, drop_scale)
-    ds = p.astype(f32) * (dw - delta[:, None])
+    p = p.astype(f32)
+    row_delta = jnp.sum(dw * p, axis=1) if delta is None else delta
+    ds = p * (dw - row_delta[:, None])
     _store(ds_ref.at[bh, pl.ds(q0, block_q), pl.ds(k0, block_kv)], ds.astype(ds_ref.dtype),
            mask)
 
@@ -412,7 +419,9 @@ def attention_softmax_dropout_value_backward(
   Precondition (true of every real forward): ``Pd == round(P * keep / (1 - p))`` in the
   input dtype (``Pd == P`` when p == 0). It lets ``delta = rowsum(dW * P)`` be computed
   as ``rowsum(dPd * Pd)``, so the first pass needs neither P nor the mask. The two
-  agree up to the rounding of Pd (one bf16 ulp per element, averaged over the row).
+  agree up to the rounding of Pd (one bf16 ulp per element, averaged over the row). Rows
+  that fit one kv tile of the dS pass (short rows, where that averaging is weakest) take
+  delta from dW and P in that pass instead, exactly as the reference.
 
   Design: the memory floor is reading P and Pd (2 B each in bf16) and keep (1 B) and
   writing dS (2 B): 7 B per attention element; dO and V are O(D) per row and stay in
