@@ -285,7 +285,8 @@ def main(argv=None):
   parser.add_argument("--calls", type=int, default=30)
   parser.add_argument("--quick", action="store_true", help="first 4 workloads only")
   parser.add_argument("--workloads", default=None,
-                      help="comma-separated indices into the op's workload list (default: all)")
+                      help="comma-separated indices into the op's 16 workloads (default: all; "
+                           "the causal op keeps the square ones); results go to <op>_subset.*")
   args = parser.parse_args(argv)
   if jax.default_backend() != "gpu":
     print("benchmarks need a CUDA GPU (jax.default_backend() is "
@@ -305,21 +306,26 @@ def main(argv=None):
     causal = op.endswith("_causal")
     problem = _c_problem(True) if causal else PROBLEMS[op]
     workloads = spec[problem.name + "_backward"]["workloads"]
-    if causal:
-      workloads = [w for w in workloads if w["seq_len_q"] == w["seq_len_k"]]
     if args.workloads:
       workloads = [workloads[int(i)] for i in args.workloads.split(",")]
+    if causal:
+      workloads = [w for w in workloads if w["seq_len_q"] == w["seq_len_k"]]
     if args.quick:
       workloads = workloads[:4]
+    subset = bool(args.workloads or args.quick)
     print(f"{op}:")
 
-    def write(rows, op=op, total=len(workloads)):
-      """Results so far; a run cut short leaves a file that says it is partial."""
+    def write(rows, op=op, planned=len(workloads), subset=subset):
+      """Results so far; a run cut short, or run on a subset, says so in its file (and a
+      subset run writes <op>_subset.*, so it never replaces a full run's results)."""
       summary = summarize(rows)
-      summary["workloads"] = f"{len(rows)} of {total}"
-      with open(os.path.join(args.out, f"{op}.json"), "w") as f:
+      summary["workloads"] = f"{len(rows)} of {planned}" + (
+          f" (subset: --workloads {args.workloads or ''} {'--quick' if args.quick else ''})"
+          if subset else "")
+      name = f"{op}_subset" if subset else op
+      with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump({"op": op, **meta, "summary": summary, "rows": rows}, f, indent=1)
-      with open(os.path.join(args.out, f"{op}.md"), "w") as f:
+      with open(os.path.join(args.out, f"{name}.md"), "w") as f:
         f.write(markdown(op, meta, rows, summary))
       return summary
 

@@ -57,6 +57,9 @@ def write_table(configs: dict, out: str, *, merge: bool = False) -> dict:
 def best_by_geomean(ratios: list[dict]):
   """The candidate with the best geomean of time / best time over the workloads, and it."""
   common = set.intersection(*(set(r) for r in ratios))
+  if not common:  # every candidate failed on some workload of the class
+    print("no candidate ran on every workload of a class; its entry is left as it was")
+    return None, None
   score = {c: math.exp(sum(math.log(r[c]) for r in ratios) / len(ratios)) for c in common}
   best = min(score, key=score.get)
   return best, round(score[best], 4)
@@ -66,10 +69,13 @@ def _write_table(by_class: dict[str, list[dict]], out: str) -> dict:
   """Per length class, the candidate with the best geomean of time / best time."""
   table = {}
   for key, ratios in sorted(by_class.items()):
-    (target, warps, split), score = best_by_geomean(ratios)
-    table[key] = {"target": target, "num_warps": warps, "split": split,
-                  "geomean_vs_best": score}
-  return write_table(table, out)
+    best, score = best_by_geomean(ratios)
+    if best is not None:
+      target, warps, split = best
+      table[key] = {"target": target, "num_warps": warps, "split": split,
+                    "geomean_vs_best": score}
+  # Merged into the table already there: a run cut short keeps the classes it did not reach.
+  return write_table(table, out, merge=True)
 
 
 def main(argv=None):

@@ -130,6 +130,8 @@ def _write_table(ratios, out):
     entry = {}
     for name, per_workload in passes.items():
       best, score = best_by_geomean(per_workload)
+      if best is None:
+        continue
       entry[name] = list(best)
       entry[f"{name}_geomean_vs_best"] = score
     table[key] = entry
@@ -141,8 +143,6 @@ def main(argv=None):
   parser.add_argument("--op", required=True, choices=sorted(OPS))
   parser.add_argument("--out", default=None)
   parser.add_argument("--calls", type=int, default=8)
-  parser.add_argument("--only", default=None,
-                      help="keep only candidates whose repr contains this (e.g. True)")
   parser.add_argument("--workloads", default=None,
                       help="comma-separated workload indices (default: a fixed spread)")
   args = parser.parse_args(argv)
@@ -168,8 +168,6 @@ def main(argv=None):
     passes, key = passes_fn(w, constants, sets)
     line = [f"{problem.label(w):>18} [{key}]"]
     for name, (cands, pass_sets) in passes.items():
-      if args.only:
-        cands = [(c, fn) for c, fn in cands if args.only in repr(c)]
       compiled = compile_all([fn for _, fn in cands], pass_sets[0])
       ok = []
       for (cand, _), exe in zip(cands, compiled):
