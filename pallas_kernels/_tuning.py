@@ -51,3 +51,21 @@ def lookup(configs: dict, key: str):
   if ragged:
     return configs[min(ragged, key=lambda k: abs(int(k.split("-")[0]).bit_length() - width))]
   return configs.get(key.split("-")[0])
+
+
+def with_overrides(config, **overrides):
+  """``config`` (a NamedTuple of per-pass NamedTuples) with each non-``None`` override
+  applied to every pass, and every pass checked: ``block_*`` fields powers of two >= 16,
+  ``num_warps`` and ``num_stages`` >= 1. Raises ``ValueError`` naming the field."""
+  overrides = {k: v for k, v in overrides.items() if v is not None}
+  passes = []
+  for name, c in zip(config._fields, config):
+    c = c._replace(**overrides)
+    c = type(c)(*(bool(v) if f == "prefetch" else int(v) for f, v in zip(c._fields, c)))
+    for field, v in zip(c._fields, c):
+      if field.startswith("block_") and (v < 16 or v & (v - 1)):
+        raise ValueError(f"config.{name}.{field}: expected a power of two >= 16, got {v}")
+    if c.num_warps < 1 or c.num_stages < 1:
+      raise ValueError(f"config.{name}: num_warps and num_stages must be >= 1, got {c}")
+    passes.append(c)
+  return type(config)(*passes)

@@ -179,18 +179,19 @@ def _ds_kernel(*refs, num_heads, num_kv_heads, sq, skv, head_dim, block_q, block
     keep_scale = scale_ref[0]
     drop_scale = scale_ref[1]
 
+  def kv_mask_of(j, masked):
+    return (j * block_kv + jnp.arange(block_kv)) < skv if masked else None
+
   def load_p_keep(j, masked):
-    k0 = j * block_kv
-    kv_mask = (k0 + jnp.arange(block_kv)) < skv if masked else None
-    mask = _outer(q_mask, kv_mask)
-    p = _load(p_ref.at[bh, pl.ds(q0, block_q), pl.ds(k0, block_kv)], mask, 0.0)
-    keep = (jnp.zeros((), jnp.bool_) if mode == "none" else
-            _load(keep_ref.at[bh, pl.ds(q0, block_q), pl.ds(k0, block_kv)], mask, False))
+    mask = _outer(q_mask, kv_mask_of(j, masked))
+    idx = (bh, pl.ds(q0, block_q), pl.ds(j * block_kv, block_kv))
+    p = _load(p_ref.at[idx], mask, 0.0)
+    keep = jnp.zeros((), jnp.bool_) if mode == "none" else _load(keep_ref.at[idx], mask, False)
     return p, keep
 
   def tile(j, masked, p=None, keep=None):
     k0 = j * block_kv
-    kv_mask = (k0 + jnp.arange(block_kv)) < skv if masked else None
+    kv_mask = kv_mask_of(j, masked)
     v = _load(v_ref.at[bk, pl.ds(k0, block_kv), pl.ds(0, d_pad)], _outer(kv_mask, d_mask), 0.0)
     dw = dot(do, v, trans_b=True)  # dPd, [block_q, block_kv] fp32
     mask = _outer(q_mask, kv_mask)
@@ -291,16 +292,6 @@ def default_config(b, h, kvh, sq, skv, d, dtype, device_kind=None) -> Config:
   def cap(c):
     return PassConfig(min(c[0], cap_q), min(c[1], cap_kv), *c[2:])
   return Config(cap(tuned["dv"]), cap(tuned["ds"]))
-
-
-def _check_pass(name, c: PassConfig) -> PassConfig:
-  c = PassConfig(*(int(v) for v in c[:4]), *(bool(v) for v in c[4:]))
-  for field, v in (("block_q", c.block_q), ("block_kv", c.block_kv)):
-    if v < 16 or v & (v - 1):
-      raise ValueError(f"{name}.{field}: expected a power of two >= 16, got {v}")
-  if c.num_warps < 1 or c.num_stages < 1:
-    raise ValueError(f"{name}: num_warps and num_stages must be >= 1, got {c}")
-  return c
 
 
 # --------------------------------------------------------------------------------------
@@ -446,7 +437,7 @@ def attention_softmax_dropout_value_backward(
   What it achieves (H200, Seed-OSS shapes H=80, KVH=8, D=128, p=0.1;
   ``benchmarks/results/attention_softmax_dropout_value.md``): DRAM traffic is the 7 B
   floor plus ~4 / BKV B of delta partials, but time is 46% of the floor in geomean
-  (33-60% per workload; XLA 28%), 1.19-2.07x faster than XLA. Why not more: per
+  (24-60% per workload; XLA 28%), 1.19-2.07x faster than XLA. Why not more: per
   element the passes run 6*D = 768 tensor-core flops (the dPd GEMM twice) against 7 B,
   close enough to the H200's ridge that the dS pass must overlap its GEMM with streaming
   P / keep / dS, which Triton's software pipelining does only in part (pass 1 runs at
@@ -464,10 +455,7 @@ def attention_softmax_dropout_value_backward(
     kvh, d = value_states.shape[1], value_states.shape[3]
     device_kind = None if interpret else jax.devices()[0].device_kind
     config = default_config(b, h, kvh, sq, skv, d, attn_weights.dtype, device_kind)
-  overrides = dict(block_q=block_q, block_kv=block_kv, num_warps=num_warps,
-                   num_stages=num_stages)
-  overrides = {k: v for k, v in overrides.items() if v is not None}
-  config = Config(_check_pass("config.dv", config.dv._replace(**overrides)),
-                  _check_pass("config.ds", config.ds._replace(**overrides)))
+  config = _tuning.with_overrides(config, block_q=block_q, block_kv=block_kv,
+                                  num_warps=num_warps, num_stages=num_stages)
   return _backward(grad_attn_output, attn_weights, attn_weights_dropped, value_states,
                    dropout_mask, p_traced, p_static=p, config=config, interpret=interpret)

@@ -29,7 +29,7 @@ for ``Sk <= 256``), else twice; its second pass re-reads a row the same program
 just read (newest tile first). So DRAM traffic is 8 B/element, up to 12 B when
 that re-read misses L2, plus ``Q``, ``K``, ``dQ``, ``dK``. On the H200 the
 row kernel with long rows takes ~1.6x the column kernel's time (1089 vs 683 us
-at 2048 x 2048), so its re-read mostly misses: the kernel reaches 31-65% of
+at 2048 x 2048), so its re-read mostly misses: the kernel reaches 21-65% of
 the 4 B floor (38.5% geomean, XLA 34%; ``benchmarks/results/qk_scale_softmax.md``).
 The grids put the tile index on the fastest launch axis, so programs running
 together share one head and its ``K``/``Q``/``delta`` tiles come from L2; the
@@ -72,13 +72,6 @@ __all__ = ["qk_scale_softmax_backward", "Config", "PassConfig"]
 
 _F32 = jnp.float32
 _SUPPORTED = (jnp.bfloat16, jnp.float16, jnp.float32)
-
-
-def _check_block(name: str, value: int) -> int:
-  value = int(value)
-  if value < 16 or value & (value - 1):
-    raise ValueError(f"{name}: expected a power of two >= 16, got {value}")
-  return value
 
 
 def _round_to(x, dtype):
@@ -381,15 +374,6 @@ def default_config(seq_q: int, seq_k: int, head_dim: int, dtype, device_kind=Non
   return Config(cap(tuned["row"]), cap(tuned["col"]))
 
 
-def _check_pass(name: str, c: PassConfig) -> PassConfig:
-  c = PassConfig(*(int(v) for v in c[:4]), *(bool(v) for v in c[4:]))
-  _check_block(f"{name}.block_q", c.block_q)
-  _check_block(f"{name}.block_k", c.block_k)
-  if c.num_warps < 1 or c.num_stages < 1:
-    raise ValueError(f"{name}: num_warps and num_stages must be >= 1, got {c}")
-  return c
-
-
 @functools.partial(jax.jit, static_argnames=("causal", "cfg", "interpret"))
 def row_pass(scale, g, p, k, *, causal, cfg, interpret):
   """``(grad_query [B*H, Sq, D], delta [B*H, Sq] fp32)`` from 3D ``[B*H, ...]`` views."""
@@ -486,10 +470,7 @@ def qk_scale_softmax_backward(grad_output, query, key, attn_weights, scaling, *,
     device_kind = None if interpret else jax.devices()[0].device_kind
     config = default_config(query.shape[2], key.shape[2], query.shape[3], query.dtype,
                             device_kind)
-  overrides = dict(block_q=block_q, block_k=block_k, num_warps=num_warps,
-                   num_stages=num_stages)
-  overrides = {k: v for k, v in overrides.items() if v is not None}
-  config = Config(_check_pass("config.row", config.row._replace(**overrides)),
-                  _check_pass("config.col", config.col._replace(**overrides)))
+  config = _tuning.with_overrides(config, block_q=block_q, block_k=block_k,
+                                  num_warps=num_warps, num_stages=num_stages)
   return _backward(grad_output, query, key, attn_weights, scaling, causal=bool(causal),
                    config=config, interpret=bool(interpret))
