@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
 
 ON_GPU = jax.default_backend() == "gpu"
 # Off a GPU the Pallas kernels run in the interpreter; on a GPU they compile.
@@ -55,3 +56,27 @@ def pretend_h200(monkeypatch):
   except (ImportError, AttributeError) as e:
     pytest.skip(f"JAX internals moved: {e}")
   monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: info)
+
+
+def triton_calls_in_gpu_lowering(kernel, shapes, last=None, **kwargs):
+  """Number of Triton kernels when ``kernel(*shapes, last, **kwargs)`` is lowered for a
+  GPU (use with ``pretend_h200``). ``last=None`` makes it a traced fp32 scalar argument."""
+  shapes = list(shapes)
+  if last is None:
+    fn = jax.jit(lambda *a: kernel(*a, **kwargs))
+    shapes.append(jax.ShapeDtypeStruct((), jnp.float32))
+  else:
+    fn = jax.jit(lambda *a: kernel(*a, last, **kwargs))
+  return fn.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text().count("xla.gpu.triton")
+
+
+def assert_configs_fit(config, rows, cols):
+  """Every pass of a kernel config (``(block_q, block_k, num_warps, num_stages, ...)``):
+  tiles are powers of two >= 16 capped by the padded lengths; sane launch parameters."""
+  for c in config:
+    block_q, block_k, num_warps, num_stages = c[:4]
+    for blk in (block_q, block_k):
+      assert blk >= 16 and blk & (blk - 1) == 0, c
+    assert block_q <= max(16, pl.next_power_of_2(rows)), c
+    assert block_k <= max(16, pl.next_power_of_2(cols)), c
+    assert num_warps in (2, 4, 8, 16) and 1 <= num_stages <= 4, c

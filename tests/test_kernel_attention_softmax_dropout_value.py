@@ -6,12 +6,16 @@ with the pure-jnp reference. Sizes are small: the interpreter is slow.
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import assert_configs_fit, triton_calls_in_gpu_lowering
 from jax_ops.reference import attention_softmax_dropout_value_backward_reference as _reference
+from pallas_kernels import attention_softmax_dropout_value as asdv
 from pallas_kernels.attention_softmax_dropout_value import (
     attention_softmax_dropout_value_backward as kernel)
 
@@ -120,10 +124,9 @@ def test_small_blocks_many_partials():
 @pytest.mark.parametrize("p", [0.0, 0.1, "traced"])
 def test_prefetch_ds_pass(p):
   """The dS pass with the next tile's loads issued early, on ragged tiles and all modes."""
-  from pallas_kernels.attention_softmax_dropout_value import Config, PassConfig
   rate = 0.1 if p == "traced" else p
   args = make_inputs(1, 4, 2, 37, 83, 64, rate, seed=6)
-  config = Config(PassConfig(16, 32, 4, 2), PassConfig(16, 32, 4, 2, prefetch=True))
+  config = asdv.Config(asdv.PassConfig(16, 32, 4, 2), asdv.PassConfig(16, 32, 4, 2, prefetch=True))
   if p == "traced":
     outs = jax.jit(lambda r: kernel(*args, r, config=config, interpret=True))(jnp.float32(rate))
   else:
@@ -187,28 +190,13 @@ def test_lowers_to_triton(pretend_h200, p, prefetch):
   shapes = [jax.ShapeDtypeStruct(s, t) for s, t in (
       ((b, sq, h, d), dt), ((b, h, sq, skv), dt), ((b, h, sq, skv), dt),
       ((b, kvh, skv, d), dt), ((b, h, sq, skv), jnp.bool_))]
-  from pallas_kernels.attention_softmax_dropout_value import Config, PassConfig
-  config = Config(PassConfig(64, 64, 4, 3), PassConfig(64, 64, 4, 2, prefetch))
-  if p is None:
-    fn = jax.jit(lambda *a: kernel(*a, config=config))
-    shapes.append(jax.ShapeDtypeStruct((), jnp.float32))
-  else:
-    fn = jax.jit(lambda *a: kernel(*a, p, config=config))
-  text = fn.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
-  assert text.count("xla.gpu.triton") == 2
+  config = asdv.Config(asdv.PassConfig(64, 64, 4, 3), asdv.PassConfig(64, 64, 4, 2, prefetch))
+  assert triton_calls_in_gpu_lowering(kernel, shapes, p, config=config) == 2
 
 
 @pytest.mark.parametrize("device_kind", [None, "NVIDIA H200"])
 def test_default_config(device_kind):
   """Heuristic and tuned defaults: powers of two >= 16, capped by the padded lengths."""
-  import itertools
-  from pallas_kernels import attention_softmax_dropout_value as asdv
   for sq, skv, d, dtype in itertools.product([1, 33, 211, 4096], [1, 200, 449, 4096],
                                              [40, 64, 128], [jnp.bfloat16, jnp.float32]):
-    config = asdv.default_config(2, 8, 2, sq, skv, d, dtype, device_kind)
-    for c in config:
-      for blk in (c.block_q, c.block_kv):
-        assert blk >= 16 and blk & (blk - 1) == 0
-      assert c.block_q <= max(16, asdv.next_power_of_2(sq))
-      assert c.block_kv <= max(16, asdv.next_power_of_2(skv))
-      assert c.num_warps in (2, 4, 8, 16) and 1 <= c.num_stages <= 4
+    assert_configs_fit(asdv.default_config(2, 8, 2, sq, skv, d, dtype, device_kind), sq, skv)

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from conftest import INTERPRET, assert_close, keys, softmax_probs
+from conftest import INTERPRET, assert_close, keys, softmax_probs, triton_calls_in_gpu_lowering
 from jax_ops import masked_softmax_dropout_backward_reference as reference
 from pallas_kernels import masked_softmax_dropout_backward as kernel
 from pallas_kernels.masked_softmax_dropout import Config, column_chunks
@@ -97,11 +97,4 @@ def test_lowers_to_triton(pretend_h200, p, split):
   b, h, s = 2, 3, 131
   shapes = [jax.ShapeDtypeStruct((b, h, s, s), jnp.float32)] * 2 + [
       jax.ShapeDtypeStruct((b, 1, s, s), jnp.bool_), jax.ShapeDtypeStruct((b, h, s, s), jnp.bool_)]
-  config = Config(4, 4, split)
-  if p is None:
-    fn = jax.jit(lambda *a: kernel(*a, config=config))
-    shapes.append(jax.ShapeDtypeStruct((), jnp.float32))
-  else:
-    fn = jax.jit(lambda *a: kernel(*a, p, config=config))
-  text = fn.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
-  assert text.count("xla.gpu.triton") == 1
+  assert triton_calls_in_gpu_lowering(kernel, shapes, p, config=Config(4, 4, split)) == 1

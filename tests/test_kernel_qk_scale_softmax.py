@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import assert_configs_fit, triton_calls_in_gpu_lowering
 from jax_ops.reference import qk_scale_softmax_backward_reference as reference
 from pallas_kernels import qk_scale_softmax as qks
 from pallas_kernels.qk_scale_softmax import qk_scale_softmax_backward
@@ -201,13 +202,7 @@ def test_default_config(device_kind):
   """Heuristic and tuned defaults: powers of two >= 16, capped by the padded lengths."""
   for sq, sk, d, dtype in itertools.product([1, 33, 211, 4096], [1, 200, 449, 4096],
                                             [40, 64, 128], [jnp.bfloat16, jnp.float32]):
-    config = qks.default_config(sq, sk, d, dtype, device_kind)
-    for c in config:
-      for blk in (c.block_q, c.block_k):
-        assert blk >= 16 and blk & (blk - 1) == 0
-      assert c.block_q <= max(16, qks.next_power_of_2(sq))
-      assert c.block_k <= max(16, qks.next_power_of_2(sk))
-      assert c.num_warps in (2, 4, 8, 16) and 1 <= c.num_stages <= 4
+    assert_configs_fit(qks.default_config(sq, sk, d, dtype, device_kind), sq, sk)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -219,10 +214,8 @@ def test_lowers_to_triton(pretend_h200, causal, dtype, prefetch):
   shapes = [jax.ShapeDtypeStruct(s, dtype) for s in
             ((b, h, sq, sk), (b, h, sq, d), (b, h, sk, d), (b, h, sq, sk))]
   cfg = qks.PassConfig(32, 64, 4, 2, prefetch)
-  fn = jax.jit(lambda *a: qk_scale_softmax_backward(*a, 0.125, causal=causal,
-                                                    config=qks.Config(cfg, cfg)))
-  text = fn.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
-  assert text.count("xla.gpu.triton") == 2
+  assert triton_calls_in_gpu_lowering(qk_scale_softmax_backward, shapes, 0.125, causal=causal,
+                                      config=qks.Config(cfg, cfg)) == 2
 
 
 def test_rounding_is_bit_exact():
