@@ -44,7 +44,8 @@ def write_table(configs: dict, out: str, *, merge: bool = False) -> dict:
       old = json.load(f)
     if old.get("device_kind") == device_kind:
       table.update(old["configs"])
-  table.update(configs)
+  for key, entry in configs.items():  # per class, new fields replace old ones
+    table[key] = {**table.get(key, {}), **entry} if merge else entry
   result = {"device_kind": device_kind,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "jax": jax.__version__, "configs": dict(sorted(table.items()))}

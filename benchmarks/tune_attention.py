@@ -50,6 +50,16 @@ C_ROW += [(32, 128, 4, 2, True), (16, 128, 4, 2, True), (32, 64, 4, 2, True),
 C_COL += [(32, 64, 4, 3, True), (32, 64, 4, 2, True), (64, 64, 4, 2, True),
           (32, 128, 4, 2, True)]
 C_WORKLOADS = [0, 1, 2, 4, 8, 9, 10, 13, 14]
+# The other two schemes of kernel C: "atomic" (a delta kernel, then the grad_key kernel that
+# also adds grad_query with atomics) and "per_head" (one program per head, rows <= 256 keys).
+C_DELTA = [(16, 128, 4, 3), (32, 128, 4, 3), (32, 256, 8, 3), (64, 128, 8, 3), (16, 256, 4, 3),
+           (32, 64, 4, 4), (32, 128, 4, 2, True), (16, 128, 4, 2, True), (16, 0, 4, 1),
+           (32, 0, 8, 1)]
+C_FUSED = [(64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (128, 64, 8, 2),
+           (32, 64, 4, 3), (64, 128, 8, 3), (128, 64, 4, 3), (32, 128, 8, 2), (64, 64, 4, 2, True),
+           (32, 64, 4, 2, True), (128, 128, 16, 2)]
+C_HEAD = [(16, 0, 4, 2), (32, 0, 4, 2), (32, 0, 8, 2), (64, 0, 8, 2), (16, 0, 8, 2),
+          (32, 0, 16, 2), (64, 0, 16, 2), (32, 0, 8, 3), (16, 0, 4, 3), (128, 0, 16, 2)]
 
 
 def _a_passes(w, constants, sets):
@@ -83,7 +93,7 @@ def _a_passes(w, constants, sets):
   return {"dv": (dv, dv_sets), "ds": (ds, ds_sets)}, asdv.length_class(skv)
 
 
-def _c_passes(w, constants, sets):
+def _c_passes(w, constants, sets, schemes_only=True):
   b, h, sq, sk, d = bench._c_dims(w, constants)
   scale = jnp.asarray([constants["scaling"]], jnp.float32)
   pk = max(16, qks.next_power_of_2(sk))
@@ -98,18 +108,43 @@ def _c_passes(w, constants, sets):
   row_sets = [(g, p, k) for g, p, _, k in view_sets]
   col_sets = []
   for g, p, q, k in view_sets:
-    _, delta = qks.row_pass(scale, g, p, k, causal=False, cfg=base.row, interpret=False)
+    delta = qks.delta_pass(g, p, causal=False, cfg=base.row, interpret=False)
     col_sets.append((g, p, q, delta))
 
   def capped(c):
     return qks.PassConfig(min(c[0], cap_q), pk if c[1] == 0 else min(c[1], pk), *c[2:])
 
-  row_cands = [c for c in C_ROW if c[1] != 0 or pk <= 512]
-  row = [(c, lambda g, p, k, cfg=capped(c): qks.row_pass(scale, g, p, k, causal=False, cfg=cfg,
-                                                         interpret=False)) for c in row_cands]
-  col = [(c, lambda g, p, q, delta, cfg=capped(c): qks.col_pass(
-      scale, g, p, q, delta, causal=False, cfg=cfg, interpret=False)) for c in C_COL]
-  return {"row": (row, row_sets), "col": (col, col_sets)}, qks.length_class(sk)
+  passes = {}
+  if not schemes_only:
+    row_cands = [c for c in C_ROW if c[1] != 0 or pk <= 512]
+    row = [(c, lambda g, p, k, cfg=capped(c): qks.row_pass(
+        scale, g, p, k, causal=False, cfg=cfg, interpret=False)) for c in row_cands]
+    col = [(c, lambda g, p, q, delta, cfg=capped(c): qks.col_pass(
+        scale, g, p, q, delta, causal=False, cfg=cfg, interpret=False)) for c in C_COL]
+    passes.update(row=(row, row_sets), col=(col, col_sets))
+  # The whole backward with the table's two-pass config: the baseline the schemes must beat.
+  two = qks.Config(base.row, base.col, "two_pass")
+  passes["two_pass"] = ([(("table",), lambda g, p, q, k: qks._backward(
+      g[None], q[None], k[None], p[None], constants["scaling"], causal=False, config=two,
+      interpret=False))], [(g, p, q, k) for g, p, q, k in view_sets])
+  delta = [(c, lambda g, p, cfg=capped(c): qks.delta_pass(g, p, causal=False, cfg=cfg,
+                                                          interpret=False))
+           for c in C_DELTA if c[1] != 0 or pk <= 512]
+  passes["delta"] = (delta, [(g, p) for g, p, _, _ in view_sets])
+  fused = [(c, lambda g, p, q, k, dlt, cfg=capped(c): qks.col_pass(
+      scale, g, p, q, dlt, k, causal=False, cfg=cfg, interpret=False, fuse_dq=True))
+           for c in C_FUSED]
+  passes["fused"] = (fused, [(g, p, q, k, dlt) for (g, p, q, k), (_, _, _, dlt)
+                             in zip(view_sets, col_sets)])
+  if pk <= 256:
+    head = [(c, lambda g, p, q, k, cfg=capped(c): qks.head_pass(
+        scale, g, p, q, k, causal=False, cfg=cfg, interpret=False)) for c in C_HEAD]
+    passes["head"] = (head, [(g, p, q, k) for g, p, q, k in view_sets])
+  return passes, qks.length_class(sk)
+
+
+# Per scheme of kernel C, the passes whose times add up to one backward.
+C_SCHEMES = {"two_pass": ("two_pass",), "atomic": ("delta", "fused"), "per_head": ("head",)}
 
 
 OPS = {
@@ -120,8 +155,30 @@ OPS = {
 }
 
 
-def _write_table(ratios, out):
-  """ratios[class][pass] = list of {candidate: time / best} dicts, one per workload.
+def _label(c):
+  if len(c) < 4:
+    return "/".join(map(str, c))
+  return f"{c[0]}x{c[1]}/{c[2]}w/{c[3]}s{'/pf' if c[4:] and c[4] else ''}"
+
+
+def _choose_scheme(best_times):
+  """``best_times[pass]`` = per-workload best times of one class -> (scheme, {scheme: geomean
+  of its time / the best scheme's time}); a scheme counts only if measured on every workload."""
+  totals = {}
+  for scheme, names in C_SCHEMES.items():
+    if all(n in best_times and None not in best_times[n] for n in names):
+      totals[scheme] = [sum(ts) for ts in zip(*(best_times[n] for n in names))]
+  if not totals:
+    return None, {}
+  best = [min(ts) for ts in zip(*totals.values())]
+  score = {s: math.exp(sum(math.log(t / b) for t, b in zip(ts, best)) / len(best))
+           for s, ts in totals.items()}
+  return min(score, key=score.get), {s: round(v, 4) for s, v in score.items()}
+
+
+def _write_table(ratios, out, best_times=None):
+  """ratios[class][pass] = list of {candidate: time / best} dicts, one per workload;
+  best_times[class][pass] = that pass's best time per workload (kernel C: picks the scheme).
 
   Classes not measured in this run keep their entries from the table already at ``out``.
   """
@@ -129,11 +186,17 @@ def _write_table(ratios, out):
   for key, passes in ratios.items():
     entry = {}
     for name, per_workload in passes.items():
+      if name == "two_pass":
+        continue
       best, score = best_by_geomean(per_workload)
       if best is None:
         continue
       entry[name] = list(best)
       entry[f"{name}_geomean_vs_best"] = score
+    if best_times is not None:
+      scheme, scores = _choose_scheme(best_times.get(key, {}))
+      if scheme is not None:
+        entry["scheme"], entry["scheme_geomean_vs_best"] = scheme, scores
     table[key] = entry
   return write_table(table, out, merge=True)
 
@@ -157,6 +220,7 @@ def main(argv=None):
     spec = json.load(f)[problem.name + "_backward"]
   constants, workloads = spec["constants"], spec["workloads"]
   ratios: dict[str, dict[str, list[dict]]] = {}
+  best_times: dict[str, dict[str, list]] = {}
   result = None
   for index in indices:
     w = workloads[index]
@@ -179,15 +243,18 @@ def main(argv=None):
           print(f"  {name} {cand}: launch failed: {str(e).splitlines()[0][:160]}", flush=True)
           continue
         ok.append((cand, exe))
+      if not ok:
+        best_times.setdefault(key, {}).setdefault(name, []).append(None)
+        continue
       times = [t["median_us"] for t in device_times_us([exe for _, exe in ok], pass_sets,
                                                         calls=args.calls, warmup=1)]
       best = min(times)
+      best_times.setdefault(key, {}).setdefault(name, []).append(best)
       ratios.setdefault(key, {}).setdefault(name, []).append(
           {cand: t / best for (cand, _), t in zip(ok, times)})
-      line.append(f"{name}: " + " ".join(f"{c[0]}x{c[1]}/{c[2]}w/{c[3]}s{'/pf' if c[4:] else ''}={t:.1f}"
-                                         for (c, _), t in zip(ok, times)))
+      line.append(f"{name}: " + " ".join(f"{_label(c)}={t:.1f}" for (c, _), t in zip(ok, times)))
     print("  ".join(line), flush=True)
-    result = _write_table(ratios, out)
+    result = _write_table(ratios, out, best_times if args.op == "qk_scale_softmax" else None)
   print(json.dumps(result, indent=1))
   return 0
 

@@ -54,12 +54,15 @@ def lookup(configs: dict, key: str):
 
 
 def with_overrides(config, **overrides):
-  """``config`` (a NamedTuple of per-pass NamedTuples) with each non-``None`` override
+  """``config`` (a NamedTuple of per-pass NamedTuples, maybe plus plain fields) with each non-``None`` override
   applied to every pass, and every pass checked: ``block_*`` fields powers of two >= 16,
   ``num_warps`` and ``num_stages`` >= 1. Raises ``ValueError`` naming the field."""
   overrides = {k: v for k, v in overrides.items() if v is not None}
   passes = []
   for name, c in zip(config._fields, config):
+    if not hasattr(c, "_replace"):  # a non-pass field (a scheme name, say): kept as is
+      passes.append(c)
+      continue
     c = c._replace(**overrides)
     c = type(c)(*(bool(v) if f == "prefetch" else int(v) for f, v in zip(c._fields, c)))
     for field, v in zip(c._fields, c):

@@ -132,10 +132,18 @@ def _col_first_full_q_tile(kj, seq_q: int, seq_k: int, block_q: int, block_k: in
 # --------------------------------------------------------------------------- row kernel
 
 
-def _row_kernel(scale_ref, g_ref, p_ref, k_ref, dq_ref, delta_ref, *, seq_q: int, seq_k: int,
-                head_dim: int, block_q: int, block_k: int, causal: bool,
-                prefetch: bool = False):
-  """One program: ``block_q`` query rows of one head -> grad_query rows and delta."""
+def _row_kernel(scale_ref, g_ref, p_ref, *refs, seq_q: int, seq_k: int, head_dim: int,
+                block_q: int, block_k: int, causal: bool, prefetch: bool = False,
+                with_dq: bool = True):
+  """One program: ``block_q`` query rows of one head -> grad_query rows and delta.
+
+  ``with_dq=False`` (the ``"atomic"`` scheme's first kernel): delta only, one pass over
+  the row; ``refs`` is then ``(delta_ref,)``, else ``(k_ref, dq_ref, delta_ref)``.
+  """
+  if with_dq:
+    k_ref, dq_ref, delta_ref = refs
+  else:
+    (delta_ref,) = refs
   qi = pl.program_id(0)  # grid axis 0 is CUDA's fastest: neighbours share a head (K in L2)
   bh = pl.program_id(1)
   dtype = g_ref.dtype
@@ -173,6 +181,26 @@ def _row_kernel(scale_ref, g_ref, p_ref, k_ref, dq_ref, delta_ref, *, seq_q: int
     return jnp.sum(g.astype(_F32) * p.astype(_F32), axis=1)
 
   acc = jnp.zeros((block_q, d_pad), _F32)
+  if not with_dq:
+    zero = jnp.zeros((block_q,), _F32)
+    if prefetch:
+      def delta_pf(j, carry):
+        delta, g, p = carry
+        nxt = load_gp(j + 1, j + 1 < n_tiles)
+        return (delta + row_delta(g, p), *nxt)
+
+      delta, _, _ = jax.lax.fori_loop(0, n_tiles, delta_pf,
+                                      (zero, *load_gp(qi * 0, n_tiles > 0)))
+    else:
+      # Causal: only the diagonal tiles [n_full, n_tiles) need the element-wise mask.
+      n_full = _row_num_full_k_tiles(qi, seq_q, seq_k, block_q, block_k) if causal else n_tiles
+      delta = jax.lax.fori_loop(
+          0, n_full, lambda j, d: d + row_delta(*load_gp(j, diagonal=False)), zero)
+      if causal:
+        delta = jax.lax.fori_loop(
+            n_full, n_tiles, lambda j, d: d + row_delta(*load_gp(j, diagonal=True)), delta)
+    pltriton.store(delta_ref.at[bh, pl.ds(q_start, block_q)], delta, mask=row_ok)
+    return
   if num_k_tiles == 1:
     # The whole row is one tile: read g and P once, fuse both passes.
     def fused(j, carry):
@@ -238,10 +266,19 @@ def _row_kernel(scale_ref, g_ref, p_ref, k_ref, dq_ref, delta_ref, *, seq_q: int
 # ------------------------------------------------------------------------ column kernel
 
 
-def _col_kernel(scale_ref, g_ref, p_ref, q_ref, delta_ref, dk_ref, *, seq_q: int, seq_k: int,
+def _col_kernel(scale_ref, g_ref, p_ref, q_ref, delta_ref, *refs, seq_q: int, seq_k: int,
                 head_dim: int, block_q: int, block_k: int, causal: bool,
-                prefetch: bool = False):
-  """One program: ``block_k`` key rows of one head -> grad_key rows."""
+                prefetch: bool = False, fuse_dq: bool = False):
+  """One program: ``block_k`` key rows of one head -> grad_key rows.
+
+  ``fuse_dq`` (the ``"atomic"`` scheme): also ``dL @ K_j`` for each query tile, added
+  atomically to a zero-initialised fp32 ``grad_query`` accumulator; ``refs`` is then
+  ``(k_ref, dq_in_ref, dk_ref, dq_ref)`` (``dq_in`` aliases ``dq``), else ``(dk_ref,)``.
+  """
+  if fuse_dq:
+    k_ref, _, dk_ref, dq_ref = refs
+  else:
+    (dk_ref,) = refs
   kj = pl.program_id(0)  # neighbours share a head: its Q and delta stay in L2
   # Heads in reverse: the row kernel's last heads are the likeliest to be still in L2.
   bh = pl.num_programs(1) - 1 - pl.program_id(1)
@@ -257,6 +294,9 @@ def _col_kernel(scale_ref, g_ref, p_ref, q_ref, delta_ref, dk_ref, *, seq_q: int
 
   num_q_tiles = pl.cdiv(seq_q, block_q)
   lo = _col_first_q_tile(kj, seq_q, seq_k, block_q, block_k) if causal else 0
+  if fuse_dq:
+    k_tile = pltriton.load(k_ref.at[bh, pl.ds(k_start, block_k), pl.ds(0, d_pad)],
+                           mask=col_ok[:, None] & d_ok[None, :], other=0.0)
 
   def load_gp(i, diagonal=causal):
     q_start = i * block_q
@@ -275,6 +315,11 @@ def _col_kernel(scale_ref, g_ref, p_ref, q_ref, delta_ref, dk_ref, *, seq_q: int
     q = pltriton.load(q_ref.at[bh, pl.ds(q_start, block_q), pl.ds(0, d_pad)],
                       mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     d_l = _dl_tile(g, p, delta, scale, dtype)
+    if fuse_dq:
+      # The accumulator is padded to whole tiles (rows past Sq and columns past D get
+      # zeros: dL and K are zero there), so the atomics need no mask.
+      pltriton.atomic_add(dq_ref, (bh, pl.ds(q_start, block_q), pl.ds(0, d_pad)),
+                          dot(d_l, k_tile))
     return acc + dot(d_l, q, trans_a=True)
 
   acc = jnp.zeros((block_k, d_pad), _F32)
@@ -298,6 +343,52 @@ def _col_kernel(scale_ref, g_ref, p_ref, q_ref, delta_ref, dk_ref, *, seq_q: int
                  mask=col_ok[:, None] & d_ok[None, :])
 
 
+# -------------------------------------------------------------------------- head kernel
+
+
+def _head_kernel(scale_ref, g_ref, p_ref, q_ref, k_ref, dq_ref, dk_ref, *, seq_q: int,
+                 seq_k: int, head_dim: int, block_q: int, causal: bool):
+  """One program: a whole head (``"per_head"`` scheme, short rows).
+
+  Walks the head's query tiles; each holds whole rows (``Sk`` padded), so ``delta``, ``dL``
+  and ``grad_query`` are done in one read of ``g`` and ``P``. ``grad_key`` accumulates in
+  registers over the tiles (``[Sk, D]`` fp32: only for short rows) and is stored once.
+  """
+  bh = pl.program_id(0)
+  dtype = g_ref.dtype
+  d_pad = next_power_of_2(max(head_dim, 16))
+  block_k = next_power_of_2(max(seq_k, 16))
+  scale = scale_ref[0]
+  cols = jnp.arange(block_k)
+  col_ok = cols < seq_k
+  d_ok = jnp.arange(d_pad) < head_dim
+  offset = seq_k - seq_q
+  k = pltriton.load(k_ref.at[bh, pl.ds(0, block_k), pl.ds(0, d_pad)],
+                    mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+
+  def body(i, acc):
+    q_start = i * block_q
+    rows = q_start + jnp.arange(block_q)
+    row_ok = rows < seq_q
+    mask = row_ok[:, None] & col_ok[None, :]
+    if causal:
+      mask &= cols[None, :] <= rows[:, None] + offset
+    idx = (bh, pl.ds(q_start, block_q), pl.ds(0, block_k))
+    g = pltriton.load(g_ref.at[idx], mask=mask, other=0.0)
+    p = pltriton.load(p_ref.at[idx], mask=mask, other=0.0)
+    delta = jnp.sum(g.astype(_F32) * p.astype(_F32), axis=1)
+    d_l = _dl_tile(g, p, delta, scale, dtype)
+    qd_idx = (bh, pl.ds(q_start, block_q), pl.ds(0, d_pad))
+    qd_mask = row_ok[:, None] & d_ok[None, :]
+    pltriton.store(dq_ref.at[qd_idx], dot(d_l, k).astype(dq_ref.dtype), mask=qd_mask)
+    q = pltriton.load(q_ref.at[qd_idx], mask=qd_mask, other=0.0)
+    return acc + dot(d_l, q, trans_a=True)
+
+  acc = jax.lax.fori_loop(0, pl.cdiv(seq_q, block_q), body, jnp.zeros((block_k, d_pad), _F32))
+  pltriton.store(dk_ref.at[bh, pl.ds(0, block_k), pl.ds(0, d_pad)], acc.astype(dk_ref.dtype),
+                 mask=col_ok[:, None] & d_ok[None, :])
+
+
 # ------------------------------------------------------------------------------ wrapper
 
 
@@ -313,10 +404,21 @@ class PassConfig(NamedTuple):
   prefetch: bool = False
 
 
+SCHEMES = ("two_pass", "atomic", "per_head")
+
+
 class Config(NamedTuple):
-  """``row``: the delta + grad_query kernel; ``col``: the grad_key kernel."""
+  """How the backward runs: a ``scheme`` and the configs of its kernels.
+
+  * ``"two_pass"``: ``row`` is the delta + grad_query kernel, ``col`` the grad_key kernel.
+  * ``"atomic"``: ``row`` is a delta-only kernel, ``col`` the grad_key kernel that also adds
+    ``dL @ K`` to an fp32 grad_query accumulator with atomics.
+  * ``"per_head"``: one kernel, one program per head (``col.block_q`` query rows per step,
+    whole rows as one tile; ``row`` unused). Rows of at most 512 keys.
+  """
   row: PassConfig
   col: PassConfig
+  scheme: str = "two_pass"
 
 
 _KERNEL = "qk_scale_softmax"
@@ -371,6 +473,12 @@ def default_config(seq_q: int, seq_k: int, head_dim: int, dtype, device_kind=Non
     block_k = (pk if pk <= 512 else 128) if c[1] == 0 else min(c[1], pk)
     return PassConfig(min(c[0], pq), block_k, *c[2:])
 
+  scheme = tuned.get("scheme", "two_pass")
+  if scheme == "per_head" and "head" in tuned and pk <= 256:
+    head = cap(tuned["head"])
+    return Config(head, head, "per_head")
+  if scheme == "atomic" and "delta" in tuned and "fused" in tuned:
+    return Config(cap(tuned["delta"]), cap(tuned["fused"]), "atomic")
   return Config(cap(tuned["row"]), cap(tuned["col"]))
 
 
@@ -394,21 +502,76 @@ def row_pass(scale, g, p, k, *, causal, cfg, interpret):
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "cfg", "interpret"))
-def col_pass(scale, g, p, q, delta, *, causal, cfg, interpret):
-  """``grad_key [B*H, Sk, D]`` from 3D ``[B*H, ...]`` views and the row pass's delta."""
+def delta_pass(g, p, *, causal, cfg, interpret):
+  """``delta [B*H, Sq]`` (fp32 row sums of ``g * P``) from 3D ``[B*H, Sq, Sk]`` views."""
+  bh, seq_q, seq_k = g.shape
+  return pl.pallas_call(
+      functools.partial(_row_kernel, seq_q=seq_q, seq_k=seq_k, head_dim=0,
+                        block_q=cfg.block_q, block_k=cfg.block_k, causal=causal,
+                        prefetch=cfg.prefetch, with_dq=False),
+      out_shape=out_struct((bh, seq_q), _F32, g, p),
+      grid=(pl.cdiv(seq_q, cfg.block_q), bh),
+      compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps,
+                                              num_stages=cfg.num_stages),
+      interpret=interpret,
+      name="qk_scale_softmax_bwd_delta",
+  )(jnp.zeros((1,), _F32), g, p)
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "cfg", "interpret", "fuse_dq"))
+def col_pass(scale, g, p, q, delta, k=None, *, causal, cfg, interpret, fuse_dq=False):
+  """``grad_key [B*H, Sk, D]`` from 3D ``[B*H, ...]`` views and the row pass's delta.
+
+  ``fuse_dq``: also returns grad_query ``[B*H, Sq, D]`` (fp32 atomics, then cast to
+  ``q``'s dtype); ``k`` is then required.
+  """
   bh, seq_q, seq_k = g.shape
   head_dim = q.shape[-1]
-  return pl.pallas_call(
+  dk = out_struct((bh, seq_k, head_dim), q.dtype, g, p, q)
+  args = (scale, g, p, q, delta)
+  out_shape, aliases = dk, {}
+  if fuse_dq:
+    # fp32 accumulator padded to whole query tiles and a power-of-two D (unmasked atomics).
+    acc_shape = (bh, pl.cdiv(seq_q, cfg.block_q) * cfg.block_q,
+                 next_power_of_2(max(head_dim, 16)))
+    args += (k, jnp.zeros(acc_shape, _F32))
+    out_shape = (dk, out_struct(acc_shape, _F32, g, p, q))
+    aliases = {len(args) - 1: 1}
+  out = pl.pallas_call(
       functools.partial(_col_kernel, seq_q=seq_q, seq_k=seq_k, head_dim=head_dim,
                         block_q=cfg.block_q, block_k=cfg.block_k, causal=causal,
-                        prefetch=cfg.prefetch),
-      out_shape=out_struct((bh, seq_k, head_dim), q.dtype, g, p, q),
+                        prefetch=cfg.prefetch, fuse_dq=fuse_dq),
+      out_shape=out_shape,
+      input_output_aliases=aliases,
       grid=(pl.cdiv(seq_k, cfg.block_k), bh),
       compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps,
                                               num_stages=cfg.num_stages),
       interpret=interpret,
-      name="qk_scale_softmax_bwd_dk",
-  )(scale, g, p, q, delta)
+      name="qk_scale_softmax_bwd_dk_dq" if fuse_dq else "qk_scale_softmax_bwd_dk",
+  )(*args)
+  if fuse_dq:
+    return out[0], out[1][:, :seq_q, :head_dim].astype(q.dtype)
+  return out
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "cfg", "interpret"))
+def head_pass(scale, g, p, q, k, *, causal, cfg, interpret):
+  """``(grad_query, grad_key)`` of 3D ``[B*H, ...]`` views, one program per head."""
+  bh, seq_q, seq_k = g.shape
+  head_dim = q.shape[-1]
+  if next_power_of_2(seq_k) > 512:
+    raise ValueError(f"the per_head scheme takes rows of at most 512 keys, got Sk={seq_k}")
+  return pl.pallas_call(
+      functools.partial(_head_kernel, seq_q=seq_q, seq_k=seq_k, head_dim=head_dim,
+                        block_q=cfg.block_q, causal=causal),
+      out_shape=(out_struct((bh, seq_q, head_dim), q.dtype, g, p, q, k),
+                 out_struct((bh, seq_k, head_dim), q.dtype, g, p, q, k)),
+      grid=(bh,),
+      compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps,
+                                              num_stages=cfg.num_stages),
+      interpret=interpret,
+      name="qk_scale_softmax_bwd_head",
+  )(scale, g, p, q, k)
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "config", "interpret"))
@@ -422,10 +585,18 @@ def _backward(grad_output, query, key, attn_weights, scaling, *, causal, config,
   q = query.reshape(bh, seq_q, head_dim)
   k = key.reshape(bh, seq_k, head_dim)
   scale = jnp.asarray(scaling, _F32).reshape(1)
-  grad_query, delta = row_pass(scale, g, p, k, causal=causal, cfg=config.row,
-                               interpret=interpret)
-  grad_key = col_pass(scale, g, p, q, delta, causal=causal, cfg=config.col,
-                      interpret=interpret)
+  if config.scheme == "per_head":
+    grad_query, grad_key = head_pass(scale, g, p, q, k, causal=causal, cfg=config.col,
+                                     interpret=interpret)
+  elif config.scheme == "atomic":
+    delta = delta_pass(g, p, causal=causal, cfg=config.row, interpret=interpret)
+    grad_key, grad_query = col_pass(scale, g, p, q, delta, k, causal=causal, cfg=config.col,
+                                    interpret=interpret, fuse_dq=True)
+  else:
+    grad_query, delta = row_pass(scale, g, p, k, causal=causal, cfg=config.row,
+                                 interpret=interpret)
+    grad_key = col_pass(scale, g, p, q, delta, causal=causal, cfg=config.col,
+                        interpret=interpret)
   return grad_query.reshape(b, h, seq_q, head_dim), grad_key.reshape(b, h, seq_k, head_dim)
 
 
@@ -472,5 +643,7 @@ def qk_scale_softmax_backward(grad_output, query, key, attn_weights, scaling, *,
                             device_kind)
   config = _tuning.with_overrides(config, block_q=block_q, block_k=block_k,
                                   num_warps=num_warps, num_stages=num_stages)
+  if config.scheme not in SCHEMES:
+    raise ValueError(f"config.scheme: expected one of {SCHEMES}, got {config.scheme!r}")
   return _backward(grad_output, query, key, attn_weights, scaling, causal=bool(causal),
                    config=config, interpret=bool(interpret))

@@ -74,6 +74,8 @@ def assert_configs_fit(config, rows, cols):
   """Every pass of a kernel config (``(block_q, block_k, num_warps, num_stages, ...)``):
   tiles are powers of two >= 16 capped by the padded lengths; sane launch parameters."""
   for c in config:
+    if isinstance(c, str):  # a scheme name
+      continue
     block_q, block_k, num_warps, num_stages = c[:4]
     for blk in (block_q, block_k):
       assert blk >= 16 and blk & (blk - 1) == 0, c

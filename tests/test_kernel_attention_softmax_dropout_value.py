@@ -1,6 +1,6 @@
 """Tests of the Pallas kernel for the attention softmax-dropout-value backward (problem A).
 
-The kernel runs in the Pallas interpreter (``interpret=True``) on CPU and is compared
+The kernel runs in the Pallas interpreter (``interpret=INTERPRET``) on CPU and is compared
 with the pure-jnp reference. Sizes are small: the interpreter is slow.
 """
 
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import assert_configs_fit, triton_calls_in_gpu_lowering
+from conftest import INTERPRET, assert_configs_fit, triton_calls_in_gpu_lowering
 from jax_ops.reference import attention_softmax_dropout_value_backward_reference as _reference
 from pallas_kernels import attention_softmax_dropout_value as asdv
 from pallas_kernels.attention_softmax_dropout_value import (
@@ -89,7 +89,7 @@ CASES = [
 @pytest.mark.parametrize("b,h,kvh,sq,skv,d,p", CASES)
 def test_matches_reference(b, h, kvh, sq, skv, d, p):
   args = make_inputs(b, h, kvh, sq, skv, d, p)
-  check(kernel(*args, p, interpret=True), reference(*args, p))
+  check(kernel(*args, p, interpret=INTERPRET), reference(*args, p))
 
 
 def test_single_key_dropout():
@@ -97,7 +97,7 @@ def test_single_key_dropout():
   tile gets delta = rowsum(dW * P) as the reference computes it, so the kernel gives 0 too."""
   p = 0.1
   args = make_inputs(1, 10, 1, 131, 1, 64, p, seed=5)
-  ds, dv = kernel(*args, p, interpret=True)
+  ds, dv = kernel(*args, p, interpret=INTERPRET)
   ref_ds, ref_dv = reference(*args, p)
   np.testing.assert_allclose(np.asarray(dv, np.float32), np.asarray(ref_dv, np.float32),
                              rtol=1e-2, atol=1e-5)
@@ -110,14 +110,14 @@ def test_short_rows_exact_delta(p):
   1's partials of dPd * Pd (whose rounding of Pd alone left 98.65% of this case within the
   tolerance, under the 99% bar)."""
   args = make_inputs(1, 4, 2, 16, 15, 16, p, seed=1)
-  check(kernel(*args, p, interpret=True), reference(*args, p))
+  check(kernel(*args, p, interpret=INTERPRET), reference(*args, p))
 
 
 def test_small_blocks_many_partials():
   """block_kv = 16 gives many delta partials; block_q = 16 many q tiles per program."""
   args = make_inputs(1, 4, 2, 67, 100, 64, 0.1, seed=1)
   outs = kernel(*args, 0.1, block_q=16, block_kv=16, num_warps=4, num_stages=2,
-                interpret=True)
+                interpret=INTERPRET)
   check(outs, reference(*args, 0.1))
 
 
@@ -128,9 +128,9 @@ def test_prefetch_ds_pass(p):
   args = make_inputs(1, 4, 2, 37, 83, 64, rate, seed=6)
   config = asdv.Config(asdv.PassConfig(16, 32, 4, 2), asdv.PassConfig(16, 32, 4, 2, prefetch=True))
   if p == "traced":
-    outs = jax.jit(lambda r: kernel(*args, r, config=config, interpret=True))(jnp.float32(rate))
+    outs = jax.jit(lambda r: kernel(*args, r, config=config, interpret=INTERPRET))(jnp.float32(rate))
   else:
-    outs = kernel(*args, rate, config=config, interpret=True)
+    outs = kernel(*args, rate, config=config, interpret=INTERPRET)
   check(outs, reference(*args, rate))
 
 
@@ -138,9 +138,9 @@ def test_p_zero_never_reads_mask():
   """With p == 0 the mask content is irrelevant: garbage gives bit-identical results."""
   args = make_inputs(1, 4, 1, 33, 33, 64, 0.0, seed=2)
   garbage = garbage_mask(args[4].shape, 7)
-  a = kernel(*args[:4], garbage, 0.0, interpret=True)
-  b = kernel(*args[:4], jnp.zeros_like(args[4]), 0.0, interpret=True)
-  c = kernel(*args, 0.0, interpret=True)
+  a = kernel(*args[:4], garbage, 0.0, interpret=INTERPRET)
+  b = kernel(*args[:4], jnp.zeros_like(args[4]), 0.0, interpret=INTERPRET)
+  c = kernel(*args, 0.0, interpret=INTERPRET)
   for x, y, z in zip(a, b, c):
     np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(z, np.float32))
     np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(z, np.float32))
@@ -154,7 +154,7 @@ def test_traced_dropout_rate(p):
   mask = args[4]
   if p == 0.0:  # p == 0 must ignore the mask even when traced
     mask = garbage_mask(mask.shape, 8)
-  fn = jax.jit(lambda rate: kernel(*args[:4], mask, rate, interpret=True))
+  fn = jax.jit(lambda rate: kernel(*args[:4], mask, rate, interpret=INTERPRET))
   outs = fn(jnp.float32(p))
   check(outs, reference(*args, p))
 
@@ -162,19 +162,19 @@ def test_traced_dropout_rate(p):
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.float32])
 def test_other_dtypes(dtype):
   args = make_inputs(1, 4, 2, 20, 37, 64, 0.1, dtype=dtype, seed=4)
-  check(kernel(*args, 0.1, interpret=True), reference(*args, 0.1), dtype)
+  check(kernel(*args, 0.1, interpret=INTERPRET), reference(*args, 0.1), dtype)
 
 
 def test_argument_errors():
   args = make_inputs(1, 2, 1, 8, 8, 16, 0.1)
   with pytest.raises(ValueError, match="dropout rate"):
-    kernel(*args, 1.0, interpret=True)
+    kernel(*args, 1.0, interpret=INTERPRET)
   with pytest.raises(TypeError, match="dropout_mask"):
-    kernel(*args[:4], args[4].astype(jnp.float32), 0.1, interpret=True)
+    kernel(*args[:4], args[4].astype(jnp.float32), 0.1, interpret=INTERPRET)
   with pytest.raises(ValueError, match="value_states"):
-    kernel(*args[:3], args[3][:, :, :4], args[4], 0.1, interpret=True)
+    kernel(*args[:3], args[3][:, :, :4], args[4], 0.1, interpret=INTERPRET)
   with pytest.raises(ValueError, match="block_q"):
-    kernel(*args, 0.1, block_q=24, interpret=True)
+    kernel(*args, 0.1, block_q=24, interpret=INTERPRET)
 
 
 @pytest.mark.parametrize("prefetch", [False, True])

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import assert_configs_fit, triton_calls_in_gpu_lowering
+from conftest import INTERPRET, assert_configs_fit, triton_calls_in_gpu_lowering
 from jax_ops.reference import qk_scale_softmax_backward_reference as reference
 from pallas_kernels import qk_scale_softmax as qks
 from pallas_kernels.qk_scale_softmax import qk_scale_softmax_backward
@@ -60,7 +60,7 @@ def make_inputs(seed, b, h, sq, sk, d, *, causal=False, probs="softmax", dtype=j
 
 def run_and_check(args, scaling, **kwargs):
   ref_q, ref_k = reference(*args, scaling)
-  out_q, out_k = qk_scale_softmax_backward(*args, scaling, interpret=True, **kwargs)
+  out_q, out_k = qk_scale_softmax_backward(*args, scaling, interpret=INTERPRET, **kwargs)
   assert_close("grad_query", out_q, ref_q)
   assert_close("grad_key", out_k, ref_k)
   return out_q, out_k
@@ -106,6 +106,27 @@ def test_prefetch(causal, sq, sk, bq, bk):
   run_and_check(args, 0.125, causal=causal, config=qks.Config(cfg, cfg))
 
 
+@pytest.mark.parametrize("scheme", ["atomic", "per_head"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq, sk, d", [(33, 131, 64), (131, 33, 40), (7, 70, 128)])
+def test_schemes(scheme, causal, sq, sk, d):
+  """The one-kernel-per-head and the atomic grad_query schemes: tails, causal, D padding,
+  both loop variants (prefetch on and off)."""
+  args = make_inputs(7, 1, 2, sq, sk, d, causal=causal)
+  for prefetch in (False, True):
+    cfg = qks.PassConfig(16, 32, 4, 2, prefetch)
+    run_and_check(args, 0.125, causal=causal, config=qks.Config(cfg, cfg, scheme))
+
+
+def test_scheme_errors():
+  g, q, k, p = make_inputs(6, 1, 1, 8, 600, 16)
+  cfg = qks.PassConfig(16, 32, 4, 2)
+  with pytest.raises(ValueError, match="config.scheme"):
+    qk_scale_softmax_backward(g, q, k, p, 0.5, config=qks.Config(cfg, cfg, "fused"))
+  with pytest.raises(ValueError, match="per_head"):
+    qk_scale_softmax_backward(g, q, k, p, 0.5, config=qks.Config(cfg, cfg, "per_head"))
+
+
 def test_causal_ignores_upper_triangle():
   """With causal=True nothing above the diagonal is used: garbage there changes nothing,
   and skipping tiles gives bit-identical results to the dense walk on clean inputs."""
@@ -114,10 +135,10 @@ def test_causal_ignores_upper_triangle():
   upper = np.arange(sk)[None, :] > np.arange(sq)[:, None] + (sk - sq)
   g_bad = jnp.where(upper, jnp.nan, g).astype(g.dtype)
   p_bad = jnp.where(upper, jnp.inf, p).astype(p.dtype)
-  kw = dict(causal=True, block_q=16, block_k=16, interpret=True)
+  kw = dict(causal=True, block_q=16, block_k=16, interpret=INTERPRET)
   clean = qk_scale_softmax_backward(g, q, k, p, 0.125, **kw)
   dirty = qk_scale_softmax_backward(g_bad, q, k, p_bad, 0.125, **kw)
-  dense = qk_scale_softmax_backward(g, q, k, p, 0.125, block_q=16, block_k=16, interpret=True)
+  dense = qk_scale_softmax_backward(g, q, k, p, 0.125, block_q=16, block_k=16, interpret=INTERPRET)
   ref = reference(g, q, k, p, 0.125)
   for a, b, c, r in zip(clean, dirty, dense, ref):
     assert_close("causal", a, r)
@@ -170,7 +191,7 @@ def test_realistic_long_rows(probs):
 
 def test_traced_scaling_under_jit():
   args = make_inputs(4, 2, 1, 33, 47, 64)
-  fn = jax.jit(lambda g, q, k, p, s: qk_scale_softmax_backward(g, q, k, p, s, interpret=True))
+  fn = jax.jit(lambda g, q, k, p, s: qk_scale_softmax_backward(g, q, k, p, s, interpret=INTERPRET))
   out_q, out_k = fn(*args, jnp.float32(0.3))
   ref_q, ref_k = reference(*args, 0.3)
   assert_close("grad_query", out_q, ref_q)
@@ -186,15 +207,15 @@ def test_other_dtypes(dtype):
 def test_argument_errors():
   g, q, k, p = make_inputs(6, 1, 1, 8, 8, 16)
   with pytest.raises(ValueError, match="grad_output"):
-    qk_scale_softmax_backward(g[..., :7], q, k, p, 0.5, interpret=True)
+    qk_scale_softmax_backward(g[..., :7], q, k, p, 0.5, interpret=INTERPRET)
   with pytest.raises(TypeError, match="dtype"):
-    qk_scale_softmax_backward(*(x.astype(jnp.int32) for x in (g, q, k, p)), 0.5, interpret=True)
+    qk_scale_softmax_backward(*(x.astype(jnp.int32) for x in (g, q, k, p)), 0.5, interpret=INTERPRET)
   with pytest.raises(TypeError, match="key"):
-    qk_scale_softmax_backward(g, q, k.astype(jnp.float32), p, 0.5, interpret=True)
+    qk_scale_softmax_backward(g, q, k.astype(jnp.float32), p, 0.5, interpret=INTERPRET)
   with pytest.raises(ValueError, match="block_q"):
-    qk_scale_softmax_backward(g, q, k, p, 0.5, block_q=24, interpret=True)
+    qk_scale_softmax_backward(g, q, k, p, 0.5, block_q=24, interpret=INTERPRET)
   with pytest.raises(ValueError, match="scaling"):
-    qk_scale_softmax_backward(g, q, k, p, jnp.ones(2), interpret=True)
+    qk_scale_softmax_backward(g, q, k, p, jnp.ones(2), interpret=INTERPRET)
 
 
 @pytest.mark.parametrize("device_kind", [None, "NVIDIA H200"])
@@ -214,8 +235,10 @@ def test_lowers_to_triton(pretend_h200, causal, dtype, prefetch):
   shapes = [jax.ShapeDtypeStruct(s, dtype) for s in
             ((b, h, sq, sk), (b, h, sq, d), (b, h, sk, d), (b, h, sq, sk))]
   cfg = qks.PassConfig(32, 64, 4, 2, prefetch)
-  assert triton_calls_in_gpu_lowering(qk_scale_softmax_backward, shapes, 0.125, causal=causal,
-                                      config=qks.Config(cfg, cfg)) == 2
+  for scheme, kernels in (("two_pass", 2), ("atomic", 2), ("per_head", 1)):
+    assert triton_calls_in_gpu_lowering(qk_scale_softmax_backward, shapes, 0.125,
+                                        causal=causal,
+                                        config=qks.Config(cfg, cfg, scheme)) == kernels, scheme
 
 
 def test_rounding_is_bit_exact():
