@@ -8,8 +8,8 @@ Given the softmax output ``P`` and its incoming gradient ``g`` (both
   grad_query = dL @ K          [B, H, Sq, D]
   grad_key   = dL^T @ Q        [B, H, Sk, D]
 
-This module computes them with two kernels; ``dL`` (``Sq x Sk`` per head) is
-never written to memory:
+This module computes them with two kernels, or one for short rows; ``dL``
+(``Sq x Sk`` per head) is never written to memory:
 
 1. **Row kernel**, grid ``(cdiv(Sq, block_q), B*H)``. A program owns
    ``block_q`` rows. Pass 1 walks the row's ``Sk`` tiles and reduces
@@ -21,8 +21,20 @@ never written to memory:
 2. **Column kernel**, grid ``(cdiv(Sk, block_k), B*H)``. A program owns
    ``block_k`` key columns, walks the ``Sq`` tiles, rebuilds ``dL`` from
    ``g``, ``P`` and ``delta`` and accumulates ``dL^T @ Q_i``.
+3. **Per-head kernel** (``Config.scheme == "per_head"``, rows of <= 256 keys), grid
+   ``(B*H,)``. A program owns a whole head: it walks the query tiles (whole rows each),
+   forms ``delta``, ``dL`` and ``grad_query`` from one read of ``g`` and ``P``, and keeps
+   ``grad_key`` (``[Sk, D]`` fp32) in registers until the end. This is the 4 B floor; it
+   replaces kernels 1 and 2 where the tuned table says so (all rows of <= 256 keys on the
+   H200; see ``benchmarks/results/qk_scale_softmax.md``).
 
-Memory traffic per attention element: ``g`` and ``P`` are 2 B each in bf16, so
+Also measured and dropped (``benchmarks/results/qk_scale_softmax_tune_schemes.log``): a
+delta-only kernel followed by the column kernel adding ``dL @ K_j`` into an fp32
+``grad_query`` with atomics (8 B/element of ``g``/``P``, one atomic per element). The
+delta kernel streams at full speed (1.93 ms at 4096 x 4096), but the atomics run at about
+150 G/s: the column kernel took 14-50 ms there, against 6.9 ms for kernels 1 + 2.
+
+Memory traffic per attention element (kernels 1 + 2): ``g`` and ``P`` are 2 B each in bf16, so
 each full read is 4 B/element. The column kernel reads them once (4 B). The
 row kernel reads them once (4 B) when a row is one tile (the tuned choice
 for ``Sk <= 256``), else twice; its second pass re-reads a row the same program
@@ -132,18 +144,10 @@ def _col_first_full_q_tile(kj, seq_q: int, seq_k: int, block_q: int, block_k: in
 # --------------------------------------------------------------------------- row kernel
 
 
-def _row_kernel(scale_ref, g_ref, p_ref, *refs, seq_q: int, seq_k: int, head_dim: int,
-                block_q: int, block_k: int, causal: bool, prefetch: bool = False,
-                with_dq: bool = True):
-  """One program: ``block_q`` query rows of one head -> grad_query rows and delta.
-
-  ``with_dq=False`` (the ``"atomic"`` scheme's first kernel): delta only, one pass over
-  the row; ``refs`` is then ``(delta_ref,)``, else ``(k_ref, dq_ref, delta_ref)``.
-  """
-  if with_dq:
-    k_ref, dq_ref, delta_ref = refs
-  else:
-    (delta_ref,) = refs
+def _row_kernel(scale_ref, g_ref, p_ref, k_ref, dq_ref, delta_ref, *, seq_q: int, seq_k: int,
+                head_dim: int, block_q: int, block_k: int, causal: bool,
+                prefetch: bool = False):
+  """One program: ``block_q`` query rows of one head -> grad_query rows and delta."""
   qi = pl.program_id(0)  # grid axis 0 is CUDA's fastest: neighbours share a head (K in L2)
   bh = pl.program_id(1)
   dtype = g_ref.dtype
@@ -181,26 +185,6 @@ def _row_kernel(scale_ref, g_ref, p_ref, *refs, seq_q: int, seq_k: int, head_dim
     return jnp.sum(g.astype(_F32) * p.astype(_F32), axis=1)
 
   acc = jnp.zeros((block_q, d_pad), _F32)
-  if not with_dq:
-    zero = jnp.zeros((block_q,), _F32)
-    if prefetch:
-      def delta_pf(j, carry):
-        delta, g, p = carry
-        nxt = load_gp(j + 1, j + 1 < n_tiles)
-        return (delta + row_delta(g, p), *nxt)
-
-      delta, _, _ = jax.lax.fori_loop(0, n_tiles, delta_pf,
-                                      (zero, *load_gp(qi * 0, n_tiles > 0)))
-    else:
-      # Causal: only the diagonal tiles [n_full, n_tiles) need the element-wise mask.
-      n_full = _row_num_full_k_tiles(qi, seq_q, seq_k, block_q, block_k) if causal else n_tiles
-      delta = jax.lax.fori_loop(
-          0, n_full, lambda j, d: d + row_delta(*load_gp(j, diagonal=False)), zero)
-      if causal:
-        delta = jax.lax.fori_loop(
-            n_full, n_tiles, lambda j, d: d + row_delta(*load_gp(j, diagonal=True)), delta)
-    pltriton.store(delta_ref.at[bh, pl.ds(q_start, block_q)], delta, mask=row_ok)
-    return
   if num_k_tiles == 1:
     # The whole row is one tile: read g and P once, fuse both passes.
     def fused(j, carry):
@@ -266,19 +250,10 @@ def _row_kernel(scale_ref, g_ref, p_ref, *refs, seq_q: int, seq_k: int, head_dim
 # ------------------------------------------------------------------------ column kernel
 
 
-def _col_kernel(scale_ref, g_ref, p_ref, q_ref, delta_ref, *refs, seq_q: int, seq_k: int,
+def _col_kernel(scale_ref, g_ref, p_ref, q_ref, delta_ref, dk_ref, *, seq_q: int, seq_k: int,
                 head_dim: int, block_q: int, block_k: int, causal: bool,
-                prefetch: bool = False, fuse_dq: bool = False):
-  """One program: ``block_k`` key rows of one head -> grad_key rows.
-
-  ``fuse_dq`` (the ``"atomic"`` scheme): also ``dL @ K_j`` for each query tile, added
-  atomically to a zero-initialised fp32 ``grad_query`` accumulator; ``refs`` is then
-  ``(k_ref, dq_in_ref, dk_ref, dq_ref)`` (``dq_in`` aliases ``dq``), else ``(dk_ref,)``.
-  """
-  if fuse_dq:
-    k_ref, _, dk_ref, dq_ref = refs
-  else:
-    (dk_ref,) = refs
+                prefetch: bool = False):
+  """One program: ``block_k`` key rows of one head -> grad_key rows."""
   kj = pl.program_id(0)  # neighbours share a head: its Q and delta stay in L2
   # Heads in reverse: the row kernel's last heads are the likeliest to be still in L2.
   bh = pl.num_programs(1) - 1 - pl.program_id(1)
@@ -294,9 +269,6 @@ def _col_kernel(scale_ref, g_ref, p_ref, q_ref, delta_ref, *refs, seq_q: int, se
 
   num_q_tiles = pl.cdiv(seq_q, block_q)
   lo = _col_first_q_tile(kj, seq_q, seq_k, block_q, block_k) if causal else 0
-  if fuse_dq:
-    k_tile = pltriton.load(k_ref.at[bh, pl.ds(k_start, block_k), pl.ds(0, d_pad)],
-                           mask=col_ok[:, None] & d_ok[None, :], other=0.0)
 
   def load_gp(i, diagonal=causal):
     q_start = i * block_q
@@ -315,11 +287,6 @@ def _col_kernel(scale_ref, g_ref, p_ref, q_ref, delta_ref, *refs, seq_q: int, se
     q = pltriton.load(q_ref.at[bh, pl.ds(q_start, block_q), pl.ds(0, d_pad)],
                       mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     d_l = _dl_tile(g, p, delta, scale, dtype)
-    if fuse_dq:
-      # The accumulator is padded to whole tiles (rows past Sq and columns past D get
-      # zeros: dL and K are zero there), so the atomics need no mask.
-      pltriton.atomic_add(dq_ref, (bh, pl.ds(q_start, block_q), pl.ds(0, d_pad)),
-                          dot(d_l, k_tile))
     return acc + dot(d_l, q, trans_a=True)
 
   acc = jnp.zeros((block_k, d_pad), _F32)
@@ -404,17 +371,16 @@ class PassConfig(NamedTuple):
   prefetch: bool = False
 
 
-SCHEMES = ("two_pass", "atomic", "per_head")
+SCHEMES = ("two_pass", "per_head")
 
 
 class Config(NamedTuple):
   """How the backward runs: a ``scheme`` and the configs of its kernels.
 
   * ``"two_pass"``: ``row`` is the delta + grad_query kernel, ``col`` the grad_key kernel.
-  * ``"atomic"``: ``row`` is a delta-only kernel, ``col`` the grad_key kernel that also adds
-    ``dL @ K`` to an fp32 grad_query accumulator with atomics.
   * ``"per_head"``: one kernel, one program per head (``col.block_q`` query rows per step,
-    whole rows as one tile; ``row`` unused). Rows of at most 512 keys.
+    whole rows as one tile; ``row`` unused). Rows of at most 512 keys (the tuned table
+    uses it up to 256).
   """
   row: PassConfig
   col: PassConfig
@@ -454,11 +420,14 @@ def _heuristic(seq_q: int, seq_k: int, head_dim: int, *, row: bool) -> PassConfi
   return PassConfig(block_q, block_k, num_warps, num_stages)
 
 
-def default_config(seq_q: int, seq_k: int, head_dim: int, dtype, device_kind=None) -> Config:
+def default_config(seq_q: int, seq_k: int, head_dim: int, dtype, device_kind=None,
+                   schemes=SCHEMES) -> Config:
   """The tuned config (bf16/fp16, D <= 128, on the device it was tuned on), else a heuristic.
 
   Tuned tiles are capped at the padded lengths; a tuned row kernel with a whole-row tile
-  (``block_k == 0`` in the table) takes ``block_k`` = the padded ``Sk``.
+  (``block_k == 0`` in the table) takes ``block_k`` = the padded ``Sk``. The table's
+  scheme is used if it is in ``schemes`` (and ``per_head`` only for ``Sk <= 256``), else
+  its ``two_pass`` entry.
   """
   tuned = _tuning.lookup(_tuning.table(_KERNEL, device_kind or ""), length_class(seq_k))
   if not tuned or jnp.dtype(dtype).itemsize > 2 or next_power_of_2(head_dim) > 128:
@@ -474,11 +443,9 @@ def default_config(seq_q: int, seq_k: int, head_dim: int, dtype, device_kind=Non
     return PassConfig(min(c[0], pq), block_k, *c[2:])
 
   scheme = tuned.get("scheme", "two_pass")
-  if scheme == "per_head" and "head" in tuned and pk <= 256:
+  if scheme == "per_head" and scheme in schemes and "head" in tuned and pk <= 256:
     head = cap(tuned["head"])
     return Config(head, head, "per_head")
-  if scheme == "atomic" and "delta" in tuned and "fused" in tuned:
-    return Config(cap(tuned["delta"]), cap(tuned["fused"]), "atomic")
   return Config(cap(tuned["row"]), cap(tuned["col"]))
 
 
@@ -502,56 +469,21 @@ def row_pass(scale, g, p, k, *, causal, cfg, interpret):
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "cfg", "interpret"))
-def delta_pass(g, p, *, causal, cfg, interpret):
-  """``delta [B*H, Sq]`` (fp32 row sums of ``g * P``) from 3D ``[B*H, Sq, Sk]`` views."""
-  bh, seq_q, seq_k = g.shape
-  return pl.pallas_call(
-      functools.partial(_row_kernel, seq_q=seq_q, seq_k=seq_k, head_dim=0,
-                        block_q=cfg.block_q, block_k=cfg.block_k, causal=causal,
-                        prefetch=cfg.prefetch, with_dq=False),
-      out_shape=out_struct((bh, seq_q), _F32, g, p),
-      grid=(pl.cdiv(seq_q, cfg.block_q), bh),
-      compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps,
-                                              num_stages=cfg.num_stages),
-      interpret=interpret,
-      name="qk_scale_softmax_bwd_delta",
-  )(jnp.zeros((1,), _F32), g, p)
-
-
-@functools.partial(jax.jit, static_argnames=("causal", "cfg", "interpret", "fuse_dq"))
-def col_pass(scale, g, p, q, delta, k=None, *, causal, cfg, interpret, fuse_dq=False):
-  """``grad_key [B*H, Sk, D]`` from 3D ``[B*H, ...]`` views and the row pass's delta.
-
-  ``fuse_dq``: also returns grad_query ``[B*H, Sq, D]`` (fp32 atomics, then cast to
-  ``q``'s dtype); ``k`` is then required.
-  """
+def col_pass(scale, g, p, q, delta, *, causal, cfg, interpret):
+  """``grad_key [B*H, Sk, D]`` from 3D ``[B*H, ...]`` views and the row pass's delta."""
   bh, seq_q, seq_k = g.shape
   head_dim = q.shape[-1]
-  dk = out_struct((bh, seq_k, head_dim), q.dtype, g, p, q)
-  args = (scale, g, p, q, delta)
-  out_shape, aliases = dk, {}
-  if fuse_dq:
-    # fp32 accumulator padded to whole query tiles and a power-of-two D (unmasked atomics).
-    acc_shape = (bh, pl.cdiv(seq_q, cfg.block_q) * cfg.block_q,
-                 next_power_of_2(max(head_dim, 16)))
-    args += (k, jnp.zeros(acc_shape, _F32))
-    out_shape = (dk, out_struct(acc_shape, _F32, g, p, q))
-    aliases = {len(args) - 1: 1}
-  out = pl.pallas_call(
+  return pl.pallas_call(
       functools.partial(_col_kernel, seq_q=seq_q, seq_k=seq_k, head_dim=head_dim,
                         block_q=cfg.block_q, block_k=cfg.block_k, causal=causal,
-                        prefetch=cfg.prefetch, fuse_dq=fuse_dq),
-      out_shape=out_shape,
-      input_output_aliases=aliases,
+                        prefetch=cfg.prefetch),
+      out_shape=out_struct((bh, seq_k, head_dim), q.dtype, g, p, q),
       grid=(pl.cdiv(seq_k, cfg.block_k), bh),
       compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps,
                                               num_stages=cfg.num_stages),
       interpret=interpret,
-      name="qk_scale_softmax_bwd_dk_dq" if fuse_dq else "qk_scale_softmax_bwd_dk",
-  )(*args)
-  if fuse_dq:
-    return out[0], out[1][:, :seq_q, :head_dim].astype(q.dtype)
-  return out
+      name="qk_scale_softmax_bwd_dk",
+  )(scale, g, p, q, delta)
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "cfg", "interpret"))
@@ -588,10 +520,6 @@ def _backward(grad_output, query, key, attn_weights, scaling, *, causal, config,
   if config.scheme == "per_head":
     grad_query, grad_key = head_pass(scale, g, p, q, k, causal=causal, cfg=config.col,
                                      interpret=interpret)
-  elif config.scheme == "atomic":
-    delta = delta_pass(g, p, causal=causal, cfg=config.row, interpret=interpret)
-    grad_key, grad_query = col_pass(scale, g, p, q, delta, k, causal=causal, cfg=config.col,
-                                    interpret=interpret, fuse_dq=True)
   else:
     grad_query, delta = row_pass(scale, g, p, k, causal=causal, cfg=config.row,
                                  interpret=interpret)

@@ -106,16 +106,14 @@ def test_prefetch(causal, sq, sk, bq, bk):
   run_and_check(args, 0.125, causal=causal, config=qks.Config(cfg, cfg))
 
 
-@pytest.mark.parametrize("scheme", ["atomic", "per_head"])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("sq, sk, d", [(33, 131, 64), (131, 33, 40), (7, 70, 128)])
-def test_schemes(scheme, causal, sq, sk, d):
-  """The one-kernel-per-head and the atomic grad_query schemes: tails, causal, D padding,
-  both loop variants (prefetch on and off)."""
+@pytest.mark.parametrize("sq, sk, d, block_q", [(33, 131, 64, 16), (131, 33, 40, 32),
+                                                (7, 70, 128, 16), (70, 256, 64, 32)])
+def test_per_head(causal, sq, sk, d, block_q):
+  """The one-program-per-head scheme: several query tiles, ragged rows, causal, D padding."""
   args = make_inputs(7, 1, 2, sq, sk, d, causal=causal)
-  for prefetch in (False, True):
-    cfg = qks.PassConfig(16, 32, 4, 2, prefetch)
-    run_and_check(args, 0.125, causal=causal, config=qks.Config(cfg, cfg, scheme))
+  cfg = qks.PassConfig(block_q, 32, 4, 2)
+  run_and_check(args, 0.125, causal=causal, config=qks.Config(cfg, cfg, "per_head"))
 
 
 def test_scheme_errors():
@@ -235,7 +233,7 @@ def test_lowers_to_triton(pretend_h200, causal, dtype, prefetch):
   shapes = [jax.ShapeDtypeStruct(s, dtype) for s in
             ((b, h, sq, sk), (b, h, sq, d), (b, h, sk, d), (b, h, sq, sk))]
   cfg = qks.PassConfig(32, 64, 4, 2, prefetch)
-  for scheme, kernels in (("two_pass", 2), ("atomic", 2), ("per_head", 1)):
+  for scheme, kernels in (("two_pass", 2), ("per_head", 1)):
     assert triton_calls_in_gpu_lowering(qk_scale_softmax_backward, shapes, 0.125,
                                         causal=causal,
                                         config=qks.Config(cfg, cfg, scheme)) == kernels, scheme
