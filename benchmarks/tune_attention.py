@@ -34,6 +34,10 @@ from pallas_kernels import qk_scale_softmax as qks
 # (block_q, block_kv, num_warps, num_stages[, prefetch])
 A_DV = [(64, 64, 4, 2), (64, 64, 4, 3), (32, 128, 8, 2), (64, 128, 8, 2), (64, 128, 8, 3),
         (128, 128, 8, 2), (32, 64, 4, 3), (128, 64, 8, 2), (64, 128, 4, 2), (32, 128, 4, 3)]
+# dV pass: register prefetch (odd rows), and split=1 vs the automatic split (0, the default).
+A_DV += [(64, 64, 4, 2, True), (128, 64, 8, 2, True), (64, 128, 4, 2, True), (64, 64, 4, 1, True),
+         (64, 64, 4, 3, False, 1), (128, 64, 8, 2, False, 1), (64, 128, 4, 2, False, 1),
+         (64, 32, 4, 3)]
 A_DS = [(64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 128, 4, 2),
         (64, 128, 8, 3), (128, 32, 4, 3), (256, 64, 8, 2), (128, 64, 4, 3), (64, 32, 4, 3)]
 A_DS += [(64, 64, 4, 2, True), (64, 128, 4, 2, True), (32, 64, 4, 2, True),
@@ -144,7 +148,8 @@ OPS = {
 def _label(c):
   if len(c) < 4:
     return "/".join(map(str, c))
-  return f"{c[0]}x{c[1]}/{c[2]}w/{c[3]}s{'/pf' if c[4:] and c[4] else ''}"
+  split = f"/split{c[5]}" if len(c) > 5 else ""
+  return f"{c[0]}x{c[1]}/{c[2]}w/{c[3]}s{'/pf' if c[4:] and c[4] else ''}{split}"
 
 
 def _choose_scheme(best_times):
@@ -192,6 +197,8 @@ def main(argv=None):
   parser.add_argument("--op", required=True, choices=sorted(OPS))
   parser.add_argument("--out", default=None)
   parser.add_argument("--calls", type=int, default=8)
+  parser.add_argument("--passes", default=None,
+                      help="comma-separated passes to tune (default: all of the op's)")
   parser.add_argument("--workloads", default=None,
                       help="comma-separated workload indices (default: a fixed spread)")
   args = parser.parse_args(argv)
@@ -218,6 +225,8 @@ def main(argv=None):
     passes, key = passes_fn(w, constants, sets)
     line = [f"{problem.label(w):>18} [{key}]"]
     for name, (cands, pass_sets) in passes.items():
+      if args.passes and name not in args.passes.split(","):
+        continue
       compiled = compile_all([fn for _, fn in cands], pass_sets[0])
       ok = []
       for (cand, _), exe in zip(cands, compiled):

@@ -74,20 +74,27 @@ def _store(ref, val, mask):
 # --------------------------------------------------------------------------------------
 def _dv_delta_kernel(do_ref, pd_ref, v_ref,  # inputs
                      dv_ref, dpart_ref,  # outputs
-                     *, num_heads, num_kv_heads, sq, skv, head_dim, block_q, block_kv):
-  """One program = one ``block_kv`` rows of V of one (batch, kv head).
+                     *, num_heads, num_kv_heads, sq, skv, head_dim, block_q, block_kv,
+                     split=1, prefetch=False):
+  """One program = one ``block_kv`` rows of V of one (batch, kv head), and one of
+  ``split`` equal shares of the (G heads x Sq tiles) loop.
 
   Refs (whole arrays, indexed by hand):
     do_ref:    [B, Sq, H, D]       dO in its native layout.
     pd_ref:    [B*H, Sq, Skv]      Pd.
     v_ref:     [B*KVH, Skv, D]     V.
-    dv_ref:    [B*KVH, Skv, D]     dV (output).
+    dv_ref:    [B*KVH, Skv, D]     dV (output); with ``split > 1``: [split, B*KVH, Skv, D]
+                                   fp32 partial sums (the caller adds them).
     dpart_ref: [B*H, NKV, Sq]      fp32 rowsum(dPd * Pd) over this program's kv block.
+
+  ``prefetch``: request the next step's dO and Pd tiles before this step's MMAs (for rows
+  of odd length, whose loads Triton cannot pipeline).
   """
   groups = num_heads // num_kv_heads
   d_pad = next_power_of_2(max(head_dim, 16))
   j = pl.program_id(0)  # kv block: fastest grid axis, so programs sharing dO run together
   bk = pl.program_id(1)  # b * KVH + kvh
+  share = pl.program_id(2)
   b = lax.div(bk, num_kv_heads)
   kvh = lax.rem(bk, num_kv_heads)
   k0 = j * block_kv
@@ -98,18 +105,32 @@ def _dv_delta_kernel(do_ref, pd_ref, v_ref,  # inputs
   v = _load(v_ref.at[bk, pl.ds(k0, block_kv), pl.ds(0, d_pad)], v_tile_mask, 0.0)
 
   nq = pl.cdiv(sq, block_q)
+  total = groups * nq
+  per = pl.cdiv(total, split)
+  start = share * per
+  stop = jnp.minimum(start + per, total)
 
-  def body(i, acc):
+  def coords(i):
     g = lax.div(i, nq)
     qi = lax.rem(i, nq)
     h = kvh * groups + g
-    bh = b * num_heads + h
     q0 = qi * block_q
     q_mask = None if sq % block_q == 0 else (q0 + jnp.arange(block_q)) < sq
+    return h, b * num_heads + h, q0, q_mask
+
+  def load_tiles(i, valid=None):
+    """dO and Pd tiles of step ``i``; ``valid`` (a traced bool) masks the whole load."""
+    h, bh, q0, q_mask = coords(i)
+    if valid is not None:
+      q_mask = _and(q_mask, jnp.broadcast_to(valid, (block_q,)))
     do = _load(do_ref.at[b, pl.ds(q0, block_q), h, pl.ds(0, d_pad)], _outer(q_mask, d_mask),
                0.0)
     pd = _load(pd_ref.at[bh, pl.ds(q0, block_q), pl.ds(k0, block_kv)],
                _outer(q_mask, kv_mask), 0.0)
+    return do, pd
+
+  def step(i, acc, do, pd):
+    _, bh, q0, q_mask = coords(i)
     # dV_j += Pd^T @ dO    [block_kv, d_pad]; padded rows / columns of Pd are 0.
     acc = acc + dot(pd, do, trans_a=True)
     # dPd = dO @ V_j^T     [block_q, block_kv]
@@ -118,9 +139,21 @@ def _dv_delta_kernel(do_ref, pd_ref, v_ref,  # inputs
     _store(dpart_ref.at[bh, j, pl.ds(q0, block_q)], part, q_mask)
     return acc
 
-  acc = lax.fori_loop(0, groups * nq, body, jnp.zeros((block_kv, d_pad), f32))
-  _store(dv_ref.at[bk, pl.ds(k0, block_kv), pl.ds(0, d_pad)], acc.astype(dv_ref.dtype),
-         v_tile_mask)
+  acc = jnp.zeros((block_kv, d_pad), f32)
+  if prefetch:
+    def body_pf(i, carry):
+      acc, do, pd = carry
+      nxt = load_tiles(i + 1, i + 1 < stop)  # past the end: fully masked, no memory access
+      return (step(i, acc, do, pd), *nxt)
+
+    acc, _, _ = lax.fori_loop(start, stop, body_pf, (acc, *load_tiles(start, start < stop)))
+  else:
+    acc = lax.fori_loop(start, stop, lambda i, acc: step(i, acc, *load_tiles(i)), acc)
+  if split == 1:
+    _store(dv_ref.at[bk, pl.ds(k0, block_kv), pl.ds(0, d_pad)], acc.astype(dv_ref.dtype),
+           v_tile_mask)
+  else:
+    _store(dv_ref.at[share, bk, pl.ds(k0, block_kv), pl.ds(0, d_pad)], acc, v_tile_mask)
 
 
 # --------------------------------------------------------------------------------------
@@ -237,13 +270,17 @@ def _ds_kernel(*refs, num_heads, num_kv_heads, sq, skv, head_dim, block_q, block
 class PassConfig(NamedTuple):
   """Tiles and Triton launch parameters of one pass (tiles: powers of two >= 16).
 
-  ``prefetch`` (dS pass only): load the next tile's P and keep while computing this one.
+  ``prefetch``: load the next step's tiles (dS pass: P and keep; dV pass: dO and Pd)
+  while computing this one. ``split`` (dV pass only): programs that share one kv block's
+  loop over the G heads and Sq tiles, each adding an fp32 partial dV (for launches with
+  too few kv blocks to fill the GPU); 0 = chosen from the launch size.
   """
   block_q: int
   block_kv: int
   num_warps: int
   num_stages: int
   prefetch: bool = False
+  split: int = 0
 
 
 class Config(NamedTuple):
@@ -267,11 +304,9 @@ def _heuristic(b, h, kvh, sq, skv, d, itemsize) -> Config:
   cap_kv = max(16, next_power_of_2(skv))
   block_q = min(32 if itemsize >= 4 and d_pad >= 128 else 64, cap_q)
   block_kv_ds = min(128 if d_pad <= 64 else 64, cap_kv)
-  # dV pass: one program per (b, kv head, kv block). Shrink the block (down to 32)
-  # while too few programs would be launched to fill the GPU.
+  # dV pass: one program per (b, kv head, kv block); small launches split each kv
+  # block's loop over several programs (PassConfig.split = 0: auto_split).
   block_kv_dv = block_kv_ds
-  while block_kv_dv > 32 and b * kvh * pl.cdiv(skv, block_kv_dv) < _TARGET_PROGRAMS:
-    block_kv_dv //= 2
   num_warps = 4 if max(block_q, block_kv_ds) * d_pad <= 64 * 128 else 8
   num_stages = 2 if d_pad >= 128 else 3
   return Config(PassConfig(block_q, block_kv_dv, num_warps, num_stages),
@@ -307,19 +342,35 @@ def dv_pass(grad_attn_output, attn_weights_dropped, value_states, *, num_heads, 
   bkvh, skv, _ = value_states.shape
   kvh = bkvh // b
   n_kv = pl.cdiv(skv, cfg.block_kv)
-  return pl.pallas_call(
+  split = cfg.split or auto_split(b, h, bkvh // b, sq, skv, cfg.block_q, cfg.block_kv)
+  inputs = (grad_attn_output, attn_weights_dropped, value_states)
+  dv_shape = (bkvh, skv, d) if split == 1 else (split, bkvh, skv, d)
+  dv, dpart = pl.pallas_call(
       functools.partial(_dv_delta_kernel, num_heads=num_heads, num_kv_heads=kvh, sq=sq,
-                        skv=skv, head_dim=d, block_q=cfg.block_q, block_kv=cfg.block_kv),
-      out_shape=(out_struct((bkvh, skv, d), value_states.dtype, grad_attn_output,
-                            attn_weights_dropped, value_states),
-                 out_struct((b * h, n_kv, sq), f32, grad_attn_output, attn_weights_dropped,
-                            value_states)),
-      grid=(n_kv, bkvh),
+                        skv=skv, head_dim=d, block_q=cfg.block_q, block_kv=cfg.block_kv,
+                        split=split, prefetch=cfg.prefetch),
+      out_shape=(out_struct(dv_shape, value_states.dtype if split == 1 else f32, *inputs),
+                 out_struct((b * h, n_kv, sq), f32, *inputs)),
+      grid=(n_kv, bkvh, split),
       compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps,
                                               num_stages=cfg.num_stages),
       interpret=interpret,
       name="attention_dropout_value_bwd_dv",
-  )(grad_attn_output, attn_weights_dropped, value_states)
+  )(*inputs)
+  if split > 1:
+    dv = dv.sum(axis=0).astype(value_states.dtype)
+  return dv, dpart
+
+
+def auto_split(b, h, kvh, sq, skv, block_q, block_kv) -> int:
+  """``PassConfig.split`` when it is 0: doubles while the dV pass's launch stays within
+  ``_TARGET_PROGRAMS`` programs and each share keeps at least 2 steps of its loop."""
+  programs = b * kvh * pl.cdiv(skv, block_kv)
+  steps = (h // kvh) * pl.cdiv(sq, block_q)
+  split = 1
+  while programs * split * 2 <= _TARGET_PROGRAMS and steps >= split * 4:
+    split *= 2
+  return split
 
 
 @functools.partial(jax.jit, static_argnames=["num_heads", "dropout", "cfg", "interpret"])

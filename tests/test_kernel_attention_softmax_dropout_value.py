@@ -177,6 +177,24 @@ def test_argument_errors():
     kernel(*args, 0.1, block_q=24, interpret=INTERPRET)
 
 
+@pytest.mark.parametrize("split, prefetch", [(1, False), (3, False), (1, True), (4, True)])
+def test_dv_pass_split_and_prefetch(split, prefetch):
+  """The dV pass with its (heads x Sq tiles) loop split over programs (fp32 partial dV,
+  a share may be short or empty) and with the next step's loads issued early."""
+  args = make_inputs(1, 4, 2, 37, 83, 64, 0.1, seed=8)
+  dv_cfg = asdv.PassConfig(16, 32, 4, 2, prefetch=prefetch, split=split)
+  config = asdv.Config(dv_cfg, asdv.PassConfig(16, 32, 4, 2))
+  check(kernel(*args, 0.1, config=config, interpret=INTERPRET), reference(*args, 0.1))
+
+
+def test_auto_split():
+  """Small launches split the dV pass's loop; large ones and short loops do not."""
+  assert asdv.auto_split(1, 80, 8, 512, 512, 64, 64) == 4     # 64 programs, 80 steps
+  assert asdv.auto_split(1, 80, 8, 1024, 1024, 64, 64) == 2   # 128 programs
+  assert asdv.auto_split(32, 80, 8, 512, 512, 64, 64) == 1    # 2048 programs
+  assert asdv.auto_split(1, 1, 1, 32, 64, 64, 64) == 1        # one step: nothing to split
+
+
 @pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("p", [0.0, 0.1, None])
 def test_lowers_to_triton(pretend_h200, p, prefetch):
@@ -190,7 +208,8 @@ def test_lowers_to_triton(pretend_h200, p, prefetch):
   shapes = [jax.ShapeDtypeStruct(s, t) for s, t in (
       ((b, sq, h, d), dt), ((b, h, sq, skv), dt), ((b, h, sq, skv), dt),
       ((b, kvh, skv, d), dt), ((b, h, sq, skv), jnp.bool_))]
-  config = asdv.Config(asdv.PassConfig(64, 64, 4, 3), asdv.PassConfig(64, 64, 4, 2, prefetch))
+  config = asdv.Config(asdv.PassConfig(64, 64, 4, 3, prefetch, split=2),
+                       asdv.PassConfig(64, 64, 4, 2, prefetch))
   assert triton_calls_in_gpu_lowering(kernel, shapes, p, config=config) == 2
 
 
