@@ -34,9 +34,8 @@ from pallas_kernels import qk_scale_softmax as qks
 # (block_q, block_kv, num_warps, num_stages[, prefetch])
 A_DV = [(64, 64, 4, 2), (64, 64, 4, 3), (32, 128, 8, 2), (64, 128, 8, 2), (64, 128, 8, 3),
         (128, 128, 8, 2), (32, 64, 4, 3), (128, 64, 8, 2), (64, 128, 4, 2), (32, 128, 4, 3)]
-# dV pass: register prefetch (odd rows), and split=1 vs the automatic split (0, the default).
-A_DV += [(64, 64, 4, 2, True), (128, 64, 8, 2, True), (64, 128, 4, 2, True), (64, 64, 4, 1, True),
-         (64, 64, 4, 3, False, 1), (128, 64, 8, 2, False, 1), (64, 128, 4, 2, False, 1),
+# dV pass: split=1 vs the automatic split (0, the default).
+A_DV += [(64, 64, 4, 3, False, 1), (128, 64, 8, 2, False, 1), (64, 128, 4, 2, False, 1),
          (64, 32, 4, 3)]
 A_DS = [(64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 128, 4, 2),
         (64, 128, 8, 3), (128, 32, 4, 3), (256, 64, 8, 2), (128, 64, 4, 3), (64, 32, 4, 3)]

@@ -75,7 +75,7 @@ def _store(ref, val, mask):
 def _dv_delta_kernel(do_ref, pd_ref, v_ref,  # inputs
                      dv_ref, dpart_ref,  # outputs
                      *, num_heads, num_kv_heads, sq, skv, head_dim, block_q, block_kv,
-                     split=1, prefetch=False):
+                     split=1):
   """One program = one ``block_kv`` rows of V of one (batch, kv head), and one of
   ``split`` equal shares of the (G heads x Sq tiles) loop.
 
@@ -86,9 +86,6 @@ def _dv_delta_kernel(do_ref, pd_ref, v_ref,  # inputs
     dv_ref:    [B*KVH, Skv, D]     dV (output); with ``split > 1``: [split, B*KVH, Skv, D]
                                    fp32 partial sums (the caller adds them).
     dpart_ref: [B*H, NKV, Sq]      fp32 rowsum(dPd * Pd) over this program's kv block.
-
-  ``prefetch``: request the next step's dO and Pd tiles before this step's MMAs (for rows
-  of odd length, whose loads Triton cannot pipeline).
   """
   groups = num_heads // num_kv_heads
   d_pad = next_power_of_2(max(head_dim, 16))
@@ -118,11 +115,8 @@ def _dv_delta_kernel(do_ref, pd_ref, v_ref,  # inputs
     q_mask = None if sq % block_q == 0 else (q0 + jnp.arange(block_q)) < sq
     return h, b * num_heads + h, q0, q_mask
 
-  def load_tiles(i, valid=None):
-    """dO and Pd tiles of step ``i``; ``valid`` (a traced bool) masks the whole load."""
+  def load_tiles(i):
     h, bh, q0, q_mask = coords(i)
-    if valid is not None:
-      q_mask = _and(q_mask, jnp.broadcast_to(valid, (block_q,)))
     do = _load(do_ref.at[b, pl.ds(q0, block_q), h, pl.ds(0, d_pad)], _outer(q_mask, d_mask),
                0.0)
     pd = _load(pd_ref.at[bh, pl.ds(q0, block_q), pl.ds(k0, block_kv)],
@@ -139,16 +133,8 @@ def _dv_delta_kernel(do_ref, pd_ref, v_ref,  # inputs
     _store(dpart_ref.at[bh, j, pl.ds(q0, block_q)], part, q_mask)
     return acc
 
-  acc = jnp.zeros((block_kv, d_pad), f32)
-  if prefetch:
-    def body_pf(i, carry):
-      acc, do, pd = carry
-      nxt = load_tiles(i + 1, i + 1 < stop)  # past the end: fully masked, no memory access
-      return (step(i, acc, do, pd), *nxt)
-
-    acc, _, _ = lax.fori_loop(start, stop, body_pf, (acc, *load_tiles(start, start < stop)))
-  else:
-    acc = lax.fori_loop(start, stop, lambda i, acc: step(i, acc, *load_tiles(i)), acc)
+  acc = lax.fori_loop(start, stop, lambda i, acc: step(i, acc, *load_tiles(i)),
+                      jnp.zeros((block_kv, d_pad), f32))
   if split == 1:
     _store(dv_ref.at[bk, pl.ds(k0, block_kv), pl.ds(0, d_pad)], acc.astype(dv_ref.dtype),
            v_tile_mask)
@@ -270,10 +256,10 @@ def _ds_kernel(*refs, num_heads, num_kv_heads, sq, skv, head_dim, block_q, block
 class PassConfig(NamedTuple):
   """Tiles and Triton launch parameters of one pass (tiles: powers of two >= 16).
 
-  ``prefetch``: load the next step's tiles (dS pass: P and keep; dV pass: dO and Pd)
-  while computing this one. ``split`` (dV pass only): programs that share one kv block's
-  loop over the G heads and Sq tiles, each adding an fp32 partial dV (for launches with
-  too few kv blocks to fill the GPU); 0 = chosen from the launch size.
+  ``prefetch`` (dS pass only): load the next tile's P and keep while computing this one
+  (a dV-pass prefetch of dO and Pd measured slower). ``split`` (dV pass only): programs
+  that share one kv block's loop over the G heads and Sq tiles, each adding an fp32
+  partial dV (for launches with too few kv blocks to fill the GPU); 0 = ``auto_split``.
   """
   block_q: int
   block_kv: int
@@ -348,7 +334,7 @@ def dv_pass(grad_attn_output, attn_weights_dropped, value_states, *, num_heads, 
   dv, dpart = pl.pallas_call(
       functools.partial(_dv_delta_kernel, num_heads=num_heads, num_kv_heads=kvh, sq=sq,
                         skv=skv, head_dim=d, block_q=cfg.block_q, block_kv=cfg.block_kv,
-                        split=split, prefetch=cfg.prefetch),
+                        split=split),
       out_shape=(out_struct(dv_shape, value_states.dtype if split == 1 else f32, *inputs),
                  out_struct((b * h, n_kv, sq), f32, *inputs)),
       grid=(n_kv, bkvh, split),
