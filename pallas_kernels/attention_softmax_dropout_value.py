@@ -473,8 +473,10 @@ def attention_softmax_dropout_value_backward(
 
   What it achieves (H200, Seed-OSS shapes H=80, KVH=8, D=128, p=0.1;
   ``benchmarks/results/attention_softmax_dropout_value.md``): DRAM traffic is the 7 B
-  floor plus ~4 / BKV B of delta partials, but time is 46% of the floor in geomean
-  (24-60% per workload; XLA 28%), 1.19-2.07x faster than XLA. Why not more: per
+  floor plus ~4 / BKV B of delta partials, but time is 47.8% of the floor in geomean
+  (25-60% per workload; XLA 28%), 1.24-2.07x faster than XLA. Launches with few kv
+  blocks (B*KVH = 8) split pass 1's loop over 2-4 programs (``auto_split``): (1, 512, 512)
+  went from 110 to 82 us. Why not more: per
   element the passes run 6*D = 768 tensor-core flops (the dPd GEMM twice) against 7 B,
   close enough to the H200's ridge that the dS pass must overlap its GEMM with streaming
   P / keep / dS, which Triton's software pipelining does only in part (pass 1 runs at

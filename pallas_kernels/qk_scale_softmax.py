@@ -41,8 +41,9 @@ for ``Sk <= 256``), else twice; its second pass re-reads a row the same program
 just read (newest tile first). So DRAM traffic is 8 B/element, up to 12 B when
 that re-read misses L2, plus ``Q``, ``K``, ``dQ``, ``dK``. On the H200 the
 row kernel with long rows takes ~1.6x the column kernel's time (1089 vs 683 us
-at 2048 x 2048), so its re-read mostly misses: the kernel reaches 21-65% of
-the 4 B floor (38.5% geomean, XLA 34%; ``benchmarks/results/qk_scale_softmax.md``).
+at 2048 x 2048), so its re-read mostly misses: kernels 1 + 2 reach 21-41% of the
+4 B floor on rows of 449-4096 keys; with kernel 3 for rows of <= 256 keys (53-72%) the
+geomean is 40.6% (XLA 34%; ``benchmarks/results/qk_scale_softmax.md``).
 The grids put the tile index on the fastest launch axis, so programs running
 together share one head and its ``K``/``Q``/``delta`` tiles come from L2; the
 column kernel walks the heads in reverse, so it starts on the heads the row
