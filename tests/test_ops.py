@@ -180,8 +180,11 @@ def test_kernel_validates_its_arguments():
 
 
 def test_registry_defaults():
-  # Off a GPU, None means XLA; with interpret=True the measured-default kernel runs.
-  assert registry.resolve("masked_softmax_dropout", None, False)[0] == "xla"
+  # None means XLA off a GPU and the measured-default kernel on one; with interpret=True
+  # the measured-default kernel runs anywhere.
+  on_gpu = jax.default_backend() == "gpu"
+  assert registry.resolve("masked_softmax_dropout", None, False)[0] == (
+      "pallas" if on_gpu else "xla")
   assert registry.resolve("masked_softmax_dropout", None, True)[0] == "pallas"
   assert registry.resolve("attention_softmax_dropout_value", None, True)[0] == "pallas"
   # Kernels not yet faster than XLA everywhere are opt-in.
@@ -213,7 +216,10 @@ def test_vmap_of_grad_over_extra_axis(op_name):
   loss = lambda *a: jnp.sum(fn(*a).astype(F32) ** 2)
   argnums = tuple(range(len(xs)))
   batched = jax.jit(jax.vmap(jax.grad(loss, argnums=argnums)))(*xs)
+  # bf16 outputs may differ by one rounding (2^-8 relative): batching changes the launch
+  # (kernel A's dV split depends on it), hence the order of fp32 sums before rounding.
+  rtol = 1e-2 if xs[0].dtype == jnp.bfloat16 else 1e-6
   for i in range(2):
     single = jax.grad(loss, argnums=argnums)(*(x[i] for x in xs))
     for got, want in zip(batched, single):
-      assert_close(got[i], want, atol=1e-6, rtol=1e-6)
+      assert_close(got[i], want, atol=1e-6, rtol=rtol)
