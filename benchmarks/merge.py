@@ -19,7 +19,10 @@ from benchmarks import run
 
 
 def merge(paths):
-  parts = [json.load(open(p)) for p in paths]
+  parts = []
+  for path in paths:
+    with open(path) as f:
+      parts.append(json.load(f))
   op = parts[0]["op"]
   if any(p["op"] != op for p in parts):
     raise ValueError(f"results of different ops: {sorted({p['op'] for p in parts})}")

@@ -11,6 +11,11 @@ parameters, on a spread of the op's workloads (inputs rotated so L2 is cold). Fo
 length class of the kernel (``length_class``) the table keeps, per pass, the candidate
 with the best geomean of time / best time over the class's workloads, and is written
 after every workload (``pallas_kernels/tuned/<op>.json``, used when the device matches).
+``--passes`` limits the run to some passes.
+
+For C the tuner also times the whole backward with the table's two-pass config and, for
+rows of <= 256 keys, the one-kernel ``per_head`` scheme (pass ``head``); the table's
+``scheme`` for a class is the one with the best geomean over its workloads.
 """
 
 from __future__ import annotations
@@ -89,7 +94,7 @@ def _a_passes(w, constants, sets):
   return {"dv": (dv, dv_sets), "ds": (ds, ds_sets)}, asdv.length_class(skv)
 
 
-def _c_passes(w, constants, sets, schemes_only=True):
+def _c_passes(w, constants, sets):
   b, h, sq, sk, d = bench._c_dims(w, constants)
   scale = jnp.asarray([constants["scaling"]], jnp.float32)
   pk = max(16, qks.next_power_of_2(sk))
@@ -112,18 +117,15 @@ def _c_passes(w, constants, sets, schemes_only=True):
   def capped(c):
     return qks.PassConfig(min(c[0], cap_q), pk if c[1] == 0 else min(c[1], pk), *c[2:])
 
-  passes = {}
-  if not schemes_only:
-    row_cands = [c for c in C_ROW if c[1] != 0 or pk <= 512]
-    row = [(c, lambda g, p, k, cfg=capped(c): qks.row_pass(
-        scale, g, p, k, causal=False, cfg=cfg, interpret=False)) for c in row_cands]
-    col = [(c, lambda g, p, q, delta, cfg=capped(c): qks.col_pass(
-        scale, g, p, q, delta, causal=False, cfg=cfg, interpret=False)) for c in C_COL]
-    passes.update(row=(row, row_sets), col=(col, col_sets))
+  row_cands = [c for c in C_ROW if c[1] != 0 or pk <= 512]
+  row = [(c, lambda g, p, k, cfg=capped(c): qks.row_pass(
+      scale, g, p, k, causal=False, cfg=cfg, interpret=False)) for c in row_cands]
+  col = [(c, lambda g, p, q, delta, cfg=capped(c): qks.col_pass(
+      scale, g, p, q, delta, causal=False, cfg=cfg, interpret=False)) for c in C_COL]
+  passes = {"row": (row, row_sets), "col": (col, col_sets)}
   # The whole backward with the table's two-pass config: the baseline the schemes must beat.
-  two = qks.Config(base.row, base.col, "two_pass")
   passes["two_pass"] = ([(("table",), lambda g, p, q, k: qks._backward(
-      g[None], q[None], k[None], p[None], constants["scaling"], causal=False, config=two,
+      g[None], q[None], k[None], p[None], constants["scaling"], causal=False, config=base,
       interpret=False))], [(g, p, q, k) for g, p, q, k in view_sets])
   if pk <= 256:
     head = [(c, lambda g, p, q, k, cfg=capped(c): qks.head_pass(

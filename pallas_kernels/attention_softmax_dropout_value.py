@@ -29,7 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import _checks, _tuning
-from pallas_kernels._util import dot, next_power_of_2, out_struct
+from pallas_kernels._util import compiler_params, dot, next_power_of_2, out_struct, pallas_call
 
 __all__ = ["attention_softmax_dropout_value_backward", "Config", "PassConfig"]
 
@@ -107,24 +107,17 @@ def _dv_delta_kernel(do_ref, pd_ref, v_ref,  # inputs
   start = share * per
   stop = jnp.minimum(start + per, total)
 
-  def coords(i):
+  def body(i, acc):
     g = lax.div(i, nq)
     qi = lax.rem(i, nq)
     h = kvh * groups + g
+    bh = b * num_heads + h
     q0 = qi * block_q
     q_mask = None if sq % block_q == 0 else (q0 + jnp.arange(block_q)) < sq
-    return h, b * num_heads + h, q0, q_mask
-
-  def load_tiles(i):
-    h, bh, q0, q_mask = coords(i)
     do = _load(do_ref.at[b, pl.ds(q0, block_q), h, pl.ds(0, d_pad)], _outer(q_mask, d_mask),
                0.0)
     pd = _load(pd_ref.at[bh, pl.ds(q0, block_q), pl.ds(k0, block_kv)],
                _outer(q_mask, kv_mask), 0.0)
-    return do, pd
-
-  def step(i, acc, do, pd):
-    _, bh, q0, q_mask = coords(i)
     # dV_j += Pd^T @ dO    [block_kv, d_pad]; padded rows / columns of Pd are 0.
     acc = acc + dot(pd, do, trans_a=True)
     # dPd = dO @ V_j^T     [block_q, block_kv]
@@ -133,8 +126,7 @@ def _dv_delta_kernel(do_ref, pd_ref, v_ref,  # inputs
     _store(dpart_ref.at[bh, j, pl.ds(q0, block_q)], part, q_mask)
     return acc
 
-  acc = lax.fori_loop(start, stop, lambda i, acc: step(i, acc, *load_tiles(i)),
-                      jnp.zeros((block_kv, d_pad), f32))
+  acc = lax.fori_loop(start, stop, body, jnp.zeros((block_kv, d_pad), f32))
   if split == 1:
     _store(dv_ref.at[bk, pl.ds(k0, block_kv), pl.ds(0, d_pad)], acc.astype(dv_ref.dtype),
            v_tile_mask)
@@ -289,14 +281,13 @@ def _heuristic(b, h, kvh, sq, skv, d, itemsize) -> Config:
   cap_q = max(16, next_power_of_2(sq))
   cap_kv = max(16, next_power_of_2(skv))
   block_q = min(32 if itemsize >= 4 and d_pad >= 128 else 64, cap_q)
-  block_kv_ds = min(128 if d_pad <= 64 else 64, cap_kv)
-  # dV pass: one program per (b, kv head, kv block); small launches split each kv
-  # block's loop over several programs (PassConfig.split = 0: auto_split).
-  block_kv_dv = block_kv_ds
-  num_warps = 4 if max(block_q, block_kv_ds) * d_pad <= 64 * 128 else 8
+  block_kv = min(128 if d_pad <= 64 else 64, cap_kv)
+  num_warps = 4 if max(block_q, block_kv) * d_pad <= 64 * 128 else 8
   num_stages = 2 if d_pad >= 128 else 3
-  return Config(PassConfig(block_q, block_kv_dv, num_warps, num_stages),
-                PassConfig(block_q, block_kv_ds, num_warps, num_stages))
+  # Both passes take the same tiles; small dV-pass launches split each kv block's loop
+  # over several programs (PassConfig.split = 0: auto_split).
+  cfg = PassConfig(block_q, block_kv, num_warps, num_stages)
+  return Config(cfg, cfg)
 
 
 def default_config(b, h, kvh, sq, skv, d, dtype, device_kind=None) -> Config:
@@ -328,18 +319,17 @@ def dv_pass(grad_attn_output, attn_weights_dropped, value_states, *, num_heads, 
   bkvh, skv, _ = value_states.shape
   kvh = bkvh // b
   n_kv = pl.cdiv(skv, cfg.block_kv)
-  split = cfg.split or auto_split(b, h, bkvh // b, sq, skv, cfg.block_q, cfg.block_kv)
+  split = cfg.split or auto_split(b, h, kvh, sq, skv, cfg.block_q, cfg.block_kv)
   inputs = (grad_attn_output, attn_weights_dropped, value_states)
   dv_shape = (bkvh, skv, d) if split == 1 else (split, bkvh, skv, d)
-  dv, dpart = pl.pallas_call(
+  dv, dpart = pallas_call(
       functools.partial(_dv_delta_kernel, num_heads=num_heads, num_kv_heads=kvh, sq=sq,
                         skv=skv, head_dim=d, block_q=cfg.block_q, block_kv=cfg.block_kv,
                         split=split),
       out_shape=(out_struct(dv_shape, value_states.dtype if split == 1 else f32, *inputs),
                  out_struct((b * h, n_kv, sq), f32, *inputs)),
       grid=(n_kv, bkvh, split),
-      compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps,
-                                              num_stages=cfg.num_stages),
+      compiler_params=compiler_params(cfg.num_warps, cfg.num_stages),
       interpret=interpret,
       name="attention_dropout_value_bwd_dv",
   )(*inputs)
@@ -372,14 +362,13 @@ def ds_pass(grad_attn_output, attn_weights, keep, value_states, dpart, scale, *,
     inputs = (grad_attn_output, attn_weights, keep, value_states, dpart)
   else:
     inputs = (grad_attn_output, attn_weights, keep, value_states, dpart, scale)
-  return pl.pallas_call(
+  return pallas_call(
       functools.partial(_ds_kernel, num_heads=num_heads, num_kv_heads=bkvh // b, sq=sq,
                         skv=skv, head_dim=d, block_q=cfg.block_q, block_kv=cfg.block_kv,
                         dropout=dropout, prefetch=cfg.prefetch),
       out_shape=out_struct((b * h, sq, skv), attn_weights.dtype, *inputs),
       grid=(pl.cdiv(sq, cfg.block_q), b * h),
-      compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps,
-                                              num_stages=cfg.num_stages),
+      compiler_params=compiler_params(cfg.num_warps, cfg.num_stages),
       interpret=interpret,
       name="attention_dropout_value_bwd_ds",
   )(*inputs)

@@ -79,7 +79,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import _checks, _tuning
-from pallas_kernels._util import dot, next_power_of_2, out_struct
+from pallas_kernels._util import compiler_params, dot, next_power_of_2, out_struct, pallas_call
 
 __all__ = ["qk_scale_softmax_backward", "Config", "PassConfig"]
 
@@ -455,15 +455,14 @@ def row_pass(scale, g, p, k, *, causal, cfg, interpret):
   """``(grad_query [B*H, Sq, D], delta [B*H, Sq] fp32)`` from 3D ``[B*H, ...]`` views."""
   bh, seq_q, seq_k = g.shape
   head_dim = k.shape[-1]
-  return pl.pallas_call(
+  return pallas_call(
       functools.partial(_row_kernel, seq_q=seq_q, seq_k=seq_k, head_dim=head_dim,
                         block_q=cfg.block_q, block_k=cfg.block_k, causal=causal,
                         prefetch=cfg.prefetch),
       out_shape=(out_struct((bh, seq_q, head_dim), k.dtype, g, p, k),
                  out_struct((bh, seq_q), _F32, g, p, k)),
       grid=(pl.cdiv(seq_q, cfg.block_q), bh),
-      compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps,
-                                              num_stages=cfg.num_stages),
+      compiler_params=compiler_params(cfg.num_warps, cfg.num_stages),
       interpret=interpret,
       name="qk_scale_softmax_bwd_dq",
   )(scale, g, p, k)
@@ -474,14 +473,13 @@ def col_pass(scale, g, p, q, delta, *, causal, cfg, interpret):
   """``grad_key [B*H, Sk, D]`` from 3D ``[B*H, ...]`` views and the row pass's delta."""
   bh, seq_q, seq_k = g.shape
   head_dim = q.shape[-1]
-  return pl.pallas_call(
+  return pallas_call(
       functools.partial(_col_kernel, seq_q=seq_q, seq_k=seq_k, head_dim=head_dim,
                         block_q=cfg.block_q, block_k=cfg.block_k, causal=causal,
                         prefetch=cfg.prefetch),
       out_shape=out_struct((bh, seq_k, head_dim), q.dtype, g, p, q),
       grid=(pl.cdiv(seq_k, cfg.block_k), bh),
-      compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps,
-                                              num_stages=cfg.num_stages),
+      compiler_params=compiler_params(cfg.num_warps, cfg.num_stages),
       interpret=interpret,
       name="qk_scale_softmax_bwd_dk",
   )(scale, g, p, q, delta)
@@ -494,14 +492,13 @@ def head_pass(scale, g, p, q, k, *, causal, cfg, interpret):
   head_dim = q.shape[-1]
   if next_power_of_2(seq_k) > 512:
     raise ValueError(f"the per_head scheme takes rows of at most 512 keys, got Sk={seq_k}")
-  return pl.pallas_call(
+  return pallas_call(
       functools.partial(_head_kernel, seq_q=seq_q, seq_k=seq_k, head_dim=head_dim,
                         block_q=cfg.block_q, causal=causal),
       out_shape=(out_struct((bh, seq_q, head_dim), q.dtype, g, p, q, k),
                  out_struct((bh, seq_k, head_dim), q.dtype, g, p, q, k)),
       grid=(bh,),
-      compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps,
-                                              num_stages=cfg.num_stages),
+      compiler_params=compiler_params(cfg.num_warps, cfg.num_stages),
       interpret=interpret,
       name="qk_scale_softmax_bwd_head",
   )(scale, g, p, q, k)
