@@ -21,6 +21,7 @@ rows of <= 256 keys, the one-kernel ``per_head`` scheme (pass ``head``); the tab
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import math
 import os
@@ -134,6 +135,12 @@ def _c_passes(w, constants, sets):
   return passes, qks.length_class(sk)
 
 
+# Candidate lists per op and pass (``--cands`` replaces them for one run).
+CANDIDATES = {
+    "attention_softmax_dropout_value": {"dv": A_DV, "ds": A_DS},
+    "qk_scale_softmax": {"row": C_ROW, "col": C_COL, "head": C_HEAD},
+}
+
 # Per scheme of kernel C, the passes whose times add up to one backward.
 C_SCHEMES = {"two_pass": ("two_pass",), "per_head": ("head",)}
 
@@ -146,11 +153,19 @@ OPS = {
 }
 
 
-def _label(c):
+def _label(c, cls=None):
+  """``64x128/4w/2s`` plus the config's other fields where they differ from the defaults."""
   if len(c) < 4:
     return "/".join(map(str, c))
-  split = f"/split{c[5]}" if len(c) > 5 else ""
-  return f"{c[0]}x{c[1]}/{c[2]}w/{c[3]}s{'/pf' if c[4:] and c[4] else ''}{split}"
+  label = f"{c[0]}x{c[1]}/{c[2]}w/{c[3]}s"
+  if cls is None:
+    return label + ("/pf" if c[4:] and c[4] else "") + "".join(f"/{x}" for x in c[5:])
+  extra = cls(*c)._asdict()
+  defaults = cls._field_defaults
+  for name in list(extra)[4:]:
+    if extra[name] != defaults[name]:
+      label += f"/{name}" if extra[name] is True else f"/{name}={extra[name]}"
+  return label
 
 
 def _choose_scheme(best_times):
@@ -202,7 +217,14 @@ def main(argv=None):
                       help="comma-separated passes to tune (default: all of the op's)")
   parser.add_argument("--workloads", default=None,
                       help="comma-separated workload indices (default: a fixed spread)")
+  parser.add_argument("--cands", default=None,
+                      help="replace candidate lists, e.g. 'ds=[(64,64,4,2),(64,64,4,2,True)];dv=[...]' "
+                           "(tuples in the pass's PassConfig field order)")
   args = parser.parse_args(argv)
+  if args.cands:
+    for item in args.cands.split(";"):
+      name, _, value = item.partition("=")
+      CANDIDATES[args.op][name.strip()][:] = ast.literal_eval(value)
   if jax.default_backend() != "gpu":
     print("tuning needs a CUDA GPU", file=sys.stderr)
     return 2
@@ -248,7 +270,9 @@ def main(argv=None):
       best_times.setdefault(key, {}).setdefault(name, []).append(best)
       ratios.setdefault(key, {}).setdefault(name, []).append(
           {cand: t / best for (cand, _), t in zip(ok, times)})
-      line.append(f"{name}: " + " ".join(f"{_label(c)}={t:.1f}" for (c, _), t in zip(ok, times)))
+      cls = asdv.PassConfig if args.op == "attention_softmax_dropout_value" else qks.PassConfig
+      line.append(f"{name}: " + " ".join(f"{_label(c, cls if len(c) >= 4 else None)}={t:.1f}"
+                                         for (c, _), t in zip(ok, times)))
     print("  ".join(line), flush=True)
     result = _write_table(ratios, out, best_times if args.op == "qk_scale_softmax" else None)
   print(json.dumps(result, indent=1))

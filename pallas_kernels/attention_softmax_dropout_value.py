@@ -138,8 +138,9 @@ def _dv_delta_kernel(do_ref, pd_ref, v_ref,  # inputs
 # Pass 2: dS = P * (dW - delta).
 # --------------------------------------------------------------------------------------
 def _ds_kernel(*refs, num_heads, num_kv_heads, sq, skv, head_dim, block_q, block_kv,
-               dropout, prefetch=False):
-  """One program = one ``block_q`` rows of one (batch, head); loops over all of Skv.
+               dropout, prefetch=False, heads=1):
+  """One program = one ``block_q`` rows of ``heads`` query heads of one kv group (same
+  batch); loops over all of Skv. Each V tile is loaded once for the ``heads`` heads.
 
   ``dropout`` is ``"none"`` (p == 0: keep is not an input), ``"static"`` (python
   float ``p > 0``: ``("static", 1 / (1 - p))``) or ``"traced"`` (keep is read and
@@ -161,15 +162,17 @@ def _ds_kernel(*refs, num_heads, num_kv_heads, sq, skv, head_dim, block_q, block
   groups = num_heads // num_kv_heads
   d_pad = next_power_of_2(max(head_dim, 16))
   qi = pl.program_id(0)  # q block: fastest grid axis, so programs sharing V run together
-  bh = pl.program_id(1)  # b * H + h
-  b = lax.div(bh, num_heads)
-  h = lax.rem(bh, num_heads)
-  bk = b * num_kv_heads + lax.div(h, groups)
+  bh0 = pl.program_id(1) * heads  # b * H + first head; `heads` divides G
+  b = lax.div(bh0, num_heads)
+  h0 = lax.rem(bh0, num_heads)
+  bk = b * num_kv_heads + lax.div(h0, groups)
   q0 = qi * block_q
+  rs = range(heads)
 
   d_mask = None if d_pad == head_dim else jnp.arange(d_pad) < head_dim
   q_mask = None if sq % block_q == 0 else (q0 + jnp.arange(block_q)) < sq
-  do = _load(do_ref.at[b, pl.ds(q0, block_q), h, pl.ds(0, d_pad)], _outer(q_mask, d_mask), 0.0)
+  do = [_load(do_ref.at[b, pl.ds(q0, block_q), h0 + r, pl.ds(0, d_pad)],
+              _outer(q_mask, d_mask), 0.0) for r in rs]
 
   nkv = pl.cdiv(skv, block_kv)
   ragged_kv = skv % block_kv != 0
@@ -177,14 +180,22 @@ def _ds_kernel(*refs, num_heads, num_kv_heads, sq, skv, head_dim, block_q, block
     # The whole row is one tile: delta = rowsum(dW * P) is computed exactly as the
     # reference does (below), without the rounding of Pd that pass 1's partials carry,
     # which matters most for short rows.
-    delta = None
+    delta = [None] * heads
   else:
-    # delta = rowsum(dPd * Pd) = rowsum(dW * P) under the precondition: sum pass 1's partials.
+    # delta = rowsum(dPd * Pd) = rowsum(dW * P) under the precondition: sum pass 1's
+    # partials, up to 32 of them per (2D) load.
     n_part = dpart_ref.shape[1]
-    delta = lax.fori_loop(
-        0, n_part,
-        lambda jj, acc: acc + _load(dpart_ref.at[bh, jj, pl.ds(q0, block_q)], q_mask, 0.0),
-        jnp.zeros((block_q,), f32))
+    chunk = min(next_power_of_2(n_part), 32)
+
+    def add_chunk(c, acc, bh):
+      rows = c * chunk + jnp.arange(chunk)
+      mask = _outer(None if n_part % chunk == 0 else rows < n_part, q_mask)
+      part = _load(dpart_ref.at[bh, pl.ds(c * chunk, chunk), pl.ds(q0, block_q)], mask, 0.0)
+      return acc + jnp.sum(part, axis=0)
+
+    delta = [lax.fori_loop(0, pl.cdiv(n_part, chunk),
+                           functools.partial(add_chunk, bh=bh0 + r),
+                           jnp.zeros((block_q,), f32)) for r in rs]
 
   if mode == "traced":
     keep_scale = scale_ref[0]
@@ -194,29 +205,36 @@ def _ds_kernel(*refs, num_heads, num_kv_heads, sq, skv, head_dim, block_q, block
     return (j * block_kv + jnp.arange(block_kv)) < skv if masked else None
 
   def load_p_keep(j, masked):
+    """``[(P, keep) per head]`` of kv tile ``j``."""
     mask = _outer(q_mask, kv_mask_of(j, masked))
-    idx = (bh, pl.ds(q0, block_q), pl.ds(j * block_kv, block_kv))
-    p = _load(p_ref.at[idx], mask, 0.0)
-    keep = jnp.zeros((), jnp.bool_) if mode == "none" else _load(keep_ref.at[idx], mask, False)
-    return p, keep
+    out = []
+    for r in rs:
+      idx = (bh0 + r, pl.ds(q0, block_q), pl.ds(j * block_kv, block_kv))
+      p = _load(p_ref.at[idx], mask, 0.0)
+      keep = (jnp.zeros((), jnp.bool_) if mode == "none"
+              else _load(keep_ref.at[idx], mask, False))
+      out.append((p, keep))
+    return tuple(out)
 
-  def tile(j, masked, p=None, keep=None):
+  def tile(j, masked, pk=None):
     k0 = j * block_kv
     kv_mask = kv_mask_of(j, masked)
     v = _load(v_ref.at[bk, pl.ds(k0, block_kv), pl.ds(0, d_pad)], _outer(kv_mask, d_mask), 0.0)
-    dw = dot(do, v, trans_b=True)  # dPd, [block_q, block_kv] fp32
     mask = _outer(q_mask, kv_mask)
-    if p is None:
-      p, keep = load_p_keep(j, masked)
-    if mode == "static":
-      dw = jnp.where(keep, dw * dropout[1], 0.0)
-    elif mode == "traced":
-      dw = dw * jnp.where(keep, keep_scale, drop_scale)
-    p = p.astype(f32)
-    row_delta = jnp.sum(dw * p, axis=1) if delta is None else delta
-    ds = p * (dw - row_delta[:, None])
-    _store(ds_ref.at[bh, pl.ds(q0, block_q), pl.ds(k0, block_kv)], ds.astype(ds_ref.dtype),
-           mask)
+    if pk is None:
+      pk = load_p_keep(j, masked)
+    for r in rs:
+      p, keep = pk[r]
+      dw = dot(do[r], v, trans_b=True)  # dPd, [block_q, block_kv] fp32
+      if mode == "static":
+        dw = jnp.where(keep, dw * dropout[1], 0.0)
+      elif mode == "traced":
+        dw = dw * jnp.where(keep, keep_scale, drop_scale)
+      p = p.astype(f32)
+      row_delta = jnp.sum(dw * p, axis=1) if delta[r] is None else delta[r]
+      ds = p * (dw - row_delta[:, None])
+      _store(ds_ref.at[bh0 + r, pl.ds(q0, block_q), pl.ds(k0, block_kv)],
+             ds.astype(ds_ref.dtype), mask)
 
   def body(j, carry, masked=False):
     tile(j, masked)
@@ -228,10 +246,10 @@ def _ds_kernel(*refs, num_heads, num_kv_heads, sq, skv, head_dim, block_q, block
     # Triton pipelines with, so without this each tile would wait for its loads.
     def prefetch_body(j, carry):
       nxt = load_p_keep(j + 1, True)  # past the end: fully masked, touches no memory
-      tile(j, True, *carry)
+      tile(j, True, carry)
       return nxt
 
-    lax.fori_loop(0, nkv, prefetch_body, load_p_keep(h * 0, True))
+    lax.fori_loop(0, nkv, prefetch_body, load_p_keep(h0 * 0, True))
   elif ragged_kv:
     # Unmasked steady state, one masked tail tile (keeps the kv mask out of the hot loop).
     # The tail is a one-trip loop so its start index stays dynamic: a constant start
@@ -252,6 +270,8 @@ class PassConfig(NamedTuple):
   (a dV-pass prefetch of dO and Pd measured slower). ``split`` (dV pass only): programs
   that share one kv block's loop over the G heads and Sq tiles, each adding an fp32
   partial dV (for launches with too few kv blocks to fill the GPU); 0 = ``auto_split``.
+  ``heads`` (dS pass only): query heads of one kv group per program, so each V tile is
+  loaded once for all of them (the largest divisor of G that is <= ``heads`` is used).
   """
   block_q: int
   block_kv: int
@@ -259,6 +279,7 @@ class PassConfig(NamedTuple):
   num_stages: int
   prefetch: bool = False
   split: int = 0
+  heads: int = 1
 
 
 class Config(NamedTuple):
@@ -349,6 +370,11 @@ def auto_split(b, h, kvh, sq, skv, block_q, block_kv) -> int:
   return split
 
 
+def group_heads(groups: int, wanted: int) -> int:
+  """The dS pass's heads per program: the largest divisor of ``groups`` <= ``wanted``."""
+  return max(n for n in range(1, max(1, min(wanted, groups)) + 1) if groups % n == 0)
+
+
 @functools.partial(jax.jit, static_argnames=["num_heads", "dropout", "cfg", "interpret"])
 def ds_pass(grad_attn_output, attn_weights, keep, value_states, dpart, scale, *, num_heads,
             dropout, cfg, interpret):
@@ -362,12 +388,13 @@ def ds_pass(grad_attn_output, attn_weights, keep, value_states, dpart, scale, *,
     inputs = (grad_attn_output, attn_weights, keep, value_states, dpart)
   else:
     inputs = (grad_attn_output, attn_weights, keep, value_states, dpart, scale)
+  heads = group_heads(h // (bkvh // b), cfg.heads)
   return pallas_call(
       functools.partial(_ds_kernel, num_heads=num_heads, num_kv_heads=bkvh // b, sq=sq,
                         skv=skv, head_dim=d, block_q=cfg.block_q, block_kv=cfg.block_kv,
-                        dropout=dropout, prefetch=cfg.prefetch),
+                        dropout=dropout, prefetch=cfg.prefetch, heads=heads),
       out_shape=out_struct((b * h, sq, skv), attn_weights.dtype, *inputs),
-      grid=(pl.cdiv(sq, cfg.block_q), b * h),
+      grid=(pl.cdiv(sq, cfg.block_q), b * h // heads),
       compiler_params=compiler_params(cfg.num_warps, cfg.num_stages),
       interpret=interpret,
       name="attention_dropout_value_bwd_ds",

@@ -121,6 +121,28 @@ def test_small_blocks_many_partials():
   check(outs, reference(*args, 0.1))
 
 
+@pytest.mark.parametrize("heads, prefetch, p", [(2, False, 0.1), (4, False, 0.0),
+                                              (3, True, 0.1), (2, False, "traced")])
+def test_ds_pass_heads_per_program(heads, prefetch, p):
+  """The dS pass with several query heads of a kv group per program (V tiles shared),
+  ragged tiles, many delta partials (several chunks of the partials' 2D loads)."""
+  rate = 0.1 if p == "traced" else p
+  args = make_inputs(2, 8, 2, 37, 1100, 64, rate, seed=8)  # G = 4; 3 heads -> 2
+  config = asdv.Config(asdv.PassConfig(16, 16, 4, 2),
+                       asdv.PassConfig(16, 32, 4, 2, prefetch=prefetch, heads=heads))
+  if p == "traced":
+    outs = jax.jit(lambda r: kernel(*args, r, config=config, interpret=INTERPRET))(jnp.float32(rate))
+  else:
+    outs = kernel(*args, rate, config=config, interpret=INTERPRET)
+  check(outs, reference(*args, rate))
+
+
+def test_group_heads():
+  assert [asdv.group_heads(10, n) for n in (1, 2, 3, 4, 5, 6, 10, 16)] == [1, 2, 2, 2, 5, 5, 10, 10]
+  assert [asdv.group_heads(1, n) for n in (1, 2)] == [1, 1]
+  assert asdv.group_heads(4, 0) == 1
+
+
 @pytest.mark.parametrize("p", [0.0, 0.1, "traced"])
 def test_prefetch_ds_pass(p):
   """The dS pass with the next tile's loads issued early, on ragged tiles and all modes."""
@@ -209,7 +231,7 @@ def test_lowers_to_triton(pretend_h200, p, prefetch):
       ((b, sq, h, d), dt), ((b, h, sq, skv), dt), ((b, h, sq, skv), dt),
       ((b, kvh, skv, d), dt), ((b, h, sq, skv), jnp.bool_))]
   config = asdv.Config(asdv.PassConfig(64, 64, 4, 3, split=2),
-                       asdv.PassConfig(64, 64, 4, 2, prefetch))
+                       asdv.PassConfig(64, 64, 4, 2, prefetch, heads=2))
   assert triton_calls_in_gpu_lowering(kernel, shapes, p, config=config) == 2
 
 
