@@ -478,21 +478,33 @@ def attention_softmax_dropout_value_backward(
      ``rowsum(dPd * Pd)`` of its kv block to a small fp32 scratch
      ``[B*H, cdiv(Skv, BKV), Sq]`` (4 / BKV B per element). The GQA sum over the group
      happens in the accumulator: no atomics, no [B, H, Skv, D] intermediate.
-  2. dS, grid ``(cdiv(Sq, BQ), B*H)`` (q block fastest, so programs sharing V run
-     together). A program loads its dO tile once, sums the delta partials of its rows,
-     then loops over Skv: recomputes ``dPd = dO @ V^T`` on the tensor cores (cheaper
-     than storing and re-reading it, which would add 8 B per element), reads P and the
-     mask and writes ``dS = P * (dPd * keep / (1 - p) - delta)``.
+  2. dS, grid ``(cdiv(Sq, BQ), B*H / heads)`` (q block fastest, so programs sharing V
+     run together). A program takes ``PassConfig.heads`` query heads of one kv group
+     (1, or 2 in the tuned table for rows of 257-1024 keys), loads their dO tiles once,
+     sums the delta partials of its rows, then loops over Skv: loads the V tile once for
+     its heads, recomputes ``dPd = dO @ V^T`` on the tensor cores (cheaper than storing
+     and re-reading it, which would add 8 B per element), reads P and the mask and
+     writes ``dS = P * (dPd * keep / (1 - p) - delta)``.
 
   Ragged Sq / Skv and head dims that are not powers of two are handled by padded
   tiles with masked loads and stores.
 
   What it achieves (H200, Seed-OSS shapes H=80, KVH=8, D=128, p=0.1;
   ``benchmarks/results/attention_softmax_dropout_value.md``): DRAM traffic is the 7 B
-  floor plus ~4 / BKV B of delta partials, but time is 47.8% of the floor in geomean
-  (25-60% per workload; XLA 28%), 1.24-2.07x faster than XLA. Launches with few kv
+  floor plus ~4 / BKV B of delta partials, but time is 47.9% of the floor in geomean
+  (25-59% per workload; XLA 28%), 1.23-2.01x faster than XLA. Launches with few kv
   blocks (B*KVH = 8) split pass 1's loop over 2-4 programs (``auto_split``): (1, 512, 512)
-  went from 110 to 82 us. Why not more: per
+  went from 110 to 82 us. Two heads per dS program brought 4096 x 4096 from 4090 to
+  3862 us (57.3% of the floor) and (4, 1024, 2048) from 2052 to 1958 us.
+
+  Where the dS pass's time goes (4, 1024, 2048; 64-query tiles; measured by removing one
+  part at a time, ``benchmarks/results/attention_softmax_dropout_value_tune_heads.log``
+  and ``attention_l2_hints.log``): streaming alone (no GEMM, no V) takes 1198 us with
+  64-key tiles but 889-941 us with 128-256-key tiles (~88% of the copy rate), so 64-byte
+  row segments cost ~25%; re-reading V from L2 once per query tile costs ~15% (1337 ->
+  1135 us with 128-key tiles), which ``heads`` halves; summing the delta partials ~3%;
+  the rest is the GEMM and its layout conversions not overlapping the stream. Why not
+  more: per
   element the passes run 6*D = 768 tensor-core flops (the dPd GEMM twice) against 7 B,
   close enough to the H200's ridge that the dS pass must overlap its GEMM with streaming
   P / keep / dS, which Triton's software pipelining does only in part (pass 1 runs at
