@@ -121,6 +121,14 @@ def test_small_blocks_many_partials():
   check(outs, reference(*args, 0.1))
 
 
+def run_with_rate(args, p, config):
+  """The kernel with dropout rate ``p``: a float, or ``"traced"`` (0.1 passed into jit)."""
+  if p == "traced":
+    run = jax.jit(lambda r: kernel(*args, r, config=config, interpret=INTERPRET))
+    return run(jnp.float32(0.1))
+  return kernel(*args, p, config=config, interpret=INTERPRET)
+
+
 @pytest.mark.parametrize("heads, prefetch, p", [(2, False, 0.1), (4, False, 0.0),
                                               (3, True, 0.1), (2, False, "traced")])
 def test_ds_pass_heads_per_program(heads, prefetch, p):
@@ -130,11 +138,7 @@ def test_ds_pass_heads_per_program(heads, prefetch, p):
   args = make_inputs(2, 8, 2, 37, 1100, 64, rate, seed=8)  # G = 4; 3 heads -> 2
   config = asdv.Config(asdv.PassConfig(16, 16, 4, 2),
                        asdv.PassConfig(16, 32, 4, 2, prefetch=prefetch, heads=heads))
-  if p == "traced":
-    outs = jax.jit(lambda r: kernel(*args, r, config=config, interpret=INTERPRET))(jnp.float32(rate))
-  else:
-    outs = kernel(*args, rate, config=config, interpret=INTERPRET)
-  check(outs, reference(*args, rate))
+  check(run_with_rate(args, p, config), reference(*args, rate))
 
 
 def test_group_heads():
@@ -149,11 +153,7 @@ def test_prefetch_ds_pass(p):
   rate = 0.1 if p == "traced" else p
   args = make_inputs(1, 4, 2, 37, 83, 64, rate, seed=6)
   config = asdv.Config(asdv.PassConfig(16, 32, 4, 2), asdv.PassConfig(16, 32, 4, 2, prefetch=True))
-  if p == "traced":
-    outs = jax.jit(lambda r: kernel(*args, r, config=config, interpret=INTERPRET))(jnp.float32(rate))
-  else:
-    outs = kernel(*args, rate, config=config, interpret=INTERPRET)
-  check(outs, reference(*args, rate))
+  check(run_with_rate(args, p, config), reference(*args, rate))
 
 
 def test_p_zero_never_reads_mask():
