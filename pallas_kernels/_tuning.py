@@ -54,9 +54,10 @@ def lookup(configs: dict, key: str):
 
 
 def with_overrides(config, **overrides):
-  """``config`` (a NamedTuple of per-pass NamedTuples, maybe plus plain fields) with each non-``None`` override
-  applied to every pass, and every pass checked: ``block_*`` fields powers of two >= 16,
-  ``num_warps`` and ``num_stages`` >= 1. Raises ``ValueError`` naming the field."""
+  """``config`` (a NamedTuple of per-pass NamedTuples, maybe plus plain fields) with each
+  non-``None`` override applied to every pass, and every pass checked: ``block_*`` fields
+  powers of two >= 16, ``num_warps`` and ``num_stages`` >= 1. Raises ``ValueError``
+  naming the field."""
   overrides = {k: v for k, v in overrides.items() if v is not None}
   passes = []
   for name, c in zip(config._fields, config):
