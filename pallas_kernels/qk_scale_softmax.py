@@ -33,6 +33,12 @@ delta-only kernel followed by the column kernel adding ``dL @ K_j`` into an fp32
 ``grad_query`` with atomics (8 B/element of ``g``/``P``, one atomic per element). The
 delta kernel streams at full speed (1.93 ms at 4096 x 4096), but the atomics run at about
 150 G/s: the column kernel took 14-50 ms there, against 6.9 ms for kernels 1 + 2.
+Three row-kernel variants were measured and dropped too
+(``benchmarks/results/attention_l2_hints.log``): L2 eviction hints (keep pass 1's tiles
+for pass 2, stream the rest) changed nothing; a wider first-pass tile (512 keys) doubled
+its time; and a persistent grid of 132-396 programs, meant to shrink the L2 footprint of
+pass 2's re-read, was 1.1-2.3x slower, scaling with the number of programs: the row kernel
+is bound by the loads each program keeps in flight, not by L2 capacity.
 
 Memory traffic per attention element (kernels 1 + 2): ``g`` and ``P`` are 2 B each in bf16, so
 each full read is 4 B/element. The column kernel reads them once (4 B). The
