@@ -54,13 +54,10 @@ def main(argv=None):
     return 2
   out, *paths = argv
   op, meta, rows, summary = merge(paths)
-  with open(out, "w") as f:
-    json.dump({"op": op, **meta, "summary": summary, "rows": rows}, f, indent=1)
   text = run.markdown(op, meta, rows, summary)
   text = text.replace("- copy ceiling:", f"- copy ceilings per run: {meta['ceilings_TBps']} TB/s; "
                       "floors use each run's own\n- copy ceiling (first run):", 1)
-  with open(out[:-len(".json")] + ".md", "w") as f:
-    f.write(text)
+  run.write_results(out[:-len(".json")], op, meta, rows, summary, text)
   print(text)
   return 0
 

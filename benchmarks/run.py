@@ -244,6 +244,16 @@ def summarize(rows):
           "min_speedup": min(r["speedup"] for r in rows)}
 
 
+def write_results(base, op, meta, rows, summary, text=None):
+  """Writes ``base.json`` and ``base.md`` (``text``, default the markdown table)."""
+  text = markdown(op, meta, rows, summary) if text is None else text
+  with open(base + ".json", "w") as f:
+    json.dump({"op": op, **meta, "summary": summary, "rows": rows}, f, indent=1)
+  with open(base + ".md", "w") as f:
+    f.write(text)
+  return text
+
+
 def markdown(op, meta, rows, summary):
   lines = [f"# {op}: Pallas kernel vs XLA reference", "",
            f"- date: {meta['date']}", f"- device: {meta['device']}",
@@ -323,10 +333,7 @@ def main(argv=None):
           f" (subset: --workloads {args.workloads or ''} {'--quick' if args.quick else ''})"
           if subset else "")
       name = f"{op}_subset" if subset else op
-      with open(os.path.join(args.out, f"{name}.json"), "w") as f:
-        json.dump({"op": op, **meta, "summary": summary, "rows": rows}, f, indent=1)
-      with open(os.path.join(args.out, f"{name}.md"), "w") as f:
-        f.write(markdown(op, meta, rows, summary))
+      write_results(os.path.join(args.out, name), op, meta, rows, summary)
       return summary
 
     rows = run_problem(problem, spec[problem.name + "_backward"]["constants"], workloads,

@@ -153,13 +153,11 @@ OPS = {
 }
 
 
-def _label(c, cls=None):
-  """``64x128/4w/2s`` plus the config's other fields where they differ from the defaults."""
+def _label(c, cls):
+  """``64x128/4w/2s`` plus the ``cls`` (PassConfig) fields that differ from the defaults."""
   if len(c) < 4:
     return "/".join(map(str, c))
   label = f"{c[0]}x{c[1]}/{c[2]}w/{c[3]}s"
-  if cls is None:
-    return label + ("/pf" if c[4:] and c[4] else "") + "".join(f"/{x}" for x in c[5:])
   extra = cls(*c)._asdict()
   defaults = cls._field_defaults
   for name in list(extra)[4:]:
@@ -229,6 +227,7 @@ def main(argv=None):
     print("tuning needs a CUDA GPU", file=sys.stderr)
     return 2
   problem, indices, passes_fn, default_out = OPS[args.op]
+  config_cls = asdv.PassConfig if args.op == "attention_softmax_dropout_value" else qks.PassConfig
   out = args.out or default_out
   if args.workloads:
     indices = [int(i) for i in args.workloads.split(",")]
@@ -270,8 +269,7 @@ def main(argv=None):
       best_times.setdefault(key, {}).setdefault(name, []).append(best)
       ratios.setdefault(key, {}).setdefault(name, []).append(
           {cand: t / best for (cand, _), t in zip(ok, times)})
-      cls = asdv.PassConfig if args.op == "attention_softmax_dropout_value" else qks.PassConfig
-      line.append(f"{name}: " + " ".join(f"{_label(c, cls if len(c) >= 4 else None)}={t:.1f}"
+      line.append(f"{name}: " + " ".join(f"{_label(c, config_cls)}={t:.1f}"
                                          for (c, _), t in zip(ok, times)))
     print("  ".join(line), flush=True)
     result = _write_table(ratios, out, best_times if args.op == "qk_scale_softmax" else None)
