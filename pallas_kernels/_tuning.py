@@ -65,7 +65,7 @@ def with_overrides(config, **overrides):
       passes.append(c)
       continue
     c = c._replace(**overrides)
-    c = type(c)(*(bool(v) if f == "prefetch" else int(v) for f, v in zip(c._fields, c)))
+    c = type(c)(*(bool(v) if f in ("prefetch", "phase") else int(v) for f, v in zip(c._fields, c)))
     for field, v in zip(c._fields, c):
       if field.startswith("block_") and (v < 16 or v & (v - 1)):
         raise ValueError(f"config.{name}.{field}: expected a power of two >= 16, got {v}")

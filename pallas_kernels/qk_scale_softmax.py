@@ -84,7 +84,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels import _checks, _tuning
+from pallas_kernels import _checks, _phase, _tuning
 from pallas_kernels._util import compiler_params, dot, next_power_of_2, out_struct, pallas_call
 
 __all__ = ["qk_scale_softmax_backward", "Config", "PassConfig"]
@@ -254,6 +254,63 @@ def _row_kernel(scale_ref, g_ref, p_ref, k_ref, dq_ref, delta_ref, *, seq_q: int
   pltriton.store(delta_ref.at[bh, pl.ds(q_start, block_q)], delta, mask=row_ok)
 
 
+def _row_kernel_phased(scale_ref, g_ref, p_ref, k_ref, dq_ref, delta_ref, *, seq_q: int,
+                       seq_k: int, head_dim: int, block_q: int, block_k: int, align: int):
+  """The row kernel (dense) for rows of ``Sk % 8 != 0`` keys, on 16-byte aligned tiles.
+
+  One program = one row class (``block_q`` rows ``align`` apart, see ``pallas_kernels._phase``)
+  of one head. Key tile ``j`` covers keys ``[j * BK - phase, (j + 1) * BK - phase)``; every
+  load is of 16-byte vectors (``_phase.tile_masks``), and the edge tiles' columns of the
+  neighbouring rows are zeroed. All refs but ``scale`` are flat 1D views.
+  """
+  cls = jax.lax.rem(pl.program_id(0), align)
+  mb = jax.lax.div(pl.program_id(0), align)
+  bh = pl.program_id(1)
+  dtype = g_ref.dtype
+  d_pad = next_power_of_2(max(head_dim, 16))
+  scale = scale_ref[0]
+  d = jnp.arange(d_pad, dtype=jnp.int32)
+  d_ok = d < head_dim
+
+  q0 = cls + align * block_q * mb
+  rows = q0 + align * jnp.arange(block_q, dtype=jnp.int32)
+  row_ok = rows < seq_q
+  ph = _phase.phase(bh * seq_q + cls, seq_k, align)
+  base = _phase.aligned_base(bh * seq_q + q0, seq_k, ph, align)
+  n_tiles = _phase.num_tiles(seq_k, block_k, ph)
+
+  def load_gp(j):
+    cols, valid, load, _ = _phase.tile_masks(j, seq_k, block_k, ph)
+    offs = _phase.tile_offsets(base, seq_k, block_q, j * block_k, block_k, align)
+    mask = row_ok[:, None] & load[None, :]
+    g = pltriton.load(g_ref.at[offs], mask=mask, other=0.0)
+    p = pltriton.load(p_ref.at[offs], mask=mask, other=0.0)
+    # Columns of the neighbouring rows (edge tiles): zeroed.
+    g = jnp.where(valid[None, :], g, jnp.zeros_like(g))
+    p = jnp.where(valid[None, :], p, jnp.zeros_like(p))
+    return cols, valid, g, p
+
+  def pass_delta(j, delta):
+    _, _, g, p = load_gp(j)
+    return delta + jnp.sum(g.astype(_F32) * p.astype(_F32), axis=1)
+
+  def pass_dq(t, acc):
+    j = n_tiles - 1 - t  # newest tiles first: they are the likeliest still in L2
+    cols, valid, g, p = load_gp(j)
+    # K is indexed by hand: tile 0 starts at a negative (masked) key, which a slice clamps.
+    k = pltriton.load(k_ref.at[(bh * seq_k + cols)[:, None] * head_dim + d[None, :]],
+                      mask=valid[:, None] & d_ok[None, :], other=0.0)
+    return acc + dot(_dl_tile(g, p, delta, scale, dtype), k)
+
+  delta = jax.lax.fori_loop(0, n_tiles, pass_delta, jnp.zeros((block_q,), _F32))
+  acc = jax.lax.fori_loop(0, n_tiles, pass_dq, jnp.zeros((block_q, d_pad), _F32))
+
+  offs = (bh * seq_q + rows)[:, None] * head_dim + d[None, :]
+  pltriton.store(dq_ref.at[offs], acc.astype(dq_ref.dtype),
+                 mask=row_ok[:, None] & d_ok[None, :])
+  pltriton.store(delta_ref.at[bh * seq_q + rows], delta, mask=row_ok)
+
+
 # ------------------------------------------------------------------------ column kernel
 
 
@@ -370,12 +427,16 @@ class PassConfig(NamedTuple):
   """Tiles and Triton launch parameters of one kernel (tiles: powers of two >= 16).
 
   ``prefetch``: load the next tile's g and P while this one is computed.
+  ``row_align`` (row kernel, dense): rows of ``Sk % 8 != 0`` keys take aligned tiles of
+  every ``row_align``-th row (``_row_kernel_phased``; ``prefetch`` is then unused): 8, 16,
+  32 or 64; -1 = ``_phase.choose``; 0 = off (tiles of consecutive rows, scalar loads).
   """
   block_q: int
   block_k: int
   num_warps: int
   num_stages: int
   prefetch: bool = False
+  row_align: int = -1
 
 
 SCHEMES = ("two_pass", "per_head")
@@ -461,6 +522,22 @@ def row_pass(scale, g, p, k, *, causal, cfg, interpret):
   """``(grad_query [B*H, Sq, D], delta [B*H, Sq] fp32)`` from 3D ``[B*H, ...]`` views."""
   bh, seq_q, seq_k = g.shape
   head_dim = k.shape[-1]
+  if use_phased(cfg, causal, bh, seq_q, seq_k, head_dim):
+    align, block_q = _phase.choose(seq_q, cfg.block_q)
+    if cfg.row_align > 0:
+      align = cfg.row_align
+      block_q = min(cfg.block_q, max(16, next_power_of_2(pl.cdiv(seq_q, align))))
+    dq, delta = pallas_call(
+        functools.partial(_row_kernel_phased, seq_q=seq_q, seq_k=seq_k, head_dim=head_dim,
+                          block_q=block_q, block_k=cfg.block_k, align=align),
+        out_shape=(out_struct((bh * seq_q * head_dim,), k.dtype, g, p, k),
+                   out_struct((bh * seq_q,), _F32, g, p, k)),
+        grid=(align * pl.cdiv(pl.cdiv(seq_q, align), block_q), bh),
+        compiler_params=compiler_params(cfg.num_warps, cfg.num_stages),
+        interpret=interpret,
+        name="qk_scale_softmax_bwd_dq_aligned",
+    )(scale, g.reshape(-1), p.reshape(-1), k.reshape(-1))
+    return dq.reshape(bh, seq_q, head_dim), delta.reshape(bh, seq_q)
   return pallas_call(
       functools.partial(_row_kernel, seq_q=seq_q, seq_k=seq_k, head_dim=head_dim,
                         block_q=cfg.block_q, block_k=cfg.block_k, causal=causal,
@@ -472,6 +549,15 @@ def row_pass(scale, g, p, k, *, causal, cfg, interpret):
       interpret=interpret,
       name="qk_scale_softmax_bwd_dq",
   )(scale, g, p, k)
+
+
+def use_phased(cfg, causal, bh, seq_q, seq_k, head_dim) -> bool:
+  """Whether the row kernel runs :func:`_row_kernel_phased`: ``cfg.row_align`` is not 0, the
+  scheme is dense, rows are not 16-byte aligned (``Sk % 8 != 0``), a row spans several
+  key tiles (one-tile rows take the fused single-read path) and the flat views fit int32
+  offsets."""
+  return (cfg.row_align != 0 and not causal and pl.cdiv(seq_k, cfg.block_k) > 1
+          and _phase.usable(seq_k, bh * seq_q * seq_k, bh * max(seq_q, seq_k) * head_dim))
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "cfg", "interpret"))

@@ -133,11 +133,13 @@ def run_with_rate(args, p, config):
                                               (3, True, 0.1), (2, False, "traced")])
 def test_ds_pass_heads_per_program(heads, prefetch, p):
   """The dS pass with several query heads of a kv group per program (V tiles shared),
-  ragged tiles, many delta partials (several chunks of the partials' 2D loads)."""
+  ragged tiles, many delta partials (several chunks of the partials' 2D loads). Rows of
+  1100 keys are not 16-byte aligned: ``row_align=0`` keeps them on this path."""
   rate = 0.1 if p == "traced" else p
   args = make_inputs(2, 8, 2, 37, 1100, 64, rate, seed=8)  # G = 4; 3 heads -> 2
   config = asdv.Config(asdv.PassConfig(16, 16, 4, 2),
-                       asdv.PassConfig(16, 32, 4, 2, prefetch=prefetch, heads=heads))
+                       asdv.PassConfig(16, 32, 4, 2, prefetch=prefetch, heads=heads,
+                                       row_align=0))
   check(run_with_rate(args, p, config), reference(*args, rate))
 
 
@@ -152,7 +154,46 @@ def test_prefetch_ds_pass(p):
   """The dS pass with the next tile's loads issued early, on ragged tiles and all modes."""
   rate = 0.1 if p == "traced" else p
   args = make_inputs(1, 4, 2, 37, 83, 64, rate, seed=6)
-  config = asdv.Config(asdv.PassConfig(16, 32, 4, 2), asdv.PassConfig(16, 32, 4, 2, prefetch=True))
+  config = asdv.Config(asdv.PassConfig(16, 32, 4, 2),
+                       asdv.PassConfig(16, 32, 4, 2, prefetch=True, row_align=0))
+  check(run_with_rate(args, p, config), reference(*args, rate))
+
+
+# (B, H, KVH, Sq, Skv, D): rows of Skv % 8 != 0 keys; G in {1, 3, 4}; Skv just above a tile
+# multiple, Sq below / above the class sizes.
+PHASED_CASES = [
+    (1, 4, 1, 37, 45, 64),     # G = 4: classes run across the group's heads
+    (2, 3, 3, 21, 33, 32),     # G = 1, B = 2, Skv = 2 * 16 + 1
+    (1, 6, 2, 9, 99, 40),      # G = 3, odd D, few rows
+    (1, 2, 1, 70, 130, 16),    # Skv % 8 == 2: phases repeat every 4 rows
+]
+
+
+@pytest.mark.parametrize("row_align", [-1, 8, 16, 64])
+@pytest.mark.parametrize("b,h,kvh,sq,skv,d", PHASED_CASES)
+def test_ds_pass_phased(b, h, kvh, sq, skv, d, row_align):
+  """The dS pass on aligned tiles of every ``row_align``-th row (``_ds_kernel_phased``):
+  against the reference, and against the tiles of consecutive rows (``row_align=0``)."""
+  p = 0.1
+  args = make_inputs(b, h, kvh, sq, skv, d, p, seed=sq)
+  phased = asdv.Config(asdv.PassConfig(16, 16, 4, 2),
+                       asdv.PassConfig(16, 16, 4, 2, row_align=row_align))
+  plain = asdv.Config(phased.dv, phased.ds._replace(row_align=0))
+  ds_pass_args = (b, h, sq, skv, d, 1, 1)
+  assert asdv.use_phased(phased.ds, *ds_pass_args) and not asdv.use_phased(plain.ds,
+                                                                            *ds_pass_args)
+  outs = kernel(*args, p, config=phased, interpret=INTERPRET)
+  check(outs, reference(*args, p))
+  base = kernel(*args, p, config=plain, interpret=INTERPRET)
+  for out, ref in zip(outs, base):  # same math; the dot's summation order may differ
+    assert_close_fraction(out, ref, atol=1e-5, rtol=1e-2, frac=0.999)
+
+
+@pytest.mark.parametrize("p", [0.0, "traced"])
+def test_ds_pass_phased_dropout_modes(p):
+  rate = 0.1 if p == "traced" else p
+  args = make_inputs(1, 4, 2, 37, 83, 64, rate, seed=6)
+  config = asdv.Config(asdv.PassConfig(16, 32, 4, 2), asdv.PassConfig(16, 32, 4, 2))
   check(run_with_rate(args, p, config), reference(*args, rate))
 
 
@@ -217,15 +258,16 @@ def test_auto_split():
   assert asdv.auto_split(1, 1, 1, 32, 64, 64, 64) == 1        # one step: nothing to split
 
 
+@pytest.mark.parametrize("skv", [200, 201])
 @pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("p", [0.0, 0.1, None])
-def test_lowers_to_triton(pretend_h200, p, prefetch):
+def test_lowers_to_triton(pretend_h200, p, prefetch, skv):
   """The kernels lower to Triton IR (no GPU needed; catches unsupported ops early).
 
   Pretends an H200 is present by patching JAX's internal GPU-info lookup (skipped if
   that internal moves). Compiling the IR to PTX still needs a GPU.
   """
-  b, h, kvh, sq, skv, d = 2, 8, 2, 131, 200, 40
+  b, h, kvh, sq, d = 2, 8, 2, 131, 40
   dt = jnp.bfloat16
   shapes = [jax.ShapeDtypeStruct(s, t) for s, t in (
       ((b, sq, h, d), dt), ((b, h, sq, skv), dt), ((b, h, sq, skv), dt),

@@ -100,10 +100,35 @@ def test_causal(sq, sk, d, blocks):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sq, sk, bq, bk", [(33, 131, 16, 32), (131, 33, 32, 16), (1, 70, 16, 16)])
 def test_prefetch(causal, sq, sk, bq, bk):
-  """Both kernels with the next tile's loads issued early: tails, causal, empty rows."""
-  cfg = qks.PassConfig(bq, bk, 4, 2, prefetch=True)
+  """Both kernels with the next tile's loads issued early: tails, causal, empty rows.
+  (``row_align=0``: these ragged rows would otherwise take the phase-aligned row kernel.)"""
+  cfg = qks.PassConfig(bq, bk, 4, 2, prefetch=True, row_align=0)
   args = make_inputs(2, 1, 2, sq, sk, 64, causal=causal)
   run_and_check(args, 0.125, causal=causal, config=qks.Config(cfg, cfg))
+
+
+# (Sq, Sk, D, block_k): rows of Sk % 8 != 0 keys spanning several key tiles.
+PHASED_CASES = [(33, 131, 64, 32), (131, 33, 40, 16), (7, 70, 128, 16), (200, 45, 64, 16)]
+
+
+@pytest.mark.parametrize("row_align", [-1, 8, 32, 64])
+@pytest.mark.parametrize("sq, sk, d, block_k", PHASED_CASES)
+def test_row_kernel_phased(sq, sk, d, block_k, row_align):
+  """The row kernel on aligned tiles of every ``row_align``-th row (``_row_kernel_phased``):
+  against the reference, and against tiles of consecutive rows (``row_align=0``; the
+  tiles group the keys differently, so sums may round differently)."""
+  args = make_inputs(8, 2, 1, sq, sk, d)
+  row = qks.PassConfig(16, block_k, 4, 2, row_align=row_align)
+  col = qks.PassConfig(16, 32, 4, 2)
+  assert qks.use_phased(row, False, 2, sq, sk, d)
+  assert not qks.use_phased(row._replace(row_align=0), False, 2, sq, sk, d)
+  assert not qks.use_phased(row, True, 2, sq, sk, d)  # causal keeps the plain row kernel
+  outs = run_and_check(args, 0.125, config=qks.Config(row, col))
+  base = qk_scale_softmax_backward(*args, 0.125, interpret=INTERPRET,
+                                   config=qks.Config(row._replace(row_align=0), col))
+  for out, ref in zip(outs, base):
+    o, r = (np.asarray(x, np.float32) for x in (out, ref))
+    assert np.mean(np.abs(o - r) <= 1e-5 + 1e-2 * np.abs(r)) >= 0.999
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -226,13 +251,14 @@ def test_default_config(device_kind):
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_lowers_to_triton(pretend_h200, causal, dtype, prefetch):
-  """Both kernels lower to Triton IR for a GPU (no GPU needed; catches unsupported ops)."""
+@pytest.mark.parametrize("prefetch, row_align", [(False, -1), (True, 0), (False, 0)])
+def test_lowers_to_triton(pretend_h200, causal, dtype, prefetch, row_align):
+  """Both kernels lower to Triton IR for a GPU (no GPU needed; catches unsupported ops).
+  Rows of 300 keys: dense with ``row_align=-1`` takes the phase-aligned row kernel."""
   b, h, sq, sk, d = 1, 2, 131, 300, 64
   shapes = [jax.ShapeDtypeStruct(s, dtype) for s in
             ((b, h, sq, sk), (b, h, sq, d), (b, h, sk, d), (b, h, sq, sk))]
-  cfg = qks.PassConfig(32, 64, 4, 2, prefetch)
+  cfg = qks.PassConfig(32, 64, 4, 2, prefetch, row_align)
   for scheme, kernels in (("two_pass", 2), ("per_head", 1)):
     assert triton_calls_in_gpu_lowering(qk_scale_softmax_backward, shapes, 0.125,
                                         causal=causal,

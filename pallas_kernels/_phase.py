@@ -1,0 +1,115 @@
+"""16-byte aligned tiles of rows whose length is not a multiple of 8 elements.
+
+A row-major ``[N, S, L]`` array with ``L % 8 != 0`` starts each row at a different
+offset modulo 8 elements ("phase"), so a ``[rows, cols]`` tile of consecutive rows is not
+16-byte aligned (bf16) and Triton lowers its loads to 2-byte scalar loads, which it
+cannot pipeline. Rows ``8`` apart, however, are ``8 * L`` elements apart: every row of
+``{c, c + 8, c + 16, ...}`` has the same phase. A kernel that takes such a "row class"
+per tile and starts its column tiles ``phase`` elements early (tile ``j`` covers columns
+``[j * BK - phase, (j + 1) * BK - phase)``) loads and stores 16-byte vectors.
+
+The first and the last column tile of a row then reach outside ``[0, L)``. The tiles in
+between need only the row mask, which is constant along a row and keeps the accesses
+vectorised. The edge tiles (:class:`Edge`) load whole 16-byte vectors too: the first
+tile's extra columns are the end of the previous row, the last tile's are the start of
+the next row or, for the array's last row, the rest of the 16-byte granule holding its
+last element (never past it: a load never touches a granule without an element of the
+array). Kernels zero those columns before using them and store edge tiles in two parts:
+the 16-byte vectors that lie wholly inside the row, and its at most 2 x 7 boundary
+elements with a scalar mask.
+
+The arrays are indexed through flat 1D views with offsets computed here; ``pl.multiple_of``
+tells Triton that a tile's base offset is a multiple of 8. Offsets are int32: callers use
+this only for arrays of fewer than ``2**31`` elements (:func:`usable`).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+ALIGN = 8  # elements per 16-byte vector in bf16 / fp16
+
+
+def usable(row_len: int, *sizes: int) -> bool:
+  """Whether the phase-aligned path applies: rows not a multiple of ``ALIGN`` elements and
+  every flat array (``sizes``, in elements) indexable with int32 offsets."""
+  return row_len % ALIGN != 0 and all(s < 2**31 for s in sizes)
+
+
+ROW_ALIGNS = (64, 32, 16, ALIGN)  # elements: 128-, 64-, 32- and 16-byte aligned rows in bf16
+
+
+def choose(rows: int, block_rows: int, min_use: float = 0.85,
+           max_align: int = ROW_ALIGNS[0]) -> tuple[int, int]:
+  """``(align, block)``: row classes of every ``align``-th of ``rows`` rows, in tiles of
+  ``block`` rows.
+
+  Rows ``align`` elements apart start at the same offset modulo ``align`` elements, so
+  with larger classes the tiles start on 32-, 64- or 128-byte boundaries (whole DRAM
+  sectors: a 16-byte aligned copy of 449-element rows streams at 2.8 TB/s on an H200,
+  a 32-byte aligned one at 3.2, 128-byte aligned 3.3; ``benchmarks/results/``
+  ``ragged_rows_stream.log``). The largest ``align`` whose classes still fill at least
+  ``min_use`` of their tiles wins (else the best-filled); ``block`` is ``block_rows``
+  capped at the class size (and >= 16, the tensor-core minimum). ``align`` is at most
+  ``max_align`` (a kernel that peels only the first column tile needs ``phase < block``).
+  """
+  best = None
+  for align in (a for a in ROW_ALIGNS if a <= max(max_align, ALIGN)):
+    per = -(-rows // align)
+    block = min(block_rows, max(16, 1 << max(per - 1, 0).bit_length()))
+    use = per / (-(-per // block) * block)
+    if use >= min_use:
+      return align, block
+    if best is None or use > best[0]:
+      best = (use, align, block)
+  return best[1], best[2]
+
+
+def phase(first_row, row_len: int, align: int = ALIGN):
+  """``(first_row * row_len) % align`` for a traced int32 row index, without overflow."""
+  return lax.rem(lax.rem(first_row, align) * (row_len % align), align)
+
+
+def aligned_base(first_row, row_len: int, ph, align: int = ALIGN):
+  """Flat offset of column ``-ph`` of row ``first_row``: a multiple of ``align``."""
+  return pl.multiple_of(first_row * row_len - ph, align)
+
+
+def tile_offsets(base, row_len: int, rows: int, col0, cols: int, align: int = ALIGN):
+  """``[rows, cols]`` flat offsets of a tile: rows ``align`` apart from ``base``, columns
+  ``col0 + [0, cols)`` (tile column ``t`` is the row's column ``col0 + t - phase``; the
+  tile is 16-byte aligned if ``col0`` is a multiple of ``ALIGN``)."""
+  r = jnp.arange(rows, dtype=jnp.int32)[:, None] * (align * row_len)
+  c = (col0 + jnp.arange(cols, dtype=jnp.int32))[None, :]
+  return base + r + c
+
+
+def num_tiles(row_len: int, block: int, ph):
+  """Column tiles covering a row shifted by ``ph``: ``cdiv(row_len + ph, block)``."""
+  return lax.div(row_len + ph + block - 1, block)
+
+
+def _round_down(x):
+  return lax.div(x, ALIGN) * ALIGN  # x >= 0 here; the product is a known multiple of 8
+
+
+def tile_masks(j, row_len: int, block: int, ph):
+  """Column masks of tile ``j`` of a row shifted by ``ph`` (``[block]`` vectors).
+
+  Returns ``(cols, valid, load, vector)``: ``cols = j * block - ph + [0, block)`` are the
+  row's columns in the tile; ``valid = 0 <= cols < row_len``; ``load``: the columns
+  whose 16-byte vector holds at least one element of the row (vector-granular, so loads
+  stay 16-byte); ``vector``: the columns of the 16-byte vectors wholly inside the row (a
+  vectorised store writes these; a scalar store the rest of ``valid``).
+  """
+  t = jnp.arange(block, dtype=jnp.int32)
+  col0 = j * block
+  cols = col0 - ph + t
+  valid = (cols >= 0) & (cols < row_len)
+  lo = jnp.maximum(ph - col0, 0)  # the row is [ph - col0, row_len + ph - col0) in the tile
+  hi = jnp.maximum(row_len + ph - col0, 0)
+  load = t < _round_down(hi + ALIGN - 1)
+  vector = (t >= _round_down(lo + ALIGN - 1)) & (t < _round_down(hi))
+  return cols, valid, load, vector
