@@ -104,8 +104,12 @@ def tile_masks(j, row_len: int, block: int, ph):
   stay 16-byte); ``vector``: the columns of the 16-byte vectors wholly inside the row (a
   vectorised store writes these; a scalar store the rest of ``valid``).
   """
-  t = jnp.arange(block, dtype=jnp.int32)
-  col0 = j * block
+  return col_masks(j * block, block, row_len, ph)
+
+
+def col_masks(col0, width: int, row_len: int, ph):
+  """:func:`tile_masks` of the ``width`` columns from ``col0`` (a multiple of ``ALIGN``)."""
+  t = jnp.arange(width, dtype=jnp.int32)
   cols = col0 - ph + t
   valid = (cols >= 0) & (cols < row_len)
   lo = jnp.maximum(ph - col0, 0)  # the row is [ph - col0, row_len + ph - col0) in the tile

@@ -93,24 +93,31 @@ _F32 = jnp.float32
 _SUPPORTED = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 
-def _round_to(x, dtype):
+def _round_to(x, dtype, *, bits: bool = False):
   """``x`` (fp32) rounded to nearest-even in ``dtype``, returned as fp32.
 
-  For bf16 the rounding is done on the bits: a ``truncf``/``extf`` pair can be
-  folded away by the compiler (the kernel then keeps fp32 precision and misses
-  the reference's roundings), integer arithmetic cannot. Inputs are finite.
+  For bf16 the value goes through a real conversion (``cvt.rn``) and comes back by a
+  bitcast and a shift: a plain ``truncf``/``extf`` pair can be folded away by the compiler
+  (the kernel then keeps fp32 precision and misses the reference's roundings), a bitcast
+  cannot. ``bits=True`` rounds with integer arithmetic on the fp32 bits instead (about 5
+  integer ops per element more; kept to check the conversion against). Inputs are finite.
   """
+  if dtype == jnp.bfloat16 and bits:
+    u = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    u = u + (jnp.uint32(0x7FFF) + ((u >> 16) & jnp.uint32(1)))
+    return jax.lax.bitcast_convert_type(u & jnp.uint32(0xFFFF0000), _F32)
   if dtype == jnp.bfloat16:
-    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-    bits = bits + (jnp.uint32(0x7FFF) + ((bits >> 16) & jnp.uint32(1)))
-    return jax.lax.bitcast_convert_type(bits & jnp.uint32(0xFFFF0000), _F32)
+    half = jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
+    return jax.lax.bitcast_convert_type(half.astype(jnp.uint32) << 16, _F32)
   return x.astype(dtype).astype(_F32)
 
 
 def _dl_tile(g, p, delta, scale, dtype):
-  """``dL = dtype(dtype(P * (g - delta)) * scaling)``, exactly the reference's roundings."""
+  """``dL = dtype(dtype(P * (g - delta)) * scaling)``, exactly the reference's roundings.
+
+  The second rounding is the conversion the matmul operand needs anyway."""
   d_l = _round_to(p.astype(_F32) * (g.astype(_F32) - delta[:, None]), dtype)
-  return _round_to(d_l * scale, dtype).astype(dtype)
+  return (d_l * scale).astype(dtype)
 
 
 # ----------------------------------------------------------------------- causal ranges

@@ -8,6 +8,7 @@ mode runs the kernel body in Python-level XLA ops on the CPU.
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import jax
@@ -270,6 +271,23 @@ def test_rounding_is_bit_exact():
   x = jax.random.normal(jax.random.PRNGKey(0), (4096,)) * 10.0 ** jax.random.randint(
       jax.random.PRNGKey(1), (4096,), -30, 30)
   x = jnp.concatenate([x, jnp.array([0.0, -0.0, 1.00390625, 1.01171875, 1e-40])]).astype(jnp.float32)
-  got = qks._round_to(x, jnp.bfloat16)
   want = x.astype(jnp.bfloat16).astype(jnp.float32)
-  assert bool(jnp.all(got.view(jnp.uint32) == want.view(jnp.uint32)))
+  for bits in (False, True):
+    got = qks._round_to(x, jnp.bfloat16, bits=bits)
+    assert bool(jnp.all(got.view(jnp.uint32) == want.view(jnp.uint32))), bits
+
+
+def test_dl_rounding_paths_agree(monkeypatch):
+  """The kernels' dL with the conversion-based bf16 rounding is bit-identical to the
+  integer-arithmetic rounding (on a GPU this catches a compiler folding the conversion
+  pair away, which would keep fp32 precision)."""
+  args = make_inputs(9, 1, 2, 45, 131, 64, probs="randn")
+  cfg = qks.Config(qks.PassConfig(16, 32, 4, 2), qks.PassConfig(16, 32, 4, 2))
+  run = lambda: qk_scale_softmax_backward(*args, 0.125, config=cfg, interpret=INTERPRET)
+  fast = run()
+  jax.clear_caches()
+  monkeypatch.setattr(qks, "_round_to", functools.partial(qks._round_to, bits=True))
+  exact = run()
+  jax.clear_caches()
+  for a, b in zip(fast, exact):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
