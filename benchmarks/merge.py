@@ -11,11 +11,20 @@ ceiling, and ``OUT.md`` is written beside ``OUT.json``.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
+import re
 import sys
 
 from benchmarks import run
+
+
+def _part_commit(part) -> str:
+  """The commit of a results file whose rows carry none: its ``commit`` field, or the one
+  hash that field names (a merge of runs at one commit)."""
+  hashes = set(re.findall(r"\b[0-9a-f]{7,40}\b", part["commit"]))
+  return hashes.pop() if len(hashes) == 1 else part["commit"]
 
 
 def merge(paths):
@@ -29,21 +38,25 @@ def merge(paths):
   rows = {}
   for part in parts:
     for row in part["rows"]:
-      rows[row["workload"]] = row
+      # Each row keeps the commit it was measured at (a merged input's rows carry theirs).
+      rows[row["workload"]] = dict(row, commit=row.get("commit") or _part_commit(part))
   with open(os.path.join(run.HERE, "workloads.json")) as f:
     spec = json.load(f)
   problem = run._c_problem(True) if op.endswith("_causal") else run.PROBLEMS[op]
   order = [problem.label(w) for w in spec[problem.name + "_backward"]["workloads"]]
   ordered = sorted(rows.values(), key=lambda r: order.index(r["workload"]))
   summary = run.summarize(ordered)
-  summary["workloads"] = f"{len(ordered)} (merged from {len(parts)} runs)"
+  dates = [d for p in parts for d in p["date"].split(" / ")]
+  summary["workloads"] = f"{len(ordered)} (merged from {len(dates)} runs)"
   first = parts[0]
+  commits = collections.Counter(r["commit"] for r in ordered)
   meta = {
-      "date": " / ".join(p["date"] for p in parts), "device": first["device"],
+      "date": " / ".join(dates), "device": first["device"],
       "jax": first["jax"],
-      "commit": " / ".join(f"{p['commit']} ({len(p['rows'])} workloads)" for p in parts),
+      "commit": " / ".join(f"{c} ({n} workloads)" for c, n in commits.items()),
       "ceiling": first["ceiling"], "calls": "/".join(str(p["calls"]) for p in parts),
-      "ceilings_TBps": [round(p["ceiling"]["TBps"], 3) for p in parts]}
+      "ceilings_TBps": [c for p in parts for c in p.get("ceilings_TBps",
+                                                          [round(p["ceiling"]["TBps"], 3)])]}
   return op, meta, ordered, summary
 
 
