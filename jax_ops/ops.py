@@ -3,8 +3,8 @@
 Each op is a ``jax.custom_vjp`` whose forward is the plain-jnp forward of
 :mod:`jax_ops.reference` and whose backward is picked from
 :mod:`jax_ops.registry`: ``implementation=None`` takes the Pallas kernel where
-one exists for the device and is measured faster than XLA (today: the masked
-softmax dropout backward), ``"pallas"`` forces the Pallas kernel (with
+one exists for the device and is measured faster than XLA (today: all three
+backward passes), ``"pallas"`` forces the Pallas kernel (with
 ``interpret=True`` it runs on any backend, slowly), ``"xla"`` takes the jnp
 reference.
 
@@ -51,7 +51,7 @@ def attention_softmax_dropout_value(scores, value_states, *, dropout_rate=0.0, d
 
   Args:
     scores: ``[B, H, Sq, Skv]`` attention logits (bf16 in the usual case; fp16
-      and fp32 run the XLA backward unless ``implementation="pallas"``).
+      and fp32 work too).
     value_states: ``[B, KVH, Skv, D]``, same dtype, ``H % KVH == 0``; query head
       ``h`` reads value head ``h // (H // KVH)``.
     dropout_rate: in [0, 1).

@@ -37,10 +37,11 @@ _BACKWARDS: dict[str, dict[str, Callable]] = {
 
 
 # Ops whose Pallas backward is what ``implementation=None`` picks on a GPU: only
-# those measured faster than XLA on every benchmark workload (benchmarks/results/).
-# The other kernels are correct and selectable with ``implementation="pallas"``,
-# but not yet faster than XLA everywhere, so they are not the default.
-_PALLAS_BY_DEFAULT = {"masked_softmax_dropout", "attention_softmax_dropout_value"}
+# those measured faster than XLA on every benchmark workload (benchmarks/results/;
+# today all three). A kernel added later that is not yet faster everywhere stays
+# selectable with ``implementation="pallas"`` without becoming the default.
+_PALLAS_BY_DEFAULT = {"masked_softmax_dropout", "attention_softmax_dropout_value",
+                      "qk_scale_softmax"}
 
 
 def register(op: str, name: str, fn: Callable) -> None:

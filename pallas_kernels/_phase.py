@@ -1,26 +1,29 @@
-"""16-byte aligned tiles of rows whose length is not a multiple of 8 elements.
+"""Aligned tiles of rows whose length is not a multiple of 8 elements.
 
 A row-major ``[N, S, L]`` array with ``L % 8 != 0`` starts each row at a different
 offset modulo 8 elements ("phase"), so a ``[rows, cols]`` tile of consecutive rows is not
 16-byte aligned (bf16) and Triton lowers its loads to 2-byte scalar loads, which it
-cannot pipeline. Rows ``8`` apart, however, are ``8 * L`` elements apart: every row of
-``{c, c + 8, c + 16, ...}`` has the same phase. A kernel that takes such a "row class"
-per tile and starts its column tiles ``phase`` elements early (tile ``j`` covers columns
-``[j * BK - phase, (j + 1) * BK - phase)``) loads and stores 16-byte vectors.
+cannot pipeline. Rows ``align`` apart (``align`` = 8, 16, 32 or 64) are ``align * L``
+elements apart: every row of ``{c, c + align, c + 2 * align, ...}`` has the same phase
+modulo ``align`` elements. A kernel that takes such a "row class" per tile and starts its
+column tiles ``phase`` elements early (tile ``j`` covers columns
+``[j * BK - phase, (j + 1) * BK - phase)``) loads and stores 16-byte vectors, and its row
+segments start on 16- to 128-byte boundaries.
 
 The first and the last column tile of a row then reach outside ``[0, L)``. The tiles in
 between need only the row mask, which is constant along a row and keeps the accesses
-vectorised. The edge tiles (:class:`Edge`) load whole 16-byte vectors too: the first
-tile's extra columns are the end of the previous row, the last tile's are the start of
-the next row or, for the array's last row, the rest of the 16-byte granule holding its
-last element (never past it: a load never touches a granule without an element of the
-array). Kernels zero those columns before using them and store edge tiles in two parts:
-the 16-byte vectors that lie wholly inside the row, and its at most 2 x 7 boundary
-elements with a scalar mask.
+vectorised. The edge tiles load whole 16-byte vectors too (:func:`tile_masks`): the first
+tile's extra columns are the end of earlier rows (a class's first tile never starts
+before the array: its offset is the row's offset minus its phase), the last tile's are
+the start of the next row or, for the array's last row, the rest of the 16-byte granule
+holding its last element (never past it: a load never touches a granule without an
+element of the array). Kernels zero those columns before using them and store edge
+tiles in two parts: the 16-byte vectors wholly inside the row, and the rest of the row
+(at most 7 elements at each end) with a scalar mask.
 
 The arrays are indexed through flat 1D views with offsets computed here; ``pl.multiple_of``
-tells Triton that a tile's base offset is a multiple of 8. Offsets are int32: callers use
-this only for arrays of fewer than ``2**31`` elements (:func:`usable`).
+tells Triton that a tile's base offset is a multiple of ``align``. Offsets are int32:
+callers use this only for arrays of fewer than ``2**31`` elements (:func:`usable`).
 """
 
 from __future__ import annotations
@@ -50,10 +53,11 @@ def choose(rows: int, block_rows: int, min_use: float = 0.85,
   with larger classes the tiles start on 32-, 64- or 128-byte boundaries (whole DRAM
   sectors: a 16-byte aligned copy of 449-element rows streams at 2.8 TB/s on an H200,
   a 32-byte aligned one at 3.2, 128-byte aligned 3.3;
-  ``benchmarks/results/attention_ragged_rows.log``). The largest ``align`` whose classes still fill at least
-  ``min_use`` of their tiles wins (else the best-filled); ``block`` is ``block_rows``
-  capped at the class size (and >= 16, the tensor-core minimum). ``align`` is at most
-  ``max_align`` (a kernel that peels only the first column tile needs ``phase < block``).
+  ``benchmarks/results/attention_ragged_rows.log``). The largest ``align`` whose classes
+  still fill at least ``min_use`` of their tiles wins (else the best-filled); ``block`` is
+  ``block_rows`` capped at the class size (and >= 16, the tensor-core minimum). ``align``
+  is at most ``max_align`` (a kernel that peels only the first column tile needs
+  ``phase < block``).
   """
   best = None
   for align in (a for a in ROW_ALIGNS if a <= max(max_align, ALIGN)):
@@ -99,17 +103,14 @@ def tile_masks(j, row_len: int, block: int, ph):
   """Column masks of tile ``j`` of a row shifted by ``ph`` (``[block]`` vectors).
 
   Returns ``(cols, valid, load, vector)``: ``cols = j * block - ph + [0, block)`` are the
-  row's columns in the tile; ``valid = 0 <= cols < row_len``; ``load``: the columns
-  whose 16-byte vector holds at least one element of the row (vector-granular, so loads
-  stay 16-byte); ``vector``: the columns of the 16-byte vectors wholly inside the row (a
-  vectorised store writes these; a scalar store the rest of ``valid``).
+  row's columns in the tile; ``valid = 0 <= cols < row_len``; ``load``: the columns up to
+  the end of the 16-byte vector holding the row's last element (vector-granular, so loads
+  stay 16-byte; tile 0's columns before the row are earlier rows' elements);
+  ``vector``: the columns of the 16-byte vectors wholly inside the row (a vectorised
+  store writes these; a scalar store the rest of ``valid``).
   """
-  return col_masks(j * block, block, row_len, ph)
-
-
-def col_masks(col0, width: int, row_len: int, ph):
-  """:func:`tile_masks` of the ``width`` columns from ``col0`` (a multiple of ``ALIGN``)."""
-  t = jnp.arange(width, dtype=jnp.int32)
+  t = jnp.arange(block, dtype=jnp.int32)
+  col0 = j * block
   cols = col0 - ph + t
   valid = (cols >= 0) & (cols < row_len)
   lo = jnp.maximum(ph - col0, 0)  # the row is [ph - col0, row_len + ph - col0) in the tile

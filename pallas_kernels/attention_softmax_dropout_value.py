@@ -621,8 +621,8 @@ def attention_softmax_dropout_value_backward(
 
   What it achieves (H200, Seed-OSS shapes H=80, KVH=8, D=128, p=0.1;
   ``benchmarks/results/attention_softmax_dropout_value.md``): DRAM traffic is the 7 B
-  floor plus ~4 / BKV B of delta partials, but time is 47.9% of the floor in geomean
-  (25-59% per workload; XLA 28%), 1.23-2.01x faster than XLA. Launches with few kv
+  floor plus ~4 / BKV B of delta partials, but time is 48.7% of the floor in geomean
+  (26-59% per workload; XLA 28%), 1.30-2.01x faster than XLA. Launches with few kv
   blocks (B*KVH = 8) split pass 1's loop over 2-4 programs (``auto_split``): (1, 512, 512)
   went from 110 to 82 us. Two heads per dS program brought 4096 x 4096 from 4090 to
   3862 us (57.3% of the floor) and (4, 1024, 2048) from 2052 to 1958 us.
@@ -634,15 +634,23 @@ def attention_softmax_dropout_value_backward(
   row segments cost ~25%; re-reading V from L2 once per query tile costs ~15% (1337 ->
   1135 us with 128-key tiles), which ``heads`` halves; summing the delta partials ~3%;
   the rest is the GEMM and its layout conversions not overlapping the stream. Why not
-  more: per
-  element the passes run 6*D = 768 tensor-core flops (the dPd GEMM twice) against 7 B,
+  more: per element the passes run 6*D = 768 tensor-core flops (the dPd GEMM twice) against 7 B,
   close enough to the H200's ridge that the dS pass must overlap its GEMM with streaming
   P / keep / dS, which Triton's software pipelining does only in part (pass 1 runs at
-  ~470 TFLOP/s, pass 2 at ~60% of its bandwidth share on aligned shapes). Rows whose
-  length is not a multiple of 8 (Skv = 293, 449, 773) are not 16-byte aligned, so their
-  loads are scalar and cannot use Triton's pipelined copies; the dS pass then prefetches
-  the next tile's P and keep into registers (``PassConfig.prefetch``), which brought
-  (8, 373, 449) from ~500 to ~360 us, still 32% of the floor.
+  ~470 TFLOP/s, pass 2 at ~60% of its bandwidth share on aligned shapes).
+
+  Rows whose length is not a multiple of 8 (Skv = 293, 449, 773) are not 16-byte
+  aligned: tiles of consecutive rows load with scalar 2-byte accesses that Triton cannot
+  pipeline (a plain copy of 449-key rows streams at 1.8 TB/s instead of 4.0). The dS
+  pass then takes row classes (``_ds_kernel_phased``, ``pallas_kernels._phase``): every
+  ``align``-th row of a kv group starts at the same offset modulo ``align`` elements, so
+  its tiles, started that many keys early, are 16- to 128-byte aligned (the copy: 2.8 TB/s
+  at 16 bytes, 3.3 at 128). That took the dS pass of (8, 373, 449) from 361 to 311 us and
+  of (32, 691, 773) from 4256 to 3706 us (whole backward: 590 -> 522 us, 6769 -> 6127
+  us; ``benchmarks/results/attention_ragged_rows.log``). The dV pass keeps scalar
+  loads: its accumulator is indexed by key, and a row class's tiles are shifted by its
+  phase; moving them back takes a shift on the tensor cores, which for kernel C's column
+  kernel (the same structure) measured slower than the scalar loads.
   """
   p = _checks.check_problem_a(grad_attn_output, attn_weights, attn_weights_dropped,
                               value_states, dropout_mask, attention_dropout)

@@ -40,16 +40,32 @@ its time; and a persistent grid of 132-396 programs, meant to shrink the L2 foot
 pass 2's re-read, was 1.1-2.3x slower, scaling with the number of programs: the row kernel
 is bound by the loads each program keeps in flight, not by L2 capacity.
 
+Rows whose length is not a multiple of 8 (``Sk`` = 449, say) are not 16-byte aligned, so
+tiles of consecutive rows load with scalar accesses. The dense row kernel then takes row
+classes instead (``_row_kernel_phased``, ``pallas_kernels._phase``): every ``align``-th
+row of a head shares its offset modulo ``align`` elements, and tiles started that many
+keys early are aligned. (2, 449, 449): 217 -> 180 us for the row kernel. The column
+kernel keeps scalar loads: its ``grad_key`` accumulator is indexed by key, and a row
+class's tiles are shifted by its phase; moving ``dL`` back with a 0/1 shift matrix on the
+tensor cores (exact) measured 157-205 us against 144-153 us for the scalar loads
+(``benchmarks/results/attention_ragged_rows.log``).
+
+Forming ``dL`` is a good share of the work (both kernels do it per element): its first
+bf16 rounding is a conversion plus a bitcast (``_round_to``), its second the conversion
+the matmul operand needs anyway; rounding with integer arithmetic on the bits instead
+cost 4-8% on short and ragged rows.
+
 Memory traffic per attention element (kernels 1 + 2): ``g`` and ``P`` are 2 B each in bf16, so
 each full read is 4 B/element. The column kernel reads them once (4 B). The
 row kernel reads them once (4 B) when a row is one tile (the tuned choice
 for ``Sk <= 256``), else twice; its second pass re-reads a row the same program
 just read (newest tile first). So DRAM traffic is 8 B/element, up to 12 B when
 that re-read misses L2, plus ``Q``, ``K``, ``dQ``, ``dK``. On the H200 the
-row kernel with long rows takes ~1.6x the column kernel's time (1089 vs 683 us
-at 2048 x 2048), so its re-read mostly misses: kernels 1 + 2 reach 21-41% of the
-4 B floor on rows of 449-4096 keys; with kernel 3 for rows of <= 256 keys (53-72%) the
-geomean is 40.6% (XLA 34%; ``benchmarks/results/qk_scale_softmax.md``).
+row kernel with long rows takes ~1.6x the column kernel's time (1086 vs 621-673 us
+at 2048 x 2048), so its re-read mostly misses: kernels 1 + 2 reach 25-42% of the
+4 B floor on rows of 449-4096 keys; with kernel 3 for rows of <= 256 keys (52-75%) the
+geomean is 42.5% (XLA 34%), 1.08-1.57x faster than XLA
+(``benchmarks/results/qk_scale_softmax.md``).
 The grids put the tile index on the fastest launch axis, so programs running
 together share one head and its ``K``/``Q``/``delta`` tiles come from L2; the
 column kernel walks the heads in reverse, so it starts on the heads the row

@@ -187,8 +187,9 @@ def test_registry_defaults():
       "pallas" if on_gpu else "xla")
   assert registry.resolve("masked_softmax_dropout", None, True)[0] == "pallas"
   assert registry.resolve("attention_softmax_dropout_value", None, True)[0] == "pallas"
-  # Kernels not yet faster than XLA everywhere are opt-in.
-  assert registry.resolve("qk_scale_softmax", None, True)[0] == "xla"
+  assert registry.resolve("qk_scale_softmax", None, True)[0] == "pallas"
+  assert registry.resolve("qk_scale_softmax", None, False)[0] == ("pallas" if on_gpu else "xla")
+  assert registry.resolve("qk_scale_softmax", "xla", True)[0] == "xla"
   assert registry.resolve("qk_scale_softmax", "pallas", False)[0] == "pallas"
   assert set(registry.available("attention_softmax_dropout_value")) == {"xla", "pallas"}
 
