@@ -1,0 +1,44 @@
+"""Tests of ``benchmarks.merge`` (joining partial benchmark runs into one table)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from benchmarks import merge
+
+RESULTS = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results",
+                       "attention_softmax_dropout_value.json")
+
+
+def _load():
+  with open(RESULTS) as f:
+    return json.load(f)
+
+
+def _part(tmp_path, name, commit, rows):
+  """A results file of one run at ``commit`` (rows carry no commit of their own)."""
+  part = {k: v for k, v in _load().items() if k not in ("rows", "summary", "ceilings_TBps")}
+  part.update(commit=commit, date=f"date-{name}", calls=12,
+              rows=[{k: v for k, v in r.items() if k != "commit"} for r in rows])
+  path = tmp_path / f"{name}.json"
+  path.write_text(json.dumps(part))
+  return str(path)
+
+
+def test_merge_keeps_each_rows_commit(tmp_path):
+  rows = _load()["rows"]
+  # Two runs overlapping on two workloads: the later run's rows win.
+  op, meta, merged, summary = merge.merge([_part(tmp_path, "a", "aaaaaaa", rows[:10]),
+                                           _part(tmp_path, "b", "bbbbbbb", rows[8:])])
+  assert op == "attention_softmax_dropout_value"
+  assert [r["workload"] for r in merged] == [r["workload"] for r in rows]
+  assert [r["commit"] for r in merged] == ["aaaaaaa"] * 8 + ["bbbbbbb"] * 8
+  assert meta["commit"] == "aaaaaaa (8 workloads) / bbbbbbb (8 workloads)"
+  assert summary["workloads"] == "16 (merged from 2 runs)"
+  # A merged file merges again: its rows keep their commits, its runs are counted.
+  again = tmp_path / "merged.json"
+  again.write_text(json.dumps(dict(meta, op=op, rows=merged, calls=12)))
+  _, meta, merged, summary = merge.merge([str(again), _part(tmp_path, "c", "ccccccc", rows[:1])])
+  assert meta["commit"] == "ccccccc (1 workloads) / aaaaaaa (7 workloads) / bbbbbbb (8 workloads)"
+  assert summary["workloads"] == "16 (merged from 3 runs)"
