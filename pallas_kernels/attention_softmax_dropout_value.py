@@ -137,6 +137,18 @@ def _dv_delta_kernel(do_ref, pd_ref, v_ref,  # inputs
 # --------------------------------------------------------------------------------------
 # Pass 2: dS = P * (dW - delta).
 # --------------------------------------------------------------------------------------
+def _ds_refs(refs, mode):
+  """``(do, p, keep, v, dpart, scale, ds)`` refs of a dS-pass kernel; ``keep`` is None when
+  ``mode`` is ``"none"``, ``scale`` unless it is ``"traced"`` (see :func:`_ds_kernel`)."""
+  if mode == "none":
+    do_ref, p_ref, v_ref, dpart_ref, ds_ref = refs
+    return do_ref, p_ref, None, v_ref, dpart_ref, None, ds_ref
+  if mode == "static":
+    do_ref, p_ref, keep_ref, v_ref, dpart_ref, ds_ref = refs
+    return do_ref, p_ref, keep_ref, v_ref, dpart_ref, None, ds_ref
+  return refs
+
+
 def _ds_kernel(*refs, num_heads, num_kv_heads, sq, skv, head_dim, block_q, block_kv,
                dropout, prefetch=False, heads=1):
   """One program = one ``block_q`` rows of ``heads`` query heads of one kv group (same
@@ -150,14 +162,7 @@ def _ds_kernel(*refs, num_heads, num_kv_heads, sq, skv, head_dim, block_q, block
   dpart [B*H, NKV1, Sq] fp32, (scale [2] fp32), and the output ds [B*H, Sq, Skv].
   """
   mode = dropout[0]
-  if mode == "none":
-    do_ref, p_ref, v_ref, dpart_ref, ds_ref = refs
-    keep_ref = scale_ref = None
-  elif mode == "static":
-    do_ref, p_ref, keep_ref, v_ref, dpart_ref, ds_ref = refs
-    scale_ref = None
-  else:
-    do_ref, p_ref, keep_ref, v_ref, dpart_ref, scale_ref, ds_ref = refs
+  do_ref, p_ref, keep_ref, v_ref, dpart_ref, scale_ref, ds_ref = _ds_refs(refs, mode)
 
   groups = num_heads // num_kv_heads
   d_pad = next_power_of_2(max(head_dim, 16))
@@ -279,14 +284,7 @@ def _ds_kernel_phased(*refs, num_heads, num_kv_heads, sq, skv, head_dim, block_q
   ``dpart`` holds ``n_part`` partials per row.
   """
   mode = dropout[0]
-  if mode == "none":
-    do_ref, p_ref, v_ref, dpart_ref, ds_ref = refs
-    keep_ref = scale_ref = None
-  elif mode == "static":
-    do_ref, p_ref, keep_ref, v_ref, dpart_ref, ds_ref = refs
-    scale_ref = None
-  else:
-    do_ref, p_ref, keep_ref, v_ref, dpart_ref, scale_ref, ds_ref = refs
+  do_ref, p_ref, keep_ref, v_ref, dpart_ref, scale_ref, ds_ref = _ds_refs(refs, mode)
 
   groups = num_heads // num_kv_heads
   d_pad = next_power_of_2(max(head_dim, 16))
