@@ -37,7 +37,7 @@ from pallas_kernels import _tuning
 from pallas_kernels import attention_softmax_dropout_value as asdv
 from pallas_kernels import qk_scale_softmax as qks
 
-# (block_q, block_kv, num_warps, num_stages[, prefetch])
+# PassConfig fields: (block_q, block_kv, warps, stages[, prefetch, split, heads, row_align])
 A_DV = [(64, 64, 4, 2), (64, 64, 4, 3), (32, 128, 8, 2), (64, 128, 8, 2), (64, 128, 8, 3),
         (128, 128, 8, 2), (32, 64, 4, 3), (128, 64, 8, 2), (64, 128, 4, 2), (32, 128, 4, 3)]
 # dV pass: split=1 vs the automatic split (0, the default).
@@ -45,17 +45,20 @@ A_DV += [(64, 64, 4, 3, False, 1), (128, 64, 8, 2, False, 1), (64, 128, 4, 2, Fa
          (64, 32, 4, 3)]
 A_DS = [(64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 128, 4, 2),
         (64, 128, 8, 3), (128, 32, 4, 3), (256, 64, 8, 2), (128, 64, 4, 3), (64, 32, 4, 3)]
-A_DS += [(64, 64, 4, 2, True), (64, 128, 4, 2, True), (32, 64, 4, 2, True),
-         (64, 64, 4, 1, True), (64, 32, 4, 2, True)]
+# Register prefetch on tiles of consecutive rows (row_align=0: on rows of Skv % 8 != 0 the
+# default is the phase-aligned kernel, which does not prefetch).
+A_DS += [(64, 64, 4, 2, True, 0, 1, 0), (64, 128, 4, 2, True, 0, 1, 0),
+         (32, 64, 4, 2, True, 0, 1, 0), (64, 64, 4, 1, True, 0, 1, 0),
+         (64, 32, 4, 2, True, 0, 1, 0)]
 A_WORKLOADS = [0, 1, 2, 3, 4, 8, 10, 15]
-# (block_q, block_k, num_warps, num_stages[, prefetch]); block_k 0 = the whole (padded) row.
+# (block_q, block_k, warps, stages[, prefetch, row_align]); block_k 0 = the whole padded row.
 C_ROW = [(16, 0, 4, 1), (32, 0, 4, 1), (32, 0, 8, 1), (64, 0, 8, 1), (16, 128, 4, 2),
          (32, 128, 4, 2), (32, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3), (64, 64, 4, 3),
          (32, 256, 8, 2), (64, 256, 8, 2)]
 C_COL = [(64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (128, 64, 8, 2), (64, 128, 4, 2),
          (128, 128, 8, 2), (32, 64, 4, 3), (64, 128, 8, 3), (128, 64, 4, 3)]
-C_ROW += [(32, 128, 4, 2, True), (16, 128, 4, 2, True), (32, 64, 4, 2, True),
-          (32, 128, 4, 1, True)]
+C_ROW += [(32, 128, 4, 2, True, 0), (16, 128, 4, 2, True, 0), (32, 64, 4, 2, True, 0),
+          (32, 128, 4, 1, True, 0), (32, 64, 4, 2, False, 16)]
 C_COL += [(32, 64, 4, 3, True), (32, 64, 4, 2, True), (64, 64, 4, 2, True),
           (32, 128, 4, 2, True)]
 C_WORKLOADS = [0, 1, 2, 4, 8, 9, 10, 13, 14]
