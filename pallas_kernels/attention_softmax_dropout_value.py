@@ -368,8 +368,10 @@ class PassConfig(NamedTuple):
   ``heads`` (dS pass only): query heads of one kv group per program, so each V tile is
   loaded once for all of them (the largest divisor of G that is <= ``heads`` is used).
   ``row_align`` (dS pass only): rows of ``Skv % 8 != 0`` keys take aligned tiles of every
-  ``row_align``-th row (``_ds_kernel_phased``; ``prefetch`` is then unused): 8, 16, 32 or
-  64; -1 = ``_phase.choose``; 0 = off (tiles of consecutive rows, scalar loads).
+  ``row_align``-th row of a kv group (``_ds_kernel_phased``; ``prefetch`` and ``heads``
+  are then unused: its tiles already mix the group's heads): 8, 16, 32 or 64 (at most
+  ``block_kv``); -1 = ``_phase.choose``; 0 = off (tiles of consecutive rows, scalar
+  loads). Used only where rows span more than one kv tile.
   """
   block_q: int
   block_kv: int
