@@ -12,14 +12,17 @@ segments start on 16- to 128-byte boundaries.
 
 The first and the last column tile of a row then reach outside ``[0, L)``. The tiles in
 between need only the row mask, which is constant along a row and keeps the accesses
-vectorised. The edge tiles load whole 16-byte vectors too (:func:`tile_masks`): the first
-tile's extra columns are the end of earlier rows (a class's first tile never starts
-before the array: its offset is the row's offset minus its phase), the last tile's are
-the start of the next row or, for the array's last row, the rest of the 16-byte granule
-holding its last element (never past it: a load never touches a granule without an
-element of the array). Kernels zero those columns before using them and store edge
-tiles in two parts: the 16-byte vectors wholly inside the row, and the rest of the row
-(at most 7 elements at each end) with a scalar mask.
+vectorised. The edge tiles load whole vectors too (:func:`tile_masks`): the first tile's
+extra columns are the end of earlier rows (a class's first tile never starts before the
+array: its offset is the row's offset minus its phase), the last tile's are the start of
+the next row or, for the array's last row, the rest of the ``ALIGN``-element granule
+holding its last element (16 bytes in bf16, 32 in fp32; never past it: a load never
+touches a granule without an element of the array, whose base XLA aligns to far more).
+Kernels zero those columns before computing with them, or compute and never store them,
+and store edge tiles in two parts: the vectors wholly inside the row, and the rest of
+the row (at most 7 elements at each end) with a scalar mask. In bf16 / fp16 a vector is
+the 16 bytes of ``ALIGN`` elements; the offsets are element counts, so fp32 gets the
+same structure (32-byte granules).
 
 The arrays are indexed through flat 1D views with offsets computed here; ``pl.multiple_of``
 tells Triton that a tile's base offset is a multiple of ``align``. Offsets are int32:
@@ -66,9 +69,20 @@ def choose(rows: int, block_rows: int, min_use: float = 0.85,
     use = per / (-(-per // block) * block)
     if use >= min_use:
       return align, block
-    if best is None or use > best[0]:
+    if best is None or use >= best[0]:  # ties: the smaller align, fewer empty programs
       best = (use, align, block)
   return best[1], best[2]
+
+
+def resolve(row_align: int, rows: int, block_rows: int, max_align: int) -> tuple[int, int]:
+  """``(align, block)`` of a pass whose config asks for ``row_align`` (-1: :func:`choose`;
+  8, 16, 32 or 64: that, capped at ``max_align``)."""
+  if row_align == -1:
+    return choose(rows, block_rows, max_align=max_align)
+  if row_align not in ROW_ALIGNS:
+    raise ValueError(f"row_align: expected -1 or one of {ROW_ALIGNS}, got {row_align}")
+  align = min(row_align, max(max_align, ALIGN))
+  return align, min(block_rows, max(16, 1 << max(-(-rows // align) - 1, 0).bit_length()))
 
 
 def phase(first_row, row_len: int, align: int = ALIGN):

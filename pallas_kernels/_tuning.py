@@ -53,11 +53,14 @@ def lookup(configs: dict, key: str):
   return configs.get(key.split("-")[0])
 
 
+ROW_ALIGN_VALUES = (-1, 0, 8, 16, 32, 64)  # PassConfig.row_align (see pallas_kernels._phase)
+
+
 def with_overrides(config, **overrides):
   """``config`` (a NamedTuple of per-pass NamedTuples, maybe plus plain fields) with each
   non-``None`` override applied to every pass, and every pass checked: ``block_*`` fields
-  powers of two >= 16, ``num_warps`` and ``num_stages`` >= 1. Raises ``ValueError``
-  naming the field."""
+  powers of two >= 16, ``num_warps`` and ``num_stages`` >= 1, ``row_align`` one of
+  ``ROW_ALIGN_VALUES``. Raises ``ValueError`` naming the field."""
   overrides = {k: v for k, v in overrides.items() if v is not None}
   passes = []
   for name, c in zip(config._fields, config):
@@ -65,10 +68,13 @@ def with_overrides(config, **overrides):
       passes.append(c)
       continue
     c = c._replace(**overrides)
-    c = type(c)(*(bool(v) if f in ("prefetch", "phase") else int(v) for f, v in zip(c._fields, c)))
+    c = type(c)(*(bool(v) if f == "prefetch" else int(v) for f, v in zip(c._fields, c)))
     for field, v in zip(c._fields, c):
       if field.startswith("block_") and (v < 16 or v & (v - 1)):
         raise ValueError(f"config.{name}.{field}: expected a power of two >= 16, got {v}")
+      if field == "row_align" and v not in ROW_ALIGN_VALUES:
+        raise ValueError(f"config.{name}.row_align: expected one of {ROW_ALIGN_VALUES} "
+                         f"(-1: automatic, 0: off), got {v}")
     if c.num_warps < 1 or c.num_stages < 1:
       raise ValueError(f"config.{name}: num_warps and num_stages must be >= 1, got {c}")
     passes.append(c)

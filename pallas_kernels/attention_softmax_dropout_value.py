@@ -274,8 +274,9 @@ def _ds_kernel_phased(*refs, num_heads, num_kv_heads, sq, skv, head_dim, block_q
   ``pallas_kernels._phase``): they all have the same phase, so one shifted V tile serves
   them all, and a class holds ``G * Sq / align`` rows, so short heads still fill tiles.
   Column tile ``j`` covers keys ``[j * BKV - phase, (j + 1) * BKV - phase)``; every load
-  is of 16-byte vectors (``_phase.tile_masks``), and so is every store except those of
-  the few elements at each end of a row (a second, scalar store in the two edge tiles).
+  of P and keep is of 16-byte vectors (``_phase.tile_masks``), and so is every store of
+  dS except those of the few elements at each end of a row (a second, scalar store in the
+  two edge tiles). (The rows' delta partials, ``align`` rows apart, load as scalars.)
   The steady-state tiles between the edges take no column masks. (Storing those end
   elements from two 16-wide fix-up tiles after one loop over all tiles measured 5-13%
   slower.)
@@ -495,10 +496,7 @@ def ds_pass(grad_attn_output, attn_weights, keep, value_states, dpart, scale, *,
     flat = [x if x is None or x.ndim < 2 else x.reshape(-1) for x in inputs]
     rows = (h // (bkvh // b)) * sq  # rows of one kv group
     # Only tile 0 is peeled for the row starts: phase < align <= block_kv.
-    align, block_q = _phase.choose(rows, cfg.block_q, max_align=cfg.block_kv)
-    if cfg.row_align > 0:
-      align = min(cfg.row_align, cfg.block_kv)
-      block_q = min(cfg.block_q, max(16, next_power_of_2(pl.cdiv(rows, align))))
+    align, block_q = _phase.resolve(cfg.row_align, rows, cfg.block_q, cfg.block_kv)
     ds = pallas_call(
         functools.partial(_ds_kernel_phased, num_heads=num_heads, num_kv_heads=bkvh // b,
                           sq=sq, skv=skv, head_dim=d, block_q=block_q,

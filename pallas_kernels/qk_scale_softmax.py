@@ -546,10 +546,8 @@ def row_pass(scale, g, p, k, *, causal, cfg, interpret):
   bh, seq_q, seq_k = g.shape
   head_dim = k.shape[-1]
   if use_phased(cfg, causal, bh, seq_q, seq_k, head_dim):
-    align, block_q = _phase.choose(seq_q, cfg.block_q)
-    if cfg.row_align > 0:
-      align = cfg.row_align
-      block_q = min(cfg.block_q, max(16, next_power_of_2(pl.cdiv(seq_q, align))))
+    # align <= block_k: a phase of a whole tile or more would only load earlier rows.
+    align, block_q = _phase.resolve(cfg.row_align, seq_q, cfg.block_q, cfg.block_k)
     dq, delta = pallas_call(
         functools.partial(_row_kernel_phased, seq_q=seq_q, seq_k=seq_k, head_dim=head_dim,
                           block_q=block_q, block_k=cfg.block_k, align=align),

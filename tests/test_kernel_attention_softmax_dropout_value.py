@@ -189,6 +189,18 @@ def test_ds_pass_phased(b, h, kvh, sq, skv, d, row_align):
     assert_close_fraction(out, ref, atol=1e-5, rtol=1e-2, frac=0.999)
 
 
+@pytest.mark.parametrize("row_align", [32, 64])
+def test_ds_pass_phased_wide_classes(row_align):
+  """64-key tiles allow classes of every 32nd / 64th row: phases of up to 63 keys."""
+  from pallas_kernels import _phase
+  b, h, kvh, sq, skv, d, p = 1, 8, 2, 40, 150, 32, 0.1
+  assert _phase.resolve(row_align, (h // kvh) * sq, 16, 64) == (row_align, 16)
+  args = make_inputs(b, h, kvh, sq, skv, d, p, seed=3)
+  config = asdv.Config(asdv.PassConfig(16, 16, 4, 2),
+                       asdv.PassConfig(16, 64, 4, 2, row_align=row_align))
+  check(kernel(*args, p, config=config, interpret=INTERPRET), reference(*args, p))
+
+
 @pytest.mark.parametrize("p", [0.0, "traced"])
 def test_ds_pass_phased_dropout_modes(p):
   rate = 0.1 if p == "traced" else p

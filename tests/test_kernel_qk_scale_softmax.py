@@ -277,10 +277,12 @@ def test_rounding_is_bit_exact():
     assert bool(jnp.all(got.view(jnp.uint32) == want.view(jnp.uint32))), bits
 
 
+@pytest.mark.gpu
 def test_dl_rounding_paths_agree(monkeypatch):
   """The kernels' dL with the conversion-based bf16 rounding is bit-identical to the
-  integer-arithmetic rounding (on a GPU this catches a compiler folding the conversion
-  pair away, which would keep fp32 precision)."""
+  integer-arithmetic rounding: catches a compiler folding the conversion pair away, which
+  would keep fp32 precision (GPU only: the interpreter's XLA:CPU rounds either way;
+  ``test_rounding_is_bit_exact`` checks the two functions)."""
   args = make_inputs(9, 1, 2, 45, 131, 64, probs="randn")
   cfg = qks.Config(qks.PassConfig(16, 32, 4, 2), qks.PassConfig(16, 32, 4, 2))
   run = lambda: qk_scale_softmax_backward(*args, 0.125, config=cfg, interpret=INTERPRET)
