@@ -48,9 +48,8 @@ def _rows_kernel(x_ref, o_ref, *, n, row_len, block_q, block_k):
 
 
 def _classes_kernel(x_ref, o_ref, *, n, row_len, block_q, block_k, align):
-  cls = lax.rem(pl.program_id(0), align)
-  first = cls + align * block_q * lax.div(pl.program_id(0), align)
-  row_ok = first + align * jnp.arange(block_q) < n
+  cls, first, rows = _phase.class_rows(pl.program_id(0), align, block_q)
+  row_ok = rows < n
   ph = _phase.phase(cls, row_len, align)
   base = _phase.aligned_base(first, row_len, ph, align)
 
@@ -81,7 +80,7 @@ def copy_fn(kind, n, row_len, block_q, block_k, num_warps, num_stages, align=8,
                              block_k=block_k, align=align)
   return jax.jit(lambda x: pallas_call(
       kernel, out_shape=jax.ShapeDtypeStruct((n * row_len,), x.dtype),
-      grid=(align * pl.cdiv(pl.cdiv(n, align), block_q),), compiler_params=params,
+      grid=(_phase.num_programs(n, align, block_q),), compiler_params=params,
       interpret=interpret)(x.reshape(-1)))
 
 
@@ -102,7 +101,8 @@ def main() -> int:
                          copy_fn("classes", n, row_len, *tiles, align=align)))
     times = device_times_us([fn for _, fn in variants], sets, calls=8, warmup=1)
     starts = np.arange(n, dtype=np.int64) * row_len  # elements in whole vectors per row:
-    whole = np.maximum((starts + row_len) // 8 * 8 - (starts + 7) // 8 * 8, 0).sum()
+    a = _phase.ALIGN
+    whole = np.maximum((starts + row_len) // a * a - (starts + a - 1) // a * a, 0).sum()
     for (label, _), t in zip(variants, times):
       written = n * row_len if label[0] == "rows" else int(whole)
       tbps = 2 * (n * row_len + written) / t["median_us"] / 1e6

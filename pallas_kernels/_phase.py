@@ -65,7 +65,7 @@ def choose(rows: int, block_rows: int, min_use: float = 0.85,
   best = None
   for align in (a for a in ROW_ALIGNS if a <= max(max_align, ALIGN)):
     per = -(-rows // align)
-    block = min(block_rows, max(16, 1 << max(per - 1, 0).bit_length()))
+    block = _block(rows, align, block_rows)
     use = per / (-(-per // block) * block)
     if use >= min_use:
       return align, block
@@ -82,7 +82,26 @@ def resolve(row_align: int, rows: int, block_rows: int, max_align: int) -> tuple
   if row_align not in ROW_ALIGNS:
     raise ValueError(f"row_align: expected -1 or one of {ROW_ALIGNS}, got {row_align}")
   align = min(row_align, max(max_align, ALIGN))
-  return align, min(block_rows, max(16, 1 << max(-(-rows // align) - 1, 0).bit_length()))
+  return align, _block(rows, align, block_rows)
+
+
+def _block(rows: int, align: int, block_rows: int) -> int:
+  """``block_rows`` capped at the padded class size (``rows / align``), and >= 16."""
+  per = -(-rows // align)
+  return min(block_rows, max(16, 1 << max(per - 1, 0).bit_length()))
+
+
+def num_programs(rows: int, align: int, block: int) -> int:
+  """Grid size along the rows: ``align`` classes, each in tiles of ``block`` rows."""
+  return align * -(-(-(-rows // align)) // block)
+
+
+def class_rows(program, align: int, block: int):
+  """``(class, first row, [block] rows)`` of grid program ``program`` (see
+  :func:`num_programs`: programs of one tile index run the ``align`` classes together)."""
+  cls = lax.rem(program, align)
+  first = cls + align * block * lax.div(program, align)
+  return cls, first, first + align * jnp.arange(block, dtype=jnp.int32)
 
 
 def phase(first_row, row_len: int, align: int = ALIGN):

@@ -11,6 +11,7 @@ import functools
 import json
 import os
 
+from pallas_kernels import _phase
 from pallas_kernels._util import next_power_of_2
 
 TUNED_DIR = os.path.join(os.path.dirname(__file__), "tuned")
@@ -53,7 +54,8 @@ def lookup(configs: dict, key: str):
   return configs.get(key.split("-")[0])
 
 
-ROW_ALIGN_VALUES = (-1, 0, 8, 16, 32, 64)  # PassConfig.row_align (see pallas_kernels._phase)
+# PassConfig.row_align: -1 automatic, 0 off, or a row-class size of pallas_kernels._phase.
+ROW_ALIGN_VALUES = (-1, 0, *sorted(_phase.ROW_ALIGNS))
 
 
 def with_overrides(config, **overrides):

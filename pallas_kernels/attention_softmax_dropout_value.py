@@ -289,14 +289,12 @@ def _ds_kernel_phased(*refs, num_heads, num_kv_heads, sq, skv, head_dim, block_q
 
   groups = num_heads // num_kv_heads
   d_pad = next_power_of_2(max(head_dim, 16))
-  cls = lax.rem(pl.program_id(0), align)
-  mb = lax.div(pl.program_id(0), align)
+  # u0, u: the tile's first row and its rows, within the group
+  cls, u0, u = _phase.class_rows(pl.program_id(0), align, block_q)
   bk = pl.program_id(1)  # b * KVH + kv head
   b = lax.div(bk, num_kv_heads)
   row0 = bk * (groups * sq)  # the group's first row among all B * H * Sq rows
   ph = _phase.phase(row0 + cls, skv, align)
-  u0 = cls + align * block_q * mb  # first row of the tile within the group
-  u = u0 + align * jnp.arange(block_q, dtype=jnp.int32)
   row_ok = u < groups * sq
   hg = lax.div(u, sq)  # head within the group, per row
   q = lax.rem(u, sq)
@@ -490,25 +488,25 @@ def ds_pass(grad_attn_output, attn_weights, keep, value_states, dpart, scale, *,
     inputs = (grad_attn_output, attn_weights, keep, value_states, dpart)
   else:
     inputs = (grad_attn_output, attn_weights, keep, value_states, dpart, scale)
-  heads = group_heads(h // (bkvh // b), cfg.heads)
+  groups = h // (bkvh // b)
   if use_phased(cfg, b, h, sq, skv, d, dpart.size, value_states.size):
     # Flat views (free reshapes) for the phase-aligned tiles of _ds_kernel_phased.
     flat = [x if x is None or x.ndim < 2 else x.reshape(-1) for x in inputs]
-    rows = (h // (bkvh // b)) * sq  # rows of one kv group
     # Only tile 0 is peeled for the row starts: phase < align <= block_kv.
-    align, block_q = _phase.resolve(cfg.row_align, rows, cfg.block_q, cfg.block_kv)
+    align, block_q = _phase.resolve(cfg.row_align, groups * sq, cfg.block_q, cfg.block_kv)
     ds = pallas_call(
         functools.partial(_ds_kernel_phased, num_heads=num_heads, num_kv_heads=bkvh // b,
                           sq=sq, skv=skv, head_dim=d, block_q=block_q,
                           block_kv=cfg.block_kv, dropout=dropout, n_part=dpart.shape[1],
                           align=align),
         out_shape=out_struct((b * h * sq * skv,), attn_weights.dtype, *inputs),
-        grid=(align * pl.cdiv(pl.cdiv(rows, align), block_q), bkvh),
+        grid=(_phase.num_programs(groups * sq, align, block_q), bkvh),
         compiler_params=compiler_params(cfg.num_warps, cfg.num_stages),
         interpret=interpret,
         name="attention_dropout_value_bwd_ds_aligned",
     )(*flat)
     return ds.reshape(b * h, sq, skv)
+  heads = group_heads(groups, cfg.heads)
   return pallas_call(
       functools.partial(_ds_kernel, num_heads=num_heads, num_kv_heads=bkvh // b, sq=sq,
                         skv=skv, head_dim=d, block_q=cfg.block_q, block_kv=cfg.block_kv,

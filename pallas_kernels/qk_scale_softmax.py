@@ -286,8 +286,7 @@ def _row_kernel_phased(scale_ref, g_ref, p_ref, k_ref, dq_ref, delta_ref, *, seq
   load is of 16-byte vectors (``_phase.tile_masks``), and the edge tiles' columns of the
   neighbouring rows are zeroed. All refs but ``scale`` are flat 1D views.
   """
-  cls = jax.lax.rem(pl.program_id(0), align)
-  mb = jax.lax.div(pl.program_id(0), align)
+  cls, q0, rows = _phase.class_rows(pl.program_id(0), align, block_q)
   bh = pl.program_id(1)
   dtype = g_ref.dtype
   d_pad = next_power_of_2(max(head_dim, 16))
@@ -295,8 +294,6 @@ def _row_kernel_phased(scale_ref, g_ref, p_ref, k_ref, dq_ref, delta_ref, *, seq
   d = jnp.arange(d_pad, dtype=jnp.int32)
   d_ok = d < head_dim
 
-  q0 = cls + align * block_q * mb
-  rows = q0 + align * jnp.arange(block_q, dtype=jnp.int32)
   row_ok = rows < seq_q
   ph = _phase.phase(bh * seq_q + cls, seq_k, align)
   base = _phase.aligned_base(bh * seq_q + q0, seq_k, ph, align)
@@ -553,7 +550,7 @@ def row_pass(scale, g, p, k, *, causal, cfg, interpret):
                           block_q=block_q, block_k=cfg.block_k, align=align),
         out_shape=(out_struct((bh * seq_q * head_dim,), k.dtype, g, p, k),
                    out_struct((bh * seq_q,), _F32, g, p, k)),
-        grid=(align * pl.cdiv(pl.cdiv(seq_q, align), block_q), bh),
+        grid=(_phase.num_programs(seq_q, align, block_q), bh),
         compiler_params=compiler_params(cfg.num_warps, cfg.num_stages),
         interpret=interpret,
         name="qk_scale_softmax_bwd_dq_aligned",
