@@ -75,13 +75,21 @@ needs whole columns of ``dL``: a single pass would have to write ``dL`` (2 B
 write + 2 B read = the same 8 B) or accumulate ``dQ``/``dK`` with atomics.
 
 Why not the algebraic shortcut ``dQ = s * ((P*g) @ K - delta * (P @ K))``,
-which needs ``delta`` only at the end (one pass)? It rounds ``P*g`` to bf16
-instead of ``P*(g-delta)``, and measured against the reference at
-``atol=1e-5, rtol=0.05`` it lands at ~99.0% of elements for softmax ``P`` with
-``Sk=512`` and ~97.9% when ``P`` is not a probability (large ``delta``): the
-reference's own bf16 roundings of ``dL`` are of the same size as the
-tolerance, so only a kernel reproducing them passes robustly. Both kernels
-therefore form ``dL`` exactly as the reference does.
+which needs ``delta`` only at the end (one pass)? It cannot reproduce the
+reference's two bf16 roundings of ``dL``, and those are as large as the
+tolerance: on the benchmark's inputs even float64 math with no rounding at all
+puts only 98.998% of ``grad_query`` elements of the (1, 512, 512) workload
+within ``atol=1e-5, rtol=0.05`` (the spec asks for 99%), and rounding ``P*g``
+to bf16 for the tensor cores gives 98.5% (``benchmarks/algebra_accuracy.py``;
+``benchmarks/results/qk_scale_softmax_limits.log``). Both kernels therefore
+form ``dL`` exactly as the reference does.
+
+What bounds the two-pass kernels (same log): with their inputs in L2 they are
+only 7-26% faster than from DRAM, and Nsight Compute shows them latency-bound
+(25% occupancy, set by registers and shared memory together; 37-41% of issue
+slots busy; 39-55% of DRAM bandwidth). Smaller tiles and fewer warps buy
+occupancy but lose more than they gain, and splitting the one-program-per-head
+scheme over ``D`` (so 512-key rows fit) was 1.3-1.6x slower than two passes.
 
 Causal (``causal=True``): the caller promises ``P_ij = 0`` for
 ``j > i + (Sk - Sq)``. Those tiles are skipped: the row kernel stops its loops
