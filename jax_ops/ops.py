@@ -10,7 +10,10 @@ reference.
 
 Dropout: ``dropout_rate == 0`` or ``dropout_rng is None`` means no dropout. The
 rate may be a Python float or a traced scalar; the ops are not differentiable
-with respect to it (its cotangent is zero).
+with respect to it (its cotangent is zero). A Python float is checked at once; a
+traced rate is checked when the computation runs (a host callback fails the call
+with ``dropout_rate: expected a dropout rate in [0, 1)``), which costs a device-to-host
+transfer per call: pass a Python float where the rate is fixed.
 """
 
 from __future__ import annotations
@@ -27,9 +30,25 @@ from pallas_kernels import _checks
 _FLOATS = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 
+def _check_rng(rng) -> None:
+  """``dropout_rng`` must be a PRNG key: a typed key (``jax.random.key``) or a raw
+  ``uint32[2]`` key (``jax.random.PRNGKey``), one key per call (``vmap`` for more)."""
+  typed = hasattr(rng, "dtype") and jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key)
+  if typed and rng.shape == ():
+    return
+  if not typed and hasattr(rng, "dtype") and rng.dtype == jnp.uint32 and rng.shape == (2,):
+    return
+  what = f"shape {list(rng.shape)} {rng.dtype}" if hasattr(rng, "dtype") else type(rng).__name__
+  raise TypeError("dropout_rng: expected a PRNG key (jax.random.key(seed), or a uint32[2] from "
+                  f"jax.random.PRNGKey) or None, got {what}")
+
+
 def _dropout(rng, rate, shape):
   """``(keep, rate_static, rate_array)``; ``keep`` is ``None`` when no dropout applies."""
   p_static = _checks.check_dropout_rate("dropout_rate", rate)
+  _checks.check_dropout_rate_at_run_time("dropout_rate", rate)
+  if rng is not None:
+    _check_rng(rng)
   if rng is None or p_static == 0.0:
     return None, 0.0, jnp.zeros((), jnp.float32)
   return reference.dropout_keep_mask(rng, rate, shape), p_static, jnp.asarray(rate, jnp.float32)
@@ -168,16 +187,14 @@ def qk_scale_softmax(query, key, *, scaling: float | None = None, causal: bool =
   b, h, sq, d = query.shape
   _checks.check_array("key", key, ("B", "H", "Sk", "D"), (b, h, None, d), dtypes=(query.dtype,))
   _checks.check_positive("key", key, ("B", "H", "Sk", "D"))
-  if causal and sq > key.shape[2]:
-    raise ValueError(f"causal: needs Sq <= Sk (every query row attends to at least one key), "
-                     f"got Sq={sq}, Sk={key.shape[2]}")
+  causal = _checks.check_causal(causal, sq, key.shape[2])
   if scaling is None:
     scaling = 1.0 / math.sqrt(d)
-  scaling = _checks.concrete_float("scaling", scaling)
+  scaling = _checks.check_scaling("scaling", scaling)
   if scaling is None:
     raise TypeError("scaling: expected a Python float (or None for 1/sqrt(D)), got a traced value")
   name, _ = registry.resolve("qk_scale_softmax", implementation, interpret)
-  return _qss(query, key, scaling, bool(causal), name, interpret)
+  return _qss(query, key, scaling, causal, name, interpret)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))

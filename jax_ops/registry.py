@@ -70,6 +70,10 @@ def resolve(op: str, implementation: str | None, interpret: bool) -> tuple[str, 
   if implementation not in impls:
     raise ValueError(
         f"implementation: expected one of {sorted(impls)} or None for {op}, got {implementation!r}")
+  if implementation == PALLAS and not interpret and jax.default_backend() != "gpu":
+    raise ValueError(
+        f"implementation='pallas': the Pallas Triton kernels compile only for a CUDA GPU; on "
+        f"the {jax.default_backend()!r} backend pass interpret=True (or leave implementation=None)")
   fn = impls[implementation]
   if implementation == PALLAS:
     fn = functools.partial(fn, interpret=interpret)

@@ -535,7 +535,9 @@ def _dropout_args(p_static, p_traced):
     return ("static", 1.0 / (1.0 - p_static)), None
   pt = jnp.asarray(p_traced, f32)
   on = pt > 0
-  scale = jnp.stack([jnp.where(on, 1.0 / (1.0 - pt), 1.0), jnp.where(on, 0.0, 1.0)])
+  # An invalid traced rate (outside [0, 1), NaN) gives NaN grad_attn_scores, not wrong ones.
+  inv = _checks.nan_unless_rate_valid(pt, jnp.where(on, 1.0 / (1.0 - pt), 1.0))
+  scale = jnp.stack([inv, jnp.where(on, 0.0, 1.0)])
   return ("traced",), scale.astype(f32)
 
 
@@ -606,7 +608,7 @@ def attention_softmax_dropout_value_backward(
      happens in the accumulator: no atomics, no [B, H, Skv, D] intermediate.
   2. dS, grid ``(cdiv(Sq, BQ), B*H / heads)`` (q block fastest, so programs sharing V
      run together). A program takes ``PassConfig.heads`` query heads of one kv group
-     (1, or 2 in the tuned table for rows of 257-1024 keys), loads their dO tiles once,
+     (1, or 2 in the tuned table for aligned rows of more than 256 keys), loads their dO tiles once,
      sums the delta partials of its rows, then loops over Skv: loads the V tile once for
      its heads, recomputes ``dPd = dO @ V^T`` on the tensor cores (cheaper than storing
      and re-reading it, which would add 8 B per element), reads P and the mask and
@@ -617,11 +619,15 @@ def attention_softmax_dropout_value_backward(
 
   What it achieves (H200, Seed-OSS shapes H=80, KVH=8, D=128, p=0.1;
   ``benchmarks/results/attention_softmax_dropout_value.md``): DRAM traffic is the 7 B
-  floor plus ~4 / BKV B of delta partials, but time is 48.7% of the floor in geomean
-  (26-59% per workload; XLA 28%), 1.30-2.01x faster than XLA. Launches with few kv
+  floor plus ~4 / BKV B of delta partials, but time is 48.4% of the floor in geomean
+  (26-59% per workload; XLA 28%), 1.30-2.02x faster than XLA (all 16 at 48edbcb). Nsight
+  Compute shows both passes latency-bound at 8-16 warps per SM (registers and shared
+  memory), at 15-53% of DRAM bandwidth
+  (``benchmarks/results/attention_softmax_dropout_value_profile.log``). Launches with few kv
   blocks (B*KVH = 8) split pass 1's loop over 2-4 programs (``auto_split``): (1, 512, 512)
   went from 110 to 82 us. Two heads per dS program brought 4096 x 4096 from 4090 to
-  3862 us (57.3% of the floor) and (4, 1024, 2048) from 2052 to 1958 us.
+  3862 us and (4, 1024, 2048) from 2052 to 1958 us (at 7274b48; 3878 and 1952 us at
+  48edbcb).
 
   Where the dS pass's time goes (4, 1024, 2048; 64-query tiles; measured by removing one
   part at a time, ``benchmarks/results/attention_softmax_dropout_value_tune_heads.log``

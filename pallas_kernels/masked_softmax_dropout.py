@@ -168,7 +168,9 @@ def _call(grad_output, p_attn, mask, dropout_mask, p_dropout, *, p_static, confi
           mask.reshape(b, sq, sk)]
   if dropout == "dynamic":
     p = jnp.asarray(p_dropout, jnp.float32)
-    args.insert(0, jnp.stack([1.0 / (1.0 - p), (p > 0).astype(jnp.float32)]))
+    # An invalid traced rate (outside [0, 1), NaN) gives NaN gradients, not wrong ones.
+    inv = _checks.nan_unless_rate_valid(p, 1.0 / (1.0 - p))
+    args.insert(0, jnp.stack([inv, (p > 0).astype(jnp.float32)]))
   if dropout != "none":
     args.append(dropout_mask.reshape(b * h, sq, sk))
   out = pallas_call(
@@ -208,5 +210,8 @@ def masked_softmax_dropout_backward(grad_output, p_attn, mask, dropout_mask, p_d
     config = default_config(p_attn.shape[2], p_attn.shape[3], device_kind)
   if config.block_rows < 1 or config.block_rows & (config.block_rows - 1):
     raise ValueError(f"config.block_rows: expected a power of two, got {config.block_rows}")
+  if config.num_warps < 1 or num_stages < 1:
+    raise ValueError(f"config.num_warps and num_stages must be >= 1, got {config.num_warps} "
+                     f"and {num_stages}")
   return _call(grad_output, p_attn, mask, dropout_mask, p_dropout, p_static=p, config=config,
                num_stages=num_stages, interpret=interpret)

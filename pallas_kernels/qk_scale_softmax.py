@@ -63,7 +63,8 @@ just read (newest tile first). So DRAM traffic is 8 B/element, up to 12 B when
 that re-read misses L2, plus ``Q``, ``K``, ``dQ``, ``dK``. On the H200 the
 row kernel with long rows takes ~1.6x the column kernel's time (1086 vs 621-673 us
 at 2048 x 2048), so its re-read mostly misses: kernels 1 + 2 reach 25-42% of the
-4 B floor on rows of 449-4096 keys; with kernel 3 for rows of <= 256 keys (52-75%) the
+4 B floor on rows of 449-4096 keys; with kernel 3 for rows of <= 256 keys (52-75%; 26%
+on the small ragged (1, 211, 211), latency-bound with 128 programs) the
 geomean is 42.5% (XLA 34%), 1.08-1.57x faster than XLA
 (``benchmarks/results/qk_scale_softmax.md``).
 The grids put the tile index on the fastest launch axis, so programs running
@@ -497,8 +498,8 @@ def _heuristic(seq_q: int, seq_k: int, head_dim: int, *, row: bool) -> PassConfi
   Base tiles are ``block_q=64`` x ``block_k=128``, capped by the padded sequence lengths and
   kept >= 16 (the tensor-core minimum). The row kernel deviates in two ways:
 
-  * ``Sk <= 256``: the whole row is one tile (``block_k`` = padded Sk, ``block_q=32``), so
-    its two passes fuse and ``g``/``P`` are read once.
+  * ``Sk <= 256``: the whole row is one tile (``block_k`` = padded Sk; ``block_q=32``, or
+    64 when ``Sk <= 128``), so its two passes fuse and ``g``/``P`` are read once.
   * ``Sk > 256``: ``block_q=32``, halving each program's row footprint (``32*Sk*4`` B) so
     that pass 2's re-read of the row is more likely to hit L2 (~260 programs in flight).
   """
@@ -660,7 +661,7 @@ def qk_scale_softmax_backward(grad_output, query, key, attn_weights, scaling, *,
     config: tiles and launch parameters of each kernel (:class:`Config`). Default: the
       table ``tuned/qk_scale_softmax.json`` measured on an H200 (16-bit inputs, D <= 128,
       on that device), else a heuristic (64 x 128 tiles; the row kernel takes 32 query rows
-      and a whole row of up to 256 keys as one tile).
+      for rows of more than 128 keys, and a whole row of up to 256 keys as one tile).
     block_q, block_k, num_warps, num_stages: override one field of both kernels' configs
       (tiles: powers of two >= 16 along ``Sq`` and ``Sk``).
     interpret: run the kernels in Pallas interpret mode (CPU testing).
@@ -670,9 +671,11 @@ def qk_scale_softmax_backward(grad_output, query, key, attn_weights, scaling, *,
   ``K``/``Q`` in the input dtype (tensor cores) and accumulate in fp32. ``D`` may be any size
   (padded to a power of two >= 16 and masked); ``Sq``/``Sk`` any length >= 1.
 
-  Design (see the module docstring): a row kernel computes ``delta`` and ``grad_query``; a
+  Design (see the module docstring): the tuned table takes one program per head for rows
+  of up to 256 keys (``"per_head"``: ``g`` and ``P`` read once, 4 B per element); longer
+  rows take two kernels: a row kernel computes ``delta`` and ``grad_query``; a
   column kernel recomputes ``dL`` from ``g``, ``P`` and ``delta`` and computes ``grad_key``.
-  DRAM traffic is 8 B per attention element in bf16 (``g`` and ``P`` read by each kernel,
+  DRAM traffic there is 8 B per attention element in bf16 (``g`` and ``P`` read by each kernel,
   4 B each time), up to 12 B when ``Sk > 256`` and the row kernel's second pass over a row
   misses L2, plus ``Q``, ``K``, ``dQ``, ``dK``. ``dL`` itself is never materialised: ``dQ``
   and ``dK`` need it row-wise and column-wise, and it cannot be formed before ``delta``.
@@ -681,6 +684,7 @@ def qk_scale_softmax_backward(grad_output, query, key, attn_weights, scaling, *,
     ``(grad_query [B, H, Sq, D], grad_key [B, H, Sk, D])`` in the inputs' dtype.
   """
   _checks.check_problem_c(grad_output, query, key, attn_weights, scaling, dtypes=_SUPPORTED)
+  causal = _checks.check_causal(causal, query.shape[2], key.shape[2], every_row_has_keys=False)
   if config is None:
     device_kind = None if interpret else jax.devices()[0].device_kind
     config = default_config(query.shape[2], key.shape[2], query.shape[3], query.dtype,
@@ -689,5 +693,5 @@ def qk_scale_softmax_backward(grad_output, query, key, attn_weights, scaling, *,
                                   num_warps=num_warps, num_stages=num_stages)
   if config.scheme not in SCHEMES:
     raise ValueError(f"config.scheme: expected one of {SCHEMES}, got {config.scheme!r}")
-  return _backward(grad_output, query, key, attn_weights, scaling, causal=bool(causal),
+  return _backward(grad_output, query, key, attn_weights, scaling, causal=causal,
                    config=config, interpret=bool(interpret))

@@ -133,6 +133,75 @@ def test_dropout_rate_out_of_range(rate):
         jnp.ones((1, 1, 2, 3), bool), rate)
 
 
+@pytest.mark.parametrize("bad", [1.5, -0.5, 1.0, float("nan")])
+def test_traced_dropout_rate_out_of_range_fails_when_run(bad):
+  """A traced rate cannot be checked at trace time: the op checks it when the computation
+  runs (jit, grad, vmap with one bad rate in the batch) and fails naming the argument."""
+  k = keys(5, 2)
+  scores = jax.random.normal(k[0], (1, 2, 4, 5))
+  mask = jnp.ones((1, 1, 4, 5), bool)
+  op = lambda s, p: jax_ops.masked_softmax_dropout(s, mask, dropout_rate=p, dropout_rng=k[1])
+  match = r"dropout_rate: expected a dropout rate in \[0, 1\)"
+  with pytest.raises(jax.errors.JaxRuntimeError, match=match):
+    jax.block_until_ready(jax.jit(op)(scores, bad))
+  with pytest.raises(jax.errors.JaxRuntimeError, match=match):
+    jax.block_until_ready(jax.jit(jax.grad(lambda s, p: op(s, p).sum()))(scores, bad))
+  with pytest.raises(jax.errors.JaxRuntimeError, match=match):
+    jax.block_until_ready(jax.vmap(op, (None, 0))(scores, jnp.array([0.1, bad])))
+  ok = jax.jit(op)(scores, 0.25)  # a valid traced rate runs
+  assert bool(jnp.all(jnp.isfinite(ok)))
+
+
+@pytest.mark.parametrize("bad", [-0.5, 1.0, 1.5])
+def test_kernels_turn_invalid_traced_rates_into_nan(bad):
+  """The kernels (arrays in, arrays out) cannot raise on a traced rate's value; an invalid
+  one gives NaN gradients instead of silently mis-scaled ones."""
+  import pallas_kernels
+  k = keys(6, 4)
+  g = jax.random.normal(k[0], (1, 2, 4, 5))
+  probs = jax.nn.softmax(jax.random.normal(k[1], (1, 2, 4, 5)), -1)
+  keep = jax.random.bernoulli(k[2], 0.7, (1, 2, 4, 5))
+  out = jax.jit(lambda p: pallas_kernels.masked_softmax_dropout_backward(
+      g, probs, jnp.ones((1, 1, 4, 5), bool), keep, p, interpret=INTERPRET))(bad)
+  assert bool(jnp.all(jnp.isnan(out)))
+  d_o = jax.random.normal(k[3], (1, 4, 2, 8), jnp.bfloat16)
+  pb = probs.astype(jnp.bfloat16)
+  value = jax.random.normal(k[0], (1, 1, 5, 8), jnp.bfloat16)
+  d_s, _ = jax.jit(lambda p: pallas_kernels.attention_softmax_dropout_value_backward(
+      d_o, pb, pb, value, keep, p, interpret=INTERPRET))(bad)
+  assert bool(jnp.any(jnp.isnan(d_s.astype(F32))))
+
+
+def test_argument_type_errors_name_the_argument():
+  import pallas_kernels
+  scores, mask = jnp.ones((1, 1, 2, 2)), jnp.ones((1, 1, 2, 2), bool)
+  with pytest.raises(TypeError, match="dropout_rng: expected a PRNG key"):
+    jax_ops.masked_softmax_dropout(scores, mask, dropout_rate=0.1, dropout_rng=3)
+  with pytest.raises(TypeError, match="dropout_rng: expected a PRNG key"):
+    jax_ops.masked_softmax_dropout(scores, mask, dropout_rate=0.1,
+                                   dropout_rng=jnp.zeros((3,), jnp.uint32))
+  with pytest.raises(TypeError, match="dropout_rate: expected a real number"):
+    jax_ops.masked_softmax_dropout(scores, mask, dropout_rate="0.1",
+                                   dropout_rng=jax.random.key(0))
+  q, k = _bf16(1, 2, 3, 8), _bf16(1, 2, 4, 8)
+  with pytest.raises(TypeError, match="scaling: expected a real number"):
+    jax_ops.qk_scale_softmax(q, k, scaling="a")
+  for bad in (float("nan"), float("inf")):
+    with pytest.raises(ValueError, match="scaling: expected a finite number"):
+      jax_ops.qk_scale_softmax(q, k, scaling=bad)
+  with pytest.raises(TypeError, match="causal: expected a Python bool"):
+    jax.jit(lambda c: jax_ops.qk_scale_softmax(q, k, causal=c))(True)
+  w = _bf16(1, 2, 3, 4)
+  with pytest.raises(TypeError, match="scaling: expected a real number"):
+    pallas_kernels.qk_scale_softmax_backward(w, q, k, w, None, interpret=True)
+  with pytest.raises(TypeError, match="causal: expected a Python bool"):
+    pallas_kernels.qk_scale_softmax_backward(w, q, k, w, 0.3, causal=jnp.array(True),
+                                             interpret=True)
+  with pytest.raises(ValueError, match="num_stages must be >= 1"):
+    pallas_kernels.masked_softmax_dropout_backward(
+        scores, scores, mask, mask, 0.1, num_stages=0, interpret=True)
+
+
 def test_shape_errors_name_argument_and_expected_shape():
   with pytest.raises(ValueError, match=r"value_states: expected \[B, KVH, Skv, D\] = \[1, \*, 3, \*\], got \[1, 1, 4, 8\]"):
     jax_ops.attention_softmax_dropout_value(_bf16(1, 2, 2, 3), _bf16(1, 1, 4, 8))
@@ -190,7 +259,11 @@ def test_registry_defaults():
   assert registry.resolve("qk_scale_softmax", None, True)[0] == "pallas"
   assert registry.resolve("qk_scale_softmax", None, False)[0] == ("pallas" if on_gpu else "xla")
   assert registry.resolve("qk_scale_softmax", "xla", True)[0] == "xla"
-  assert registry.resolve("qk_scale_softmax", "pallas", False)[0] == "pallas"
+  if on_gpu:
+    assert registry.resolve("qk_scale_softmax", "pallas", False)[0] == "pallas"
+  else:  # a forced Pallas kernel off a GPU needs the interpreter: said at once, not in grad
+    with pytest.raises(ValueError, match="implementation='pallas'.*interpret=True"):
+      registry.resolve("qk_scale_softmax", "pallas", False)
   assert set(registry.available("attention_softmax_dropout_value")) == {"xla", "pallas"}
 
 
