@@ -134,9 +134,18 @@ def _c_dims(w, c):
   return (w["batch_size"], c["num_heads"], w["seq_len_q"], w["seq_len_k"], c["head_dim"])
 
 
-def _c_floor(w, c):
+def causal_elements(sq: int, sk: int) -> int:
+  """Elements of an ``[Sq, Sk]`` attention matrix on or below the causal diagonal
+  (``k <= q + (Sk - Sq)``), the ones a causal P may have non-zero."""
+  return sum(min(sk, max(0, i + sk - sq + 1)) for i in range(sq))
+
+
+def _c_floor(w, c, causal=False):
+  """Read g and P once (4 B per element; with ``causal`` only the elements on or below the
+  diagonal), plus Q, K, dQ, dK."""
   b, h, sq, sk, d = _c_dims(w, c)
-  return 4 * b * h * sq * sk + 2 * 2 * b * h * (sq + sk) * d
+  elements = causal_elements(sq, sk) if causal else sq * sk
+  return 4 * b * h * elements + 2 * 2 * b * h * (sq + sk) * d
 
 
 def _c_problem(causal):
@@ -144,7 +153,7 @@ def _c_problem(causal):
       "qk_scale_softmax",
       lambda w: f"{w['batch_size']}, {w['seq_len_q']}, {w['seq_len_k']}" + (" causal" if causal else ""),
       lambda w, c, key: _c_inputs(_c_dims(w, c), causal, key),
-      _c_floor,
+      functools.partial(_c_floor, causal=causal),
       lambda args, w, c: _jit_kernel("qk_scale_softmax", causal=causal)(*args, c["scaling"]),
       lambda args, w, c: _jit_ref(reference.qk_scale_softmax_backward_reference)(
           *args, c["scaling"]),
@@ -261,6 +270,7 @@ def markdown(op, meta, rows, summary):
            f"- workloads: {summary['workloads']}",
            f"- copy ceiling: {meta['ceiling']['TBps']:.3f} TB/s ({meta['ceiling']['method']}; "
            + ", ".join(f"{k} {v:.3f}" for k, v in meta['ceiling']['all_TBps'].items()) + ")",
+           *([f"- floor: {meta['floor_note']}"] if meta.get("floor_note") else []),
            "- times: median device time (JAX profiler, all kernels of a call), "
            f"{meta['calls']} calls, input sets rotated so L2 is cold; % = floor / time", "",
            "| workload | floor us | Pallas us | Pallas % | XLA us | XLA % | speedup | check |",
@@ -274,6 +284,10 @@ def markdown(op, meta, rows, summary):
                f"**{summary['xla_frac_floor']:.1%}** | **{summary['speedup']:.2f}x** | "
                f"{'all pass' if summary['all_passed'] else 'FAILURES'} |")
   return "\n".join(lines) + "\n"
+
+
+CAUSAL_FLOOR_NOTE = ("the causal problem's: g and P read once on and below the diagonal only "
+                     "(about half of the dense floor's elements), plus Q, K, dQ, dK")
 
 
 def _commit():
@@ -324,8 +338,9 @@ def main(argv=None):
       workloads = workloads[:4]
     subset = bool(args.workloads or args.quick)
     print(f"{op}:")
+    op_meta = dict(meta, floor_note=CAUSAL_FLOOR_NOTE) if causal else meta
 
-    def write(rows, op=op, planned=len(workloads), subset=subset):
+    def write(rows, op=op, planned=len(workloads), subset=subset, op_meta=op_meta):
       """Results so far; a run cut short, or run on a subset, says so in its file (and a
       subset run writes <op>_subset.*, so it never replaces a full run's results)."""
       summary = summarize(rows)
@@ -333,7 +348,7 @@ def main(argv=None):
           f" (subset: --workloads {args.workloads or ''} {'--quick' if args.quick else ''})"
           if subset else "")
       name = f"{op}_subset" if subset else op
-      write_results(os.path.join(args.out, name), op, meta, rows, summary)
+      write_results(os.path.join(args.out, name), op, op_meta, rows, summary)
       return summary
 
     rows = run_problem(problem, spec[problem.name + "_backward"]["constants"], workloads,

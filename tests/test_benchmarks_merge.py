@@ -1,4 +1,4 @@
-"""Tests of ``benchmarks.merge`` (joining partial benchmark runs into one table)."""
+"""Tests of the benchmark bookkeeping: ``benchmarks.merge`` (joining partial runs) and the floors."""
 
 from __future__ import annotations
 
@@ -42,3 +42,17 @@ def test_merge_keeps_each_rows_commit(tmp_path):
   _, meta, merged, summary = merge.merge([str(again), _part(tmp_path, "c", "ccccccc", rows[:1])])
   assert meta["commit"] == "ccccccc (1 workloads) / aaaaaaa (7 workloads) / bbbbbbb (8 workloads)"
   assert summary["workloads"] == "16 (merged from 3 runs)"
+
+
+def test_causal_floor_counts_the_elements_on_and_below_the_diagonal():
+  """The causal table's floor reads g and P only where a causal P may be non-zero."""
+  import numpy as np
+  from benchmarks import run
+  for sq, sk in [(1, 1), (5, 5), (3, 7), (7, 3), (211, 211)]:
+    brute = int(np.sum(np.arange(sk)[None, :] <= np.arange(sq)[:, None] + (sk - sq)))
+    assert run.causal_elements(sq, sk) == brute, (sq, sk)
+  w = {"batch_size": 2, "seq_len_q": 8, "seq_len_k": 8}
+  c = {"num_heads": 3, "head_dim": 4}
+  qkd = 2 * 2 * 2 * 3 * (8 + 8) * 4
+  assert run._c_floor(w, c) == 4 * 2 * 3 * 64 + qkd
+  assert run._c_floor(w, c, causal=True) == 4 * 2 * 3 * 36 + qkd
