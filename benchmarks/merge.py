@@ -49,6 +49,9 @@ def merge(paths):
   dates = [d for p in parts for d in p["date"].split(" / ")]
   summary["workloads"] = f"{len(ordered)} (merged from {len(dates)} runs)"
   first = parts[0]
+  notes = {p.get("floor_note") for p in parts}
+  if len(notes) > 1:  # e.g. a causal run with the dense floor and one with the causal floor
+    raise ValueError(f"results computed against different floors: {sorted(map(str, notes))}")
   commits = collections.Counter(r["commit"] for r in ordered)
   meta = {
       "date": " / ".join(dates), "device": first["device"],
@@ -57,6 +60,8 @@ def merge(paths):
       "ceiling": first["ceiling"], "calls": "/".join(str(p["calls"]) for p in parts),
       "ceilings_TBps": [c for p in parts for c in p.get("ceilings_TBps",
                                                           [round(p["ceiling"]["TBps"], 3)])]}
+  if first.get("floor_note"):
+    meta["floor_note"] = first["floor_note"]
   return op, meta, ordered, summary
 
 

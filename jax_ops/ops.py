@@ -10,10 +10,9 @@ reference.
 
 Dropout: ``dropout_rate == 0`` or ``dropout_rng is None`` means no dropout. The
 rate may be a Python float or a traced scalar; the ops are not differentiable
-with respect to it (its cotangent is zero). A Python float is checked at once; a
-traced rate is checked when the computation runs (a host callback fails the call
-with ``dropout_rate: expected a dropout rate in [0, 1)``), which costs a device-to-host
-transfer per call: pass a Python float where the rate is fixed.
+with respect to it (its cotangent is zero). A Python float outside [0, 1) raises at
+once; a traced one cannot raise (its value is known only when the computation runs) and
+makes the outputs and gradients NaN instead.
 """
 
 from __future__ import annotations
@@ -31,27 +30,30 @@ _FLOATS = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 
 def _check_rng(rng) -> None:
-  """``dropout_rng`` must be a PRNG key: a typed key (``jax.random.key``) or a raw
-  ``uint32[2]`` key (``jax.random.PRNGKey``), one key per call (``vmap`` for more)."""
-  typed = hasattr(rng, "dtype") and jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key)
-  if typed and rng.shape == ():
-    return
-  if not typed and hasattr(rng, "dtype") and rng.dtype == jnp.uint32 and rng.shape == (2,):
-    return
+  """``dropout_rng`` must be one PRNG key (``vmap`` for more): a typed key
+  (``jax.random.key``) or a raw ``uint32`` key of the default implementation's shape
+  (``jax.random.PRNGKey``: ``[2]`` for threefry)."""
+  if hasattr(rng, "dtype") and jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
+    if rng.shape == ():
+      return
+  elif hasattr(rng, "dtype") and rng.dtype == jnp.uint32:
+    if rng.shape == jax.eval_shape(lambda: jax.random.PRNGKey(0)).shape:
+      return
   what = f"shape {list(rng.shape)} {rng.dtype}" if hasattr(rng, "dtype") else type(rng).__name__
-  raise TypeError("dropout_rng: expected a PRNG key (jax.random.key(seed), or a uint32[2] from "
-                  f"jax.random.PRNGKey) or None, got {what}")
+  raise TypeError("dropout_rng: expected one PRNG key (jax.random.key(seed), or a raw uint32 "
+                  f"key from jax.random.PRNGKey) or None, got {what}")
 
 
 def _dropout(rng, rate, shape):
   """``(keep, rate_static, rate_array)``; ``keep`` is ``None`` when no dropout applies."""
   p_static = _checks.check_dropout_rate("dropout_rate", rate)
-  _checks.check_dropout_rate_at_run_time("dropout_rate", rate)
-  if rng is not None:
-    _check_rng(rng)
   if rng is None or p_static == 0.0:
     return None, 0.0, jnp.zeros((), jnp.float32)
-  return reference.dropout_keep_mask(rng, rate, shape), p_static, jnp.asarray(rate, jnp.float32)
+  _check_rng(rng)
+  rate = jnp.asarray(rate, jnp.float32)
+  if p_static is None:  # traced: an invalid rate makes the outputs NaN, not mis-scaled
+    rate = _checks.nan_unless_rate_valid(rate, rate)
+  return reference.dropout_keep_mask(rng, rate, shape), p_static, rate
 
 
 def _rate_for_backward(keep, p_static, rate):

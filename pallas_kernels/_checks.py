@@ -9,15 +9,14 @@ re-raise its assertion as a ``ValueError`` (shape, rank) or ``TypeError``
 
 from __future__ import annotations
 
-import functools
 import math
+import numbers
 from collections.abc import Sequence
 
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import io_callback
 
 
 def _fmt(shape) -> str:
@@ -72,15 +71,17 @@ def concrete_float(name: str, x) -> float | None:
   """``float(x)`` if ``x`` is a Python number or a concrete scalar array, else ``None`` (traced).
 
   Raises ``TypeError`` naming the argument for anything that is not a real number (a
-  string, ``None``, a bool, a complex number) and ``ValueError`` for a non-scalar array.
+  string, ``None``, a complex number) and ``ValueError`` for a non-scalar array. Bools
+  count as 0 and 1 (``rate = training and 0.1`` is a common idiom).
   """
-  if x is None or isinstance(x, (str, bytes, bool, np.bool_)):
+  if x is None or isinstance(x, (str, bytes)):
     raise TypeError(f"{name}: expected a real number, got {type(x).__name__} {x!r}")
-  if not hasattr(x, "dtype") and not isinstance(x, (int, float, np.number)):
+  if hasattr(x, "dtype"):
+    if not (jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.integer)
+            or jnp.issubdtype(x.dtype, jnp.bool_)):
+      raise TypeError(f"{name}: expected a real number, got dtype {jnp.dtype(x.dtype).name}")
+  elif not isinstance(x, numbers.Real):
     raise TypeError(f"{name}: expected a real number, got {type(x).__name__}")
-  if hasattr(x, "dtype") and not (jnp.issubdtype(x.dtype, jnp.floating)
-                                  or jnp.issubdtype(x.dtype, jnp.integer)):
-    raise TypeError(f"{name}: expected a real number, got dtype {jnp.dtype(x.dtype).name}")
   if np.shape(x) != ():
     raise ValueError(f"{name}: expected a scalar, got shape {_fmt(np.shape(x))}")
   if isinstance(x, jax.core.Tracer):
@@ -88,19 +89,12 @@ def concrete_float(name: str, x) -> float | None:
   return float(x)
 
 
-def _raise_bad_rates(name: str, p) -> None:
-  p = np.asarray(p)
-  bad = ~((p >= 0.0) & (p < 1.0))  # NaN is bad too
-  if bad.any():
-    raise ValueError(f"{name}: expected a dropout rate in [0, 1), got {p[bad].ravel()[0]}")
-
-
 def check_dropout_rate(name: str, p) -> float | None:
   """Validates a dropout rate; returns it as a float, or ``None`` when it is traced.
 
-  A traced rate's value is unknown here: the kernels turn an invalid one into NaN
-  outputs (``nan_unless_rate_valid``), and the differentiable ops also check it when the
-  computation runs (``check_dropout_rate_at_run_time``).
+  A traced rate's value is unknown until the computation runs, where raising is not
+  possible: the ops and kernels turn an invalid one (outside [0, 1), NaN) into NaN
+  outputs instead (``nan_unless_rate_valid``), never into mis-scaled ones.
   """
   value = concrete_float(name, p)
   if value is not None and not 0.0 <= value < 1.0:  # NaN fails the comparison too
@@ -108,20 +102,9 @@ def check_dropout_rate(name: str, p) -> float | None:
   return value
 
 
-def check_dropout_rate_at_run_time(name: str, p) -> None:
-  """For a traced rate: a host callback that fails the call, when it runs, with
-  ``ValueError("<name>: expected a dropout rate in [0, 1), got ...")`` (raised as a
-  ``JaxRuntimeError`` carrying that message) if any rate is outside [0, 1). It costs a
-  device-to-host transfer per call; a Python float rate needs none. The callback lowers
-  for the backend it runs on only (not in a cross-platform lowering)."""
-  if isinstance(p, jax.core.Tracer):
-    io_callback(functools.partial(_raise_bad_rates, name), None, jax.lax.stop_gradient(p),
-                ordered=False)
-
-
 def nan_unless_rate_valid(p, value):
-  """``value`` where the traced rate ``p`` is in [0, 1), else NaN: a kernel given an
-  invalid traced rate returns NaN rather than silently mis-scaled gradients."""
+  """``value`` where the traced rate ``p`` is in [0, 1), else NaN: a computation given an
+  invalid traced rate returns NaN rather than silently mis-scaled results."""
   return jnp.where((p >= 0.0) & (p < 1.0), value, jnp.nan)
 
 
@@ -138,8 +121,11 @@ def check_causal(causal, seq_q: int, seq_k: int, *, every_row_has_keys: bool = T
   ``every_row_has_keys`` (a forward softmax needs it), also ``Sq <= Sk``: a causal mask
   ``k > q + (Sk - Sq)`` leaves the first ``Sq - Sk`` query rows no key otherwise (a
   backward kernel takes such rows: their ``P`` is zero, and so are their gradients)."""
-  if isinstance(causal, jax.core.Tracer) or not isinstance(causal, (bool, np.bool_, int)):
-    raise TypeError(f"causal: expected a Python bool, got {type(causal).__name__}")
+  if isinstance(causal, jax.core.Tracer) or np.shape(causal) != () or not (
+      isinstance(causal, (bool, int, np.bool_, np.integer))
+      or jnp.issubdtype(getattr(causal, "dtype", np.float32), jnp.bool_)):
+    raise TypeError(f"causal: expected a Python bool (it picks the kernels' loops), got "
+                    f"{type(causal).__name__}")
   if causal and every_row_has_keys and seq_q > seq_k:
     raise ValueError(f"causal: needs Sq <= Sk (every query row attends to at least one key), "
                      f"got Sq={seq_q}, Sk={seq_k}")

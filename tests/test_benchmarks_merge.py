@@ -56,3 +56,17 @@ def test_causal_floor_counts_the_elements_on_and_below_the_diagonal():
   qkd = 2 * 2 * 2 * 3 * (8 + 8) * 4
   assert run._c_floor(w, c) == 4 * 2 * 3 * 64 + qkd
   assert run._c_floor(w, c, causal=True) == 4 * 2 * 3 * 36 + qkd
+
+
+def test_merge_keeps_the_floor_and_refuses_to_mix_floors(tmp_path):
+  import pytest
+  rows = _load()["rows"]
+  a, b = _part(tmp_path, "a", "aaaaaaa", rows[:8]), _part(tmp_path, "b", "bbbbbbb", rows[8:])
+  for path in (a, b):
+    part = json.loads(open(path).read())
+    part["floor_note"] = "the causal problem's"
+    open(path, "w").write(json.dumps(part))
+  _, meta, _, _ = merge.merge([a, b])
+  assert meta["floor_note"] == "the causal problem's"
+  with pytest.raises(ValueError, match="different floors"):
+    merge.merge([a, _part(tmp_path, "c", "ccccccc", rows[:2])])
