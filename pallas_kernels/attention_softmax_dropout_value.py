@@ -575,7 +575,8 @@ def attention_softmax_dropout_value_backward(
       concrete 0 (its content does not matter then; its shape and dtype are checked).
     attention_dropout: dropout rate p in [0, 1): a Python float / concrete scalar (the
       branch on p is static; each distinct value compiles once) or a traced scalar
-      (then the mask is always read, and p == 0 still ignores it).
+      (then the mask is always read, and p == 0 still ignores it; a traced p outside
+      [0, 1) gives NaN ``grad_attn_scores``, since nothing can raise at run time).
     config: tiles and launch parameters of each pass (:class:`Config`). Default: the
       table ``tuned/attention_softmax_dropout_value.json`` measured on an H200 (for
       16-bit inputs with D <= 128 on that device), else a heuristic (64 x 64 tiles).

@@ -196,7 +196,8 @@ def masked_softmax_dropout_backward(grad_output, p_attn, mask, dropout_mask, p_d
     mask: ``[B, 1, Sq, Sk]`` bool, True = attend; broadcast over the heads.
     dropout_mask: ``[B, H, Sq, Sk]`` bool, True = kept. Never read when the rate
       is 0 (it may then be ``None`` if the rate is a Python number).
-    p_dropout: dropout rate in [0, 1): a Python float, or a traced scalar.
+    p_dropout: dropout rate in [0, 1): a Python float, or a traced scalar (one outside
+      [0, 1) gives NaN gradients, since nothing can raise at run time).
     config: launch configuration; default: tuned for the device, else a heuristic.
     num_stages: Triton pipelining depth (the kernel has no loop; 1 is right).
     interpret: run the kernel in the Pallas interpreter (any backend).
