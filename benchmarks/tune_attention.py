@@ -43,6 +43,9 @@ A_DV = [(64, 64, 4, 2), (64, 64, 4, 3), (32, 128, 8, 2), (64, 128, 8, 2), (64, 1
 # dV pass: split=1 vs the automatic split (0, the default).
 A_DV += [(64, 64, 4, 3, False, 1), (128, 64, 8, 2, False, 1), (64, 128, 4, 2, False, 1),
          (64, 32, 4, 3)]
+# Explicit larger splits: small ragged launches run one partial wave at 250 registers per
+# program (benchmarks/results/attention_softmax_dropout_value_profile.log).
+A_DV += [(64, 64, 4, 3, False, 4), (64, 64, 4, 3, False, 8), (128, 64, 8, 2, False, 4)]
 A_DS = [(64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 128, 4, 2),
         (64, 128, 8, 3), (128, 32, 4, 3), (256, 64, 8, 2), (128, 64, 4, 3), (64, 32, 4, 3)]
 # Register prefetch on tiles of consecutive rows (row_align=0: on rows of Skv % 8 != 0 the
