@@ -44,6 +44,13 @@ def usable(row_len: int, *sizes: int) -> bool:
   return row_len % ALIGN != 0 and all(s < 2**31 for s in sizes)
 
 
+def applies(row_align: int, row_len: int, block: int, *sizes: int) -> bool:
+  """Whether a pass configured with ``row_align`` takes row-class tiles: not switched off
+  (0), its rows span more than one ``block``-wide column tile (a one-tile row keeps its
+  single-read path) and :func:`usable`."""
+  return row_align != 0 and -(-row_len // block) > 1 and usable(row_len, *sizes)
+
+
 ROW_ALIGNS = (64, 32, 16, ALIGN)  # elements: 128-, 64-, 32- and 16-byte aligned rows in bf16
 
 

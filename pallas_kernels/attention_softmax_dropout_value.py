@@ -523,8 +523,8 @@ def use_phased(cfg, b, h, sq, skv, d, *sizes) -> bool:
   """Whether the dS pass runs :func:`_ds_kernel_phased`: ``cfg.row_align`` is not 0, rows are not
   16-byte aligned (``Skv % 8 != 0``), a row spans more than one kv tile (one-tile rows
   keep the exact in-tile delta) and the flat views fit int32 offsets."""
-  return (cfg.row_align != 0 and pl.cdiv(skv, cfg.block_kv) > 1
-          and _phase.usable(skv, b * h * sq * skv, b * sq * h * d, *sizes))
+  return _phase.applies(cfg.row_align, skv, cfg.block_kv, b * h * sq * skv, b * sq * h * d,
+                        *sizes)
 
 
 def _dropout_args(p_static, p_traced):

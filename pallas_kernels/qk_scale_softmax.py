@@ -583,8 +583,8 @@ def use_phased(cfg, causal, bh, seq_q, seq_k, head_dim) -> bool:
   scheme is dense, rows are not 16-byte aligned (``Sk % 8 != 0``), a row spans several
   key tiles (one-tile rows take the fused single-read path) and the flat views fit int32
   offsets."""
-  return (cfg.row_align != 0 and not causal and pl.cdiv(seq_k, cfg.block_k) > 1
-          and _phase.usable(seq_k, bh * seq_q * seq_k, bh * max(seq_q, seq_k) * head_dim))
+  return not causal and _phase.applies(cfg.row_align, seq_k, cfg.block_k, bh * seq_q * seq_k,
+                                       bh * max(seq_q, seq_k) * head_dim)
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "cfg", "interpret"))
