@@ -42,7 +42,7 @@ def merge(paths):
       rows[row["workload"]] = dict(row, commit=row.get("commit") or _part_commit(part))
   with open(os.path.join(run.HERE, "workloads.json")) as f:
     spec = json.load(f)
-  problem = run._c_problem(True) if op.endswith("_causal") else run.PROBLEMS[op]
+  problem = run.problem_of(op)
   order = [problem.label(w) for w in spec[problem.name + "_backward"]["workloads"]]
   ordered = sorted(rows.values(), key=lambda r: order.index(r["workload"]))
   summary = run.summarize(ordered)

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.timing import copy_ceiling, device_times_us
+import pallas_kernels
 from jax_ops import reference, registry
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -85,6 +86,44 @@ PROBLEM_A = Problem(
     lambda args, w, c: _jit_kernel("attention_softmax_dropout_value")(*args, c["attention_dropout"]),
     lambda args, w, c: _jit_ref(reference.attention_softmax_dropout_value_backward_reference)(
         *args, c["attention_dropout"]),
+)
+
+
+# The backward ``jax_ops.attention_softmax_dropout_value`` runs on rows of >= 512 aligned keys
+# (``pallas_kernels.attention_softmax_dropout_value_backward_from_delta``): its forward saved
+# P, keep and the fp32 output instead of Pd, so its backward is delta = rowsum(dO * O) and
+# one kernel that reads 5 B per element. Timed on all 16 workloads to show where it pays.
+A_OP = "attention_softmax_dropout_value_from_delta"
+A_OP_FLOOR_NOTE = ("floor: problem A's (7 B per element: P, Pd, keep and dS), as for the kernel "
+                   "entry point; this backward reads P and keep and writes dS (5 B), its delta "
+                   "from the fp32 output the op's forward saved; Pallas time includes that "
+                   "delta (an XLA einsum); XLA is the reference backward of the same problem")
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _a_op_inputs(dims, p, key):
+  d_o, probs, dropped, value, keep = _a_inputs(dims, p, key)
+  b, h, kvh, sq, skv, d = dims
+  out32 = jnp.einsum("bkgqs,bksd->bqkgd", dropped.reshape(b, kvh, h // kvh, sq, skv), value,
+                     preferred_element_type=F32).reshape(b, sq, h, d)
+  return d_o, probs, dropped, value, keep, out32
+
+
+def _a_op_backward(d_o, probs, dropped, value, keep, out32, p):
+  del dropped  # the op does not save Pd
+  delta = jnp.einsum("bqhd,bqhd->bhq", d_o.astype(F32), out32)
+  return pallas_kernels.attention_softmax_dropout_value_backward_from_delta(
+      d_o, probs, value, keep, p, delta)
+
+
+PROBLEM_A_OP = Problem(
+    "attention_softmax_dropout_value",
+    PROBLEM_A.label,
+    lambda w, c, key: _a_op_inputs(_a_dims(w, c), c["attention_dropout"], key),
+    _a_floor,
+    lambda args, w, c: _jitted(_a_op_backward)(*args, c["attention_dropout"]),
+    lambda args, w, c: _jit_ref(reference.attention_softmax_dropout_value_backward_reference)(
+        *args[:5], c["attention_dropout"]),
 )
 
 
@@ -304,9 +343,17 @@ def _commit():
     return "unknown"
 
 
+def problem_of(op: str) -> Problem:
+  """The :class:`Problem` of a results file's ``op`` (a registry op or a variant above)."""
+  if op == "qk_scale_softmax_causal":
+    return _c_problem(True)
+  return PROBLEM_A_OP if op == A_OP else PROBLEMS[op]
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--op", action="append", choices=sorted(PROBLEMS) + ["qk_scale_softmax_causal"],
+  parser.add_argument("--op", action="append",
+                      choices=sorted(PROBLEMS) + ["qk_scale_softmax_causal", A_OP],
                       help="op(s) to run; default: every op that has a Pallas kernel")
   parser.add_argument("--out", default=os.path.join(HERE, "results"))
   parser.add_argument("--calls", type=int, default=30)
@@ -331,7 +378,7 @@ def main(argv=None):
   summaries = {}
   for op in ops:
     causal = op.endswith("_causal")
-    problem = _c_problem(True) if causal else PROBLEMS[op]
+    problem = problem_of(op)
     workloads = spec[problem.name + "_backward"]["workloads"]
     if args.workloads:
       workloads = [workloads[int(i)] for i in args.workloads.split(",")]
@@ -341,7 +388,8 @@ def main(argv=None):
       workloads = workloads[:4]
     subset = bool(args.workloads or args.quick)
     print(f"{op}:")
-    op_meta = dict(meta, floor_note=CAUSAL_FLOOR_NOTE) if causal else meta
+    op_meta = (dict(meta, floor_note=CAUSAL_FLOOR_NOTE) if causal
+               else dict(meta, floor_note=A_OP_FLOOR_NOTE) if op == A_OP else meta)
 
     def write(rows, op=op, planned=len(workloads), subset=subset, op_meta=op_meta):
       """Results so far; a run cut short, or run on a subset, says so in its file (and a

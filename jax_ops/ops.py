@@ -23,6 +23,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+import pallas_kernels
 from jax_ops import reference, registry
 from pallas_kernels import _checks
 
@@ -101,17 +102,47 @@ def _asdv(scores, value_states, keep, rate, p_static, name, interpret):
   return reference.attention_softmax_dropout_value_forward(scores, value_states, keep, rate)[0]
 
 
+# Rows of at least this many keys (and a multiple of 8) take the Pallas backward from delta.
+_FROM_DELTA_MIN_KEYS = 512
+
+
+def _asdv_from_delta(name, scores, value_states):
+  """Whether the backward is the Pallas kernel that takes delta from the forward's output
+  (``pallas_kernels.attention_softmax_dropout_value_backward_from_delta``): the forward
+  saves O (fp32, ``[B, Sq, H, D]``) instead of Pd, and the backward runs one kernel that
+  reads 5 B per attention element instead of two that read 7.
+
+  Measured on an H200 (D = 128,
+  ``benchmarks/results/attention_softmax_dropout_value_from_delta.md``): 4-13% faster than
+  the two kernels on all 7 workloads with rows of >= 512 keys that are a multiple of 8;
+  slower on shorter rows (delta, an ``O(Sq*D)`` pass over dO and O, no longer pays off
+  when ``Skv`` is close to D) and 2.3x slower on rows of ``Skv % 8 != 0`` keys (its column
+  tiles load them element by element).
+  """
+  b, h, sq, skv = scores.shape
+  return (name == registry.PALLAS and skv >= _FROM_DELTA_MIN_KEYS and skv % 8 == 0
+          and b * sq * h * value_states.shape[3] < 2**31)  # int32 offsets
+
+
 def _asdv_fwd(scores, value_states, keep, rate, p_static, name, interpret):
-  out, probs, dropped = reference.attention_softmax_dropout_value_forward(
-      scores, value_states, keep, rate)
-  return out, (probs, dropped, value_states, keep, rate)
+  out, probs, dropped, out32 = reference.attention_softmax_dropout_value_forward(
+      scores, value_states, keep, rate, with_f32_output=True)
+  if _asdv_from_delta(name, scores, value_states):
+    return out, (probs, None, value_states, keep, rate, out32)
+  return out, (probs, dropped, value_states, keep, rate, None)
 
 
 def _asdv_bwd(p_static, name, interpret, res, grad_out):
-  probs, dropped, value_states, keep, rate = res
-  _, backward = registry.resolve("attention_softmax_dropout_value", name, interpret)
-  d_scores, d_value = backward(grad_out, probs, dropped, value_states, keep,
-                               _rate_for_backward(keep, p_static, rate))
+  probs, dropped, value_states, keep, rate, out32 = res
+  p = _rate_for_backward(keep, p_static, rate)
+  if out32 is not None:
+    # delta = rowsum(dPd * Pd) = rowsum(dO * (Pd @ V)), [B, H, Sq] fp32.
+    delta = jnp.einsum("bqhd,bqhd->bhq", grad_out.astype(jnp.float32), out32)
+    d_scores, d_value = pallas_kernels.attention_softmax_dropout_value_backward_from_delta(
+        grad_out, probs, value_states, keep, p, delta, interpret=interpret)
+  else:
+    _, backward = registry.resolve("attention_softmax_dropout_value", name, interpret)
+    d_scores, d_value = backward(grad_out, probs, dropped, value_states, keep, p)
   return d_scores, d_value, None, jnp.zeros_like(rate)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from pallas_kernels import _checks
 
@@ -152,8 +153,10 @@ def _apply_dropout(probs, keep, rate):
   return scaled.astype(probs.dtype)
 
 
-def attention_softmax_dropout_value_forward(scores, value_states, keep, rate):
-  """``(O [B, Sq, H, D], P, Pd)`` for ``O = transpose(dropout(softmax(scores)) @ V)``.
+def attention_softmax_dropout_value_forward(scores, value_states, keep, rate, *,
+                                            with_f32_output=False):
+  """``(O [B, Sq, H, D], P, Pd)`` for ``O = transpose(dropout(softmax(scores)) @ V)``;
+  ``with_f32_output``: ``(O, P, Pd, O before its rounding, fp32)``.
 
   ``scores [B, H, Sq, Skv]``, ``value_states [B, KVH, Skv, D]``; ``keep`` is a
   bool ``[B, H, Sq, Skv]`` mask or ``None`` for no dropout. The softmax runs in
@@ -161,11 +164,18 @@ def attention_softmax_dropout_value_forward(scores, value_states, keep, rate):
   """
   b, h, sq, skv = scores.shape
   kvh, d = value_states.shape[1], value_states.shape[3]
-  probs = jax.nn.softmax(scores.astype(f32), axis=-1).astype(scores.dtype)
+  # The barrier keeps XLA from making Pd out of the unrounded fp32 softmax (on a GPU it
+  # drops the round trip through the input dtype): Pd is made from P, as in every real
+  # forward, and the Pallas backward that rebuilds Pd from P and keep relies on it.
+  probs = lax.optimization_barrier(
+      jax.nn.softmax(scores.astype(f32), axis=-1).astype(scores.dtype))
   dropped = _apply_dropout(probs, keep, rate)
   grouped = dropped.reshape(b, kvh, h // kvh, sq, skv)
   out = _mm("bkgqs,bksd->bqkgd", grouped, value_states)
-  return out.reshape(b, sq, h, d).astype(scores.dtype), probs, dropped
+  out = out.reshape(b, sq, h, d)
+  if with_f32_output:
+    return out.astype(scores.dtype), probs, dropped, out
+  return out.astype(scores.dtype), probs, dropped
 
 
 def masked_softmax_dropout_forward(scores, mask, keep, rate):

@@ -6,12 +6,14 @@ use them live in :mod:`jax_ops`.
 
 from pallas_kernels.attention_softmax_dropout_value import (
     attention_softmax_dropout_value_backward,
+    attention_softmax_dropout_value_backward_from_delta,
 )
 from pallas_kernels.masked_softmax_dropout import masked_softmax_dropout_backward
 from pallas_kernels.qk_scale_softmax import qk_scale_softmax_backward
 
 __all__ = [
     "attention_softmax_dropout_value_backward",
+    "attention_softmax_dropout_value_backward_from_delta",
     "masked_softmax_dropout_backward",
     "qk_scale_softmax_backward",
 ]

@@ -151,8 +151,9 @@ def check_problem_a(grad_attn_output, attn_weights, attn_weights_dropped, value_
   d = value_states.shape[3]
   check_array("grad_attn_output", grad_attn_output, ("B", "Sq", "H", "D"), (b, sq, h, d),
               dtypes=(attn_weights.dtype,))
-  check_array("attn_weights_dropped", attn_weights_dropped, ("B", "H", "Sq", "Skv"),
-              attn_weights.shape, dtypes=(attn_weights.dtype,))
+  if attn_weights_dropped is not None:  # None: a backward that does not take Pd
+    check_array("attn_weights_dropped", attn_weights_dropped, ("B", "H", "Sq", "Skv"),
+                attn_weights.shape, dtypes=(attn_weights.dtype,))
   p = check_dropout_rate("attention_dropout", attention_dropout)
   if p != 0.0:  # a rate of exactly 0 never reads the dropout mask, so it may be None
     check_array("dropout_mask", dropout_mask, ("B", "H", "Sq", "Skv"), attn_weights.shape,

@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
@@ -31,7 +32,8 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels import _checks, _phase, _tuning
 from pallas_kernels._util import compiler_params, dot, next_power_of_2, out_struct, pallas_call
 
-__all__ = ["attention_softmax_dropout_value_backward", "Config", "PassConfig"]
+__all__ = ["attention_softmax_dropout_value_backward",
+           "attention_softmax_dropout_value_backward_from_delta", "Config", "PassConfig"]
 
 f32 = jnp.float32
 
@@ -355,6 +357,115 @@ def _ds_kernel_phased(*refs, num_heads, num_kv_heads, sq, skv, head_dim, block_q
 
 
 # --------------------------------------------------------------------------------------
+# From delta: one pass for dS and dV (the op's backward, which has delta from its output).
+# --------------------------------------------------------------------------------------
+def _group_rows_do(do_ref, b, kvh, u, row_mask, d, d_mask, *, sq, num_heads, groups,
+                   head_dim):
+  """dO of rows ``u`` of a kv group's ``G * Sq`` rows (head ``u // Sq``, query ``u % Sq``),
+  gathered from the flat ``[B, Sq, H, D]`` array: ``[len(u), d_pad]``."""
+  h = kvh * groups + lax.div(u, sq)
+  q = lax.rem(u, sq)
+  offs = (((b * sq + q) * num_heads + h) * head_dim)[:, None] + d[None, :]
+  return _load(do_ref.at[offs], _outer(row_mask, d_mask), 0.0)
+
+
+def _ds_dv_kernel(*refs, num_heads, num_kv_heads, sq, skv, head_dim, block_q, block_kv,
+                  dropout, split, exact_delta):
+  """dS and dV of one ``block_kv`` keys of one kv group, from P and keep alone.
+
+  One program = one kv block of one (batch, kv head) and one of ``split`` shares of the
+  loop over the group's ``G * Sq`` rows (its G heads one after the other, so short heads
+  still fill tiles). It keeps V's block and an fp32 dV accumulator on chip; per tile of
+  rows it reads P and keep, recomputes ``dPd = dO @ V^T``, writes
+  ``dS = P * (dW - delta)`` and rebuilds ``Pd = round(P * keep / (1 - p))`` (the
+  precondition) for ``dV += Pd^T @ dO``. ``exact_delta`` (a row is one kv block): delta
+  is ``rowsum(dW * P)`` of the tile, exactly as the reference, and no delta is read.
+
+  Refs: do flat ``[B*Sq*H*D]``, p ``[B*KVH, G*Sq, Skv]``, (keep, same), v
+  ``[B*KVH, Skv, D]``, (delta ``[B*KVH, G*Sq]`` fp32 unless ``exact_delta``), (scale
+  ``[2]`` fp32 if ``dropout`` is traced, see :func:`_ds_kernel`); outputs ds (as p), dv
+  ``[B*KVH, Skv, D]`` (``split > 1``: ``[split, B*KVH, Skv, D]`` fp32 partial sums).
+  """
+  mode = dropout[0]
+  refs = list(refs)
+  do_ref, p_ref = refs.pop(0), refs.pop(0)
+  keep_ref = None if mode == "none" else refs.pop(0)
+  v_ref = refs.pop(0)
+  delta_ref = None if exact_delta else refs.pop(0)
+  scale_ref = refs.pop(0) if mode == "traced" else None
+  ds_ref, dv_ref = refs
+
+  groups = num_heads // num_kv_heads
+  rows = groups * sq
+  d_pad = next_power_of_2(max(head_dim, 16))
+  j = pl.program_id(0)  # kv block: fastest grid axis, so programs sharing dO run together
+  bk = pl.program_id(1)
+  share = pl.program_id(2)
+  b = lax.div(bk, num_kv_heads)
+  kvh = lax.rem(bk, num_kv_heads)
+  k0 = j * block_kv
+  d = jnp.arange(d_pad, dtype=jnp.int32)
+  d_mask = None if d_pad == head_dim else d < head_dim
+  kv_mask = None if skv % block_kv == 0 else (k0 + jnp.arange(block_kv)) < skv
+  v_tile_mask = _outer(kv_mask, d_mask)
+  v = _load(v_ref.at[bk, pl.ds(k0, block_kv), pl.ds(0, d_pad)], v_tile_mask, 0.0)
+  if mode == "traced":
+    keep_scale = scale_ref[0]
+    drop_scale = scale_ref[1]
+
+  def body(i, acc, masked=False):
+    r0 = i * block_q
+    u = r0 + jnp.arange(block_q, dtype=jnp.int32)
+    row_mask = u < rows if masked else None
+    mask = _outer(row_mask, kv_mask)
+    do = _group_rows_do(do_ref, b, kvh, u, row_mask, d, d_mask, sq=sq,
+                        num_heads=num_heads, groups=groups, head_dim=head_dim)
+    idx = (bk, pl.ds(r0, block_q), pl.ds(k0, block_kv))
+    p = _load(p_ref.at[idx], mask, 0.0)
+    pf = p.astype(f32)
+    dpd = dot(do, v, trans_b=True)  # [block_q, block_kv] fp32
+    if mode == "none":
+      dw, pd = dpd, p
+    else:
+      keep = _load(keep_ref.at[idx], mask, False)
+      if mode == "static":
+        dw = jnp.where(keep, dpd * dropout[1], 0.0)
+        pd = jnp.where(keep, pf * dropout[1], 0.0).astype(p.dtype)
+      else:
+        s = jnp.where(keep, keep_scale, drop_scale)
+        dw = dpd * s
+        pd = (pf * s).astype(p.dtype)
+    if exact_delta:
+      delta = jnp.sum(dw * pf, axis=1)
+    else:
+      delta = _load(delta_ref.at[bk, pl.ds(r0, block_q)], row_mask, 0.0)
+    _store(ds_ref.at[idx], (pf * (dw - delta[:, None])).astype(ds_ref.dtype), mask)
+    # dV_j^T += dO^T @ Pd: Pd, made in registers, is the GEMM's B operand as it is
+    # (as the A operand of Pd^T @ dO it needs a transpose: 1688 vs 2070 us at (4, 1024, 2048)).
+    return acc + dot(do, pd, trans_a=True)
+
+  n_tiles = pl.cdiv(rows, block_q)
+  per = pl.cdiv(n_tiles, split)
+  start = share * per
+  stop = jnp.minimum(start + per, n_tiles)
+  acc = jnp.zeros((d_pad, block_kv), f32)  # dV_j^T
+  if rows % block_q:
+    # Only the last tile of rows is ragged: the share holding it runs it masked.
+    full = n_tiles - 1
+    acc = lax.fori_loop(start, jnp.minimum(stop, full), body, acc)
+    acc = lax.fori_loop(jnp.maximum(start, full), stop, functools.partial(body, masked=True),
+                        acc)
+  else:
+    acc = lax.fori_loop(start, stop, body, acc)
+  acc = acc.T
+  if split == 1:
+    _store(dv_ref.at[bk, pl.ds(k0, block_kv), pl.ds(0, d_pad)], acc.astype(dv_ref.dtype),
+           v_tile_mask)
+  else:
+    _store(dv_ref.at[share, bk, pl.ds(k0, block_kv), pl.ds(0, d_pad)], acc, v_tile_mask)
+
+
+# --------------------------------------------------------------------------------------
 # Launch configuration.
 # --------------------------------------------------------------------------------------
 class PassConfig(NamedTuple):
@@ -527,6 +638,46 @@ def use_phased(cfg, b, h, sq, skv, d, *sizes) -> bool:
                         *sizes)
 
 
+@functools.partial(jax.jit, static_argnames=["num_heads", "dropout", "cfg", "interpret"])
+def ds_dv_pass(grad_attn_output, attn_weights, keep, value_states, delta, scale, *, num_heads,
+               dropout, cfg, interpret):
+  """``(dS [B*KVH, G*Sq, Skv], dV [B*KVH, Skv, D])`` from P, keep and delta, one kernel.
+
+  ``attn_weights`` and ``keep`` are ``[B*KVH, G*Sq, Skv]`` (a kv group's heads one after
+  the other); ``delta`` is ``[B*KVH, G*Sq]`` fp32, unused (may be None) where
+  ``cfg.block_kv >= Skv``; ``keep`` / ``scale`` as ``dropout`` says (see ``_ds_kernel``).
+  """
+  b, sq, h, d = grad_attn_output.shape
+  bkvh, rows, skv = attn_weights.shape
+  kvh = bkvh // b
+  exact_delta = skv <= cfg.block_kv
+  n_kv = pl.cdiv(skv, cfg.block_kv)
+  split = cfg.split or auto_split(b, h, kvh, sq, skv, cfg.block_q, cfg.block_kv)
+  inputs = [grad_attn_output.reshape(-1), attn_weights]
+  if dropout[0] != "none":
+    inputs.append(keep)
+  inputs.append(value_states)
+  if not exact_delta:
+    inputs.append(delta)
+  if dropout[0] == "traced":
+    inputs.append(scale)
+  dv_shape = (bkvh, skv, d) if split == 1 else (split, bkvh, skv, d)
+  ds, dv = pallas_call(
+      functools.partial(_ds_dv_kernel, num_heads=num_heads, num_kv_heads=kvh, sq=sq, skv=skv,
+                        head_dim=d, block_q=cfg.block_q, block_kv=cfg.block_kv,
+                        dropout=dropout, split=split, exact_delta=exact_delta),
+      out_shape=(out_struct(attn_weights.shape, attn_weights.dtype, *inputs),
+                 out_struct(dv_shape, value_states.dtype if split == 1 else f32, *inputs)),
+      grid=(n_kv, bkvh, split),
+      compiler_params=compiler_params(cfg.num_warps, cfg.num_stages),
+      interpret=interpret,
+      name="attention_dropout_value_bwd_ds_dv",
+  )(*inputs)
+  if split > 1:
+    dv = dv.sum(axis=0).astype(value_states.dtype)
+  return ds, dv
+
+
 def _dropout_args(p_static, p_traced):
   """``(dropout mode, scale array or None)`` for ``ds_pass``."""
   if p_static == 0.0:
@@ -667,3 +818,88 @@ def attention_softmax_dropout_value_backward(
                                   num_warps=num_warps, num_stages=num_stages)
   return _backward(grad_attn_output, attn_weights, attn_weights_dropped, value_states,
                    dropout_mask, p_traced, p_static=p, config=config, interpret=interpret)
+
+
+def default_from_delta_config(sq, skv, d, dtype) -> PassConfig:
+  """The one kernel of :func:`attention_softmax_dropout_value_backward_from_delta`: 64 x 64
+  tiles, 4 warps, 3 stages for 16-bit inputs (the fastest of 16 candidates on three
+  workloads, ``benchmarks/results/attention_from_delta.log``), the heuristic for fp32."""
+  if jnp.dtype(dtype).itemsize > 2:
+    return _heuristic(1, 1, 1, sq, skv, d, jnp.dtype(dtype).itemsize).dv
+  return PassConfig(64, min(64, max(16, next_power_of_2(skv))), 4, 3)
+
+
+@functools.partial(jax.jit, static_argnames=["p_static", "cfg", "interpret"])
+def _backward_from_delta(grad_attn_output, attn_weights, value_states, dropout_mask, delta,
+                         p_traced, *, p_static, cfg, interpret):
+  b, h, sq, skv = attn_weights.shape
+  kvh, d = value_states.shape[1], value_states.shape[3]
+  rows = (b * kvh, (h // kvh) * sq, skv)  # free reshapes: a kv group's rows, head by head
+  if p_static is not None and p_static != 0.0:
+    # The scale as an fp32 computation makes it, as the ops' forward does:
+    # round(P * keep * (1 / (1 - p))) then rebuilds Pd bit for bit.
+    one = np.float32(1.0)
+    dropout, scale = ("static", float(one / (one - np.float32(p_static)))), None
+  else:
+    dropout, scale = _dropout_args(p_static, p_traced)
+  keep = None if dropout[0] == "none" else dropout_mask.reshape(rows)
+  ds, dv = ds_dv_pass(grad_attn_output, attn_weights.reshape(rows), keep,
+                      value_states.reshape(b * kvh, skv, d), delta.reshape(rows[:2]), scale,
+                      num_heads=h, dropout=dropout, cfg=cfg, interpret=interpret)
+  return ds.reshape(b, h, sq, skv), dv.reshape(b, kvh, skv, d)
+
+
+def attention_softmax_dropout_value_backward_from_delta(
+    grad_attn_output, attn_weights, value_states, dropout_mask, attention_dropout, delta, *,
+    config: PassConfig | None = None, interpret=False):
+  """The same backward as :func:`attention_softmax_dropout_value_backward`, given
+  ``delta`` instead of Pd: one kernel that reads P and keep and writes dS (5 B per
+  attention element instead of 7) and computes dV on the way.
+
+  A differentiable op that keeps its forward's output has delta for ``O(B*H*Sq*D)``:
+  ``delta = rowsum(dO * O) = rowsum(dPd * Pd)`` with O the fp32 (unrounded) output
+  ``Pd @ V`` (``jax_ops.attention_softmax_dropout_value`` does this with its Pallas
+  backward, and saves P, keep and O instead of P and Pd).
+
+  Args:
+    grad_attn_output: ``[B, Sq, H, D]`` dO.
+    attn_weights: ``[B, H, Sq, Skv]`` P.
+    value_states: ``[B, KVH, Skv, D]`` V, ``H % KVH == 0``.
+    dropout_mask: ``[B, H, Sq, Skv]`` bool, True = kept; may be None when the rate is a
+      concrete 0.
+    attention_dropout: p in [0, 1): a Python float or a traced scalar (a traced p
+      outside [0, 1) gives NaN outputs).
+    delta: ``[B, H, Sq]`` fp32, ``rowsum(dPd * Pd)`` of each row (above). Rows that fit one
+      kv tile (``Skv <= config.block_kv``) do not read it: their delta is
+      ``rowsum(dW * P)`` of the tile, exactly as the reference.
+    config: the kernel's tiles (a :class:`PassConfig`; its ``split`` as in the dV pass);
+      default :func:`default_from_delta_config`.
+    interpret: run in the Pallas interpreter (CPU testing).
+
+  Returns:
+    ``(grad_attn_scores [B, H, Sq, Skv], grad_value_states [B, KVH, Skv, D])``.
+
+  Precondition: ``Pd == round(P * keep * (1 / (1 - p)))`` with ``1 / (1 - p)`` computed in
+  fp32, the forward's Pd, which the kernel rebuilds for dV instead of reading it (the
+  ops' forward makes Pd exactly so; a Pd off by an ulp in a quarter of its elements, as
+  XLA made when it skipped the rounding of P, left 3.5% of dV outside the spec's
+  tolerance).
+
+  Design: one program per ``block_kv`` keys of a (batch, kv head), looping over the
+  group's ``G * Sq`` rows: ``dPd = dO @ V^T``, ``dS = P * (dW - delta)``,
+  ``dV^T += dO^T @ Pd``. Two GEMMs per element against 5 B: at 64 x 64 tiles it ran at
+  about half the copy rate (``benchmarks/results/attention_from_delta.log``).
+  """
+  p = _checks.check_problem_a(grad_attn_output, attn_weights, None, value_states,
+                              dropout_mask, attention_dropout)
+  b, h, sq, skv = attn_weights.shape
+  _checks.check_array("delta", delta, ("B", "H", "Sq"), (b, h, sq), dtypes=(f32,))
+  if grad_attn_output.size >= 2**31:
+    raise ValueError(f"grad_attn_output: at most 2**31 - 1 elements (int32 offsets), got "
+                     f"shape {grad_attn_output.shape}")
+  cfg = config or default_from_delta_config(sq, skv, value_states.shape[3],
+                                            attn_weights.dtype)
+  cfg = _tuning.with_overrides(Config(cfg, cfg)).dv
+  return _backward_from_delta(grad_attn_output, attn_weights, value_states, dropout_mask,
+                              delta, None if p is not None else attention_dropout,
+                              p_static=p, cfg=cfg, interpret=interpret)

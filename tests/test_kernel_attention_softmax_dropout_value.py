@@ -295,3 +295,51 @@ def test_default_config(device_kind):
   for sq, skv, d, dtype in itertools.product([1, 33, 211, 4096], [1, 200, 449, 4096],
                                              [40, 64, 128], [jnp.bfloat16, jnp.float32]):
     assert_configs_fit(asdv.default_config(2, 8, 2, sq, skv, d, dtype, device_kind), sq, skv)
+
+
+def delta_of(args):
+  """``rowsum(dO * (Pd @ V))`` [B, H, Sq] fp32: what the op gets from its forward's output."""
+  d_o, _, dropped, value, _ = args
+  b, h, sq, skv = dropped.shape
+  kvh = value.shape[1]
+  v = jnp.repeat(value.astype(jnp.float32), h // kvh, axis=1)
+  out = jnp.einsum("bhqs,bhsd->bqhd", dropped.astype(jnp.float32), v,
+                   precision=jax.lax.Precision.HIGHEST)
+  return jnp.einsum("bqhd,bqhd->bhq", d_o.astype(jnp.float32), out)
+
+
+@pytest.mark.parametrize("b,h,kvh,sq,skv,d,p", CASES)
+def test_from_delta_matches_reference(b, h, kvh, sq, skv, d, p):
+  """One kernel from P, keep and delta (64-key tiles: rows of <= 64 keys take the in-tile
+  delta, longer ones the given one); odd shapes, G in {1, 2, 4, 10}."""
+  args = make_inputs(b, h, kvh, sq, skv, d, p, seed=2)
+  d_o, probs, _, value, keep = args
+  outs = asdv.attention_softmax_dropout_value_backward_from_delta(
+      d_o, probs, value, keep, p, delta_of(args), interpret=INTERPRET)
+  check(outs, reference(*args, p))
+
+
+@pytest.mark.parametrize("p", [0.0, 0.2, "traced"])
+def test_from_delta_split_and_ragged_rows(p):
+  """Several programs per kv block (``split``), a ragged last tile of the group's rows,
+  16-key tiles (delta read) and a traced rate."""
+  rate = 0.2 if p == "traced" else p
+  args = make_inputs(2, 8, 2, 37, 50, 64, rate, seed=4)
+  d_o, probs, _, value, keep = args
+  delta = delta_of(args)
+  cfg = asdv.PassConfig(32, 16, 4, 2, split=3)
+  run = lambda r: asdv.attention_softmax_dropout_value_backward_from_delta(
+      d_o, probs, value, keep, r, delta, config=cfg, interpret=INTERPRET)
+  outs = jax.jit(run)(jnp.float32(rate)) if p == "traced" else run(p)
+  check(outs, reference(*args, rate))
+
+
+def test_from_delta_checks_delta():
+  args = make_inputs(1, 4, 2, 8, 16, 16, 0.1)
+  d_o, probs, _, value, keep = args
+  with pytest.raises(ValueError, match="delta"):
+    asdv.attention_softmax_dropout_value_backward_from_delta(
+        d_o, probs, value, keep, 0.1, jnp.zeros((1, 4, 9), jnp.float32), interpret=INTERPRET)
+  with pytest.raises((ValueError, TypeError), match="delta"):
+    asdv.attention_softmax_dropout_value_backward_from_delta(
+        d_o, probs, value, keep, 0.1, jnp.zeros((1, 4, 8), jnp.bfloat16), interpret=INTERPRET)
