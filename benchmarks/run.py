@@ -94,7 +94,7 @@ PROBLEM_A = Problem(
 # P, keep and the fp32 output instead of Pd, so its backward is delta = rowsum(dO * O) and
 # one kernel that reads 5 B per element. Timed on all 16 workloads to show where it pays.
 A_OP = "attention_softmax_dropout_value_from_delta"
-A_OP_FLOOR_NOTE = ("floor: problem A's (7 B per element: P, Pd, keep and dS), as for the kernel "
+A_OP_FLOOR_NOTE = ("problem A's (7 B per element: P, Pd, keep and dS), as for the kernel "
                    "entry point; this backward reads P and keep and writes dS (5 B), its delta "
                    "from the fp32 output the op's forward saved; Pallas time includes that "
                    "delta (an XLA einsum); XLA is the reference backward of the same problem")

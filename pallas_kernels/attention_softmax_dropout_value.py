@@ -805,6 +805,12 @@ def attention_softmax_dropout_value_backward(
   loads: its accumulator is indexed by key, and a row class's tiles are shifted by its
   phase; moving them back takes a shift on the tensor cores, which for kernel C's column
   kernel (the same structure) measured slower than the scalar loads.
+
+  Also measured and dropped (``benchmarks/results/attention_from_delta.log``): a delta
+  pass (``rowsum(dO * (Pd @ V))``, 2 B per element at ~3.7 TB/s on long rows) followed by
+  the one kernel of :func:`attention_softmax_dropout_value_backward_from_delta` (P and
+  keep in, dS and dV out): 0.78-0.95x the speed of these two passes on five workloads.
+  That kernel pays where delta comes for free: the op, which keeps its forward's output.
   """
   p = _checks.check_problem_a(grad_attn_output, attn_weights, attn_weights_dropped,
                               value_states, dropout_mask, attention_dropout)
@@ -887,8 +893,12 @@ def attention_softmax_dropout_value_backward_from_delta(
 
   Design: one program per ``block_kv`` keys of a (batch, kv head), looping over the
   group's ``G * Sq`` rows: ``dPd = dO @ V^T``, ``dS = P * (dW - delta)``,
-  ``dV^T += dO^T @ Pd``. Two GEMMs per element against 5 B: at 64 x 64 tiles it ran at
-  about half the copy rate (``benchmarks/results/attention_from_delta.log``).
+  ``dV^T += dO^T @ Pd``. Two GEMMs per element against 5 B: at 64 x 64 tiles it streams at
+  about half the copy rate (1688 us for the 3.4 GB of (4, 1024, 2048), H200). With delta
+  from the op's saved output it is 4-13% faster than the two-kernel backward on rows of
+  >= 512 keys that are a multiple of 8, slower on shorter rows, and 2.3x slower on rows of
+  ``Skv % 8 != 0`` keys, which its column tiles load element by element
+  (``benchmarks/results/attention_softmax_dropout_value_from_delta.md``).
   """
   p = _checks.check_problem_a(grad_attn_output, attn_weights, None, value_states,
                               dropout_mask, attention_dropout)
