@@ -111,7 +111,8 @@ def _a_op_inputs(dims, p, key):
 
 def _a_op_backward(d_o, probs, dropped, value, keep, out32, p):
   del dropped  # the op does not save Pd
-  delta = jnp.einsum("bqhd,bqhd->bhq", d_o.astype(F32), out32)
+  delta = jnp.einsum("bqhd,bqhd->bhq", d_o.astype(F32), out32,
+                     precision=jax.lax.Precision.HIGHEST)
   return pallas_kernels.attention_softmax_dropout_value_backward_from_delta(
       d_o, probs, value, keep, p, delta)
 

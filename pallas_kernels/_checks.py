@@ -136,8 +136,10 @@ _LOW = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 
 def check_problem_a(grad_attn_output, attn_weights, attn_weights_dropped, value_states,
-                    dropout_mask, attention_dropout, *, dtypes=_LOW) -> float | None:
+                    dropout_mask, attention_dropout, *, dtypes=_LOW,
+                    takes_pd=True) -> float | None:
   """Checks the arguments of the attention softmax-dropout-value backward (problem A).
+  ``takes_pd=False``: a backward without Pd (``attn_weights_dropped`` is not checked).
 
   Returns the dropout rate as a float, or ``None`` when it is traced.
   """
@@ -151,7 +153,7 @@ def check_problem_a(grad_attn_output, attn_weights, attn_weights_dropped, value_
   d = value_states.shape[3]
   check_array("grad_attn_output", grad_attn_output, ("B", "Sq", "H", "D"), (b, sq, h, d),
               dtypes=(attn_weights.dtype,))
-  if attn_weights_dropped is not None:  # None: a backward that does not take Pd
+  if takes_pd:
     check_array("attn_weights_dropped", attn_weights_dropped, ("B", "H", "Sq", "Skv"),
                 attn_weights.shape, dtypes=(attn_weights.dtype,))
   p = check_dropout_rate("attention_dropout", attention_dropout)

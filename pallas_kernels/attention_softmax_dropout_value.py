@@ -573,8 +573,11 @@ def dv_pass(grad_attn_output, attn_weights_dropped, value_states, *, num_heads, 
 def auto_split(b, h, kvh, sq, skv, block_q, block_kv) -> int:
   """``PassConfig.split`` when it is 0: doubles while the dV pass's launch stays within
   ``_TARGET_PROGRAMS`` programs and each share keeps at least 2 steps of its loop."""
-  programs = b * kvh * pl.cdiv(skv, block_kv)
-  steps = (h // kvh) * pl.cdiv(sq, block_q)
+  return _auto_split(b * kvh * pl.cdiv(skv, block_kv), (h // kvh) * pl.cdiv(sq, block_q))
+
+
+def _auto_split(programs, steps) -> int:
+  """:func:`auto_split` for a launch of ``programs`` programs of ``steps`` loop steps."""
   split = 1
   while programs * split * 2 <= _TARGET_PROGRAMS and steps >= split * 4:
     split *= 2
@@ -652,7 +655,7 @@ def ds_dv_pass(grad_attn_output, attn_weights, keep, value_states, delta, scale,
   kvh = bkvh // b
   exact_delta = skv <= cfg.block_kv
   n_kv = pl.cdiv(skv, cfg.block_kv)
-  split = cfg.split or auto_split(b, h, kvh, sq, skv, cfg.block_q, cfg.block_kv)
+  split = cfg.split or _auto_split(bkvh * n_kv, pl.cdiv(rows, cfg.block_q))
   inputs = [grad_attn_output.reshape(-1), attn_weights]
   if dropout[0] != "none":
     inputs.append(keep)
@@ -687,8 +690,10 @@ def _dropout_args(p_static, p_traced):
   pt = jnp.asarray(p_traced, f32)
   on = pt > 0
   # An invalid traced rate (outside [0, 1), NaN) gives NaN grad_attn_scores, not wrong ones.
+  # Both scales, so that dropped elements (and rows whose delta is read) are NaN too.
   inv = _checks.nan_unless_rate_valid(pt, jnp.where(on, 1.0 / (1.0 - pt), 1.0))
-  scale = jnp.stack([inv, jnp.where(on, 0.0, 1.0)])
+  drop = _checks.nan_unless_rate_valid(pt, jnp.where(on, 0.0, 1.0))
+  scale = jnp.stack([inv, drop])
   return ("traced",), scale.astype(f32)
 
 
@@ -901,7 +906,7 @@ def attention_softmax_dropout_value_backward_from_delta(
   (``benchmarks/results/attention_softmax_dropout_value_from_delta.md``).
   """
   p = _checks.check_problem_a(grad_attn_output, attn_weights, None, value_states,
-                              dropout_mask, attention_dropout)
+                              dropout_mask, attention_dropout, takes_pd=False)
   b, h, sq, skv = attn_weights.shape
   _checks.check_array("delta", delta, ("B", "H", "Sq"), (b, h, sq), dtypes=(f32,))
   if grad_attn_output.size >= 2**31:

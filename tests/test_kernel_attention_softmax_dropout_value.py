@@ -343,3 +343,10 @@ def test_from_delta_checks_delta():
   with pytest.raises((ValueError, TypeError), match="delta"):
     asdv.attention_softmax_dropout_value_backward_from_delta(
         d_o, probs, value, keep, 0.1, jnp.zeros((1, 4, 8), jnp.bfloat16), interpret=INTERPRET)
+
+
+def test_pd_none_is_an_argument_error():
+  """Only the backward from delta goes without Pd; the two-kernel one names it."""
+  d_o, probs, _, value, keep = make_inputs(1, 4, 2, 8, 16, 16, 0.1)
+  with pytest.raises(TypeError, match="attn_weights_dropped"):
+    kernel(d_o, probs, None, value, keep, 0.1, interpret=INTERPRET)

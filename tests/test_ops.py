@@ -71,13 +71,14 @@ def test_attention_softmax_dropout_value_grad(implementation, b, h, kvh, sq, skv
     (2, 4, 2, 7, 16, 16, 0.1),
     (1, 10, 1, 5, 40, 64, 0.0),
     (1, 4, 2, 9, 80, 40, "traced"),
+    (1, 4, 1, 6, 136, 16, 0.1),
 ])
 def test_attention_softmax_dropout_value_grad_from_delta(monkeypatch, b, h, kvh, sq, skv, d,
                                                          rate):
   """The Pallas backward that takes delta from the saved output (the op's path on rows of
   >= 512 aligned keys; the threshold lowered here so small rows take it), against
-  autodiff of the fp32 forward; 64-key tiles: rows of 80 keys read delta, shorter ones
-  compute it in the tile."""
+  autodiff of the fp32 forward; 64-key tiles: rows of 80 and 136 keys read the delta made
+  from the saved output, shorter ones compute it in the tile."""
   from jax_ops import ops
   monkeypatch.setattr(ops, "_FROM_DELTA_MIN_KEYS", 8)
   k = keys(7, 4)
@@ -228,7 +229,20 @@ def test_kernels_turn_invalid_traced_rates_into_nan(bad):
   value = jax.random.normal(k[0], (1, 1, 5, 8), jnp.bfloat16)
   d_s, _ = jax.jit(lambda p: pallas_kernels.attention_softmax_dropout_value_backward(
       d_o, pb, pb, value, keep, p, interpret=INTERPRET))(bad)
-  assert bool(jnp.any(jnp.isnan(d_s.astype(F32))))
+  assert bool(jnp.all(jnp.isnan(d_s.astype(F32))))
+  # Rows of 40 keys: the two-kernel backward sums delta partials of 16-key tiles, and the
+  # one from delta reads the delta it is given; dropped elements are NaN too.
+  probs = jax.nn.softmax(jax.random.normal(k[1], (1, 2, 4, 40)), -1).astype(jnp.bfloat16)
+  keep = jax.random.bernoulli(k[2], 0.7, (1, 2, 4, 40))
+  value = jax.random.normal(k[0], (1, 1, 40, 8), jnp.bfloat16)
+  d_s, _ = jax.jit(lambda p: pallas_kernels.attention_softmax_dropout_value_backward(
+      d_o, probs, probs, value, keep, p, block_q=16, block_kv=16, interpret=INTERPRET))(bad)
+  assert bool(jnp.all(jnp.isnan(d_s.astype(F32))))
+  from pallas_kernels.attention_softmax_dropout_value import PassConfig
+  outs = jax.jit(lambda p: pallas_kernels.attention_softmax_dropout_value_backward_from_delta(
+      d_o, probs, value, keep, p, jnp.ones((1, 2, 4), F32), config=PassConfig(16, 16, 4, 2),
+      interpret=INTERPRET))(bad)
+  assert all(bool(jnp.all(jnp.isnan(x.astype(F32)))) for x in outs)
 
 
 def test_argument_type_errors_name_the_argument():

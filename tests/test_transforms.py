@@ -60,3 +60,25 @@ def test_shard_map_training_step_matches_one_device():
   assert result["all_gathers"] == []
   assert result["all_reduces"] >= 1  # the gradients' psum over the batch axis
   assert result["max_rel_diff"] < 1e-2  # bf16 paths: agreement at bf16 precision
+
+
+def test_attention_from_delta_under_vmap_and_checkpoint(monkeypatch):
+  """The op's backward from delta (its path on rows of >= 512 aligned keys; the threshold
+  lowered here) under vmap of grad and under checkpoint: equal to a loop over the batch."""
+  from jax_ops import ops
+  monkeypatch.setattr(ops, "_FROM_DELTA_MIN_KEYS", 8)
+  k = keys(12, 3)
+  s = jax.random.normal(k[0], (2, 1, 4, 5, 16), jnp.bfloat16)
+  v = jax.random.normal(k[1], (2, 1, 2, 16, 16), jnp.bfloat16)
+  op = lambda s, v: jax_ops.attention_softmax_dropout_value(
+      s, v, dropout_rate=0.1, dropout_rng=k[2], implementation="pallas", interpret=INTERPRET)
+  loss = lambda s, v: jnp.sum(op(s, v).astype(jnp.float32) ** 2)
+  grad = jax.grad(loss, argnums=(0, 1))
+  assert "attention_dropout_value_bwd_ds_dv" in str(jax.make_jaxpr(grad)(s[0], v[0]))
+  batched = jax.jit(jax.vmap(grad))(s, v)
+  remat = jax.jit(jax.vmap(jax.grad(jax.checkpoint(loss), argnums=(0, 1))))(s, v)
+  for i in range(2):
+    one = jax.jit(grad)(s[i], v[i])
+    for a, b, c in zip(batched, remat, one):
+      assert_close(a[i], c, atol=1e-6, rtol=1e-6, name="vmap(grad)")
+      assert_close(b[i], c, atol=1e-6, rtol=1e-6, name="vmap(grad(checkpoint))")
