@@ -71,6 +71,27 @@ def _store(ref, val, mask):
     pltriton.store(ref, val, mask=mask)
 
 
+def _store_dv(dv_ref, acc, split, share, bk, k0, block_kv, d_pad, mask):
+  """Stores a program's dV block ``acc`` (fp32 ``[block_kv, d_pad]``): in dV's dtype, or with
+  ``split > 1`` as this share's fp32 partial sum (:func:`_dv_struct`)."""
+  if split == 1:
+    _store(dv_ref.at[bk, pl.ds(k0, block_kv), pl.ds(0, d_pad)], acc.astype(dv_ref.dtype), mask)
+  else:
+    _store(dv_ref.at[share, bk, pl.ds(k0, block_kv), pl.ds(0, d_pad)], acc, mask)
+
+
+def _dv_struct(split, value_states, *inputs):
+  """The dV output of a kernel whose kv blocks are shared by ``split`` programs: dV itself,
+  or ``[split, B*KVH, Skv, D]`` fp32 partial sums (added by :func:`_sum_dv_shares`)."""
+  if split == 1:
+    return out_struct(value_states.shape, value_states.dtype, *inputs)
+  return out_struct((split, *value_states.shape), f32, *inputs)
+
+
+def _sum_dv_shares(dv, split, dtype):
+  return dv if split == 1 else dv.sum(axis=0).astype(dtype)
+
+
 # --------------------------------------------------------------------------------------
 # Pass 1: dV and the partial row sums of delta.
 # --------------------------------------------------------------------------------------
@@ -129,11 +150,7 @@ def _dv_delta_kernel(do_ref, pd_ref, v_ref,  # inputs
     return acc
 
   acc = lax.fori_loop(start, stop, body, jnp.zeros((block_kv, d_pad), f32))
-  if split == 1:
-    _store(dv_ref.at[bk, pl.ds(k0, block_kv), pl.ds(0, d_pad)], acc.astype(dv_ref.dtype),
-           v_tile_mask)
-  else:
-    _store(dv_ref.at[share, bk, pl.ds(k0, block_kv), pl.ds(0, d_pad)], acc, v_tile_mask)
+  _store_dv(dv_ref, acc, split, share, bk, k0, block_kv, d_pad, v_tile_mask)
 
 
 # --------------------------------------------------------------------------------------
@@ -458,11 +475,7 @@ def _ds_dv_kernel(*refs, num_heads, num_kv_heads, sq, skv, head_dim, block_q, bl
   else:
     acc = lax.fori_loop(start, stop, body, acc)
   acc = acc.T
-  if split == 1:
-    _store(dv_ref.at[bk, pl.ds(k0, block_kv), pl.ds(0, d_pad)], acc.astype(dv_ref.dtype),
-           v_tile_mask)
-  else:
-    _store(dv_ref.at[share, bk, pl.ds(k0, block_kv), pl.ds(0, d_pad)], acc, v_tile_mask)
+  _store_dv(dv_ref, acc, split, share, bk, k0, block_kv, d_pad, v_tile_mask)
 
 
 # --------------------------------------------------------------------------------------
@@ -553,21 +566,18 @@ def dv_pass(grad_attn_output, attn_weights_dropped, value_states, *, num_heads, 
   n_kv = pl.cdiv(skv, cfg.block_kv)
   split = cfg.split or auto_split(b, h, kvh, sq, skv, cfg.block_q, cfg.block_kv)
   inputs = (grad_attn_output, attn_weights_dropped, value_states)
-  dv_shape = (bkvh, skv, d) if split == 1 else (split, bkvh, skv, d)
   dv, dpart = pallas_call(
       functools.partial(_dv_delta_kernel, num_heads=num_heads, num_kv_heads=kvh, sq=sq,
                         skv=skv, head_dim=d, block_q=cfg.block_q, block_kv=cfg.block_kv,
                         split=split),
-      out_shape=(out_struct(dv_shape, value_states.dtype if split == 1 else f32, *inputs),
+      out_shape=(_dv_struct(split, value_states, *inputs),
                  out_struct((b * h, n_kv, sq), f32, *inputs)),
       grid=(n_kv, bkvh, split),
       compiler_params=compiler_params(cfg.num_warps, cfg.num_stages),
       interpret=interpret,
       name="attention_dropout_value_bwd_dv",
   )(*inputs)
-  if split > 1:
-    dv = dv.sum(axis=0).astype(value_states.dtype)
-  return dv, dpart
+  return _sum_dv_shares(dv, split, value_states.dtype), dpart
 
 
 def auto_split(b, h, kvh, sq, skv, block_q, block_kv) -> int:
@@ -664,21 +674,18 @@ def ds_dv_pass(grad_attn_output, attn_weights, keep, value_states, delta, scale,
     inputs.append(delta)
   if dropout[0] == "traced":
     inputs.append(scale)
-  dv_shape = (bkvh, skv, d) if split == 1 else (split, bkvh, skv, d)
   ds, dv = pallas_call(
       functools.partial(_ds_dv_kernel, num_heads=num_heads, num_kv_heads=kvh, sq=sq, skv=skv,
                         head_dim=d, block_q=cfg.block_q, block_kv=cfg.block_kv,
                         dropout=dropout, split=split, exact_delta=exact_delta),
       out_shape=(out_struct(attn_weights.shape, attn_weights.dtype, *inputs),
-                 out_struct(dv_shape, value_states.dtype if split == 1 else f32, *inputs)),
+                 _dv_struct(split, value_states, *inputs)),
       grid=(n_kv, bkvh, split),
       compiler_params=compiler_params(cfg.num_warps, cfg.num_stages),
       interpret=interpret,
       name="attention_dropout_value_bwd_ds_dv",
   )(*inputs)
-  if split > 1:
-    dv = dv.sum(axis=0).astype(value_states.dtype)
-  return ds, dv
+  return ds, _sum_dv_shares(dv, split, value_states.dtype)
 
 
 def _dropout_args(p_static, p_traced):
