@@ -29,8 +29,8 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.timing import copy_ceiling, device_times_us
-import pallas_kernels
 from jax_ops import reference, registry
+from pallas_kernels import attention_softmax_dropout_value as asdv_kernels
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -111,10 +111,8 @@ def _a_op_inputs(dims, p, key):
 
 def _a_op_backward(d_o, probs, dropped, value, keep, out32, p):
   del dropped  # the op does not save Pd
-  delta = jnp.einsum("bqhd,bqhd->bhq", d_o.astype(F32), out32,
-                     precision=jax.lax.Precision.HIGHEST)
-  return pallas_kernels.attention_softmax_dropout_value_backward_from_delta(
-      d_o, probs, value, keep, p, delta)
+  return asdv_kernels.attention_softmax_dropout_value_backward_from_delta(
+      d_o, probs, value, keep, p, asdv_kernels.delta_from_output(d_o, out32))
 
 
 PROBLEM_A_OP = Problem(

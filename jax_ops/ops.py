@@ -23,9 +23,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-import pallas_kernels
 from jax_ops import reference, registry
 from pallas_kernels import _checks
+from pallas_kernels import attention_softmax_dropout_value as asdv_kernels
 
 _FLOATS = (jnp.bfloat16, jnp.float16, jnp.float32)
 
@@ -138,10 +138,8 @@ def _asdv_bwd(p_static, name, interpret, res, grad_out):
   probs, dropped, value_states, keep, rate, out32 = res
   p = _rate_for_backward(keep, p_static, rate)
   if out32 is not None:
-    # delta = rowsum(dPd * Pd) = rowsum(dO * (Pd @ V)), [B, H, Sq] fp32.
-    delta = jnp.einsum("bqhd,bqhd->bhq", grad_out.astype(jnp.float32), out32,
-                       precision=jax.lax.Precision.HIGHEST)
-    d_scores, d_value = pallas_kernels.attention_softmax_dropout_value_backward_from_delta(
+    delta = asdv_kernels.delta_from_output(grad_out, out32)
+    d_scores, d_value = asdv_kernels.attention_softmax_dropout_value_backward_from_delta(
         grad_out, probs, value_states, keep, p, delta, interpret=interpret)
   else:
     _, backward = registry.resolve("attention_softmax_dropout_value", name, interpret)

@@ -80,6 +80,14 @@ def _store_dv(dv_ref, acc, split, share, bk, k0, block_kv, d_pad, mask):
     _store(dv_ref.at[share, bk, pl.ds(k0, block_kv), pl.ds(0, d_pad)], acc, mask)
 
 
+def _share_range(share, steps: int, split: int):
+  """``(start, stop)`` of program share ``share`` of a loop of ``steps`` steps cut into
+  ``split`` equal shares (the last may be shorter, or empty)."""
+  per = pl.cdiv(steps, split)
+  start = share * per
+  return start, jnp.minimum(start + per, steps)
+
+
 def _dv_struct(split, value_states, *inputs):
   """The dV output of a kernel whose kv blocks are shared by ``split`` programs: dV itself,
   or ``[split, B*KVH, Skv, D]`` fp32 partial sums (added by :func:`_sum_dv_shares`)."""
@@ -125,10 +133,7 @@ def _dv_delta_kernel(do_ref, pd_ref, v_ref,  # inputs
   v = _load(v_ref.at[bk, pl.ds(k0, block_kv), pl.ds(0, d_pad)], v_tile_mask, 0.0)
 
   nq = pl.cdiv(sq, block_q)
-  total = groups * nq
-  per = pl.cdiv(total, split)
-  start = share * per
-  stop = jnp.minimum(start + per, total)
+  start, stop = _share_range(share, groups * nq, split)
 
   def body(i, acc):
     g = lax.div(i, nq)
@@ -462,9 +467,7 @@ def _ds_dv_kernel(*refs, num_heads, num_kv_heads, sq, skv, head_dim, block_q, bl
     return acc + dot(do, pd, trans_a=True)
 
   n_tiles = pl.cdiv(rows, block_q)
-  per = pl.cdiv(n_tiles, split)
-  start = share * per
-  stop = jnp.minimum(start + per, n_tiles)
+  start, stop = _share_range(share, n_tiles, split)
   acc = jnp.zeros((d_pad, block_kv), f32)  # dV_j^T
   if rows % block_q:
     # Only the last tile of rows is ragged: the share holding it runs it masked.
@@ -838,10 +841,19 @@ def attention_softmax_dropout_value_backward(
                    dropout_mask, p_traced, p_static=p, config=config, interpret=interpret)
 
 
+def delta_from_output(grad_attn_output, attn_output_f32):
+  """``delta = rowsum(dO * O) = rowsum(dPd * Pd)``, ``[B, H, Sq]`` fp32, from dO
+  ``[B, Sq, H, D]`` and the forward's fp32 output ``O = Pd @ V`` (before its rounding):
+  the ``delta`` of :func:`attention_softmax_dropout_value_backward_from_delta`."""
+  return jnp.einsum("bqhd,bqhd->bhq", grad_attn_output.astype(f32), attn_output_f32,
+                    precision=lax.Precision.HIGHEST)
+
+
 def default_from_delta_config(sq, skv, d, dtype) -> PassConfig:
   """The one kernel of :func:`attention_softmax_dropout_value_backward_from_delta`: 64 x 64
-  tiles, 4 warps, 3 stages for 16-bit inputs (the fastest of 16 candidates on three
-  workloads, ``benchmarks/results/attention_from_delta.log``), the heuristic for fp32."""
+  tiles, 4 warps, 3 stages for 16-bit inputs (the fastest of the 12 configs timed with dV
+  accumulated transposed, as here, on three workloads,
+  ``benchmarks/results/attention_from_delta.log``), the heuristic for fp32."""
   if jnp.dtype(dtype).itemsize > 2:
     return _heuristic(1, 1, 1, sq, skv, d, jnp.dtype(dtype).itemsize).dv
   return PassConfig(64, min(64, max(16, next_power_of_2(skv))), 4, 3)
