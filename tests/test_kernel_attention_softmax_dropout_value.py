@@ -350,3 +350,47 @@ def test_pd_none_is_an_argument_error():
   d_o, probs, _, value, keep = make_inputs(1, 4, 2, 8, 16, 16, 0.1)
   with pytest.raises(TypeError, match="attn_weights_dropped"):
     kernel(d_o, probs, None, value, keep, 0.1, interpret=INTERPRET)
+
+
+def test_dv_pass_without_partials():
+  """``partials=False`` (no dPd GEMM, no V) gives the same dV as the full pass 1."""
+  d_o, _, dropped, value, _ = make_inputs(1, 4, 2, 37, 83, 64, 0.1, seed=9)
+  cfg = asdv.PassConfig(16, 32, 4, 2, split=2)
+  args = (d_o, dropped.reshape(4, 37, 83), value.reshape(2, 83, 64))
+  dv, dpart = asdv.dv_pass(*args, num_heads=4, cfg=cfg, interpret=INTERPRET)
+  dv_only, none = asdv.dv_pass(*args, num_heads=4, cfg=cfg, interpret=INTERPRET,
+                               partials=False)
+  assert dpart.shape == (4, 3, 37) and none is None
+  np.testing.assert_array_equal(np.asarray(dv_only, np.float32), np.asarray(dv, np.float32))
+
+
+@pytest.mark.parametrize("skv, row_align", [(131, -1), (131, 0), (96, -1)])
+@pytest.mark.parametrize("p", [0.0, 0.1, "traced"])
+def test_given_delta(skv, row_align, p):
+  """``delta=`` (from the forward's output): pass 1 makes only dV and the dS pass reads
+  one delta per row; rows of Skv % 8 != 0 on row-class tiles (-1) or not (0)."""
+  rate = 0.1 if p == "traced" else p
+  args = make_inputs(1, 4, 2, 33, skv, 64, rate, seed=10)
+  config = asdv.Config(asdv.PassConfig(32, 32, 4, 2),
+                       asdv.PassConfig(32, 32, 4, 2, row_align=row_align))
+  run = lambda r: kernel(*args, r, delta=delta_of(args), config=config, interpret=INTERPRET)
+  outs = jax.jit(run)(jnp.float32(rate)) if p == "traced" else run(p)
+  check(outs, reference(*args, rate))
+
+
+def test_given_delta_unread_for_one_tile_rows():
+  """Rows that fit one dS tile take delta in the tile: a wrong given delta changes nothing
+  (and a right one is not needed)."""
+  args = make_inputs(1, 4, 2, 33, 50, 64, 0.1, seed=11)
+  config = asdv.Config(asdv.PassConfig(32, 64, 4, 2), asdv.PassConfig(32, 64, 4, 2))
+  wrong = jnp.full((1, 4, 33), 1e3, jnp.float32)
+  outs = kernel(*args, 0.1, delta=wrong, config=config, interpret=INTERPRET)
+  check(outs, reference(*args, 0.1))
+
+
+def test_given_delta_checked():
+  args = make_inputs(1, 4, 2, 8, 16, 16, 0.1)
+  with pytest.raises(ValueError, match=r"delta.*\[B, H, Sq\]"):
+    kernel(*args, 0.1, delta=jnp.zeros((1, 4, 9), jnp.float32), interpret=INTERPRET)
+  with pytest.raises((ValueError, TypeError), match="delta"):
+    kernel(*args, 0.1, delta=jnp.zeros((1, 4, 8), jnp.bfloat16), interpret=INTERPRET)
