@@ -801,7 +801,10 @@ def attention_softmax_dropout_value_backward(
      tiles, reading Pd once: ``dV += Pd^T @ dO``, ``dPd = dO @ V^T`` and stores
      ``rowsum(dPd * Pd)`` of its kv block to a small fp32 scratch
      ``[B*H, cdiv(Skv, BKV), Sq]`` (4 / BKV B per element). The GQA sum over the group
-     happens in the accumulator: no atomics, no [B, H, Skv, D] intermediate.
+     happens in the accumulator: no atomics, no [B, H, Skv, D] intermediate. When the dS
+     pass does not read the partials (rows in one dS tile, as the tuned table has for
+     rows of <= 128 keys, or ``delta`` given), pass 1 only makes dV: without the dPd GEMM
+     it takes 53-78% of the time (``benchmarks/results/attention_dv_only.log``).
   2. dS, grid ``(cdiv(Sq, BQ), B*H / heads)`` (q block fastest, so programs sharing V
      run together). A program takes ``PassConfig.heads`` query heads of one kv group
      (1, or 2 in the tuned table for aligned rows of more than 256 keys), loads their dO tiles once,
@@ -815,8 +818,9 @@ def attention_softmax_dropout_value_backward(
 
   What it achieves (H200, Seed-OSS shapes H=80, KVH=8, D=128, p=0.1;
   ``benchmarks/results/attention_softmax_dropout_value.md``): DRAM traffic is the 7 B
-  floor plus ~4 / BKV B of delta partials, but time is 48.4% of the floor in geomean
-  (26-59% per workload; XLA 28%), 1.30-2.02x faster than XLA (all 16 at 48edbcb). Nsight
+  floor plus ~4 / BKV B of delta partials, but time is 48.7% of the floor in geomean
+  (26-61% per workload; XLA 28%), 1.30-2.10x faster than XLA (13 workloads at 48edbcb,
+  the three of rows of 128 keys at 724edce, with one-tile dS rows). Nsight
   Compute shows both passes latency-bound at 8-16 warps per SM (registers and shared
   memory), at 15-53% of DRAM bandwidth
   (``benchmarks/results/attention_softmax_dropout_value_profile.log``). Launches with few kv
