@@ -818,9 +818,10 @@ def attention_softmax_dropout_value_backward(
 
   What it achieves (H200, Seed-OSS shapes H=80, KVH=8, D=128, p=0.1;
   ``benchmarks/results/attention_softmax_dropout_value.md``): DRAM traffic is the 7 B
-  floor plus ~4 / BKV B of delta partials, but time is 48.7% of the floor in geomean
-  (26-61% per workload; XLA 28%), 1.30-2.10x faster than XLA (13 workloads at 48edbcb,
-  the three of rows of 128 keys at 724edce, with one-tile dS rows). Nsight
+  floor plus ~4 / BKV B of delta partials, but time is 49.0% of the floor in geomean
+  (26-61% per workload; XLA 28%), 1.30-2.10x faster than XLA (10 workloads at 48edbcb;
+  the three of rows of 128 keys at 724edce, with one-tile dS rows; the three of rows of
+  >= 1024 keys at b51c9e1, with 128 x 128 tiles in pass 1). Nsight
   Compute shows both passes latency-bound at 8-16 warps per SM (registers and shared
   memory), at 15-53% of DRAM bandwidth
   (``benchmarks/results/attention_softmax_dropout_value_profile.log``). Launches with few kv
