@@ -13,6 +13,11 @@ with the best geomean of time / best time over the class's workloads, and is wri
 after every workload (``pallas_kernels/tuned/<op>.json``, used when the device matches).
 ``--passes`` limits the run to some passes.
 
+A's pass 1 is timed with delta's partials. Where the dS pass takes a whole row in one tile
+it needs none, and pass 1 then runs without its dPd GEMM; the tuner does not time that
+pairing: the table's "128" entry (one-tile dS rows, a dV-only pass 1) was chosen from
+``benchmarks/results/attention_dv_only.log``, and re-tuning that class replaces it.
+
 For C the tuner also times the whole backward with the table's two-pass config and, for
 rows of <= 256 keys, the one-kernel ``per_head`` scheme (pass ``head``); the table's
 ``scheme`` for a class is the one with the best geomean over its workloads.
@@ -46,6 +51,9 @@ A_DV += [(64, 64, 4, 3, False, 1), (128, 64, 8, 2, False, 1), (64, 128, 4, 2, Fa
 # Explicit larger splits: small ragged launches run one partial wave at 250 registers per
 # program (benchmarks/results/attention_softmax_dropout_value_profile.log).
 A_DV += [(64, 64, 4, 3, False, 4), (64, 64, 4, 3, False, 8), (128, 64, 8, 2, False, 4)]
+# 128 x 128 tiles with 3 stages: 0.90 of 64x64/4w/3s on rows of >= 1024 keys
+# (benchmarks/results/attention_dv_only.log, section 6).
+A_DV += [(128, 128, 8, 3)]
 A_DS = [(64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 128, 4, 2),
         (64, 128, 8, 3), (128, 32, 4, 3), (256, 64, 8, 2), (128, 64, 4, 3), (64, 32, 4, 3)]
 # Register prefetch on tiles of consecutive rows (row_align=0: on rows of Skv % 8 != 0 the
