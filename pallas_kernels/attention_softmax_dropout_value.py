@@ -170,17 +170,32 @@ def _dv_delta_kernel(*refs, num_heads, num_kv_heads, sq, skv, head_dim, block_q,
 # Pass 2: dS = P * (dW - delta).
 # --------------------------------------------------------------------------------------
 def _ds_refs(refs, mode, has_dpart=True):
-  """``(do, p, keep, v, dpart, scale, ds)`` refs of a dS-pass kernel; ``keep`` is None when
-  ``mode`` is ``"none"``, ``scale`` unless it is ``"traced"`` (see :func:`_ds_kernel`),
-  ``dpart`` unless ``has_dpart``."""
+  """``(do, p, keep, v, dpart, scale, outputs)`` refs of a dS kernel (inputs as
+  :func:`_ds_inputs` orders them); ``keep`` is None when ``mode`` is ``"none"``, ``scale``
+  unless it is ``"traced"`` (see :func:`_ds_kernel`), ``dpart`` unless ``has_dpart``;
+  ``outputs`` is the list of the remaining (output) refs."""
   refs = list(refs)
   do_ref, p_ref = refs.pop(0), refs.pop(0)
   keep_ref = None if mode == "none" else refs.pop(0)
   v_ref = refs.pop(0)
   dpart_ref = refs.pop(0) if has_dpart else None
   scale_ref = refs.pop(0) if mode == "traced" else None
-  (ds_ref,) = refs
-  return do_ref, p_ref, keep_ref, v_ref, dpart_ref, scale_ref, ds_ref
+  return do_ref, p_ref, keep_ref, v_ref, dpart_ref, scale_ref, refs
+
+
+def _ds_inputs(inputs, keep, value_states, delta, scale, dropout):
+  """``inputs`` (dO, P) plus, in the order :func:`_ds_refs` takes them: keep (unless
+  ``dropout`` is "none"), V, ``delta`` (partials or row sums; ``None``: not read) and
+  scale (if ``dropout`` is "traced")."""
+  inputs = list(inputs)
+  if dropout[0] != "none":
+    inputs.append(keep)
+  inputs.append(value_states)
+  if delta is not None:
+    inputs.append(delta)
+  if dropout[0] == "traced":
+    inputs.append(scale)
+  return inputs
 
 
 def _ds_kernel(*refs, num_heads, num_kv_heads, sq, skv, head_dim, block_q, block_kv,
@@ -197,7 +212,8 @@ def _ds_kernel(*refs, num_heads, num_kv_heads, sq, skv, head_dim, block_q, block
   """
   mode = dropout[0]
   nkv = pl.cdiv(skv, block_kv)
-  do_ref, p_ref, keep_ref, v_ref, dpart_ref, scale_ref, ds_ref = _ds_refs(refs, mode, nkv > 1)
+  do_ref, p_ref, keep_ref, v_ref, dpart_ref, scale_ref, (ds_ref,) = _ds_refs(refs, mode,
+                                                                            nkv > 1)
 
   groups = num_heads // num_kv_heads
   d_pad = next_power_of_2(max(head_dim, 16))
@@ -319,7 +335,7 @@ def _ds_kernel_phased(*refs, num_heads, num_kv_heads, sq, skv, head_dim, block_q
   ``dpart`` holds ``n_part`` partials per row.
   """
   mode = dropout[0]
-  do_ref, p_ref, keep_ref, v_ref, dpart_ref, scale_ref, ds_ref = _ds_refs(refs, mode)
+  do_ref, p_ref, keep_ref, v_ref, dpart_ref, scale_ref, (ds_ref,) = _ds_refs(refs, mode)
 
   groups = num_heads // num_kv_heads
   d_pad = next_power_of_2(max(head_dim, 16))
@@ -419,13 +435,8 @@ def _ds_dv_kernel(*refs, num_heads, num_kv_heads, sq, skv, head_dim, block_q, bl
   ``[B*KVH, Skv, D]`` (``split > 1``: ``[split, B*KVH, Skv, D]`` fp32 partial sums).
   """
   mode = dropout[0]
-  refs = list(refs)
-  do_ref, p_ref = refs.pop(0), refs.pop(0)
-  keep_ref = None if mode == "none" else refs.pop(0)
-  v_ref = refs.pop(0)
-  delta_ref = None if exact_delta else refs.pop(0)
-  scale_ref = refs.pop(0) if mode == "traced" else None
-  ds_ref, dv_ref = refs
+  do_ref, p_ref, keep_ref, v_ref, delta_ref, scale_ref, (ds_ref, dv_ref) = _ds_refs(
+      refs, mode, not exact_delta)
 
   groups = num_heads // num_kv_heads
   rows = groups * sq
@@ -626,14 +637,8 @@ def ds_pass(grad_attn_output, attn_weights, keep, value_states, dpart, scale, *,
   b, sq, h, d = grad_attn_output.shape
   bkvh, skv, _ = value_states.shape
   one_tile = skv <= cfg.block_kv  # delta in the tile: dpart is not read (may be None)
-  inputs = [grad_attn_output, attn_weights]
-  if dropout[0] != "none":
-    inputs.append(keep)
-  inputs.append(value_states)
-  if not one_tile:
-    inputs.append(dpart)
-  if dropout[0] == "traced":
-    inputs.append(scale)
+  inputs = _ds_inputs([grad_attn_output, attn_weights], keep, value_states,
+                      None if one_tile else dpart, scale, dropout)
   groups = h // (bkvh // b)
   if not one_tile and use_phased(cfg, b, h, sq, skv, d, dpart.size, value_states.size):
     # Flat views (free reshapes) for the phase-aligned tiles of _ds_kernel_phased.
@@ -688,14 +693,8 @@ def ds_dv_pass(grad_attn_output, attn_weights, keep, value_states, delta, scale,
   exact_delta = skv <= cfg.block_kv
   n_kv = pl.cdiv(skv, cfg.block_kv)
   split = cfg.split or _auto_split(bkvh * n_kv, pl.cdiv(rows, cfg.block_q))
-  inputs = [grad_attn_output.reshape(-1), attn_weights]
-  if dropout[0] != "none":
-    inputs.append(keep)
-  inputs.append(value_states)
-  if not exact_delta:
-    inputs.append(delta)
-  if dropout[0] == "traced":
-    inputs.append(scale)
+  inputs = _ds_inputs([grad_attn_output.reshape(-1), attn_weights], keep, value_states,
+                      None if exact_delta else delta, scale, dropout)
   ds, dv = pallas_call(
       functools.partial(_ds_dv_kernel, num_heads=num_heads, num_kv_heads=kvh, sq=sq, skv=skv,
                         head_dim=d, block_q=cfg.block_q, block_kv=cfg.block_kv,
