@@ -364,8 +364,8 @@ def test_dv_pass_without_partials():
   np.testing.assert_array_equal(np.asarray(dv_only, np.float32), np.asarray(dv, np.float32))
 
 
-@pytest.mark.parametrize("skv, row_align", [(131, -1), (131, 0), (96, -1)])
-@pytest.mark.parametrize("p", [0.0, 0.1, "traced"])
+@pytest.mark.parametrize("skv, row_align, p", [(131, -1, 0.1), (131, -1, "traced"),
+                                               (131, 0, 0.0), (96, -1, 0.1)])
 def test_given_delta(skv, row_align, p):
   """``delta=`` (from the forward's output): pass 1 makes only dV and the dS pass reads
   one delta per row; rows of Skv % 8 != 0 on row-class tiles (-1) or not (0)."""
