@@ -6,6 +6,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -14,6 +15,15 @@ next_power_of_2 = pl.next_power_of_2
 
 def cdiv(a: int, b: int) -> int:
   return -(-a // b)
+
+
+def dropout_scale(p: float) -> float:
+  """``1 / (1 - p)`` for a static dropout rate ``p``, computed in fp32 as the ops' forward
+  computes it (``jax_ops.reference``), so a kernel scales by the very factor the forward
+  used (and A's backward from delta rebuilds Pd bit for bit). In double precision it
+  differs by one fp32 ulp for some rates (p = 0.15, say)."""
+  one = np.float32(1.0)
+  return float(one / (one - np.float32(p)))
 
 
 def compiler_params(num_warps: int, num_stages: int):

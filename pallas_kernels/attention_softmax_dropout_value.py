@@ -24,13 +24,13 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import _checks, _phase, _tuning
-from pallas_kernels._util import compiler_params, dot, next_power_of_2, out_struct, pallas_call
+from pallas_kernels._util import (compiler_params, dot, dropout_scale, next_power_of_2,
+                                  out_struct, pallas_call)
 
 __all__ = ["attention_softmax_dropout_value_backward",
            "attention_softmax_dropout_value_backward_from_delta", "Config", "PassConfig"]
@@ -714,7 +714,7 @@ def _dropout_args(p_static, p_traced):
   if p_static == 0.0:
     return ("none",), None
   if p_static is not None:
-    return ("static", 1.0 / (1.0 - p_static)), None
+    return ("static", dropout_scale(p_static)), None
   pt = jnp.asarray(p_traced, f32)
   on = pt > 0
   # An invalid traced rate (outside [0, 1), NaN) gives NaN grad_attn_scores, not wrong ones.
@@ -902,13 +902,7 @@ def _backward_from_delta(grad_attn_output, attn_weights, value_states, dropout_m
   b, h, sq, skv = attn_weights.shape
   kvh, d = value_states.shape[1], value_states.shape[3]
   rows = (b * kvh, (h // kvh) * sq, skv)  # free reshapes: a kv group's rows, head by head
-  if p_static is not None and p_static != 0.0:
-    # The scale as an fp32 computation makes it, as the ops' forward does:
-    # round(P * keep * (1 / (1 - p))) then rebuilds Pd bit for bit.
-    one = np.float32(1.0)
-    dropout, scale = ("static", float(one / (one - np.float32(p_static)))), None
-  else:
-    dropout, scale = _dropout_args(p_static, p_traced)
+  dropout, scale = _dropout_args(p_static, p_traced)
   keep = None if dropout[0] == "none" else dropout_mask.reshape(rows)
   ds, dv = ds_dv_pass(grad_attn_output, attn_weights.reshape(rows), keep,
                       value_states.reshape(b * kvh, skv, d), delta.reshape(rows[:2]), scale,

@@ -38,8 +38,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import _checks, _tuning
-from pallas_kernels._util import (cdiv, compiler_params, next_power_of_2, out_struct,
-                                  pallas_call)
+from pallas_kernels._util import (cdiv, compiler_params, dropout_scale, next_power_of_2,
+                                  out_struct, pallas_call)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +161,7 @@ def _call(grad_output, p_attn, mask, dropout_mask, p_dropout, *, p_static, confi
   elif p_static == 0.0:
     dropout = "none"
   else:
-    dropout = 1.0 / (1.0 - p_static)
+    dropout = dropout_scale(p_static)
   kernel = functools.partial(_kernel, num_heads=h, n_rows=sq, n_cols=sk, block_rows=block_rows,
                              chunks=column_chunks(sk, config.split), dropout=dropout)
   args = [grad_output.reshape(b * h, sq, sk), p_attn.reshape(b * h, sq, sk),

@@ -394,3 +394,12 @@ def test_given_delta_checked():
     kernel(*args, 0.1, delta=jnp.zeros((1, 4, 9), jnp.float32), interpret=INTERPRET)
   with pytest.raises((ValueError, TypeError), match="delta"):
     kernel(*args, 0.1, delta=jnp.zeros((1, 4, 8), jnp.bfloat16), interpret=INTERPRET)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.15, 0.3])
+def test_static_dropout_scale_is_the_forwards(p):
+  """The kernels' static scale is the fp32 ``1 / (1 - p)`` the forward multiplies by (in
+  double precision it is one ulp off at p = 0.15), so Pd rebuilt from P and keep matches."""
+  from pallas_kernels._util import dropout_scale
+  forward = jax.jit(lambda r: 1.0 / (1.0 - jnp.asarray(r, jnp.float32)))(p)
+  assert np.float32(dropout_scale(p)) == np.asarray(forward)
