@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_ops import reference, registry
-from pallas_kernels import _checks
+from pallas_kernels import validation as _checks
 from pallas_kernels import attention_softmax_dropout_value as asdv_kernels
 
 _FLOATS = (jnp.bfloat16, jnp.float16, jnp.float32)

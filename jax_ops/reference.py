@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import _checks
+from pallas_kernels import validation as _checks
 
 f32 = jnp.float32
 

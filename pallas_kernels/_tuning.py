@@ -1,15 +1,22 @@
-"""Launch-configuration tables measured on a GPU (``pallas_kernels/tuned/<kernel>.json``).
+"""Launch configurations: validation, per-device tuned tables, the device that runs a call.
 
-A table holds the device kind it was measured on and, per row-length class, the config
-that was fastest there (written by ``benchmarks/tune.py`` and
-``benchmarks/tune_attention.py``). Kernels use a table only on that device kind.
+A tuned table is ``pallas_kernels/tuned/<device folder>/<kernel>.json`` (the folder is the
+device kind in lower case with ``_`` for other characters: ``NVIDIA H200`` ->
+``nvidia_h200``). It maps a row-length class to the config that was fastest there, with
+named fields. It is written by ``benchmarks/tune.py`` / ``benchmarks/tune_attention.py``;
+notes and measurements live in ``benchmarks/results/``. A kernel uses a table only on the
+device kind it was measured on, and a heuristic elsewhere.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
+import re
+
+import jax
 
 from pallas_kernels import _phase
 from pallas_kernels._util import next_power_of_2
@@ -17,19 +24,50 @@ from pallas_kernels._util import next_power_of_2
 TUNED_DIR = os.path.join(os.path.dirname(__file__), "tuned")
 
 
-def table_path(kernel: str) -> str:
-  return os.path.join(TUNED_DIR, f"{kernel}.json")
+def device_dir(device_kind: str) -> str:
+  """The tuned-table folder of a device kind: ``"NVIDIA H200"`` -> ``"nvidia_h200"``."""
+  return re.sub(r"[^0-9a-z]+", "_", device_kind.lower()).strip("_")
+
+
+def table_path(kernel: str, device_kind: str) -> str:
+  return os.path.join(TUNED_DIR, device_dir(device_kind), f"{kernel}.json")
 
 
 @functools.cache
-def table(kernel: str, device_kind: str) -> dict:
-  """``{class: config}`` measured for ``kernel`` on ``device_kind``; empty if none."""
+def table(kernel: str, device_kind: str | None) -> dict:
+  """``{class: {field: value}}`` measured for ``kernel`` on ``device_kind``; empty if none."""
+  if not device_kind:
+    return {}
   try:
-    with open(table_path(kernel)) as f:
+    with open(table_path(kernel, device_kind)) as f:
       data = json.load(f)
   except FileNotFoundError:
     return {}
   return data["configs"] if data.get("device_kind") == device_kind else {}
+
+
+def device_kind_of(*arrays, interpret: bool = False) -> str | None:
+  """The device kind whose tuned table a call uses; ``None`` in interpret mode (heuristics).
+
+  The device is the one that holds the arrays: the first concrete array committed to a
+  single device decides. Under ``jax.jit`` the arrays are tracers that hold no device;
+  then it is the default device (``jax.default_device`` if set, else ``jax.devices()[0]``),
+  where the computation runs unless it is placed elsewhere.
+  """
+  if interpret:
+    return None
+  for x in arrays:
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+      try:
+        devices = x.devices()
+      except Exception:  # an array without a concrete placement
+        continue
+      if len(devices) == 1:
+        return next(iter(devices)).device_kind
+  default = jax.config.jax_default_device
+  if isinstance(default, jax.Device):
+    return default.device_kind
+  return jax.devices()[0].device_kind
 
 
 def tile_length_class(n: int, *, lo: int = 128, hi: int = 1024, align: int = 8) -> str:
@@ -54,30 +92,54 @@ def lookup(configs: dict, key: str):
   return configs.get(key.split("-")[0])
 
 
-# PassConfig.row_align: -1 automatic, 0 off, or a row-class size of pallas_kernels._phase.
+# TritonPassConfig.row_align: -1 automatic, 0 off, or a row-class size of pallas_kernels._phase.
 ROW_ALIGN_VALUES = (-1, 0, *sorted(_phase.ROW_ALIGNS))
 
 
+@dataclasses.dataclass(frozen=True)
+class TritonPassConfig:
+  """Tiles and Triton launch parameters of one tiled kernel (a pass of a backward).
+
+  ``block_q`` query rows by ``block_k`` key columns per tile: powers of two >= 16 (the
+  tensor-core minimum). ``num_warps`` and ``num_stages`` go to the Triton compiler.
+  Kernels add their own fields in subclasses. Invalid values raise ``ValueError`` naming
+  the field.
+  """
+  block_q: int
+  block_k: int
+  num_warps: int
+  num_stages: int
+
+  def __post_init__(self):
+    for f in dataclasses.fields(self):
+      v = getattr(self, f.name)
+      if f.name.startswith("block_") and (not isinstance(v, int) or v < 16 or v & (v - 1)):
+        raise ValueError(f"config.{f.name}: expected a power of two >= 16, got {v!r}")
+    if self.num_warps not in (1, 2, 4, 8, 16):
+      raise ValueError(f"config.num_warps: expected 1, 2, 4, 8 or 16, got {self.num_warps!r}")
+    if not isinstance(self.num_stages, int) or self.num_stages < 1:
+      raise ValueError(f"config.num_stages: expected an int >= 1, got {self.num_stages!r}")
+    if hasattr(self, "row_align") and self.row_align not in ROW_ALIGN_VALUES:
+      raise ValueError(f"config.row_align: expected one of {ROW_ALIGN_VALUES} "
+                       f"(-1: automatic, 0: off), got {self.row_align!r}")
+
+  def capped(self, seq_q: int, seq_k: int) -> "TritonPassConfig":
+    """The tiles capped at the padded lengths (short sequences take smaller tiles)."""
+    return dataclasses.replace(self, block_q=min(self.block_q, max(16, next_power_of_2(seq_q))),
+                               block_k=min(self.block_k, max(16, next_power_of_2(seq_k))))
+
+
 def with_overrides(config, **overrides):
-  """``config`` (a NamedTuple of per-pass NamedTuples, maybe plus plain fields) with each
-  non-``None`` override applied to every pass, and every pass checked: ``block_*`` fields
-  powers of two >= 16, ``num_warps`` and ``num_stages`` >= 1, ``row_align`` one of
-  ``ROW_ALIGN_VALUES``. Raises ``ValueError`` naming the field."""
+  """``config`` (a dataclass of pass configs, maybe plus plain fields such as a scheme
+  name) with each non-``None`` override applied to every pass that has that field; the
+  passes re-validate (``ValueError`` naming the field)."""
   overrides = {k: v for k, v in overrides.items() if v is not None}
-  passes = []
-  for name, c in zip(config._fields, config):
-    if not hasattr(c, "_replace"):  # a non-pass field (a scheme name, say): kept as is
-      passes.append(c)
-      continue
-    c = c._replace(**overrides)
-    c = type(c)(*(bool(v) if f == "prefetch" else int(v) for f, v in zip(c._fields, c)))
-    for field, v in zip(c._fields, c):
-      if field.startswith("block_") and (v < 16 or v & (v - 1)):
-        raise ValueError(f"config.{name}.{field}: expected a power of two >= 16, got {v}")
-      if field == "row_align" and v not in ROW_ALIGN_VALUES:
-        raise ValueError(f"config.{name}.row_align: expected one of {ROW_ALIGN_VALUES} "
-                         f"(-1: automatic, 0: off), got {v}")
-    if c.num_warps < 1 or c.num_stages < 1:
-      raise ValueError(f"config.{name}: num_warps and num_stages must be >= 1, got {c}")
-    passes.append(c)
-  return type(config)(*passes)
+  if not overrides:
+    return config
+  changes = {}
+  for f in dataclasses.fields(config):
+    c = getattr(config, f.name)
+    if dataclasses.is_dataclass(c):
+      changes[f.name] = dataclasses.replace(
+          c, **{k: v for k, v in overrides.items() if hasattr(c, k)})
+  return dataclasses.replace(config, **changes)

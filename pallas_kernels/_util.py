@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import jax
@@ -11,10 +12,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 next_power_of_2 = pl.next_power_of_2
-
-
-def cdiv(a: int, b: int) -> int:
-  return -(-a // b)
 
 
 def dropout_scale(p: float) -> float:
@@ -67,3 +64,33 @@ def out_struct(shape, dtype, *like) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype)
   return jax.ShapeDtypeStruct(shape, dtype,
                               manual_axis_type=jax.sharding.ManualAxisType(varying=varying))
+
+
+DROPOUT_MODES = ("none", "static", "traced")
+
+
+@dataclasses.dataclass(frozen=True)
+class Dropout:
+  """How a kernel applies dropout; one vocabulary for all kernels (a static kernel argument).
+
+  ``mode``: ``"none"`` (a concrete rate of 0: the keep mask is never read), ``"static"``
+  (a concrete rate: ``scale = 1 / (1 - p)`` is a compile-time constant) or ``"traced"``
+  (the rate is a run-time operand; the kernel reads its scale from memory).
+  """
+  mode: str
+  scale: float | None = None
+
+  def __post_init__(self):
+    if self.mode not in DROPOUT_MODES:
+      raise ValueError(f"dropout mode: expected one of {DROPOUT_MODES}, got {self.mode!r}")
+    if (self.mode == "static") != (self.scale is not None):
+      raise ValueError(f"dropout mode {self.mode!r}: a scale goes with 'static' only")
+
+  @classmethod
+  def of(cls, p_static: float | None) -> "Dropout":
+    """The mode for a rate as ``validation.check_dropout_rate`` returns it (``None``: traced)."""
+    if p_static is None:
+      return cls("traced")
+    if p_static == 0.0:
+      return cls("none")
+    return cls("static", dropout_scale(p_static))

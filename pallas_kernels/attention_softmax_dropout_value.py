@@ -28,7 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels import _checks, _phase, _tuning
+from pallas_kernels import validation as _checks, _phase, _tuning
 from pallas_kernels._util import (compiler_params, dot, dropout_scale, next_power_of_2,
                                   out_struct, pallas_call)
 

@@ -37,8 +37,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels import _checks, _tuning
-from pallas_kernels._util import (cdiv, compiler_params, dropout_scale, next_power_of_2,
+from pallas_kernels import validation as _checks, _tuning
+from pallas_kernels._util import (compiler_params, dropout_scale, next_power_of_2,
                                   out_struct, pallas_call)
 
 
@@ -106,7 +106,7 @@ def _kernel(*refs, num_heads, n_rows, n_cols, block_rows, chunks, dropout):
   else:
     g_ref, p_ref, mask_ref, keep_ref, o_ref = refs
   h = pl.program_id(0)
-  n_row_blocks = cdiv(n_rows, block_rows)
+  n_row_blocks = pl.cdiv(n_rows, block_rows)
   t = pl.program_id(1)
   b = t // n_row_blocks
   r0 = (t % n_row_blocks) * block_rows
@@ -176,7 +176,7 @@ def _call(grad_output, p_attn, mask, dropout_mask, p_dropout, *, p_static, confi
   out = pallas_call(
       kernel,
       out_shape=out_struct((b * h, sq, sk), p_attn.dtype, *args),
-      grid=(h, b * cdiv(sq, block_rows)),
+      grid=(h, b * pl.cdiv(sq, block_rows)),
       compiler_params=compiler_params(config.num_warps, num_stages),
       interpret=interpret,
       name="masked_softmax_dropout_backward",

@@ -109,7 +109,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels import _checks, _phase, _tuning
+from pallas_kernels import validation as _checks, _phase, _tuning
 from pallas_kernels._util import compiler_params, dot, next_power_of_2, out_struct, pallas_call
 
 __all__ = ["qk_scale_softmax_backward", "Config", "PassConfig"]
