@@ -94,3 +94,30 @@ class Dropout:
     if p_static == 0.0:
       return cls("none")
     return cls("static", dropout_scale(p_static))
+
+
+def check_can_compile(entry_point: str, interpret: bool, *arrays) -> None:
+  """Raises a clear ``ValueError`` when a Triton kernel is asked to compile off a CUDA GPU.
+
+  The Triton lowering compiles only for CUDA GPUs; elsewhere the kernels run in the Pallas
+  interpreter (``interpret=True``). Without this check the caller would get JAX's bare
+  "Only interpret mode is supported" from inside the lowering.
+  """
+  if interpret:
+    return
+  platform = None
+  for x in arrays:
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+      try:
+        platform = next(iter(x.devices())).platform
+        break
+      except Exception:
+        pass
+  if platform is None:
+    default = jax.config.jax_default_device
+    platform = default.platform if isinstance(default, jax.Device) else jax.default_backend()
+  if platform not in ("gpu", "cuda"):
+    raise ValueError(
+        f"{entry_point}: the Pallas Triton kernels compile only for a CUDA GPU, and these "
+        f"arrays are on the {platform!r} backend; pass interpret=True to run them in the "
+        f"Pallas interpreter (slow; for tests)")
