@@ -30,7 +30,6 @@ import jax.numpy as jnp
 
 from benchmarks.timing import copy_ceiling, device_times_us
 from jax_ops import reference, registry
-from pallas_kernels import attention_softmax_dropout_value as asdv_kernels
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -111,8 +110,8 @@ def _a_op_inputs(dims, p, key):
 
 def _a_op_backward(d_o, probs, dropped, value, keep, out32, p):
   del dropped  # the op does not save Pd
-  return asdv_kernels.attention_softmax_dropout_value_backward_from_delta(
-      d_o, probs, value, keep, p, asdv_kernels.delta_from_output(d_o, out32))
+  backend = registry.get("attention_softmax_dropout_value", BACKEND[0])
+  return backend.backward_from_output(d_o, probs, value, keep, p, out32)
 
 
 PROBLEM_A_OP = Problem(
@@ -212,9 +211,14 @@ def _jitted(fn, kw=()):
   return lambda *args: run(args[-1], *args[:-1])
 
 
+# The backend whose kernels are timed (``--backend``); its ``backward`` has the kernel entry
+# point's signature (for "triton": ``pallas_kernels.<op>_backward`` itself).
+BACKEND = ["triton"]
+
+
 @functools.cache
 def _jit_kernel(op, **kw):
-  return _jitted(registry.resolve(op, registry.PALLAS, False)[1], tuple(sorted(kw.items())))
+  return _jitted(registry.get(op, BACKEND[0]).backward, tuple(sorted(kw.items())))
 
 
 @functools.cache
@@ -295,12 +299,20 @@ def summarize(rows):
 
 
 def write_results(base, op, meta, rows, summary, text=None):
-  """Writes ``base.json`` and ``base.md`` (``text``, default the markdown table)."""
+  """Writes ``base.json``, ``base.md`` (``text``, default the markdown table) and, where
+  matplotlib is installed, the bar chart ``base.png`` (``benchmarks/chart.py``)."""
   text = markdown(op, meta, rows, summary) if text is None else text
   with open(base + ".json", "w") as f:
     json.dump({"op": op, **meta, "summary": summary, "rows": rows}, f, indent=1)
   with open(base + ".md", "w") as f:
     f.write(text)
+  # Imported here so that the benchmark runs without matplotlib (write_chart then prints a note);
+  # the results are written by now, so a chart that cannot be drawn costs a note, not the run.
+  from benchmarks import chart
+  try:
+    chart.write_chart(base + ".json", base + ".png")
+  except Exception as e:  # noqa: BLE001
+    print(f"chart: no chart for {base}.json: {type(e).__name__}: {e}", file=sys.stderr)
   return text
 
 
@@ -308,6 +320,7 @@ def markdown(op, meta, rows, summary):
   lines = [f"# {op}: Pallas kernel vs XLA reference", "",
            f"- date: {meta['date']}", f"- device: {meta['device']}",
            f"- jax: {meta['jax']}", f"- commit: {meta['commit']}",
+           *([f"- Pallas backend: {meta['backend']}"] if meta.get("backend") else []),
            f"- workloads: {summary['workloads']}",
            f"- copy ceiling: {meta['ceiling']['TBps']:.3f} TB/s ({meta['ceiling']['method']}; "
            + ", ".join(f"{k} {v:.3f}" for k, v in meta['ceiling']['all_TBps'].items()) + ")",
@@ -354,6 +367,8 @@ def main(argv=None):
   parser.add_argument("--op", action="append",
                       choices=sorted(PROBLEMS) + ["qk_scale_softmax_causal", A_OP],
                       help="op(s) to run; default: every op that has a Pallas kernel")
+  parser.add_argument("--backend", default="triton",
+                      help="the Pallas backend to time (a name of jax_ops.registry.available)")
   parser.add_argument("--out", default=os.path.join(HERE, "results"))
   parser.add_argument("--calls", type=int, default=30)
   parser.add_argument("--quick", action="store_true", help="first 4 workloads only")
@@ -367,12 +382,13 @@ def main(argv=None):
     return 2
   with open(os.path.join(HERE, "workloads.json")) as f:
     spec = json.load(f)
-  ops = args.op or [op for op in PROBLEMS if registry.PALLAS in registry.available(op)]
+  BACKEND[0] = args.backend
+  ops = args.op or [op for op in PROBLEMS if args.backend in registry.available(op)]
   ceiling = copy_ceiling()
   print(f"copy ceiling {ceiling['TBps']:.3f} TB/s via {ceiling['method']} {ceiling['all_TBps']}")
   meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
           "device": jax.devices()[0].device_kind, "jax": jax.__version__, "commit": _commit(),
-          "ceiling": ceiling, "calls": args.calls}
+          "ceiling": ceiling, "calls": args.calls, "backend": args.backend}
   os.makedirs(args.out, exist_ok=True)
   summaries = {}
   for op in ops:

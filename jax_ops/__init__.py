@@ -1,13 +1,17 @@
 """Differentiable attention ops with Pallas GPU backward passes.
 
 Ops: :func:`attention_softmax_dropout_value`, :func:`masked_softmax_dropout`,
-:func:`qk_scale_softmax`. References (pure jnp): the ``*_reference`` backward
-functions and the ``*_forward`` functions of :mod:`jax_ops.reference`.
+:func:`qk_scale_softmax`. Each takes ``implementation=`` (``None``, ``"pallas"``,
+``"triton"``, ``"xla"`` or a name added with :func:`jax_ops.registry.register`).
+References (pure jnp): the ``*_backward_reference`` functions and the ``*_forward``
+functions of :mod:`jax_ops.reference`.
 """
 
+from jax_ops import registry
 from jax_ops.ops import attention_softmax_dropout_value, masked_softmax_dropout, qk_scale_softmax
 from jax_ops.reference import (
     attention_softmax_dropout_value_backward_reference,
+    causal_mask,
     dropout_keep_mask,
     masked_softmax_dropout_backward_reference,
     qk_scale_softmax_backward_reference,
@@ -16,9 +20,11 @@ from jax_ops.reference import (
 __all__ = [
     "attention_softmax_dropout_value",
     "attention_softmax_dropout_value_backward_reference",
+    "causal_mask",
     "dropout_keep_mask",
     "masked_softmax_dropout",
     "masked_softmax_dropout_backward_reference",
     "qk_scale_softmax",
     "qk_scale_softmax_backward_reference",
+    "registry",
 ]

@@ -15,14 +15,23 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_ops import ops
+from pallas_kernels import validation
 
 
 class _Projections(nnx.Module):
   def __init__(self, embed_dim, num_heads, num_kv_heads, head_dim, *, rngs, dtype):
+    self.embed_dim = embed_dim
     self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
     linear = lambda n: nnx.Linear(embed_dim, n * head_dim, use_bias=False, dtype=dtype, rngs=rngs)
     self.query, self.key, self.value = linear(num_heads), linear(num_kv_heads), linear(num_kv_heads)
     self.out = nnx.Linear(num_heads * head_dim, embed_dim, use_bias=False, dtype=dtype, rngs=rngs)
+
+  def check(self, x):
+    """``x`` must be ``[B, S, E]`` with the layer's embedding width, a float array."""
+    validation.check_array("x", x, ("B", "S", "E"), (None, None, self.embed_dim),
+                           dtypes=(jnp.bfloat16, jnp.float16, jnp.float32))
+    validation.check_positive("x", x, ("B", "S", "E"))
+    return x.shape[0], x.shape[1]
 
   def heads(self, x, proj, n):
     b, s, _ = x.shape
@@ -31,6 +40,26 @@ class _Projections(nnx.Module):
   def merge(self, out_bshd):
     b, s = out_bshd.shape[:2]
     return self.out(out_bshd.reshape(b, s, self.num_heads * self.head_dim))
+
+
+def _mask(mask, b, s, num_heads, *, heads_axis):
+  """A bool attention mask broadcast to ``[B, 1, S, S]`` (``heads_axis=False``) or
+  ``[B, H, S, S]``; any shape that broadcasts to ``[B, H, S, S]`` is accepted
+  (``[S, S]``, ``[B, 1, 1, S]`` padding masks, ...)."""
+  if not hasattr(mask, "shape") or not hasattr(mask, "dtype"):
+    raise TypeError(f"mask: expected a bool array, got {type(mask).__name__}")
+  if mask.dtype != jnp.bool_:
+    raise TypeError(f"mask: expected dtype bool, got {jnp.dtype(mask.dtype).name}")
+  full = (b, num_heads if heads_axis else 1, s, s)
+  try:
+    jnp.broadcast_shapes(mask.shape, (b, num_heads, s, s))
+  except ValueError:
+    raise ValueError(f"mask: expected a shape that broadcasts to [B, H, S, S] = "
+                     f"[{b}, {num_heads}, {s}, {s}], got {list(mask.shape)}") from None
+  if not heads_axis and mask.ndim == 4 and mask.shape[1] != 1:
+    raise ValueError(f"mask: expected [B, 1, Sq, Sk] = [{b}, 1, {s}, {s}] (one mask for all "
+                     f"heads, or a shape that broadcasts to it), got {list(mask.shape)}")
+  return jnp.broadcast_to(mask, full)
 
 
 def _dropout_args(layer, deterministic):
@@ -59,8 +88,11 @@ class GQASelfAttention(nnx.Module):
 
   def __call__(self, x, mask=None, *, deterministic: bool | None = None):
     """``x [B, S, E]``; ``mask`` (optional) bool, broadcastable to ``[B, H, S, S]``,
-    True = attend (e.g. ``causal_mask(S, S)``)."""
+    True = attend (e.g. ``jax_ops.causal_mask(S, S)``)."""
     p = self.proj
+    b, s = p.check(x)
+    if mask is not None:
+      mask = _mask(mask, b, s, p.num_heads, heads_axis=True)
     q, k = p.heads(x, p.query, p.num_heads), p.heads(x, p.key, p.num_kv_heads)
     v = p.heads(x, p.value, p.num_kv_heads)
     k = jnp.repeat(k, p.num_heads // p.num_kv_heads, axis=1)
@@ -76,7 +108,8 @@ class GQASelfAttention(nnx.Module):
 class MaskedAttention(nnx.Module):
   """Multi-head attention on :func:`jax_ops.masked_softmax_dropout` (fp32 softmax).
 
-  ``x [B, S, E]``, ``mask [B, 1, S, S]`` bool (True = attend) -> ``[B, S, E]``.
+  ``x [B, S, E]``, ``mask`` bool (True = attend), one for all heads: ``[B, 1, S, S]`` or any
+  shape that broadcasts to it (``[B, 1, 1, S]`` padding masks, ``[S, S]``) -> ``[B, S, E]``.
   """
 
   def __init__(self, embed_dim: int, num_heads: int, head_dim: int, *,
@@ -88,6 +121,8 @@ class MaskedAttention(nnx.Module):
 
   def __call__(self, x, mask, *, deterministic: bool | None = None):
     p = self.proj
+    b, s = p.check(x)
+    mask = _mask(mask, b, s, p.num_heads, heads_axis=False)
     q, k, v = (p.heads(x, f, p.num_heads) for f in (p.query, p.key, p.value))
     scores = jnp.einsum("bhqd,bhkd->bhqk", q, k).astype(jnp.float32) / math.sqrt(p.head_dim)
     probs = ops.masked_softmax_dropout(
@@ -111,6 +146,7 @@ class QKSoftmaxAttention(nnx.Module):
 
   def __call__(self, x):
     p = self.proj
+    p.check(x)
     q, k, v = (p.heads(x, f, p.num_heads) for f in (p.query, p.key, p.value))
     weights = ops.qk_scale_softmax(q, k, causal=self.causal, implementation=self.implementation,
                                    interpret=self.interpret)

@@ -1,80 +1,152 @@
-"""The implementations behind each differentiable op's backward pass.
+"""The backends of each op's backward pass, and how a call picks one.
 
-Each op names its backward computation; each computation maps implementation
-names to functions with the reference's signature (plus ``interpret`` for the
-Pallas ones). ``"xla"`` is the pure-jnp reference. ``"pallas"`` is the Pallas
-Triton kernel, the one GPU ``pallas_call`` path in jax 0.11; a Mosaic GPU
-version would register under its own name beside it.
+``implementation=`` of every op takes:
+
+* ``None``: the backend of highest priority that supports the device and the problem
+  (the builtin priorities follow measured speed: the Triton kernels, faster than XLA on
+  every benchmark workload, come first on a GPU), else ``"xla"``. Never an error because
+  of the device;
+* ``"pallas"``: the best Pallas backend for the device;
+* a backend's name (``"xla"``, ``"triton"``, or one added with :func:`register`).
+
+The builtin backends are listed by module path and imported on first use, so an op's code
+never imports a backend file: adding one is a file with a :class:`jax_ops.backend.Backend`
+subclass plus its line in ``_BUILTIN``.
 """
 
 from __future__ import annotations
 
-import functools
+import importlib
 from collections.abc import Callable
 
 import jax
 
-import pallas_kernels
-from jax_ops import reference
+from jax_ops.backend import Backend, FunctionBackend, Problem
 
 XLA = "xla"
-PALLAS = "pallas"
+TRITON = "triton"
+PALLAS = "pallas"  # an alias: the best Pallas backend for the device
 
-_BACKWARDS: dict[str, dict[str, Callable]] = {
+OPS = ("attention_softmax_dropout_value", "masked_softmax_dropout", "qk_scale_softmax")
+
+_BUILTIN = {
     "attention_softmax_dropout_value": {
-        XLA: reference.attention_softmax_dropout_value_backward_reference,
-        PALLAS: pallas_kernels.attention_softmax_dropout_value_backward,
+        XLA: "jax_ops.attention_value.xla",
+        TRITON: "jax_ops.attention_value.pallas_triton",
     },
     "masked_softmax_dropout": {
-        XLA: reference.masked_softmax_dropout_backward_reference,
-        PALLAS: pallas_kernels.masked_softmax_dropout_backward,
+        XLA: "jax_ops.masked_softmax.xla",
+        TRITON: "jax_ops.masked_softmax.pallas_triton",
     },
     "qk_scale_softmax": {
-        XLA: reference.qk_scale_softmax_backward_reference,
-        PALLAS: pallas_kernels.qk_scale_softmax_backward,
+        XLA: "jax_ops.qk_softmax.xla",
+        TRITON: "jax_ops.qk_softmax.pallas_triton",
     },
 }
 
-
-# Ops whose Pallas backward is what ``implementation=None`` picks on a GPU: only
-# those measured faster than XLA on every benchmark workload (benchmarks/results/;
-# today all three). A kernel added later that is not yet faster everywhere stays
-# selectable with ``implementation="pallas"`` without becoming the default.
-_PALLAS_BY_DEFAULT = {"masked_softmax_dropout", "attention_softmax_dropout_value",
-                      "qk_scale_softmax"}
+_REGISTERED: dict[str, dict[str, Backend]] = {op: {} for op in OPS}
 
 
-def register(op: str, name: str, fn: Callable) -> None:
-  """Adds (or replaces) implementation ``name`` of ``op``'s backward pass."""
-  _BACKWARDS[op][name] = fn
+def _check_op(op: str) -> None:
+  if op not in _REGISTERED:
+    raise ValueError(f"op: expected one of {list(OPS)}, got {op!r}")
+
+
+def register(op: str, name: str, backward: Callable | Backend) -> None:
+  """Adds (or replaces) backend ``name`` of ``op``'s backward.
+
+  ``backward`` is a :class:`~jax_ops.backend.Backend`, or a function with the reference
+  backward's positional signature (``jax_ops.*_backward_reference``), which then takes
+  every device and shape and is used when a call says ``implementation=name``.
+  """
+  _check_op(op)
+  if name == PALLAS:
+    raise ValueError(f"name: {PALLAS!r} is the alias of the best Pallas backend; pick another")
+  if not isinstance(backward, Backend):
+    if not callable(backward):
+      raise TypeError(f"backward: expected a Backend or a function, got {type(backward).__name__}")
+    backward = FunctionBackend(name, backward)
+  elif backward.name != name:
+    raise ValueError(f"backward: its name {backward.name!r} differs from name {name!r}")
+  _REGISTERED[op][name] = backward
+
+
+def unregister(op: str, name: str) -> None:
+  """Removes a backend added with :func:`register` (builtin ones stay)."""
+  _check_op(op)
+  _REGISTERED[op].pop(name, None)
 
 
 def available(op: str) -> tuple[str, ...]:
-  return tuple(_BACKWARDS[op])
+  """The backend names of ``op``: the builtin ones, then those registered."""
+  _check_op(op)
+  return tuple(dict.fromkeys([*_BUILTIN[op], *_REGISTERED[op]]))
 
 
-def resolve(op: str, implementation: str | None, interpret: bool) -> tuple[str, Callable]:
-  """Picks ``op``'s backward: ``None`` means the Pallas kernel where one exists
-  for the device (a GPU, or any backend with ``interpret=True``) and is the
-  measured default for the op, else XLA.
+def get(op: str, name: str) -> Backend:
+  """The backend ``name`` of ``op`` (not the ``"pallas"`` alias: see :func:`resolve`)."""
+  _check_op(op)
+  if name in _REGISTERED[op]:
+    return _REGISTERED[op][name]
+  if name in _BUILTIN[op]:
+    return importlib.import_module(_BUILTIN[op][name]).BACKEND
+  raise ValueError(f"implementation: expected one of {sorted(available(op))}, "
+                   f"{PALLAS!r} or None for {op}, got {name!r}")
 
-  Returns the implementation's name and a function of the reference's
-  arguments (Pallas kernels get ``interpret`` bound; keywords such as
-  ``causal`` pass through).
-  """
-  impls = _BACKWARDS[op]
-  if implementation is None:
-    use_pallas = (PALLAS in impls and op in _PALLAS_BY_DEFAULT
-                  and (interpret or jax.default_backend() == "gpu"))
-    implementation = PALLAS if use_pallas else XLA
-  if implementation not in impls:
+
+def device_of(*arrays) -> jax.Device | None:
+  """The device that holds the arrays: the first concrete array on a single device decides;
+  under ``jax.jit`` (tracers) it is the default device. ``None`` if there is none."""
+  for x in arrays:
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+      try:
+        devices = x.devices()
+      except Exception:
+        continue
+      if len(devices) == 1:
+        return next(iter(devices))
+  default = jax.config.jax_default_device
+  if isinstance(default, jax.Device):
+    return default
+  return jax.devices()[0]
+
+
+def _usable(backend: Backend, problem: Problem) -> bool:
+  if problem.interpret and backend.pallas:
+    on_device = True  # the Pallas interpreter runs anywhere
+  else:
+    on_device = backend.supported_on(problem.device)
+  return on_device and backend.supports(problem)
+
+
+def resolve(op: str, implementation: str | None, problem: Problem) -> Backend:
+  """The backend a call of ``op`` uses (see the module docstring). A forced name raises
+  ``ValueError`` saying why when its backend does not take the device or the problem."""
+  _check_op(op)
+  if implementation is None or implementation == PALLAS:
+    backends = [get(op, n) for n in available(op)]
+    if implementation == PALLAS:
+      backends = [b for b in backends if b.pallas]
+    usable = [b for b in backends if _usable(b, problem)]
+    if usable:
+      return max(usable, key=lambda b: b.priority)
+    if implementation is None:
+      return get(op, XLA)
+    device = problem.device.platform if problem.device is not None else jax.default_backend()
     raise ValueError(
-        f"implementation: expected one of {sorted(impls)} or None for {op}, got {implementation!r}")
-  if implementation == PALLAS and not interpret and jax.default_backend() != "gpu":
+        f"implementation='pallas': no Pallas backend of {op} takes this call on the "
+        f"{device!r} backend (the Triton kernels compile only for a CUDA GPU); pass "
+        f"interpret=True to run them in the Pallas interpreter, or leave implementation=None")
+  if not isinstance(implementation, str):
+    raise TypeError(f"implementation: expected a backend name or None, got "
+                    f"{type(implementation).__name__}")
+  backend = get(op, implementation)
+  if not (problem.interpret and backend.pallas) and not backend.supported_on(problem.device):
+    device = problem.device.platform if problem.device is not None else jax.default_backend()
     raise ValueError(
-        f"implementation='pallas': the Pallas Triton kernels compile only for a CUDA GPU; on "
-        f"the {jax.default_backend()!r} backend pass interpret=True (or leave implementation=None)")
-  fn = impls[implementation]
-  if implementation == PALLAS:
-    fn = functools.partial(fn, interpret=interpret)
-  return implementation, fn
+        f"implementation={implementation!r}: this backend of {op} does not compile for the "
+        f"{device!r} backend" + ("; pass interpret=True to run it in the Pallas interpreter, "
+                                 "or leave implementation=None" if backend.pallas else ""))
+  if not backend.supports(problem):
+    raise ValueError(f"implementation={implementation!r}: {backend.unsupported_reason(problem)}")
+  return backend

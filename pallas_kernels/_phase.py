@@ -32,6 +32,7 @@ callers use this only for arrays of fewer than ``2**31`` elements (:func:`usable
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -92,6 +93,12 @@ def resolve(row_align: int, rows: int, block_rows: int, max_align: int) -> tuple
   return align, _block(rows, align, block_rows)
 
 
+def _i32(n: int):
+  """A static int as an int32 operand: index arithmetic stays int32, also under x64 (where
+  a Python int next to a traced int32 would be an int64 and ``lax`` refuses the mix)."""
+  return np.int32(n)
+
+
 def _block(rows: int, align: int, block_rows: int) -> int:
   """``block_rows`` capped at the padded class size (``rows / align``), and >= 16."""
   per = -(-rows // align)
@@ -106,14 +113,14 @@ def num_programs(rows: int, align: int, block: int) -> int:
 def class_rows(program, align: int, block: int):
   """``(class, first row, [block] rows)`` of grid program ``program`` (see
   :func:`num_programs`: programs of one tile index run the ``align`` classes together)."""
-  cls = lax.rem(program, align)
-  first = cls + align * block * lax.div(program, align)
-  return cls, first, first + align * jnp.arange(block, dtype=jnp.int32)
+  cls = lax.rem(program, _i32(align))
+  first = cls + _i32(align * block) * lax.div(program, _i32(align))
+  return cls, first, first + _i32(align) * jnp.arange(block, dtype=jnp.int32)
 
 
 def phase(first_row, row_len: int, align: int = ALIGN):
   """``(first_row * row_len) % align`` for a traced int32 row index, without overflow."""
-  return lax.rem(lax.rem(first_row, align) * (row_len % align), align)
+  return lax.rem(lax.rem(first_row, _i32(align)) * _i32(row_len % align), _i32(align))
 
 
 def aligned_base(first_row, row_len: int, ph, align: int = ALIGN):
@@ -132,11 +139,11 @@ def tile_offsets(base, row_len: int, rows: int, col0, cols: int, align: int = AL
 
 def num_tiles(row_len: int, block: int, ph):
   """Column tiles covering a row shifted by ``ph``: ``cdiv(row_len + ph, block)``."""
-  return lax.div(row_len + ph + block - 1, block)
+  return lax.div(_i32(row_len) + ph + _i32(block) - _i32(1), _i32(block))
 
 
 def _round_down(x):
-  return lax.div(x, ALIGN) * ALIGN  # x >= 0 here; the product is a known multiple of 8
+  return lax.div(x, _i32(ALIGN)) * _i32(ALIGN)  # x >= 0 here; a known multiple of 8
 
 
 def tile_masks(j, row_len: int, block: int, ph):

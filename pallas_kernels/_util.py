@@ -10,6 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
+# The Pallas interpreter imports the fuser lazily, on its first run, and the fuser registers a
+# config that is part of JAX's tracing context: every function jitted before that run would
+# then miss its cache and compile again on its second call. Importing it here, before anything
+# is traced, keeps the context fixed.
+import jax.experimental.pallas.fuser  # noqa: F401,E402
 
 next_power_of_2 = pl.next_power_of_2
 

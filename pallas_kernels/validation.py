@@ -109,10 +109,12 @@ def nan_unless_rate_valid(p, value):
 
 
 def check_scaling(name: str, x) -> float | None:
-  """A finite real scale factor as a float, or ``None`` when it is traced."""
+  """A finite scale factor > 0 as a float, or ``None`` when it is traced (a traced scale
+  cannot be checked). ``scaling = 0`` would make every softmax uniform and a negative one
+  reverse the logits' order: neither is a softmax temperature."""
   value = concrete_float(name, x)
-  if value is not None and not math.isfinite(value):
-    raise ValueError(f"{name}: expected a finite number, got {value}")
+  if value is not None and not (math.isfinite(value) and value > 0):
+    raise ValueError(f"{name}: expected a finite number > 0, got {value}")
   return value
 
 
@@ -166,11 +168,21 @@ def check_problem_a(grad_attn_output, attn_weights, attn_weights_dropped, value_
 def check_problem_b(grad_output, p_attn, mask, dropout_mask, p_dropout, *,
                     dtypes=_LOW) -> float | None:
   """Checks the arguments of the masked softmax-dropout backward (problem B)."""
-  check_array("p_attn", p_attn, ("B", "H", "Sq", "Sk"), dtypes=dtypes)
-  check_positive("p_attn", p_attn, ("B", "H", "Sq", "Sk"))
+  axes = ("B", "H", "Sq", "Sk")
+  check_array("p_attn", p_attn, axes, dtypes=dtypes)
+  check_positive("p_attn", p_attn, axes)
+  check_array("grad_output", grad_output, axes, dtypes=(p_attn.dtype,))
+  if grad_output.shape != p_attn.shape:
+    # Blame the one that disagrees with the attention mask (B, Sq, Sk); if the mask does
+    # not settle it, p_attn is taken as the reference shape.
+    mask_shape = tuple(getattr(mask, "shape", ()))
+    def fits(x):
+      return len(mask_shape) == 4 and (x.shape[0], x.shape[2], x.shape[3]) == (
+          mask_shape[0], mask_shape[2], mask_shape[3])
+    if fits(grad_output) and not fits(p_attn):
+      check_array("p_attn", p_attn, axes, grad_output.shape)
+    check_array("grad_output", grad_output, axes, p_attn.shape)
   b, h, sq, sk = p_attn.shape
-  check_array("grad_output", grad_output, ("B", "H", "Sq", "Sk"), p_attn.shape,
-              dtypes=(p_attn.dtype,))
   check_array("mask", mask, ("B", "1", "Sq", "Sk"), (b, 1, sq, sk), dtypes=(jnp.bool_,))
   p = check_dropout_rate("p_dropout", p_dropout)
   if p != 0.0:  # a rate of exactly 0 never reads the dropout mask, so it may be None

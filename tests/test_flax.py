@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 from conftest import INTERPRET, assert_close
+import jax_ops
 
 nnx = pytest.importorskip("flax.nnx")
 from jax_ops.nnx import GQASelfAttention, MaskedAttention, QKSoftmaxAttention  # noqa: E402
@@ -71,3 +72,28 @@ def test_layer_errors():
   layer, _ = _layers("xla")["masked"]
   with pytest.raises(ValueError, match=r"mask: expected \[B, 1, Sq, Sk\]"):
     layer(jnp.ones((2, S, E)), jnp.ones((2, 4, S, S), bool))
+
+
+def test_layers_check_x_and_masks():
+  """x must be [B, S, E] with the layer's width; a masked layer takes any mask that
+  broadcasts to [B, 1, S, S] (a [B, 1, 1, S] padding mask, say), as the GQA layer does."""
+  layers = _layers("xla")
+  for name, (layer, _) in layers.items():
+    args = (jnp.ones((2, S, S), bool),) if name == "masked" else ()
+    with pytest.raises(ValueError, match=r"x: expected rank 3 \[B, S, E\], got shape \[2, 32\]"):
+      layer(jnp.ones((2, E)), *args)
+    with pytest.raises(ValueError, match=rf"x: expected \[B, S, E\] = \[\*, \*, {E}\], got \[2, {S}, {E + 1}\]"):
+      layer(jnp.ones((2, S, E + 1)), *args)
+  x = jax.random.normal(jax.random.key(0), (2, S, E))
+  pad = jnp.arange(S)[None, None, None, :] < jnp.array([S, S - 3])[:, None, None, None]
+  masked, _ = layers["masked"]
+  a = masked(x, pad, deterministic=True)
+  b = masked(x, jnp.broadcast_to(pad, (2, 1, S, S)), deterministic=True)
+  assert bool(jnp.all(a == b))
+  with pytest.raises(ValueError, match=r"mask: expected a shape that broadcasts"):
+    masked(x, jnp.ones((3, 1, S, S), bool))
+  with pytest.raises(TypeError, match=r"mask: expected dtype bool"):
+    masked(x, jnp.ones((2, 1, S, S)))
+  gqa, _ = layers["gqa"]
+  gqa(x.astype(jnp.bfloat16), pad, deterministic=True)
+  assert jax_ops.causal_mask(3, 3).shape == (3, 3)

@@ -1,5 +1,5 @@
-"""The differentiable ops: gradients against jax.vjp of the plain-jnp forward,
-every implementation, and the errors bad input gets."""
+"""The differentiable ops' API across the three ops: the errors bad input gets, dropout
+keys, vmap of gradients. (Each op's numbers, for every backend: tests/<op>/op_base.py.)"""
 
 import jax
 import jax.numpy as jnp
@@ -7,166 +7,12 @@ import pytest
 
 from conftest import INTERPRET, assert_close, keys
 import jax_ops
-from jax_ops import reference, registry
 
 F32 = jnp.float32
 
 
-def _vjp(forward, primals, cotangent):
-  out, pullback = jax.vjp(forward, *primals)
-  return out, pullback(cotangent)
-
-
-def _impls(op):
-  return [name for name in registry.available(op)]
-
-
-@pytest.mark.parametrize("implementation", _impls("masked_softmax_dropout"))
-@pytest.mark.parametrize("b,h,sq,sk,rate", [(2, 3, 7, 7, 0.1), (1, 2, 13, 5, 0.0)])
-def test_masked_softmax_dropout_grad(implementation, b, h, sq, sk, rate):
-  k = keys(0, 4)
-  scores = jax.random.normal(k[0], (b, h, sq, sk), F32)
-  mask = jax.random.bernoulli(k[1], 0.7, (b, 1, sq, sk))
-  ct = jax.random.normal(k[3], (b, h, sq, sk), F32)
-  op = lambda s: jax_ops.masked_softmax_dropout(
-      s, mask, dropout_rate=rate, dropout_rng=k[2], implementation=implementation,
-      interpret=INTERPRET)
-  keep = reference.dropout_keep_mask(k[2], rate, scores.shape) if rate else None
-  plain = lambda s: reference.masked_softmax_dropout_forward(s, mask, keep, rate)[0]
-  out, (grad,) = _vjp(jax.jit(op), (scores,), ct)
-  ref_out, (ref_grad,) = _vjp(plain, (scores,), ct)
-  assert_close(out, ref_out, atol=1e-6, rtol=1e-6)
-  assert_close(grad, ref_grad, atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("implementation", _impls("attention_softmax_dropout_value"))
-@pytest.mark.parametrize("b,h,kvh,sq,skv,d,rate", [
-    (2, 4, 2, 7, 9, 16, 0.1),
-    (1, 10, 1, 5, 33, 64, 0.0),
-    (1, 3, 3, 17, 4, 40, 0.2),
-])
-def test_attention_softmax_dropout_value_grad(implementation, b, h, kvh, sq, skv, d, rate):
-  k = keys(1, 4)
-  scores = jax.random.normal(k[0], (b, h, sq, skv), jnp.bfloat16)
-  value = jax.random.normal(k[1], (b, kvh, skv, d), jnp.bfloat16)
-  ct = jax.random.normal(k[3], (b, sq, h, d), jnp.bfloat16)
-  op = lambda s, v: jax_ops.attention_softmax_dropout_value(
-      s, v, dropout_rate=rate, dropout_rng=k[2], implementation=implementation,
-      interpret=INTERPRET)
-  keep = reference.dropout_keep_mask(k[2], rate, scores.shape) if rate else None
-  # The plain forward in fp32: autodiff of it is the exact gradient.
-  plain = lambda s, v: reference.attention_softmax_dropout_value_forward(
-      s.astype(F32), v.astype(F32), keep, rate)[0]
-  out, (g_s, g_v) = _vjp(jax.jit(op), (scores, value), ct)
-  ref_out, (r_s, r_v) = _vjp(plain, (scores, value), ct.astype(F32))
-  assert out.shape == (b, sq, h, d) and out.dtype == jnp.bfloat16
-  assert g_s.dtype == jnp.bfloat16 and g_v.dtype == jnp.bfloat16
-  assert_close(out, ref_out, atol=1e-2, rtol=2e-2, name="output")
-  # bf16 forward residuals against an fp32 forward: compare at bf16 resolution.
-  assert_close(g_s, r_s, atol=2e-3 * float(jnp.abs(r_s).max()), rtol=5e-2, name="d_scores")
-  assert_close(g_v, r_v, atol=1e-2 * float(jnp.abs(r_v).max()), rtol=5e-2, name="d_value")
-
-
-@pytest.mark.parametrize("b,h,kvh,sq,skv,d,rate", [
-    (2, 4, 2, 7, 16, 16, 0.1),
-    (1, 10, 1, 5, 40, 64, 0.0),
-    (1, 4, 2, 9, 80, 40, "traced"),
-    (1, 4, 1, 6, 136, 16, 0.1),
-])
-def test_attention_softmax_dropout_value_grad_from_delta(monkeypatch, b, h, kvh, sq, skv, d,
-                                                         rate):
-  """The Pallas backward that takes delta from the saved output (the op's path on rows of
-  >= 512 aligned keys; the threshold lowered here so small rows take it), against
-  autodiff of the fp32 forward; 64-key tiles: rows of 80 and 136 keys read the delta made
-  from the saved output, shorter ones compute it in the tile."""
-  from jax_ops import ops
-  monkeypatch.setattr(ops, "_FROM_DELTA_MIN_KEYS", 8)
-  k = keys(7, 4)
-  p = 0.15 if rate == "traced" else rate
-  scores = jax.random.normal(k[0], (b, h, sq, skv), jnp.bfloat16)
-  value = jax.random.normal(k[1], (b, kvh, skv, d), jnp.bfloat16)
-  ct = jax.random.normal(k[3], (b, sq, h, d), jnp.bfloat16)
-  op = lambda s, v, r: jax_ops.attention_softmax_dropout_value(
-      s, v, dropout_rate=r, dropout_rng=k[2], implementation="pallas", interpret=INTERPRET)
-  if rate == "traced":
-    backward = lambda s, v, r: jax.vjp(lambda s, v: op(s, v, r), s, v)[1](ct)
-    args = (scores, value, jnp.float32(p))
-  else:
-    backward = lambda s, v: jax.vjp(lambda s, v: op(s, v, p), s, v)[1](ct)
-    args = (scores, value)
-  assert "attention_dropout_value_bwd_ds_dv" in str(jax.make_jaxpr(backward)(*args))
-  g_s, g_v = jax.jit(backward)(*args)
-  keep = reference.dropout_keep_mask(k[2], p, scores.shape) if p else None
-  plain = lambda s, v: reference.attention_softmax_dropout_value_forward(
-      s.astype(F32), v.astype(F32), keep, p)[0]
-  _, (r_s, r_v) = _vjp(plain, (scores, value), ct.astype(F32))
-  assert_close(g_s, r_s, atol=2e-3 * float(jnp.abs(r_s).max()), rtol=5e-2, name="d_scores")
-  assert_close(g_v, r_v, atol=1e-2 * float(jnp.abs(r_v).max()), rtol=5e-2, name="d_value")
-
-
-def test_attention_softmax_dropout_value_backward_choice():
-  """Short or unaligned rows keep the two-kernel backward (from Pd); rows of >= 512 keys
-  that are a multiple of 8 take the one from delta."""
-  k = keys(8, 2)
-  def kernels(skv):
-    s = jnp.zeros((1, 2, 3, skv), jnp.bfloat16)
-    v = jnp.zeros((1, 1, skv, 16), jnp.bfloat16)
-    op = lambda s, v: jax_ops.attention_softmax_dropout_value(
-        s, v, dropout_rate=0.1, dropout_rng=k[0], implementation="pallas", interpret=INTERPRET)
-    ct = jnp.zeros((1, 3, 2, 16), jnp.bfloat16)
-    return str(jax.make_jaxpr(lambda s, v: jax.vjp(op, s, v)[1](ct))(s, v))
-  for skv, from_delta in ((256, False), (515, False), (512, True)):
-    jaxpr = kernels(skv)
-    assert ("attention_dropout_value_bwd_ds_dv" in jaxpr) == from_delta, skv
-    assert ("attention_dropout_value_bwd_dv" in jaxpr) != from_delta, skv
-
-
-@pytest.mark.parametrize("implementation", _impls("qk_scale_softmax"))
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("b,h,sq,sk,d", [(2, 3, 7, 7, 16), (1, 2, 5, 33, 64), (1, 1, 17, 17, 40)])
-def test_qk_scale_softmax_grad(implementation, causal, b, h, sq, sk, d):
-  k = keys(2, 3)
-  query = jax.random.normal(k[0], (b, h, sq, d), jnp.bfloat16)
-  key = jax.random.normal(k[1], (b, h, sk, d), jnp.bfloat16)
-  ct = jax.random.normal(k[2], (b, h, sq, sk), jnp.bfloat16)
-  op = lambda q, kk: jax_ops.qk_scale_softmax(q, kk, causal=causal, implementation=implementation,
-                                              interpret=INTERPRET)
-  plain = lambda q, kk: reference.qk_scale_softmax_forward(
-      q.astype(F32), kk.astype(F32), d ** -0.5, causal)
-  out, (g_q, g_k) = _vjp(jax.jit(op), (query, key), ct)
-  ref_out, (r_q, r_k) = _vjp(plain, (query, key), ct.astype(F32))
-  assert_close(out, ref_out, atol=1e-2, rtol=2e-2, name="probs")
-  if causal:
-    assert bool(jnp.all(jnp.where(reference.causal_mask(sq, sk), 0, out) == 0))
-  assert_close(g_q, r_q, atol=1e-2 * float(jnp.abs(r_q).max()), rtol=5e-2, name="d_query")
-  assert_close(g_k, r_k, atol=1e-2 * float(jnp.abs(r_k).max()), rtol=5e-2, name="d_key")
-
-
-def test_no_rng_means_no_dropout():
-  k = keys(3, 2)
-  scores = jax.random.normal(k[0], (1, 2, 5, 5))
-  mask = jnp.ones((1, 1, 5, 5), bool)
-  a = jax_ops.masked_softmax_dropout(scores, mask, dropout_rate=0.5, dropout_rng=None)
-  b = jax_ops.masked_softmax_dropout(scores, mask)
-  assert bool(jnp.all(a == b))
-  assert_close(jnp.sum(a, -1), jnp.ones((1, 2, 5)), atol=1e-6, rtol=0)
-
-
-def test_traced_dropout_rate_under_jit():
-  k = keys(4, 3)
-  scores = jax.random.normal(k[0], (1, 2, 6, 6))
-  mask = jax.random.bernoulli(k[1], 0.7, (1, 1, 6, 6))
-  grad_at = lambda rate: jax.grad(lambda s: jnp.sum(jax_ops.masked_softmax_dropout(
-      s, mask, dropout_rate=rate, dropout_rng=k[2], implementation="pallas",
-      interpret=INTERPRET) ** 2))(scores)
-  for rate in (0.0, 0.25):
-    keep = reference.dropout_keep_mask(k[2], rate, scores.shape) if rate else None
-    want = jax.grad(lambda s: jnp.sum(
-        reference.masked_softmax_dropout_forward(s, mask, keep, rate)[0] ** 2))(scores)
-    assert_close(jax.jit(grad_at)(jnp.float32(rate)), want, atol=1e-5, rtol=1e-5)
-
-
 # --- bad input ------------------------------------------------------------------------------
+
 
 def _bf16(*shape):
   return jnp.ones(shape, jnp.bfloat16)
@@ -185,32 +31,6 @@ def test_dropout_rate_out_of_range(rate):
     jax_ops.attention_softmax_dropout_value_backward_reference(
         _bf16(1, 2, 1, 4), _bf16(1, 1, 2, 3), _bf16(1, 1, 2, 3), _bf16(1, 1, 3, 4),
         jnp.ones((1, 1, 2, 3), bool), rate)
-
-
-# 1.0 is the boundary of the valid range; values above it take the same check.
-@pytest.mark.parametrize("bad", [-0.5, 1.0, float("nan")])
-def test_traced_dropout_rate_out_of_range_gives_nan(bad):
-  """A traced rate's value is unknown at trace time and cannot raise when the computation
-  runs: an invalid one makes the op's output and gradient NaN (jit, grad, vmap with one bad
-  rate in the batch), never mis-scaled values; a valid traced rate works under
-  jax.checkpoint as well."""
-  k = keys(5, 2)
-  scores = jax.random.normal(k[0], (1, 2, 4, 5))
-  mask = jnp.ones((1, 1, 4, 5), bool)
-  op = lambda s, p: jax_ops.masked_softmax_dropout(s, mask, dropout_rate=p, dropout_rng=k[1],
-                                                   interpret=INTERPRET)
-  loss = lambda s, p: op(s, p).sum()
-  assert bool(jnp.all(jnp.isnan(jax.jit(op)(scores, bad))))
-  assert bool(jnp.all(jnp.isnan(jax.jit(jax.grad(loss))(scores, bad))))
-  both = jax.vmap(op, (None, 0))(scores, jnp.array([0.1, bad]))
-  assert bool(jnp.all(jnp.isfinite(both[0]))) and bool(jnp.all(jnp.isnan(both[1])))
-  ok = jax.jit(jax.grad(jax.checkpoint(loss)))(scores, 0.25)
-  want = jax.grad(loss)(scores, 0.25)
-  assert_close(ok, want, atol=1e-6, rtol=1e-6)
-  value = jax.random.normal(k[0], (1, 1, 5, 8), jnp.bfloat16)
-  out = jax.jit(lambda p: jax_ops.attention_softmax_dropout_value(
-      scores.astype(jnp.bfloat16), value, dropout_rate=p, dropout_rng=k[1]))(bad)
-  assert bool(jnp.all(jnp.isnan(out.astype(F32))))
 
 
 @pytest.mark.parametrize("bad", [-0.5, 1.0])
@@ -325,25 +145,6 @@ def test_kernel_validates_its_arguments():
         None, 0.0, config=Config(3, 4), interpret=True)
 
 
-def test_registry_defaults():
-  # None means XLA off a GPU and the measured-default kernel on one; with interpret=True
-  # the measured-default kernel runs anywhere.
-  on_gpu = jax.default_backend() == "gpu"
-  assert registry.resolve("masked_softmax_dropout", None, False)[0] == (
-      "pallas" if on_gpu else "xla")
-  assert registry.resolve("masked_softmax_dropout", None, True)[0] == "pallas"
-  assert registry.resolve("attention_softmax_dropout_value", None, True)[0] == "pallas"
-  assert registry.resolve("qk_scale_softmax", None, True)[0] == "pallas"
-  assert registry.resolve("qk_scale_softmax", None, False)[0] == ("pallas" if on_gpu else "xla")
-  assert registry.resolve("qk_scale_softmax", "xla", True)[0] == "xla"
-  if on_gpu:
-    assert registry.resolve("qk_scale_softmax", "pallas", False)[0] == "pallas"
-  else:  # a forced Pallas kernel off a GPU needs the interpreter: said at once, not in grad
-    with pytest.raises(ValueError, match="implementation='pallas'.*interpret=True"):
-      registry.resolve("qk_scale_softmax", "pallas", False)
-  assert set(registry.available("attention_softmax_dropout_value")) == {"xla", "pallas"}
-
-
 @pytest.mark.parametrize("op_name", ["attention_softmax_dropout_value", "masked_softmax_dropout",
                                      "qk_scale_softmax"])
 def test_vmap_of_grad_over_extra_axis(op_name):
@@ -377,3 +178,41 @@ def test_vmap_of_grad_over_extra_axis(op_name):
     single = jax.jit(grad)(*(x[i] for x in xs))
     for got, want in zip(batched, single):
       assert_close(got[i], want, atol=1e-6, rtol=rtol)
+
+
+def test_dropout_needs_a_key():
+  """A rate that may be > 0 without a key raises (as flax.nnx.Dropout does) instead of
+  silently applying no dropout; a rate of 0 needs none."""
+  k = keys(3, 2)
+  scores = jax.random.normal(k[0], (1, 2, 5, 5))
+  mask = jnp.ones((1, 1, 5, 5), bool)
+  with pytest.raises(ValueError, match=r"dropout_rng: dropout_rate=0.5 needs a PRNG key"):
+    jax_ops.masked_softmax_dropout(scores, mask, dropout_rate=0.5, dropout_rng=None)
+  with pytest.raises(ValueError, match=r"dropout_rng: a traced dropout_rate needs a PRNG key"):
+    jax.jit(lambda p: jax_ops.masked_softmax_dropout(scores, mask, dropout_rate=p))(0.1)
+  with pytest.raises(ValueError, match=r"dropout_rng: dropout_rate=0.1 needs a PRNG key"):
+    jax_ops.attention_softmax_dropout_value(_bf16(1, 2, 2, 3), _bf16(1, 1, 3, 8),
+                                            dropout_rate=0.1)
+  a = jax_ops.masked_softmax_dropout(scores, mask, dropout_rate=0.0, dropout_rng=None)
+  b = jax_ops.masked_softmax_dropout(scores, mask)
+  assert bool(jnp.all(a == b))
+  assert_close(jnp.sum(a, -1), jnp.ones((1, 2, 5)), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("bad", [0.0, -0.1])
+def test_scaling_must_be_positive(bad):
+  with pytest.raises(ValueError, match=r"scaling: expected a finite number > 0, got"):
+    jax_ops.qk_scale_softmax(_bf16(1, 2, 3, 8), _bf16(1, 2, 3, 8), scaling=bad)
+
+
+def test_kernel_b_blames_the_argument_that_disagrees():
+  import pallas_kernels
+  g, mask, keep = jnp.ones((2, 1, 4, 5)), jnp.ones((2, 1, 4, 5), bool), jnp.ones((2, 1, 4, 5), bool)
+  with pytest.raises(ValueError, match=r"p_attn: expected \[B, H, Sq, Sk\] = \[2, 1, 4, 5\], got \[2, 1, 4, 6\]"):
+    pallas_kernels.masked_softmax_dropout_backward(g, jnp.ones((2, 1, 4, 6)), mask, keep, 0.1,
+                                                   interpret=True)
+  with pytest.raises(ValueError, match=r"grad_output: expected \[B, H, Sq, Sk\] = \[2, 1, 4, 5\], got \[2, 1, 4, 6\]"):
+    pallas_kernels.masked_softmax_dropout_backward(jnp.ones((2, 1, 4, 6)), g, mask, keep, 0.1,
+                                                   interpret=True)
+  with pytest.raises(ValueError, match=r"p_attn: expected"):
+    jax_ops.masked_softmax_dropout_backward_reference(g, jnp.ones((2, 1, 3, 5)), mask, keep, 0.1)

@@ -1,0 +1,263 @@
+"""Times kernel B's load/store variants against its default config on the 16 workloads.
+
+Usage (on a GPU; about 2-3 minutes on an H200)::
+
+    PYTHONPATH=. python3 -m benchmarks.b_variants [--calls 10] [--json OUT.json] [--workloads 0,3]
+    PYTHONPATH=. python3 -m benchmarks.b_variants --dry-run   # any host: builds every variant
+        for the 16 workloads, checks them on tiny shapes in interpret mode; no timing
+
+The question: a public Triton row kernel (one program per row, the whole row in registers,
+g/P/keep loaded with ``cache_modifier=".cg"``, the output stored evict-first, the head-shared
+mask loaded with ``".ca"`` after the row sum, a few heads per program on short rows) is
+faster than ours on 14 of the 16 workloads. For each workload this times, in one profiler
+trace with rotated inputs (``benchmarks.timing.device_times_us``), the default config (the
+tuned table's) and variants built from the new ``Config`` fields:
+
+* on our tiling (the default's block rows, warps and split): ``.cg`` streamed loads, the
+  mask with ``.ca`` (with the streams or after the sum), an evict-first store, and mixes;
+* the public-like design (``split=False``, ``.cg`` streams without an eviction hint, ``.ca``
+  mask after the sum, evict-first store) at 1 row per program with half, the public
+  heuristic's and twice the warps (4 below rows of 2048, 8 below 4096, else 16), at 2 rows,
+  with 2 and 4 heads per program on rows of <= 512, and with split columns on ragged rows.
+
+Each variant is checked against the reference with the workload's tolerance (the spec's
+acceptance: >= 99% of elements within ``atol + rtol * |ref|``, no NaN/Inf); the floor is the
+problem's minimum bytes over the copy bandwidth measured in the same run
+(``benchmarks.timing.copy_ceiling``). Prints one row per workload (floor, then time and
+fraction of the floor per variant, and the best variant), then per variant the geomean
+fraction of the floor and on how many workloads it beats the default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+
+import jax
+
+from benchmarks import run as bench
+from benchmarks.timing import compile_all, copy_ceiling, device_times_us
+from jax_ops import reference
+from pallas_kernels import masked_softmax_dropout as msd
+from pallas_kernels._util import next_power_of_2
+
+# The public-like design's load/store fields (with block_rows, num_warps, heads_per_program).
+PUBLIC = dict(split=False, stream_cache=".cg", stream_eviction=None, mask_cache=".ca",
+              mask_after_sum=True, store_eviction="evict_first")
+
+# Column order of the table; a variant that does not apply to a workload is left blank.
+NAMES = ["default", "cg", "cg+ca", "cg+ca_after", "st_ef", "cg+st_ef", "cg_noev+st_ef",
+         "pub_r1_w/2", "pub_r1_w", "pub_r1_2w", "pub_r2_w", "pub_h2_w", "pub_h4_w",
+         "pub_split_w"]
+
+
+def public_warps(seq_k: int) -> int:
+  """The public row kernel's warps for a row padded to ``next_power_of_2(seq_k)``."""
+  width = next_power_of_2(seq_k)
+  return 4 if width < 2048 else 8 if width < 4096 else 16
+
+
+def variants(seq_q: int, seq_k: int, default: msd.Config) -> dict[str, msd.Config]:
+  """The configs to time for rows of ``seq_k`` (``default``: the tuned config), by name."""
+  r = dataclasses.replace
+  out = {
+      "default": default,
+      "cg": r(default, stream_cache=".cg"),
+      "cg+ca": r(default, stream_cache=".cg", mask_cache=".ca"),
+      "cg+ca_after": r(default, stream_cache=".cg", mask_cache=".ca", mask_after_sum=True),
+      "st_ef": r(default, store_eviction="evict_first"),
+      "cg+st_ef": r(default, stream_cache=".cg", store_eviction="evict_first"),
+      "cg_noev+st_ef": r(default, stream_cache=".cg", stream_eviction=None,
+                         store_eviction="evict_first"),
+  }
+  w = public_warps(seq_k)
+  out["pub_r1_w/2"] = msd.Config(1, max(1, w // 2), **PUBLIC)
+  out["pub_r1_w"] = msd.Config(1, w, **PUBLIC)
+  out["pub_r1_2w"] = msd.Config(1, min(16, 2 * w), **PUBLIC)
+  if seq_q > 1:
+    out["pub_r2_w"] = msd.Config(2, w, **PUBLIC)
+  if next_power_of_2(seq_k) <= 512:
+    out["pub_h2_w"] = msd.Config(1, w, heads_per_program=2, **PUBLIC)
+    out["pub_h4_w"] = msd.Config(1, w, heads_per_program=4, **PUBLIC)
+  if seq_k & (seq_k - 1):
+    out["pub_split_w"] = msd.Config(1, w, **{**PUBLIC, "split": True})
+  assert set(out) <= set(NAMES), set(out) - set(NAMES)
+  return out
+
+
+def _label(c: msd.Config) -> str:
+  """A short spelling of a config for the legend."""
+  extra = [f"{f.name}={getattr(c, f.name)!r}" for f in dataclasses.fields(c)[3:]
+           if getattr(c, f.name) != f.default]
+  return f"{c.block_rows}r/{c.num_warps}w/{'split' if c.split else 'pad'}" + (
+      " " + " ".join(extra) if extra else "")
+
+
+def _backward(config, p):
+  return lambda g, probs, m, keep: msd.masked_softmax_dropout_backward(
+      g, probs, m, keep, p, config=config)
+
+
+def _input_sets(w, index, count):
+  make = lambda i: bench.PROBLEM_B.make_inputs(w, {}, jax.random.key(9000 + 100 * index + i))
+  first = make(0)
+  set_bytes = sum(x.size * x.dtype.itemsize for x in first)
+  n_sets = int(min(count, max(2, math.ceil(bench._ROTATE_BYTES / set_bytes))))
+  return [first] + [make(i) for i in range(1, n_sets)]
+
+
+def run_workload(index, w, ceiling_tbps, calls, device_kind):
+  s, p = w["seq_len"], w["p_dropout"]
+  default = msd.default_config(s, s, device_kind)
+  named = variants(s, s, default)
+  configs = list(dict.fromkeys(named.values()))  # identical configs compile and time once
+  sets = _input_sets(w, index, calls + 2)
+  compiled = compile_all([_backward(c, p) for c in configs], sets[0])
+  ref = jax.jit(lambda *a: reference.masked_softmax_dropout_backward_reference(*a, p))(*sets[0])
+  checks = {}
+  for c, exe in zip(configs, compiled):
+    if exe is not None:
+      checks[c] = bench.check(exe(*sets[0]), ref, w["atol"], w["rtol"])
+  del ref
+  ok = [(c, exe) for c, exe in zip(configs, compiled) if exe is not None]
+  times = device_times_us([exe for _, exe in ok], sets, calls=calls, warmup=2)
+  by_config = {c: t["median_us"] for (c, _), t in zip(ok, times)}
+  floor_us = bench._b_floor(w, {}) / (ceiling_tbps * 1e6)
+  del sets
+  return make_row(w, floor_us, named, by_config, checks)
+
+
+def make_row(w, floor_us, named, by_config, checks) -> dict:
+  """One workload's results: per variant name its config, time, fraction of the floor and
+  check (``by_config``/``checks`` lack the configs that did not compile), and the best."""
+  row = {"workload": bench.PROBLEM_B.label(w), **w, "floor_us": floor_us, "variants": {}}
+  for name, c in named.items():
+    entry = {"config": dataclasses.asdict(c), "label": _label(c)}
+    if c in by_config:
+      entry.update(us=by_config[c], frac_floor=floor_us / by_config[c], check=checks[c],
+                   passed=checks[c]["ok"])
+    else:
+      entry.update(us=None, passed=False)  # did not compile
+    row["variants"][name] = entry
+  passed = {n: v for n, v in row["variants"].items() if v["passed"]}
+  row["best"] = min(passed, key=lambda n: passed[n]["us"]) if passed else None
+  return row
+
+
+def _cell(v) -> str:
+  if v is None:
+    return ""
+  if v["us"] is None:
+    return "no-compile"
+  mark = "" if v["passed"] else "!FAIL"
+  return f"{v['us']:.1f}/{v['frac_floor']:.0%}{mark}"
+
+
+def print_table(rows):
+  names = [n for n in NAMES if any(n in r["variants"] for r in rows)]
+  width = max(10, *(len(n) for n in names))
+  head = f"{'workload':>22} {'floor us':>8} " + " ".join(f"{n:>{width}}" for n in names)
+  print("\ntime us / fraction of the floor per variant (!FAIL: misses the tolerance)")
+  print(head + "  best (vs default)")
+  for r in rows:
+    cells = " ".join(f"{_cell(r['variants'].get(n)):>{width}}" for n in names)
+    best = r["best"]
+    gain = ""
+    if best and r["variants"]["default"]["us"]:
+      gain = f" ({r['variants']['default']['us'] / r['variants'][best]['us']:.2f}x)"
+    print(f"{r['workload']:>22} {r['floor_us']:8.1f} {cells}  {best}{gain}")
+  print("\nper variant: geomean fraction of the floor over the workloads it ran and passed; "
+        "workloads faster than the default")
+  for n in names:
+    fr = [r["variants"][n]["frac_floor"] for r in rows
+          if n in r["variants"] and r["variants"][n]["passed"]]
+    wins = sum(1 for r in rows if n in r["variants"] and r["variants"][n]["passed"]
+               and r["variants"]["default"]["us"] and
+               r["variants"][n]["us"] < r["variants"]["default"]["us"])
+    ran = sum(1 for r in rows if n in r["variants"])
+    gm = bench.geomean(fr) if fr else float("nan")
+    print(f"  {n:>{width}}: {gm:6.1%} over {len(fr)}/{ran}; faster than default on {wins}")
+  print("\nconfigs per workload:")
+  for r in rows:
+    print(f"  {r['workload']}: " + "; ".join(f"{n}={v['label']}" for n, v in r["variants"].items()))
+
+
+def dry_run() -> int:
+  """No GPU: every variant of every workload is built; the variants of a few tiny shapes run
+  in interpret mode against the reference (the workload tolerance, 1e-5)."""
+  with open(os.path.join(bench.HERE, "workloads.json")) as f:
+    workloads = json.load(f)["masked_softmax_dropout_backward"]["workloads"]
+  total = 0
+  for w in workloads:
+    s = w["seq_len"]
+    total += len(variants(s, s, msd.default_config(s, s, "NVIDIA H200")))
+  print(f"{len(workloads)} workloads, {total} (workload, variant) pairs built")
+  failures, rows = 0, []
+  for (b, h, s), p in [((2, 3, 7), 0.1), ((1, 2, 128), 0.0), ((2, 3, 131), 0.15)]:
+    w = {"batch_size": b, "n_heads": h, "seq_len": s, "p_dropout": p, "atol": 1e-5,
+         "rtol": 1e-5}
+    args = bench.PROBLEM_B.make_inputs(w, {}, jax.random.key(s))
+    ref = reference.masked_softmax_dropout_backward_reference(*args, p)
+    named = variants(s, s, msd.default_config(s, s, "NVIDIA H200"))
+    checks = {}
+    for name, c in named.items():
+      out = msd.masked_softmax_dropout_backward(*args, p, config=c, interpret=True)
+      checks[c] = bench.check(out, ref, w["atol"], w["rtol"])
+      failures += not checks[c]["ok"]
+      print(f"  ({b}, {h}, {s}, {p}) {name:>14} {'ok' if checks[c]['ok'] else 'FAIL'} "
+            f"{checks[c]['within']:.4%}  {_label(c)}", flush=True)
+    # The table with made-up times, to check the report itself.
+    fake = {c: 1.0 + i for i, c in enumerate(checks)}
+    rows.append(make_row(w, 0.5, named, fake, checks))
+  print_table(rows)
+  print("\ndry run (times above are made up):",
+        "all variants match the reference" if not failures else f"{failures} FAIL")
+  return 1 if failures else 0
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--calls", type=int, default=10)
+  parser.add_argument("--workloads", default=None, help="comma-separated indices (default: all)")
+  parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
+  parser.add_argument("--dry-run", action="store_true",
+                      help="no GPU: build the variants, check them on tiny shapes (interpret)")
+  args = parser.parse_args(argv)
+  if args.dry_run:
+    return dry_run()
+  if jax.default_backend() != "gpu":
+    print("timing needs a CUDA GPU; use --dry-run here", file=sys.stderr)
+    return 2
+  start = time.time()
+  with open(os.path.join(bench.HERE, "workloads.json")) as f:
+    workloads = json.load(f)["masked_softmax_dropout_backward"]["workloads"]
+  indices = ([int(i) for i in args.workloads.split(",")] if args.workloads
+             else range(len(workloads)))
+  device_kind = jax.devices()[0].device_kind
+  ceiling = copy_ceiling()
+  print(f"{device_kind}, jax {jax.__version__}, commit {bench._commit()}; copy ceiling "
+        f"{ceiling['TBps']:.3f} TB/s ({ceiling['method']})", flush=True)
+  rows = []
+  for i in indices:
+    row = run_workload(i, workloads[i], ceiling["TBps"], args.calls, device_kind)
+    rows.append(row)
+    v = row["variants"]
+    print(f"  {row['workload']:>22}: floor {row['floor_us']:.1f} us, default "
+          f"{_cell(v['default'])}, best {row['best']} {_cell(v.get(row['best']))} "
+          f"[{time.time() - start:.0f} s]", flush=True)
+  print_table(rows)
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({"device": device_kind, "jax": jax.__version__, "commit": bench._commit(),
+                 "ceiling": ceiling, "calls": args.calls, "rows": rows}, f, indent=1)
+  print(f"\n{time.time() - start:.0f} s")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,122 @@
+"""Pieces the ops and their references share: matmuls with fp32 accumulation, rounding,
+dropout (the keep mask, its scale, the rate's checks), the causal mask."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import validation
+
+f32 = jnp.float32
+FLOATS = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+
+def matmul_operand(x):
+  """Matmul operands keep their dtype (fp32 accumulate via ``preferred_element_type``)
+  on accelerators; XLA:CPU has no bf16 x bf16 -> fp32 dot, so there they are upcast
+  (bf16 values are exact in fp32, so the product is the same)."""
+  return x.astype(f32) if jax.default_backend() == "cpu" else x
+
+
+def mm(spec, a, b):
+  """einsum of two same-dtype operands: exact products, fp32 accumulation, fp32 result."""
+  # fp32 operands ask for full fp32 products (no TF32); bf16 products are exact anyway.
+  precision = jax.lax.Precision.HIGHEST if a.dtype == f32 else None
+  return jnp.einsum(spec, matmul_operand(a), matmul_operand(b), preferred_element_type=f32,
+                    precision=precision)
+
+
+def round_to(x, dtype):
+  """``x`` rounded to ``dtype``'s precision (kept in fp32), never optimised away."""
+  if jnp.dtype(dtype) == jnp.bfloat16:  # same exponent range as fp32: no subnormal change
+    return jax.lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7)
+  return x.astype(dtype).astype(f32)
+
+
+def dropout_scale(keep, p, p_static):
+  """``keep / (1 - p)`` as fp32, or ``None`` when no dropout is applied (a static p == 0).
+
+  A traced ``p`` of 0 ignores the mask; a traced ``p`` outside [0, 1) (NaN too) makes the
+  scale NaN everywhere, so every gradient that depends on it is NaN, never mis-scaled.
+  """
+  if p_static == 0.0:
+    return None
+  scale = keep.astype(f32) * (1.0 / (1.0 - jnp.asarray(p, f32)))
+  if p_static is None:  # traced rate: p == 0 must ignore the mask, an invalid p gives NaN
+    p = jnp.asarray(p, f32)
+    scale = validation.nan_unless_rate_valid(p, jnp.where(p > 0, scale, 1.0))
+  return scale
+
+
+def dropout_keep_mask(rng, rate, shape):
+  """The dropout keep mask the ops draw: ``bernoulli(rng, 1 - rate)``, True = kept."""
+  return jax.random.bernoulli(rng, 1.0 - jnp.asarray(rate, f32), shape)
+
+
+def apply_dropout(probs, keep, rate):
+  """``probs * keep / (1 - rate)`` in fp32, rounded once to ``probs.dtype``."""
+  if keep is None:
+    return probs
+  scaled = probs.astype(f32) * keep * (1.0 / (1.0 - jnp.asarray(rate, f32)))
+  return scaled.astype(probs.dtype)
+
+
+def causal_mask(seq_q, seq_k):
+  """``[Sq, Sk]`` bool, True where key ``k <= q + (Sk - Sq)`` (bottom-right aligned)."""
+  return jnp.arange(seq_k)[None, :] <= jnp.arange(seq_q)[:, None] + (seq_k - seq_q)
+
+
+def check_rng(rng) -> None:
+  """``dropout_rng`` must be one PRNG key (``vmap`` for more): a typed key
+  (``jax.random.key``) or a raw ``uint32`` key of the default implementation's shape
+  (``jax.random.PRNGKey``: ``[2]`` for threefry)."""
+  if hasattr(rng, "dtype") and jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
+    if rng.shape == ():
+      return
+  elif hasattr(rng, "dtype") and rng.dtype == jnp.uint32:
+    if rng.shape == jax.eval_shape(lambda: jax.random.PRNGKey(0)).shape:
+      return
+  what = f"shape {list(rng.shape)} {rng.dtype}" if hasattr(rng, "dtype") else type(rng).__name__
+  raise TypeError("dropout_rng: expected one PRNG key (jax.random.key(seed), or a raw uint32 "
+                  f"key from jax.random.PRNGKey) or None, got {what}")
+
+
+def op_dropout(rng, rate, shape):
+  """``(keep, rate_static, rate_array)`` of an op's dropout; ``keep`` is ``None`` when no
+  dropout applies (``dropout_rate == 0``).
+
+  A rate that may be > 0 (a Python number > 0, or a traced one) needs a key:
+  ``dropout_rng=None`` then raises, as ``flax.nnx.Dropout`` does, instead of silently
+  applying no dropout. A traced rate outside [0, 1) makes the outputs NaN (nothing can
+  raise when the computation runs).
+  """
+  p_static = validation.check_dropout_rate("dropout_rate", rate)
+  if p_static == 0.0:
+    return None, 0.0, jnp.zeros((), f32)
+  if rng is None:
+    what = f"dropout_rate={p_static}" if p_static is not None else "a traced dropout_rate"
+    raise ValueError(f"dropout_rng: {what} needs a PRNG key (jax.random.key(seed)); pass "
+                     f"dropout_rate=0 for no dropout")
+  check_rng(rng)
+  rate = jnp.asarray(rate, f32)
+  if p_static is None:  # traced: an invalid rate makes the outputs NaN, not mis-scaled
+    rate = validation.nan_unless_rate_valid(rate, rate)
+  return dropout_keep_mask(rng, rate, shape), p_static, rate
+
+
+def rate_for_backward(keep, p_static, rate):
+  """What a backward implementation gets as its dropout rate: a float when known."""
+  if keep is None:
+    return 0.0
+  return rate if p_static is None else p_static
+
+
+def problem(op, implementation_interpret, causal=False, **arrays):
+  """A :class:`jax_ops.backend.Problem` of these arrays (name -> array)."""
+  from jax_ops import backend, registry
+  first = next(iter(arrays.values()))
+  return backend.Problem(
+      op=op, shapes=tuple((k, tuple(v.shape)) for k, v in arrays.items()),
+      dtype=jnp.dtype(first.dtype).name, causal=causal,
+      device=registry.device_of(*arrays.values()), interpret=bool(implementation_interpret))

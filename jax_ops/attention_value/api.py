@@ -1,0 +1,86 @@
+"""The differentiable op A: ``transpose(dropout(softmax(scores)) @ V)`` with GQA value heads.
+
+The forward is plain jnp (:mod:`jax_ops.attention_value.reference`); the backward is the
+backend that :func:`jax_ops.registry.resolve` picks, and that backend's residual policy
+says what the forward saves: ``"inputs"`` (P, Pd, V and the keep mask, the reference
+backward's arguments) or ``"output"`` (P, V, keep and the fp32 output O, for a backward
+that takes ``delta = rowsum(dO * O)``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jax_ops import _common, registry
+from jax_ops.attention_value import reference
+from jax_ops.backend import INPUTS
+from pallas_kernels import validation
+
+OP = "attention_softmax_dropout_value"
+OUTPUT = "output"
+
+
+def attention_softmax_dropout_value(scores, value_states, *, dropout_rate=0.0, dropout_rng=None,
+                                    implementation: str | None = None, interpret: bool = False):
+  """``transpose(dropout(softmax(scores)) @ V)`` with grouped-query value heads.
+
+  Args:
+    scores: ``[B, H, Sq, Skv]`` attention logits (bf16 in the usual case; fp16
+      and fp32 work too).
+    value_states: ``[B, KVH, Skv, D]``, same dtype, ``H % KVH == 0``; query head
+      ``h`` reads value head ``h // (H // KVH)``.
+    dropout_rate: in [0, 1); 0 means no dropout. A Python float or a traced scalar.
+    dropout_rng: a PRNG key; needed when ``dropout_rate`` may be > 0.
+    implementation: ``None`` (the fastest backend for the device), ``"pallas"``,
+      ``"triton"``, ``"xla"`` or a registered name: the backward pass.
+    interpret: run Pallas kernels in the interpreter (for CPU).
+
+  Returns:
+    ``[B, Sq, H, D]`` in the dtype of ``scores``. The softmax runs in fp32 and is
+    rounded to the input dtype before dropout and the value matmul (fp32 accumulate).
+  """
+  validation.check_array("scores", scores, ("B", "H", "Sq", "Skv"), dtypes=_common.FLOATS)
+  validation.check_positive("scores", scores, ("B", "H", "Sq", "Skv"))
+  b, h, _, skv = scores.shape
+  validation.check_array("value_states", value_states, ("B", "KVH", "Skv", "D"),
+                         (b, None, skv, None), dtypes=(scores.dtype,))
+  validation.check_positive("value_states", value_states, ("B", "KVH", "Skv", "D"))
+  validation.check_divisible(h, value_states.shape[1])
+  keep, p_static, rate = _common.op_dropout(dropout_rng, dropout_rate, scores.shape)
+  problem = _common.problem(OP, interpret, scores=scores, value_states=value_states)
+  backend = registry.resolve(OP, implementation, problem)
+  policy = backend.residual_policy(problem)
+  return _op(scores, value_states, keep, rate, p_static, backend, policy, bool(interpret))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _op(scores, value_states, keep, rate, p_static, backend, policy, interpret):
+  return reference.attention_softmax_dropout_value_forward(scores, value_states, keep, rate)[0]
+
+
+def _fwd(scores, value_states, keep, rate, p_static, backend, policy, interpret):
+  out, probs, dropped, out32 = reference.attention_softmax_dropout_value_forward(
+      scores, value_states, keep, rate, with_f32_output=True)
+  if policy == OUTPUT:
+    return out, (probs, None, value_states, keep, rate, out32)
+  if policy != INPUTS:
+    raise ValueError(f"{backend!r}: unknown residual policy {policy!r} for {OP}")
+  return out, (probs, dropped, value_states, keep, rate, None)
+
+
+def _bwd(p_static, backend, policy, interpret, res, grad_out):
+  probs, dropped, value_states, keep, rate, out32 = res
+  p = _common.rate_for_backward(keep, p_static, rate)
+  if policy == OUTPUT:
+    d_scores, d_value = backend.backward_from_output(
+        grad_out, probs, value_states, keep, p, out32, causal=False, interpret=interpret)
+  else:
+    d_scores, d_value = backend.backward(grad_out, probs, dropped, value_states, keep, p,
+                                         causal=False, interpret=interpret)
+  return d_scores, d_value, None, jnp.zeros_like(rate)
+
+
+_op.defvjp(_fwd, _bwd)

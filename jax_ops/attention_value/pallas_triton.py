@@ -1,0 +1,65 @@
+"""The ``"triton"`` backend of op A's backward: Pallas Triton kernels, any CUDA GPU.
+
+Config and heuristic: ``pallas_kernels.attention_softmax_dropout_value.default_config``
+(tuned tables per device kind, a heuristic elsewhere).
+
+Residual policy: on rows of at least ``FROM_OUTPUT_MIN_KEYS`` keys that are a multiple of
+8 (16-byte aligned in bf16) and ``D <= 128``, the forward saves P, keep and its fp32 output
+O instead of Pd, and the backward runs the one kernel that takes
+``delta = rowsum(dO * O)`` (5 B per attention element instead of 7). Shorter rows, where
+delta's ``O(Sq * D)`` pass costs what the dropped Pd saves, and unaligned rows, which that
+kernel loads element by element, save Pd and run the two-kernel backward. The choice and
+its measurements: ``benchmarks/results/attention_softmax_dropout_value_from_delta.md``.
+"""
+
+from __future__ import annotations
+
+import pallas_kernels
+from pallas_kernels import attention_softmax_dropout_value as kernels
+from jax_ops.backend import INPUTS, Backend
+
+OUTPUT = "output"  # residuals: P, keep, V and the forward's fp32 output O
+FROM_OUTPUT_MIN_KEYS = 512
+
+
+class TritonBackend(Backend):
+  name = "triton"
+  pallas = True
+  priority = 10  # faster than XLA on every benchmark workload (benchmarks/results/)
+
+  def supported_on(self, device):
+    return device is not None and device.platform == "gpu"
+
+  def residual_policy(self, problem):
+    b, h, sq, skv = problem.shape("scores")
+    d = problem.shape("value_states")[3]
+    if (skv >= FROM_OUTPUT_MIN_KEYS and skv % 8 == 0 and d <= 128
+        and b * sq * h * d < 2**31):  # int32 offsets
+      return OUTPUT
+    return INPUTS
+
+  def config(self, problem):
+    """The kernels' default config for this problem on its device."""
+    from pallas_kernels import _tuning
+    b, h, sq, skv = problem.shape("scores")
+    _, kvh, _, d = problem.shape("value_states")
+    kind = None if problem.interpret or problem.device is None else problem.device.device_kind
+    return kernels.default_config(b, h, kvh, sq, skv, d, problem.dtype, kind)
+
+  def backward(self, grad_attn_output, attn_weights, attn_weights_dropped, value_states,
+               dropout_mask, attention_dropout, *, causal=False, interpret=False):
+    return pallas_kernels.attention_softmax_dropout_value_backward(
+        grad_attn_output, attn_weights, attn_weights_dropped, value_states, dropout_mask,
+        attention_dropout, causal=causal, interpret=interpret)
+
+  def backward_from_output(self, grad_attn_output, attn_weights, value_states, dropout_mask,
+                           attention_dropout, attn_output_f32, *, causal=False,
+                           interpret=False):
+    """The backward given the forward's fp32 output ``[B, Sq, H, D]`` instead of Pd."""
+    delta = kernels.delta_from_output(grad_attn_output, attn_output_f32)
+    return pallas_kernels.attention_softmax_dropout_value_backward_from_delta(
+        grad_attn_output, attn_weights, value_states, dropout_mask, attention_dropout, delta,
+        causal=causal, interpret=interpret)
+
+
+BACKEND = TritonBackend()

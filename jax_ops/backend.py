@@ -1,0 +1,99 @@
+"""The backend interface: one object per implementation of an op's backward pass.
+
+An op (``jax_ops.attention_softmax_dropout_value`` and the others) is a ``jax.custom_vjp``
+whose forward is plain jnp and whose backward comes from a :class:`Backend` that the
+registry (:mod:`jax_ops.registry`) picks by name, device and problem. A backend says:
+
+* ``name``: what ``implementation=`` takes (``"xla"``, ``"triton"``, later ``"mosaic_gpu"``);
+* ``pallas``: whether it is a Pallas kernel (``implementation="pallas"`` takes the best
+  Pallas backend for the device);
+* ``priority``: the order in which ``implementation=None`` tries the backends that support
+  a call (higher first; the registry's builtin priorities follow measured speed);
+* ``supported_on(device)``: the devices it compiles for (the interpreter runs Pallas
+  backends anywhere);
+* ``supports(problem)``: the shapes and dtypes it takes;
+* ``residual_policy(problem)``: what the op's forward saves for it (the op defines the
+  policy names; ``"inputs"``, the reference backward's arguments, is the default);
+* ``backward(*args, causal=False, interpret=False)``: the backward with the reference
+  backward's positional arguments; ops with other residual policies call the backend's
+  method of that policy (for example ``backward_from_output``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+
+INPUTS = "inputs"  # the residual policy of the reference backward: its own arguments
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """What a backend may look at to say whether it takes a call: the op's name, the shapes
+  of its arrays by argument name, their dtype, ``causal``, the device (``None`` when
+  unknown, as under ``jax.jit``) and whether the Pallas interpreter is asked for."""
+  op: str
+  shapes: tuple[tuple[str, tuple[int, ...]], ...]
+  dtype: str
+  causal: bool = False
+  device: jax.Device | None = None
+  interpret: bool = False
+
+  def shape(self, name: str) -> tuple[int, ...]:
+    return dict(self.shapes)[name]
+
+
+class Backend:
+  """Base class of a backend; subclasses set the class attributes and ``backward``."""
+
+  name: str = ""
+  pallas: bool = False
+  priority: int = 0
+
+  def supported_on(self, device: jax.Device | None) -> bool:
+    """Whether the backend compiles for ``device`` (``None``: the default device)."""
+    return True
+
+  def supports(self, problem: Problem) -> bool:
+    """Whether the backend takes these shapes and dtypes (checked arguments)."""
+    return True
+
+  def unsupported_reason(self, problem: Problem) -> str:
+    """Why ``supports(problem)`` is False, for the error of a forced implementation."""
+    return "the backend does not take these shapes"
+
+  def residual_policy(self, problem: Problem) -> str:
+    return INPUTS
+
+  def backward(self, *args, causal: bool = False, interpret: bool = False):
+    raise NotImplementedError
+
+  def __repr__(self):
+    return f"<{type(self).__name__} {self.name!r}>"
+
+
+class FunctionBackend(Backend):
+  """A backend made from a function with the reference backward's signature
+  (``jax_ops.registry.register(op, name, fn)``). It takes every device and shape, keeps
+  the default residual policy and is never picked by ``implementation=None``. The function
+  gets ``causal=`` and ``interpret=`` only if its signature names them."""
+
+  priority = -1
+
+  def __init__(self, name: str, fn: Callable):
+    import inspect
+    self.name = name
+    self.fn = fn
+    try:
+      params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+      params = {}
+    var_kw = any(p.kind == p.VAR_KEYWORD for p in params.values())
+    self._takes = {k for k in ("causal", "interpret") if var_kw or k in params}
+
+  def backward(self, *args, causal: bool = False, interpret: bool = False):
+    kwargs = {k: v for k, v in (("causal", causal), ("interpret", interpret))
+              if k in self._takes}
+    return self.fn(*args, **kwargs)

@@ -1,0 +1,76 @@
+"""The differentiable op C: attention weights ``softmax((Q @ K^T) * scaling)``.
+
+The forward is plain jnp (:mod:`jax_ops.qk_softmax.reference`); the backward is the
+backend that :func:`jax_ops.registry.resolve` picks, given ``causal`` so that it may skip
+the tiles above the diagonal. Residuals: Q, K and P.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+
+from jax_ops import _common, registry
+from jax_ops.backend import INPUTS
+from jax_ops.qk_softmax import reference
+from pallas_kernels import validation
+
+OP = "qk_scale_softmax"
+
+
+def qk_scale_softmax(query, key, *, scaling: float | None = None, causal: bool = False,
+                     implementation: str | None = None, interpret: bool = False):
+  """Attention weights ``softmax((Q @ K^T) * scaling)``.
+
+  Args:
+    query: ``[B, H, Sq, D]`` (bf16 in the usual case; fp16 and fp32 work too).
+    key: ``[B, H, Sk, D]``, same dtype.
+    scaling: the logits' scale, a finite Python float > 0; ``None`` means ``1/sqrt(D)``.
+    causal: mask keys ``k > q + (Sk - Sq)`` (needs ``Sq <= Sk``); the Pallas
+      backward then skips the tiles above the diagonal.
+    implementation: ``None`` (the fastest backend for the device), ``"pallas"``,
+      ``"triton"``, ``"xla"`` or a registered name: the backward pass.
+    interpret: run Pallas kernels in the interpreter (for CPU).
+
+  Returns:
+    ``[B, H, Sq, Sk]`` in the dtype of ``query`` (fp32 logits and softmax).
+  """
+  validation.check_array("query", query, ("B", "H", "Sq", "D"), dtypes=_common.FLOATS)
+  validation.check_positive("query", query, ("B", "H", "Sq", "D"))
+  b, h, sq, d = query.shape
+  validation.check_array("key", key, ("B", "H", "Sk", "D"), (b, h, None, d),
+                         dtypes=(query.dtype,))
+  validation.check_positive("key", key, ("B", "H", "Sk", "D"))
+  causal = validation.check_causal(causal, sq, key.shape[2])
+  if scaling is None:
+    scaling = 1.0 / math.sqrt(d)
+  scaling = validation.check_scaling("scaling", scaling)
+  if scaling is None:
+    raise TypeError("scaling: expected a Python float (or None for 1/sqrt(D)), got a traced value")
+  problem = _common.problem(OP, interpret, causal, query=query, key=key)
+  backend = registry.resolve(OP, implementation, problem)
+  policy = backend.residual_policy(problem)
+  if policy != INPUTS:
+    raise ValueError(f"{backend!r}: unknown residual policy {policy!r} for {OP}")
+  return _op(query, key, scaling, causal, backend, bool(interpret))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _op(query, key, scaling, causal, backend, interpret):
+  return reference.qk_scale_softmax_forward(query, key, scaling, causal)
+
+
+def _fwd(query, key, scaling, causal, backend, interpret):
+  probs = reference.qk_scale_softmax_forward(query, key, scaling, causal)
+  return probs, (query, key, probs)
+
+
+def _bwd(scaling, causal, backend, interpret, res, grad_probs):
+  query, key, probs = res
+  return backend.backward(grad_probs, query, key, probs, scaling, causal=causal,
+                          interpret=interpret)
+
+
+_op.defvjp(_fwd, _bwd)

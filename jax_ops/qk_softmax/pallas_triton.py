@@ -1,0 +1,36 @@
+"""The ``"triton"`` backend of op C's backward: Pallas Triton kernels, any CUDA GPU.
+
+Config and heuristic: ``pallas_kernels.qk_scale_softmax.default_config`` (tuned tables per
+device kind, a heuristic elsewhere). Residuals: Q, K and P (the reference backward's
+arguments). A causal call skips the key tiles above the diagonal.
+"""
+
+from __future__ import annotations
+
+import pallas_kernels
+from pallas_kernels import qk_scale_softmax as kernels
+from jax_ops.backend import Backend
+
+
+class TritonBackend(Backend):
+  name = "triton"
+  pallas = True
+  priority = 10  # faster than XLA on every benchmark workload (benchmarks/results/)
+
+  def supported_on(self, device):
+    return device is not None and device.platform == "gpu"
+
+  def config(self, problem):
+    """The kernels' default config for this problem on its device."""
+    _, _, sq, d = problem.shape("query")
+    sk = problem.shape("key")[2]
+    kind = None if problem.interpret or problem.device is None else problem.device.device_kind
+    return kernels.default_config(sq, sk, d, problem.dtype, kind)
+
+  def backward(self, grad_output, query, key, attn_weights, scaling, *, causal=False,
+               interpret=False):
+    return pallas_kernels.qk_scale_softmax_backward(
+        grad_output, query, key, attn_weights, scaling, causal=causal, interpret=interpret)
+
+
+BACKEND = TritonBackend()

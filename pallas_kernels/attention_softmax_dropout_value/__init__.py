@@ -1,0 +1,46 @@
+"""Backward of softmax -> dropout -> GQA value matmul (``attention_softmax_dropout_value``).
+
+Entry points (Pallas Triton kernels, :mod:`.pallas_triton`):
+:func:`attention_softmax_dropout_value_backward` (two passes, from P, Pd and keep) and
+:func:`attention_softmax_dropout_value_backward_from_delta` (one kernel, from P, keep and
+the row sums ``delta``, :func:`delta_from_output`). Launch configurations:
+:mod:`.config`.
+"""
+
+from pallas_kernels.attention_softmax_dropout_value.config import (
+    Config,
+    PassConfig,
+    auto_split,
+    default_config,
+    default_from_delta_config,
+    group_heads,
+    heuristic,
+    length_class,
+    use_phased,
+)
+from pallas_kernels.attention_softmax_dropout_value.pallas_triton import (
+    attention_softmax_dropout_value_backward,
+    attention_softmax_dropout_value_backward_from_delta,
+    delta_from_output,
+    ds_dv_pass,
+    ds_pass,
+    dv_pass,
+)
+
+__all__ = [
+    "attention_softmax_dropout_value_backward",
+    "attention_softmax_dropout_value_backward_from_delta",
+    "delta_from_output",
+    "Config",
+    "PassConfig",
+    "default_config",
+    "default_from_delta_config",
+    "heuristic",
+    "length_class",
+    "auto_split",
+    "group_heads",
+    "use_phased",
+    "dv_pass",
+    "ds_pass",
+    "ds_dv_pass",
+]

@@ -1,0 +1,863 @@
+"""Pallas Triton kernels: backward of ``O = transpose(dropout(softmax) @ V)`` with GQA.
+
+The forward this differentiates is::
+
+    P  = softmax(scores)                          # [B, H, seq_q, seq_k]  attn_weights
+    Pd = dropout(P) = P * keep / (1 - p)          # [B, H, seq_q, seq_k]  attn_weights_dropped
+    O  = transpose(Pd @ repeat(V, G, axis=1))     # [B, seq_q, H, D]      (G = H // KVH)
+
+and the backward, given ``dO = grad_attn_output``, is::
+
+    dPd    = dO[b, :, h, :] @ V[b, h // G]^T                 (fp32 accumulation)
+    dW     = dPd * keep / (1 - p)                           (p == 0: dW = dPd)
+    delta  = rowsum(dW * P)                                  (over seq_k)
+    dS     = P * (dW - delta)                                -> grad_attn_scores
+    dV[k]  = sum_{h in group k} Pd[h]^T @ dO[h]               -> grad_value_states
+
+Top to bottom: the two passes of :func:`attention_softmax_dropout_value_backward` (dV,
+then dS), that entry point, then the one kernel of
+:func:`attention_softmax_dropout_value_backward_from_delta`. The design and its
+measurements: ``benchmarks/results/attention_softmax_dropout_value_design.log``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels import _phase, _tuning, validation
+from pallas_kernels._util import (Dropout, check_can_compile, compiler_params, dot,
+                                  next_power_of_2, out_struct, pallas_call)
+from pallas_kernels.attention_softmax_dropout_value.config import (
+    Config, PassConfig, default_config, default_from_delta_config, group_heads, resolve_split,
+    use_phased)
+
+f32 = jnp.float32
+i32 = np.int32  # index constants: int32 under x64 too (the kernels index with int32)
+
+
+# --------------------------------------------------------------------------------------
+# Small helpers: masks, masked loads and stores, dropout, dV shares.
+# --------------------------------------------------------------------------------------
+def _and(a, b):
+  """``a & b`` where either side may be ``None`` (meaning "all true")."""
+  if a is None:
+    return b
+  if b is None:
+    return a
+  return a & b
+
+
+def _outer(rows, cols):
+  """2D mask from optional row / column masks (``None`` = all valid)."""
+  r = None if rows is None else rows[:, None]
+  c = None if cols is None else cols[None, :]
+  return _and(r, c)
+
+
+def _tail_mask(start, size: int, n: int):
+  """``start + [0, size) < n`` (a tile's valid rows / columns), ``None`` when every tile
+  is full (``n % size == 0``)."""
+  return None if n % size == 0 else (start + jnp.arange(size, dtype=jnp.int32)) < n
+
+
+def _dim_mask(d_pad: int, head_dim: int):
+  """The valid columns of a head-dim tile padded to ``d_pad``; ``None`` if none is padding."""
+  return None if d_pad == head_dim else jnp.arange(d_pad, dtype=jnp.int32) < head_dim
+
+
+def _padded_head_dim(head_dim: int) -> int:
+  return next_power_of_2(max(head_dim, 16))
+
+
+def _head_dims(d_pad: int):
+  """The ``[0, d_pad)`` slice of the head dim. Its start is a static int32, like the
+  traced indices beside it: under x64 a Python 0 would become an int64 index in the
+  interpreter's ``dynamic_slice``, which needs one index type."""
+  return pl.ds(i32(0), d_pad)
+
+
+def _fori_loop(lower, upper, body, init):
+  """``lax.fori_loop`` with an int32 index, like the kernels' other indices: over static
+  bounds it counts in the default int type, int64 under x64 (then cast; a no-op without)."""
+  def int32_body(j, carry):
+    return body(j if j.dtype == jnp.int32 else j.astype(jnp.int32), carry)
+  return lax.fori_loop(lower, upper, int32_body, init)
+
+
+def _load(ref, mask, other):
+  if mask is None:
+    return pltriton.load(ref)
+  return pltriton.load(ref, mask=mask, other=other)
+
+
+def _store(ref, val, mask):
+  if mask is None:
+    pltriton.store(ref, val)
+  else:
+    pltriton.store(ref, val, mask=mask)
+
+
+def _traced_scales(scale_ref):
+  """``(keep_scale, drop_scale)`` of a traced rate: ``[1/(1-p), 0]``, or ``[1, 1]`` at p == 0."""
+  return scale_ref[0], scale_ref[1]
+
+
+def _dropout_args(p_static, p_traced):
+  """``(Dropout, scale array or None)``: the kernels' static dropout mode, and for a
+  traced rate the fp32 ``[keep_scale, drop_scale]`` operand (see :func:`_traced_scales`)."""
+  dropout = Dropout.of(p_static)
+  if dropout.mode != "traced":
+    return dropout, None
+  pt = jnp.asarray(p_traced, f32)
+  on = pt > 0
+  # An invalid traced rate (outside [0, 1), NaN) gives NaN grad_attn_scores, not wrong ones.
+  # Both scales, so that dropped elements (and rows whose delta is read) are NaN too.
+  inv = validation.nan_unless_rate_valid(pt, jnp.where(on, 1.0 / (1.0 - pt), 1.0))
+  drop = validation.nan_unless_rate_valid(pt, jnp.where(on, 0.0, 1.0))
+  scale = jnp.stack([inv, drop])
+  return dropout, scale.astype(f32)
+
+
+def _kv_block_ids(num_kv_heads: int, block_k: int):
+  """``(j, bk, share, b, kvh, k0)`` of a program of a kv-block grid
+  ``(kv block, B*KVH, split)``: kv block ``j`` (the fastest grid axis, so programs sharing
+  dO run together) of ``bk = b * KVH + kvh``, share ``share``, first key ``k0``."""
+  j = pl.program_id(0)
+  bk = pl.program_id(1)
+  share = pl.program_id(2)
+  b = lax.div(bk, i32(num_kv_heads))
+  kvh = lax.rem(bk, i32(num_kv_heads))
+  return j, bk, share, b, kvh, j * block_k
+
+
+def _share_range(share, steps: int, split: int):
+  """``(start, stop)`` of program share ``share`` of a loop of ``steps`` steps cut into
+  ``split`` equal shares (the last may be shorter, or empty)."""
+  per = pl.cdiv(steps, split)
+  start = share * per
+  return start, jnp.minimum(start + per, steps)
+
+
+def _dv_struct(split, value_states, *inputs):
+  """The dV output of a kernel whose kv blocks are shared by ``split`` programs: dV itself,
+  or ``[split, B*KVH, seq_k, D]`` fp32 partial sums (added by :func:`_sum_dv_shares`)."""
+  if split == 1:
+    return out_struct(value_states.shape, value_states.dtype, *inputs)
+  return out_struct((split, *value_states.shape), f32, *inputs)
+
+
+def _store_dv(dv_ref, acc, split, share, bk, k0, block_k, d_pad, mask):
+  """Stores a program's dV block ``acc`` (fp32 ``[block_k, d_pad]``): in dV's dtype, or with
+  ``split > 1`` as this share's fp32 partial sum (:func:`_dv_struct`)."""
+  if split == 1:
+    _store(dv_ref.at[bk, pl.ds(k0, block_k), _head_dims(d_pad)], acc.astype(dv_ref.dtype), mask)
+  else:
+    _store(dv_ref.at[share, bk, pl.ds(k0, block_k), _head_dims(d_pad)], acc, mask)
+
+
+def _sum_dv_shares(dv, split, dtype):
+  return dv if split == 1 else dv.sum(axis=0).astype(dtype)
+
+
+# --------------------------------------------------------------------------------------
+# Pass 1: dV (and the partial row sums of delta).
+# --------------------------------------------------------------------------------------
+# One program = one ``block_k`` rows of V of one (batch, kv head), and one of ``split``
+# equal shares of the (G heads x seq_q tiles) loop. The GQA sum over the group happens in
+# the program's fp32 accumulator: no atomics, no [B, H, seq_k, D] intermediate.
+# Refs (whole arrays, indexed by hand): do [B, seq_q, H, D] (dO in its native layout),
+# pd [B*H, seq_q, seq_k], v [B*KVH, seq_k, D], dv [B*KVH, seq_k, D] (with ``split > 1``:
+# [split, B*KVH, seq_k, D] fp32 partial sums, added by the caller), dpart [B*H, NKV, seq_q]
+# fp32 (rowsum(dPd * Pd) over the program's kv block).
+def _dv_step(i, do_ref, pd_ref, *, b, kvh, k0, d_mask, kv_mask, nq, num_heads, groups,
+             seq_q, block_q, block_k, d_pad):
+  """``(bh, q0, q_mask, dO, Pd)`` of loop step ``i`` of a dV program: query tile
+  ``i % nq`` of the group's head ``i // nq``."""
+  g = lax.div(i, i32(nq))
+  qi = lax.rem(i, i32(nq))
+  h = kvh * groups + g
+  bh = b * num_heads + h
+  q0 = qi * block_q
+  q_mask = _tail_mask(q0, block_q, seq_q)
+  do = _load(do_ref.at[b, pl.ds(q0, block_q), h, _head_dims(d_pad)], _outer(q_mask, d_mask), 0.0)
+  pd = _load(pd_ref.at[bh, pl.ds(q0, block_q), pl.ds(k0, block_k)], _outer(q_mask, kv_mask),
+             0.0)
+  return bh, q0, q_mask, do, pd
+
+
+def _dv_kernel(do_ref, pd_ref, dv_ref, *, num_heads, num_kv_heads, seq_q, seq_k, head_dim,
+               block_q, block_k, split):
+  """dV alone (the dS pass does not read delta's partials): no V, no dPd GEMM."""
+  groups = num_heads // num_kv_heads
+  d_pad = _padded_head_dim(head_dim)
+  _, bk, share, b, kvh, k0 = _kv_block_ids(num_kv_heads, block_k)
+  d_mask = _dim_mask(d_pad, head_dim)
+  kv_mask = _tail_mask(k0, block_k, seq_k)
+  v_tile_mask = _outer(kv_mask, d_mask)
+  nq = pl.cdiv(seq_q, block_q)
+  start, stop = _share_range(share, groups * nq, split)
+  step = functools.partial(_dv_step, do_ref=do_ref, pd_ref=pd_ref, b=b, kvh=kvh, k0=k0,
+                           d_mask=d_mask, kv_mask=kv_mask, nq=nq, num_heads=num_heads,
+                           groups=groups, seq_q=seq_q, block_q=block_q, block_k=block_k,
+                           d_pad=d_pad)
+
+  def body(i, acc):
+    _, _, _, do, pd = step(i)
+    # dV_j += Pd^T @ dO    [block_k, d_pad]; padded rows / columns of Pd are 0.
+    return acc + dot(pd, do, trans_a=True)
+
+  acc = lax.fori_loop(start, stop, body, jnp.zeros((block_k, d_pad), f32))
+  _store_dv(dv_ref, acc, split, share, bk, k0, block_k, d_pad, v_tile_mask)
+
+
+def _dv_delta_kernel(do_ref, pd_ref, v_ref, dv_ref, dpart_ref, *, num_heads, num_kv_heads,
+                     seq_q, seq_k, head_dim, block_q, block_k, split):
+  """dV and delta's partial row sums: the program keeps its V block on chip, and per step
+  also computes ``dPd = dO @ V^T`` and stores ``rowsum(dPd * Pd)`` over its kv block."""
+  groups = num_heads // num_kv_heads
+  d_pad = _padded_head_dim(head_dim)
+  j, bk, share, b, kvh, k0 = _kv_block_ids(num_kv_heads, block_k)
+  d_mask = _dim_mask(d_pad, head_dim)
+  kv_mask = _tail_mask(k0, block_k, seq_k)
+  v_tile_mask = _outer(kv_mask, d_mask)
+  v = _load(v_ref.at[bk, pl.ds(k0, block_k), _head_dims(d_pad)], v_tile_mask, 0.0)
+  nq = pl.cdiv(seq_q, block_q)
+  start, stop = _share_range(share, groups * nq, split)
+  step = functools.partial(_dv_step, do_ref=do_ref, pd_ref=pd_ref, b=b, kvh=kvh, k0=k0,
+                           d_mask=d_mask, kv_mask=kv_mask, nq=nq, num_heads=num_heads,
+                           groups=groups, seq_q=seq_q, block_q=block_q, block_k=block_k,
+                           d_pad=d_pad)
+
+  def body(i, acc):
+    bh, q0, q_mask, do, pd = step(i)
+    acc = acc + dot(pd, do, trans_a=True)  # dV_j += Pd^T @ dO
+    dpd = dot(do, v, trans_b=True)  # dPd = dO @ V_j^T    [block_q, block_k]
+    part = jnp.sum(dpd * pd.astype(f32), axis=1)
+    _store(dpart_ref.at[bh, j, pl.ds(q0, block_q)], part, q_mask)
+    return acc
+
+  acc = lax.fori_loop(start, stop, body, jnp.zeros((block_k, d_pad), f32))
+  _store_dv(dv_ref, acc, split, share, bk, k0, block_k, d_pad, v_tile_mask)
+
+
+@functools.partial(jax.jit, static_argnames=["num_heads", "cfg", "interpret", "partials"])
+def dv_pass(grad_attn_output, attn_weights_dropped, value_states, *, num_heads, cfg, interpret,
+            partials=True):
+  """Pass 1: ``(dV [B*KVH, seq_k, D], delta partials [B*H, cdiv(seq_k, block_k), seq_q]
+  fp32)``; with ``partials=False``: ``(dV, None)`` (no dPd GEMM, V is not read).
+
+  ``attn_weights_dropped`` is ``[B*H, seq_q, seq_k]``, ``value_states`` ``[B*KVH, seq_k, D]``.
+  """
+  b, seq_q, h, head_dim = grad_attn_output.shape
+  bkvh, seq_k, _ = value_states.shape
+  kvh = bkvh // b
+  n_kv = pl.cdiv(seq_k, cfg.block_k)
+  split = resolve_split(cfg, bkvh * n_kv, (h // kvh) * pl.cdiv(seq_q, cfg.block_q))
+  inputs = (grad_attn_output, attn_weights_dropped, value_states)
+  dv_struct = _dv_struct(split, value_states, *inputs)
+  shape = dict(num_heads=num_heads, num_kv_heads=kvh, seq_q=seq_q, seq_k=seq_k,
+               head_dim=head_dim, block_q=cfg.block_q, block_k=cfg.block_k, split=split)
+  if partials:
+    kernel = functools.partial(_dv_delta_kernel, **shape)
+    out_shape = (dv_struct, out_struct((b * h, n_kv, seq_q), f32, *inputs))
+    name = "attention_dropout_value_bwd_dv"
+  else:
+    inputs = inputs[:2]
+    kernel = functools.partial(_dv_kernel, **shape)
+    out_shape = (dv_struct,)
+    name = "attention_dropout_value_bwd_dv_only"
+  out = pallas_call(
+      kernel,
+      out_shape=out_shape,
+      grid=(n_kv, bkvh, split),
+      compiler_params=compiler_params(cfg.num_warps, cfg.num_stages),
+      interpret=interpret,
+      name=name,
+  )(*inputs)
+  dpart = out[1] if partials else None
+  return _sum_dv_shares(out[0], split, value_states.dtype), dpart
+
+
+# --------------------------------------------------------------------------------------
+# Pass 2: dS = P * (dW - delta).
+# --------------------------------------------------------------------------------------
+def _ds_inputs(inputs, keep, value_states, delta, scale, dropout: Dropout):
+  """``inputs`` (dO, P) plus, in the order :func:`_ds_refs` takes them: keep (unless
+  ``dropout`` is "none"), V, ``delta`` (partials or row sums; ``None``: not read) and
+  scale (if ``dropout`` is "traced")."""
+  inputs = list(inputs)
+  if dropout.mode != "none":
+    inputs.append(keep)
+  inputs.append(value_states)
+  if delta is not None:
+    inputs.append(delta)
+  if dropout.mode == "traced":
+    inputs.append(scale)
+  return inputs
+
+
+def _ds_refs(refs, mode, has_delta=True):
+  """``(do, p, keep, v, delta, scale, outputs)`` refs of a dS kernel (inputs as
+  :func:`_ds_inputs` orders them); ``keep`` is None when ``mode`` is ``"none"``, ``scale``
+  unless it is ``"traced"``, ``delta`` unless ``has_delta``; ``outputs`` is the list of
+  the remaining (output) refs."""
+  refs = list(refs)
+  do_ref, p_ref = refs.pop(0), refs.pop(0)
+  keep_ref = None if mode == "none" else refs.pop(0)
+  v_ref = refs.pop(0)
+  delta_ref = refs.pop(0) if has_delta else None
+  scale_ref = refs.pop(0) if mode == "traced" else None
+  return do_ref, p_ref, keep_ref, v_ref, delta_ref, scale_ref, refs
+
+
+def _summed_partials(dpart_ref, bh, q0, q_mask, block_q):
+  """delta of ``block_q`` rows from pass 1's partials, up to 32 of them per (2D) load:
+  ``rowsum(dPd * Pd) = rowsum(dW * P)`` under the precondition."""
+  n_part = dpart_ref.shape[1]
+  chunk = min(next_power_of_2(n_part), 32)
+
+  def add_chunk(c, acc):
+    rows = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
+    mask = _outer(None if n_part % chunk == 0 else rows < n_part, q_mask)
+    part = _load(dpart_ref.at[bh, pl.ds(c * chunk, chunk), pl.ds(q0, block_q)], mask, 0.0)
+    return acc + jnp.sum(part, axis=0)
+
+  return _fori_loop(0, pl.cdiv(n_part, chunk), add_chunk, jnp.zeros((block_q,), f32))
+
+
+class _DsRows:
+  """The rows of one program of :func:`_ds_kernel` / :func:`_ds_kernel_prefetch`: ``block_q``
+  queries of ``heads`` query heads of one kv group (same batch), looping over all of
+  seq_k; each V tile is loaded once for the ``heads`` heads.
+
+  Building it loads the heads' dO tiles and their delta: for rows of one kv tile,
+  ``rowsum(dW * P)`` of that tile, exactly as the reference and without the rounding of Pd
+  that pass 1's partials carry (which matters most for short rows); else the sum of the
+  partials. :meth:`tile` computes and stores one kv tile of dS.
+
+  Refs: do [B, seq_q, H, D], p [B*H, seq_q, seq_k], (keep, same, bool), v [B*KVH, seq_k, D],
+  (dpart [B*H, NKV1, seq_q] fp32 unless rows are one tile), (scale [2] fp32 if ``dropout``
+  is traced, :func:`_traced_scales`), and the output ds [B*H, seq_q, seq_k].
+  """
+
+  def __init__(self, refs, *, num_heads, num_kv_heads, seq_q, seq_k, head_dim, block_q,
+               block_k, dropout: Dropout, heads):
+    self.dropout, self.block_q, self.block_k, self.seq_k = dropout, block_q, block_k, seq_k
+    self.num_kv_tiles = nkv = pl.cdiv(seq_k, block_k)
+    (do_ref, self.p_ref, self.keep_ref, self.v_ref, dpart_ref, scale_ref,
+     (self.ds_ref,)) = _ds_refs(refs, dropout.mode, nkv > 1)
+
+    groups = num_heads // num_kv_heads
+    self.d_pad = _padded_head_dim(head_dim)
+    qi = pl.program_id(0)  # q block: fastest grid axis, so programs sharing V run together
+    self.bh0 = pl.program_id(1) * heads  # b * H + first head; `heads` divides G
+    b = lax.div(self.bh0, i32(num_heads))
+    self.h0 = lax.rem(self.bh0, i32(num_heads))
+    self.bk = b * num_kv_heads + lax.div(self.h0, i32(groups))
+    self.q0 = qi * block_q
+    self.heads = range(heads)
+
+    self.d_mask = _dim_mask(self.d_pad, head_dim)
+    self.q_mask = _tail_mask(self.q0, block_q, seq_q)
+    self.do = [_load(do_ref.at[b, pl.ds(self.q0, block_q), self.h0 + r, _head_dims(self.d_pad)],
+                     _outer(self.q_mask, self.d_mask), 0.0) for r in self.heads]
+    self.ragged_kv = seq_k % block_k != 0
+    if nkv == 1:
+      self.delta = [None] * heads  # rowsum(dW * P) in the tile
+    else:
+      self.delta = [_summed_partials(dpart_ref, self.bh0 + r, self.q0, self.q_mask, block_q)
+                    for r in self.heads]
+    if dropout.mode == "traced":
+      self.keep_scale, self.drop_scale = _traced_scales(scale_ref)
+
+  def kv_mask(self, j, masked):
+    """The valid keys of kv tile ``j`` if ``masked`` (it may reach past seq_k), else None."""
+    if not masked:
+      return None
+    return (j * self.block_k + jnp.arange(self.block_k, dtype=jnp.int32)) < self.seq_k
+
+  def load_p_keep(self, j, masked):
+    """``[(P, keep) per head]`` of kv tile ``j`` (keep is a constant with no dropout)."""
+    mask = _outer(self.q_mask, self.kv_mask(j, masked))
+    out = []
+    for r in self.heads:
+      idx = (self.bh0 + r, pl.ds(self.q0, self.block_q), pl.ds(j * self.block_k, self.block_k))
+      p = _load(self.p_ref.at[idx], mask, 0.0)
+      keep = (jnp.zeros((), jnp.bool_) if self.dropout.mode == "none"
+              else _load(self.keep_ref.at[idx], mask, False))
+      out.append((p, keep))
+    return tuple(out)
+
+  def tile(self, j, masked, pk=None):
+    """Computes and stores kv tile ``j`` of dS for every head (``masked``: the tile may
+    reach past seq_k); ``pk``: its P and keep if already loaded."""
+    k0 = j * self.block_k
+    kv_mask = self.kv_mask(j, masked)
+    v = _load(self.v_ref.at[self.bk, pl.ds(k0, self.block_k), _head_dims(self.d_pad)],
+              _outer(kv_mask, self.d_mask), 0.0)
+    mask = _outer(self.q_mask, kv_mask)
+    if pk is None:
+      pk = self.load_p_keep(j, masked)
+    for r in self.heads:
+      p, keep = pk[r]
+      dw = dot(self.do[r], v, trans_b=True)  # dPd, [block_q, block_k] fp32
+      if self.dropout.mode == "static":
+        dw = jnp.where(keep, dw * self.dropout.scale, 0.0)
+      elif self.dropout.mode == "traced":
+        dw = dw * jnp.where(keep, self.keep_scale, self.drop_scale)
+      p = p.astype(f32)
+      row_delta = jnp.sum(dw * p, axis=1) if self.delta[r] is None else self.delta[r]
+      ds = p * (dw - row_delta[:, None])
+      _store(self.ds_ref.at[self.bh0 + r, pl.ds(self.q0, self.block_q), pl.ds(k0, self.block_k)],
+             ds.astype(self.ds_ref.dtype), mask)
+
+
+def _ds_kernel(*refs, **kwargs):
+  """The dS pass on tiles of consecutive rows (:class:`_DsRows`): unmasked kv tiles in the
+  steady state, then one masked tail tile if seq_k is ragged (keeps the kv mask out of the
+  hot loop)."""
+  rows = _DsRows(refs, **kwargs)
+
+  def body(j, carry, masked=False):
+    rows.tile(j, masked)
+    return carry
+
+  nkv = rows.num_kv_tiles
+  if rows.ragged_kv:
+    # The tail is a one-trip loop so its start index stays dynamic: a constant start
+    # past the end would fail the static slice bounds check of the indexer.
+    _fori_loop(0, nkv - 1, body, 0)
+    _fori_loop(nkv - 1, nkv, functools.partial(body, masked=True), 0)
+  else:
+    _fori_loop(0, nkv, body, 0)
+
+
+def _ds_kernel_prefetch(*refs, **kwargs):
+  """The dS pass with a software prefetch in registers: tile ``j + 1``'s P and keep are
+  requested before tile ``j`` is computed. Rows of odd length cannot use the asynchronous
+  (16-byte) copies Triton pipelines with, so without this each tile would wait for its
+  loads. Every tile is masked."""
+  rows = _DsRows(refs, **kwargs)
+
+  def body(j, pk):
+    nxt = rows.load_p_keep(j + 1, True)  # past the end: fully masked, touches no memory
+    rows.tile(j, True, pk)
+    return nxt
+
+  _fori_loop(0, rows.num_kv_tiles, body, rows.load_p_keep(rows.h0 * 0, True))
+
+
+def _ds_kernel_phased(*refs, num_heads, num_kv_heads, seq_q, seq_k, head_dim, block_q,
+                      block_k, dropout: Dropout, n_part, align):
+  """The dS pass for rows of ``seq_k % 8 != 0`` keys, on 16-byte aligned tiles.
+
+  The ``G * seq_q`` rows of one kv group (its G query heads, one after the other in
+  memory) share V. One program = one row class of them (``block_q`` rows ``align`` apart,
+  see ``pallas_kernels._phase``): they all have the same phase, so one shifted V tile
+  serves them all, and a class holds ``G * seq_q / align`` rows, so short heads still fill
+  tiles. Column tile ``j`` covers keys ``[j * block_k - phase, (j + 1) * block_k - phase)``;
+  every load of P and keep is of 16-byte vectors (``_phase.tile_masks``), and so is every
+  store of dS except those of the few elements at each end of a row (a second, scalar
+  store in the two edge tiles). (The rows' delta partials, ``align`` rows apart, load as
+  scalars.) The steady-state tiles between the edges take no column masks.
+
+  Refs as :class:`_DsRows`, but every array is a flat 1D view (``scale`` stays ``[2]``);
+  ``dpart`` holds ``n_part`` partials per row.
+  """
+  do_ref, p_ref, keep_ref, v_ref, dpart_ref, scale_ref, (ds_ref,) = _ds_refs(refs,
+                                                                            dropout.mode)
+
+  groups = num_heads // num_kv_heads
+  d_pad = _padded_head_dim(head_dim)
+  # u0, u: the tile's first row and its rows, within the group
+  cls, u0, u = _phase.class_rows(pl.program_id(0), i32(align), block_q)
+  bk = pl.program_id(1)  # b * KVH + kv head
+  b = lax.div(bk, i32(num_kv_heads))
+  row0 = bk * (groups * seq_q)  # the group's first row among all B * H * seq_q rows
+  ph = _phase.phase(row0 + cls, seq_k, i32(align))
+  row_ok = u < groups * seq_q
+  hg = lax.div(u, i32(seq_q))  # head within the group, per row
+  q = lax.rem(u, i32(seq_q))
+  bh = bk * groups + hg
+  d = jnp.arange(d_pad, dtype=jnp.int32)
+  d_mask = None if d_pad == head_dim else d < head_dim
+  base = _phase.aligned_base(row0 + u0, seq_k, ph, align)
+  do = _load(do_ref.at[((b * seq_q + q) * num_heads + bh - b * num_heads)[:, None] * head_dim
+                       + d[None, :]], _outer(row_ok, d_mask), 0.0)
+
+  # delta = rowsum(dPd * Pd) = rowsum(dW * P) under the precondition: pass 1's partials.
+  chunk = min(next_power_of_2(n_part), 32)
+
+  def add_chunk(c, acc):
+    k = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
+    offs = (bh[None, :] * n_part + k[:, None]) * seq_q + q[None, :]
+    mask = _outer(None if n_part % chunk == 0 else k < n_part, row_ok)
+    return acc + jnp.sum(_load(dpart_ref.at[offs], mask, 0.0), axis=0)
+
+  delta = _fori_loop(0, pl.cdiv(n_part, chunk), add_chunk,
+                        jnp.zeros((block_q,), f32))
+
+  if dropout.mode == "traced":
+    keep_scale, drop_scale = _traced_scales(scale_ref)
+
+  def ds_tile(j, kv, v_mask, mask):
+    """``(flat offsets, dS)`` of column tile ``j`` (keys ``kv``)."""
+    v = _load(v_ref.at[(bk * seq_k + kv)[:, None] * head_dim + d[None, :]],
+              _outer(v_mask, d_mask), 0.0)
+    offs = _phase.tile_offsets(base, seq_k, block_q, j * block_k, block_k, align)
+    p = _load(p_ref.at[offs], mask, 0.0).astype(f32)
+    dw = dot(do, v, trans_b=True)  # dPd, [block_q, block_k] fp32
+    if dropout.mode == "static":
+      dw = jnp.where(_load(keep_ref.at[offs], mask, False), dw * dropout.scale, 0.0)
+    elif dropout.mode == "traced":
+      dw = dw * jnp.where(_load(keep_ref.at[offs], mask, False), keep_scale, drop_scale)
+    return offs, (p * (dw - delta[:, None])).astype(ds_ref.dtype)
+
+  def body(j, carry, edge=False):
+    # V is indexed by hand: tile 0 starts at a negative (masked) key, which a slice clamps.
+    kv, valid, load, vector = _phase.tile_masks(j, seq_k, i32(block_k), ph)
+    if not edge:  # the tile lies inside the rows: no column masks
+      offs, ds = ds_tile(j, kv, None, _outer(row_ok, None))
+      _store(ds_ref.at[offs], ds, _outer(row_ok, None))
+      return carry
+    offs, ds = ds_tile(j, kv, valid, _outer(row_ok, load))
+    # 16-byte vectors wholly inside the rows, then the rows' first / last few elements.
+    _store(ds_ref.at[offs], ds, _outer(row_ok, vector))
+    _store(ds_ref.at[offs], ds, _outer(row_ok, valid & jnp.logical_not(vector)))
+    return carry
+
+  # Tiles 0 and nt - 1 reach outside the rows; the ones between take no column masks
+  # (rows span at least 2 tiles here: the caller checks).
+  nt = _phase.num_tiles(seq_k, i32(block_k), ph)
+  _fori_loop(0, 1, functools.partial(body, edge=True), 0)
+  _fori_loop(1, nt - 1, body, 0)
+  _fori_loop(nt - 1, nt, functools.partial(body, edge=True), 0)
+
+
+@functools.partial(jax.jit, static_argnames=["num_heads", "dropout", "cfg", "interpret"])
+def ds_pass(grad_attn_output, attn_weights, keep, value_states, dpart, scale, *, num_heads,
+            dropout: Dropout, cfg: PassConfig, interpret):
+  """Pass 2: ``dS [B*H, seq_q, seq_k]`` from dO, P ``[B*H, seq_q, seq_k]``, keep (same;
+  unused, may be None, when ``dropout.mode`` is "none"), V ``[B*KVH, seq_k, D]``, delta's
+  partials ``dpart`` ``[B*H, n, seq_q]`` fp32 (unused where a row is one kv tile) and the
+  traced rate's ``scale`` (:func:`_dropout_args`; unused unless "traced")."""
+  b, seq_q, h, head_dim = grad_attn_output.shape
+  bkvh, seq_k, _ = value_states.shape
+  one_tile = seq_k <= cfg.block_k  # delta in the tile: dpart is not read (may be None)
+  inputs = _ds_inputs([grad_attn_output, attn_weights], keep, value_states,
+                      None if one_tile else dpart, scale, dropout)
+  groups = h // (bkvh // b)
+  shape = dict(num_heads=num_heads, num_kv_heads=bkvh // b, seq_q=seq_q, seq_k=seq_k,
+               head_dim=head_dim, block_k=cfg.block_k, dropout=dropout)
+  if not one_tile and use_phased(cfg, b, h, seq_q, seq_k, head_dim, dpart.size,
+                                 value_states.size):
+    # Flat views (free reshapes) for the phase-aligned tiles of _ds_kernel_phased.
+    flat = [x if x is None or x.ndim < 2 else x.reshape(-1) for x in inputs]
+    # Only tile 0 is peeled for the row starts: phase < align <= block_k.
+    align, block_q = _phase.resolve(cfg.row_align, groups * seq_q, cfg.block_q, cfg.block_k)
+    ds = pallas_call(
+        functools.partial(_ds_kernel_phased, **shape, block_q=block_q, n_part=dpart.shape[1],
+                          align=align),
+        out_shape=out_struct((b * h * seq_q * seq_k,), attn_weights.dtype, *inputs),
+        grid=(_phase.num_programs(groups * seq_q, align, block_q), bkvh),
+        compiler_params=compiler_params(cfg.num_warps, cfg.num_stages),
+        interpret=interpret,
+        name="attention_dropout_value_bwd_ds_aligned",
+    )(*flat)
+    return ds.reshape(b * h, seq_q, seq_k)
+  heads = group_heads(groups, cfg.heads)
+  kernel = _ds_kernel_prefetch if cfg.prefetch else _ds_kernel
+  return pallas_call(
+      functools.partial(kernel, **shape, block_q=cfg.block_q, heads=heads),
+      out_shape=out_struct((b * h, seq_q, seq_k), attn_weights.dtype, *inputs),
+      grid=(pl.cdiv(seq_q, cfg.block_q), b * h // heads),
+      compiler_params=compiler_params(cfg.num_warps, cfg.num_stages),
+      interpret=interpret,
+      name="attention_dropout_value_bwd_ds",
+  )(*inputs)
+
+
+# --------------------------------------------------------------------------------------
+# The two-pass backward (from P, Pd and keep).
+# --------------------------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnames=["p_static", "config", "interpret"])
+def _backward(grad_attn_output, attn_weights, attn_weights_dropped, value_states,
+              dropout_mask, p_traced, delta=None, *, p_static, config, interpret):
+  b, h, seq_q, seq_k = attn_weights.shape
+  kvh, head_dim = value_states.shape[1], value_states.shape[3]
+  # Free (bitcast) reshapes to 3D views; dO stays [B, seq_q, H, D].
+  p3 = attn_weights.reshape(b * h, seq_q, seq_k)
+  pd3 = attn_weights_dropped.reshape(b * h, seq_q, seq_k)
+  v3 = value_states.reshape(b * kvh, seq_k, head_dim)
+  # Pass 1 makes delta's partials only when the dS pass needs them: not for rows that fit
+  # one dS tile (delta in the tile), nor when delta is given (one "partial" per row).
+  partials = seq_k > config.ds.block_k and delta is None
+  dv, dpart = dv_pass(grad_attn_output, pd3, v3, num_heads=h, cfg=config.dv,
+                      interpret=interpret, partials=partials)
+  if delta is not None:
+    dpart = delta.reshape(b * h, 1, seq_q)
+  dropout, scale = _dropout_args(p_static, p_traced)
+  keep = None if dropout.mode == "none" else dropout_mask.reshape(b * h, seq_q, seq_k)
+  ds = ds_pass(grad_attn_output, p3, keep, v3, dpart, scale, num_heads=h, dropout=dropout,
+               cfg=config.ds, interpret=interpret)
+  return ds.reshape(b, h, seq_q, seq_k), dv.reshape(b, kvh, seq_k, head_dim)
+
+
+def _block_k_alias(block_k, block_kv):
+  """``block_k``, or its old name ``block_kv``."""
+  if block_kv is not None and block_k is not None and block_kv != block_k:
+    raise ValueError(f"block_kv is an alias of block_k: got block_k={block_k}, "
+                     f"block_kv={block_kv}")
+  return block_k if block_k is not None else block_kv
+
+
+def attention_softmax_dropout_value_backward(
+    grad_attn_output, attn_weights, attn_weights_dropped, value_states, dropout_mask,
+    attention_dropout, *, delta=None, config: Config | None = None, block_q=None,
+    block_k=None, block_kv=None, num_warps=None, num_stages=None, causal=False,
+    interpret=False):
+  """Backward of ``O = transpose(dropout(P) @ V)`` with GQA, as two Pallas Triton kernels.
+
+  Shapes: dO ``[B, seq_q, H, D]``; P, Pd and keep (bool, True = kept) ``[B, H, seq_q, seq_k]``;
+  V ``[B, KVH, seq_k, D]``, ``H % KVH == 0`` (query head ``h`` reads kv head ``h // G``).
+  Dtypes: bf16 (the target), fp16 or fp32 (fp32 accumulation, IEEE fp32 dots); returns
+  ``(grad_attn_scores [B, H, seq_q, seq_k], grad_value_states [B, KVH, seq_k, D])`` in it.
+  The rate p in [0, 1) is a Python float (static; at 0 keep is never read) or a traced
+  scalar (outside [0, 1): NaN outputs). ``delta``: optional ``[B, H, seq_q]`` fp32
+  ``rowsum(dO * O)`` of the forward's fp32 output (:func:`delta_from_output`); pass 1 then
+  skips its dPd GEMM. ``config`` (:class:`Config`): by default the table tuned for the
+  arrays' device kind, else a heuristic; ``block_q``, ``block_k`` (alias ``block_kv``),
+  ``num_warps``, ``num_stages`` override a field of both passes. ``causal``: accepted for
+  interface uniformity (a causal P is zero above the diagonal, which the dense math
+  handles; no tiles are skipped). ``interpret``: run in the Pallas interpreter.
+
+  Precondition (true of every real forward): ``Pd == round(P * keep / (1 - p))``, so delta
+  is ``rowsum(dPd * Pd)``, computed in the pass that reads Pd; rows that fit one kv tile of
+  the dS pass take it from dW and P in that tile, exactly as the reference.
+
+  Traffic: 7 B per attention element in bf16 (read P, Pd, keep; write dS), plus
+  ``4 / block_k`` B of delta partials. Design: pass 1 (a program per kv block of a (batch,
+  kv head)) reads Pd once for ``dV += Pd^T @ dO``, the GQA sum in its accumulator, and
+  delta's partials; pass 2 (a program per query tile of ``heads`` heads) recomputes
+  ``dPd = dO @ V^T`` and streams P and keep to dS; rows of ``seq_k % 8 != 0`` keys take
+  phase-aligned row classes there. History: ``benchmarks/results/*_design.log``.
+  """
+  arrays = (grad_attn_output, attn_weights, attn_weights_dropped, value_states, dropout_mask)
+  check_can_compile("attention_softmax_dropout_value_backward", interpret, *arrays)
+  p = validation.check_problem_a(grad_attn_output, attn_weights, attn_weights_dropped,
+                                 value_states, dropout_mask, attention_dropout)
+  b, h, seq_q, seq_k = attn_weights.shape
+  validation.check_causal(causal, seq_q, seq_k, every_row_has_keys=False)
+  p_traced = None if p is not None else attention_dropout
+  if delta is not None:
+    validation.check_array("delta", delta, ("B", "H", "Sq"), attn_weights.shape[:3],
+                           dtypes=(f32,))
+  if config is None:
+    kvh, head_dim = value_states.shape[1], value_states.shape[3]
+    config = default_config(b, h, kvh, seq_q, seq_k, head_dim, attn_weights.dtype,
+                            _tuning.device_kind_of(*arrays, interpret=interpret))
+  config = _tuning.with_overrides(config, block_q=block_q,
+                                  block_k=_block_k_alias(block_k, block_kv),
+                                  num_warps=num_warps, num_stages=num_stages)
+  return _backward(grad_attn_output, attn_weights, attn_weights_dropped, value_states,
+                   dropout_mask, p_traced, delta, p_static=p, config=config,
+                   interpret=interpret)
+
+
+def delta_from_output(grad_attn_output, attn_output_f32):
+  """``delta = rowsum(dO * O) = rowsum(dPd * Pd)``, ``[B, H, seq_q]`` fp32, from dO
+  ``[B, seq_q, H, D]`` and the forward's fp32 output ``O = Pd @ V`` (before its rounding):
+  the ``delta`` of :func:`attention_softmax_dropout_value_backward_from_delta`."""
+  return jnp.einsum("bqhd,bqhd->bhq", grad_attn_output.astype(f32), attn_output_f32,
+                    precision=lax.Precision.HIGHEST)
+
+
+# --------------------------------------------------------------------------------------
+# From delta: one pass for dS and dV (the op's backward, which has delta from its output).
+# --------------------------------------------------------------------------------------
+def _group_rows_do(do_ref, b, kvh, u, row_mask, d, d_mask, *, seq_q, num_heads, groups,
+                   head_dim):
+  """dO of rows ``u`` of a kv group's ``G * seq_q`` rows (head ``u // seq_q``, query
+  ``u % seq_q``), gathered from the flat ``[B, seq_q, H, D]`` array: ``[len(u), d_pad]``."""
+  h = kvh * groups + lax.div(u, i32(seq_q))
+  q = lax.rem(u, i32(seq_q))
+  offs = (((b * seq_q + q) * num_heads + h) * head_dim)[:, None] + d[None, :]
+  return _load(do_ref.at[offs], _outer(row_mask, d_mask), 0.0)
+
+
+def _ds_dv_kernel(*refs, num_heads, num_kv_heads, seq_q, seq_k, head_dim, block_q, block_k,
+                  dropout: Dropout, split, exact_delta):
+  """dS and dV of one ``block_k`` keys of one kv group, from P and keep alone.
+
+  One program = one kv block of one (batch, kv head) and one of ``split`` shares of the
+  loop over the group's ``G * seq_q`` rows (its G heads one after the other, so short heads
+  still fill tiles). It keeps V's block and an fp32 dV accumulator on chip; per tile of
+  rows it reads P and keep, recomputes ``dPd = dO @ V^T``, writes
+  ``dS = P * (dW - delta)`` and rebuilds ``Pd = round(P * keep / (1 - p))`` (the
+  precondition) for ``dV += Pd^T @ dO``. ``exact_delta`` (a row is one kv block): delta
+  is ``rowsum(dW * P)`` of the tile, exactly as the reference, and no delta is read.
+
+  Refs: do flat ``[B*seq_q*H*D]``, p ``[B*KVH, G*seq_q, seq_k]``, (keep, same), v
+  ``[B*KVH, seq_k, D]``, (delta ``[B*KVH, G*seq_q]`` fp32 unless ``exact_delta``), (scale
+  ``[2]`` fp32 if ``dropout`` is traced, :func:`_traced_scales`); outputs ds (as p), dv
+  ``[B*KVH, seq_k, D]`` (``split > 1``: ``[split, B*KVH, seq_k, D]`` fp32 partial sums).
+  """
+  mode = dropout.mode
+  do_ref, p_ref, keep_ref, v_ref, delta_ref, scale_ref, (ds_ref, dv_ref) = _ds_refs(
+      refs, mode, not exact_delta)
+
+  groups = num_heads // num_kv_heads
+  rows = groups * seq_q
+  d_pad = _padded_head_dim(head_dim)
+  _, bk, share, b, kvh, k0 = _kv_block_ids(num_kv_heads, block_k)
+  d = jnp.arange(d_pad, dtype=jnp.int32)
+  d_mask = None if d_pad == head_dim else d < head_dim
+  kv_mask = _tail_mask(k0, block_k, seq_k)
+  v_tile_mask = _outer(kv_mask, d_mask)
+  v = _load(v_ref.at[bk, pl.ds(k0, block_k), _head_dims(d_pad)], v_tile_mask, 0.0)
+  if mode == "traced":
+    keep_scale, drop_scale = _traced_scales(scale_ref)
+
+  def body(i, acc, masked=False):
+    r0 = i * block_q
+    u = r0 + jnp.arange(block_q, dtype=jnp.int32)
+    row_mask = u < rows if masked else None
+    mask = _outer(row_mask, kv_mask)
+    do = _group_rows_do(do_ref, b, kvh, u, row_mask, d, d_mask, seq_q=seq_q,
+                        num_heads=num_heads, groups=groups, head_dim=head_dim)
+    idx = (bk, pl.ds(r0, block_q), pl.ds(k0, block_k))
+    p = _load(p_ref.at[idx], mask, 0.0)
+    pf = p.astype(f32)
+    dpd = dot(do, v, trans_b=True)  # [block_q, block_k] fp32
+    if mode == "none":
+      dw, pd = dpd, p
+    else:
+      keep = _load(keep_ref.at[idx], mask, False)
+      if mode == "static":
+        dw = jnp.where(keep, dpd * dropout.scale, 0.0)
+        pd = jnp.where(keep, pf * dropout.scale, 0.0).astype(p.dtype)
+      else:
+        s = jnp.where(keep, keep_scale, drop_scale)
+        dw = dpd * s
+        pd = (pf * s).astype(p.dtype)
+    if exact_delta:
+      delta = jnp.sum(dw * pf, axis=1)
+    else:
+      delta = _load(delta_ref.at[bk, pl.ds(r0, block_q)], row_mask, 0.0)
+    _store(ds_ref.at[idx], (pf * (dw - delta[:, None])).astype(ds_ref.dtype), mask)
+    # dV_j^T += dO^T @ Pd: Pd, made in registers, is the GEMM's B operand as it is
+    # (as the A operand of Pd^T @ dO it would need a transpose, which measured slower).
+    return acc + dot(do, pd, trans_a=True)
+
+  n_tiles = pl.cdiv(rows, block_q)
+  start, stop = _share_range(share, n_tiles, split)
+  acc = jnp.zeros((d_pad, block_k), f32)  # dV_j^T
+  if rows % block_q:
+    # Only the last tile of rows is ragged: the share holding it runs it masked.
+    full = n_tiles - 1
+    acc = lax.fori_loop(start, jnp.minimum(stop, full), body, acc)
+    acc = lax.fori_loop(jnp.maximum(start, full), stop, functools.partial(body, masked=True),
+                        acc)
+  else:
+    acc = lax.fori_loop(start, stop, body, acc)
+  acc = acc.T
+  _store_dv(dv_ref, acc, split, share, bk, k0, block_k, d_pad, v_tile_mask)
+
+
+@functools.partial(jax.jit, static_argnames=["num_heads", "dropout", "cfg", "interpret"])
+def ds_dv_pass(grad_attn_output, attn_weights, keep, value_states, delta, scale, *, num_heads,
+               dropout: Dropout, cfg: PassConfig, interpret):
+  """``(dS [B*KVH, G*seq_q, seq_k], dV [B*KVH, seq_k, D])`` from P, keep and delta, one kernel.
+
+  ``attn_weights`` and ``keep`` are ``[B*KVH, G*seq_q, seq_k]`` (a kv group's heads one
+  after the other); ``delta`` is ``[B*KVH, G*seq_q]`` fp32, unused (may be None) where
+  ``cfg.block_k >= seq_k``; ``keep`` / ``scale`` as in :func:`ds_pass`.
+  """
+  b, seq_q, h, head_dim = grad_attn_output.shape
+  bkvh, rows, seq_k = attn_weights.shape
+  kvh = bkvh // b
+  exact_delta = seq_k <= cfg.block_k
+  n_kv = pl.cdiv(seq_k, cfg.block_k)
+  split = resolve_split(cfg, bkvh * n_kv, pl.cdiv(rows, cfg.block_q))
+  inputs = _ds_inputs([grad_attn_output.reshape(-1), attn_weights], keep, value_states,
+                      None if exact_delta else delta, scale, dropout)
+  ds, dv = pallas_call(
+      functools.partial(_ds_dv_kernel, num_heads=num_heads, num_kv_heads=kvh, seq_q=seq_q,
+                        seq_k=seq_k, head_dim=head_dim, block_q=cfg.block_q,
+                        block_k=cfg.block_k, dropout=dropout, split=split,
+                        exact_delta=exact_delta),
+      out_shape=(out_struct(attn_weights.shape, attn_weights.dtype, *inputs),
+                 _dv_struct(split, value_states, *inputs)),
+      grid=(n_kv, bkvh, split),
+      compiler_params=compiler_params(cfg.num_warps, cfg.num_stages),
+      interpret=interpret,
+      name="attention_dropout_value_bwd_ds_dv",
+  )(*inputs)
+  return ds, _sum_dv_shares(dv, split, value_states.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=["p_static", "cfg", "interpret"])
+def _backward_from_delta(grad_attn_output, attn_weights, value_states, dropout_mask, delta,
+                         p_traced, *, p_static, cfg, interpret):
+  b, h, seq_q, seq_k = attn_weights.shape
+  kvh, head_dim = value_states.shape[1], value_states.shape[3]
+  rows = (b * kvh, (h // kvh) * seq_q, seq_k)  # free reshapes: a kv group's rows, head by head
+  dropout, scale = _dropout_args(p_static, p_traced)
+  keep = None if dropout.mode == "none" else dropout_mask.reshape(rows)
+  ds, dv = ds_dv_pass(grad_attn_output, attn_weights.reshape(rows), keep,
+                      value_states.reshape(b * kvh, seq_k, head_dim), delta.reshape(rows[:2]),
+                      scale, num_heads=h, dropout=dropout, cfg=cfg, interpret=interpret)
+  return ds.reshape(b, h, seq_q, seq_k), dv.reshape(b, kvh, seq_k, head_dim)
+
+
+def attention_softmax_dropout_value_backward_from_delta(
+    grad_attn_output, attn_weights, value_states, dropout_mask, attention_dropout, delta, *,
+    config: PassConfig | None = None, causal=False, interpret=False):
+  """The backward of :func:`attention_softmax_dropout_value_backward`, given ``delta``
+  instead of Pd: one kernel that reads P and keep, writes dS and computes dV on the way.
+
+  Inputs as that entry point's, without Pd (``dropout_mask`` may be None when the rate is
+  a concrete 0), plus ``delta`` ``[B, H, seq_q]`` fp32, ``rowsum(dPd * Pd)`` of each row:
+  an op that keeps its forward's fp32 output O has it for ``O(B*H*seq_q*D)`` work
+  (:func:`delta_from_output`). Rows that fit one kv tile (``seq_k <= config.block_k``) do not
+  read it: their delta is ``rowsum(dW * P)`` of the tile, exactly as the reference.
+  ``config``: a :class:`PassConfig` (its ``split`` as in the dV pass), default
+  :func:`default_from_delta_config`. ``causal``: accepted for interface uniformity (the
+  dense math handles a causal P; no tiles are skipped). Returns
+  ``(grad_attn_scores [B, H, seq_q, seq_k], grad_value_states [B, KVH, seq_k, D])``.
+
+  Precondition: ``Pd == round(P * keep * (1 / (1 - p)))`` with ``1 / (1 - p)`` in fp32, the
+  forward's Pd, which the kernel rebuilds for dV instead of reading it (a Pd off by an ulp
+  in many elements would put dV outside the spec's tolerance).
+
+  Traffic: 5 B per attention element in bf16 (read P and keep, write dS), against 7 B for
+  the two passes, but two GEMMs per element. Design: one program per ``block_k`` keys of a
+  (batch, kv head), looping over the group's ``G * seq_q`` rows: ``dPd = dO @ V^T``,
+  ``dS = P * (dW - delta)``, ``dV^T += dO^T @ Pd``. Its column tiles load rows of
+  ``seq_k % 8 != 0`` keys element by element. History:
+  ``benchmarks/results/attention_softmax_dropout_value_design.log``.
+  """
+  arrays = (grad_attn_output, attn_weights, value_states, dropout_mask, delta)
+  check_can_compile("attention_softmax_dropout_value_backward_from_delta", interpret, *arrays)
+  p = validation.check_problem_a(grad_attn_output, attn_weights, None, value_states,
+                                 dropout_mask, attention_dropout, takes_pd=False)
+  b, h, seq_q, seq_k = attn_weights.shape
+  validation.check_causal(causal, seq_q, seq_k, every_row_has_keys=False)
+  validation.check_array("delta", delta, ("B", "H", "Sq"), (b, h, seq_q), dtypes=(f32,))
+  if grad_attn_output.size >= 2**31:
+    raise ValueError(f"grad_attn_output: at most 2**31 - 1 elements (int32 offsets), got "
+                     f"shape {grad_attn_output.shape}")
+  if config is not None and not isinstance(config, PassConfig):
+    raise TypeError(f"config: expected a PassConfig, got {type(config).__name__}")
+  cfg = config or default_from_delta_config(seq_q, seq_k, value_states.shape[3],
+                                            attn_weights.dtype)
+  return _backward_from_delta(grad_attn_output, attn_weights, value_states, dropout_mask,
+                              delta, None if p is not None else attention_dropout,
+                              p_static=p, cfg=cfg, interpret=interpret)

@@ -1,0 +1,29 @@
+"""Masked softmax -> dropout backward (fp32): a Pallas Triton row kernel.
+
+``masked_softmax_dropout_backward`` is the entry point (``pallas_triton.py``); its launch
+configuration, the tuned table's entries and the default for a device are in ``config.py``.
+"""
+
+from pallas_kernels.masked_softmax_dropout.config import (
+    Config,
+    TableEntry,
+    column_chunks,
+    config_for,
+    default_config,
+    heuristic_entry,
+    length_class,
+    tuned_entry,
+)
+from pallas_kernels.masked_softmax_dropout.pallas_triton import masked_softmax_dropout_backward
+
+__all__ = [
+    "Config",
+    "TableEntry",
+    "column_chunks",
+    "config_for",
+    "default_config",
+    "heuristic_entry",
+    "length_class",
+    "masked_softmax_dropout_backward",
+    "tuned_entry",
+]

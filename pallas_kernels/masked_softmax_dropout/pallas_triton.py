@@ -1,0 +1,242 @@
+"""Masked softmax -> dropout backward: the Pallas Triton row kernel and its entry point.
+
+Forward (for context): ``P = softmax(scores.masked_fill(~mask, -1e4))``,
+``y = P * keep / (1 - p)``. Backward, all fp32 inside::
+
+    gd = g * keep / (1 - p)        (gd = g when p == 0; keep is then not read)
+    s  = rowsum(P * gd)            (over all columns: the mask is not applied)
+    dS = where(mask, P * (gd - s), 0)
+
+Design: the op is a row-wise reduction followed by an elementwise update, so one program
+owns ``block_rows`` whole rows of one head and reads g, P, keep and the mask exactly once
+(all four loads issued together, so a program waits for one memory round trip); the result
+is written once. Triton blocks are powers of two, so a row of odd length is either padded
+to the next power of two or covered by two masked power-of-two column chunks (131 = 128 + 4
+lanes rather than 256); the tuned table picks per row-length class. That is the minimum
+traffic: 4 + 4 (+1 keep) bytes in, 4 out per element (fp32), plus the [B, 1, Sq, Sk]
+attention mask. The launch grid is (heads, batch * row blocks) with heads fastest, so the H
+programs that share a mask tile run together and the mask comes from L2 after its first
+read. The config comes from the tuned table for the arrays' device (``config.py``), else a
+heuristic of a few thousand elements per program.
+
+Config fields beyond the tiling (defaults: the design above) express other designs, such
+as a public Triton row kernel's (one row per program, g/P/keep loaded ``.cg``, an evict-first
+store, the mask loaded ``.ca`` after the row sum, several heads per program on short rows):
+cache modifiers and L2 eviction policies of the streamed loads, the mask load and the
+store, the mask loaded after the row sums, and ``heads_per_program`` (the grid's first axis
+is then ``cdiv(H, heads_per_program)``; the mask tile is loaded once for all of them).
+``benchmarks/b_variants.py`` times them. Measurements and history:
+``benchmarks/results/masked_softmax_dropout_design.log``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels import _tuning, _util, validation
+from pallas_kernels._util import Dropout, compiler_params, out_struct, pallas_call
+from pallas_kernels.masked_softmax_dropout.config import Config, column_chunks, default_config
+
+_NAME = "masked_softmax_dropout_backward"
+
+
+def _unpack_refs(refs, dropout: Dropout):
+  """``(scale_ref, g_ref, p_ref, mask_ref, keep_ref, o_ref)``; absent refs are ``None``.
+
+  ``scale_ref`` (traced rate only) holds ``[1 / (1 - p), p > 0]``; ``keep_ref`` is absent
+  when the rate is a concrete 0.
+  """
+  if dropout.mode == "traced":
+    return refs
+  if dropout.mode == "none":
+    g_ref, p_ref, mask_ref, o_ref = refs
+    return None, g_ref, p_ref, mask_ref, None, o_ref
+  g_ref, p_ref, mask_ref, keep_ref, o_ref = refs
+  return None, g_ref, p_ref, mask_ref, keep_ref, o_ref
+
+
+def _enable_load_cache_modifiers():
+  """Makes ``pltriton.load(cache_modifier=".ca" | ".cg")`` lower (jax 0.11.2).
+
+  The Triton lowering accepts exactly those two strings, then looks them up in a table
+  keyed by the dialect's names (``"ca"``, ``"cg"``): a ``KeyError`` for any modifier. This
+  adds the dotted keys (idempotent; nothing else changes). Only configs that ask for a
+  cache modifier call it.
+  """
+  try:
+    from jax._src.pallas.triton import lowering
+    names = lowering._STR_TO_CACHE_MODIFIER
+  except (ImportError, AttributeError) as e:  # internals moved: say which config needs it
+    raise NotImplementedError(
+        "config.stream_cache / config.mask_cache: this jax's Triton lowering has no cache "
+        f"modifier table to extend ({e}); use None") from e
+  for name in (".ca", ".cg"):
+    if name not in names and name[1:] in names:
+      names[name] = names[name[1:]]
+
+
+def _dropped_grad(g, keep_ref, scale_ref, tile, valid, dropout: Dropout, config: Config):
+  """``gd = g * keep / (1 - p)`` for one tile (``g`` when the rate is a concrete 0)."""
+  if dropout.mode == "none":
+    return g
+  if dropout.mode == "traced":
+    # A traced rate: when it is 0 the predicated-off load never touches memory.
+    keep = pltriton.load(keep_ref.at[tile], mask=valid & (scale_ref[1] > 0), other=True,
+                         cache_modifier=config.stream_cache,
+                         eviction_policy=config.stream_eviction)
+    return jnp.where(keep, g * scale_ref[0], 0.0)
+  keep = pltriton.load(keep_ref.at[tile], mask=valid, other=False,
+                       cache_modifier=config.stream_cache, eviction_policy=config.stream_eviction)
+  return jnp.where(keep, g * dropout.scale, 0.0)
+
+
+def _load_streams(g_ref, p_ref, keep_ref, scale_ref, tile, valid, dropout, config):
+  """``(P, gd)`` of one tile of one head, fp32: the loads of data read exactly once."""
+  stream = dict(cache_modifier=config.stream_cache, eviction_policy=config.stream_eviction)
+  g = pltriton.load(g_ref.at[tile], mask=valid, other=0.0, **stream).astype(jnp.float32)
+  probs = pltriton.load(p_ref.at[tile], mask=valid, other=0.0, **stream).astype(jnp.float32)
+  return probs, _dropped_grad(g, keep_ref, scale_ref, tile, valid, dropout, config)
+
+
+def _load_mask(mask_ref, b, r0, c0, block_rows, width, valid, config):
+  return pltriton.load(mask_ref.at[b, pl.ds(r0, block_rows), pl.ds(c0, width)], mask=valid,
+                       other=False, cache_modifier=config.mask_cache,
+                       eviction_policy=config.mask_eviction)
+
+
+def _program_heads(h, b, num_heads, heads_per_program):
+  """``[(b * H + head, in_range)]`` for the heads of program ``h`` of the grid's first axis;
+  ``in_range`` is ``None`` where every head exists (H a multiple of the heads per program),
+  else ``head < H``."""
+  if heads_per_program == 1:
+    return [(b * num_heads + h, None)]
+  heads = [h * heads_per_program + j for j in range(heads_per_program)]
+  ragged = num_heads % heads_per_program != 0
+  return [(b * num_heads + head, head < num_heads if ragged else None) for head in heads]
+
+
+def _kernel(*refs, num_heads, seq_q, seq_k, config: Config, dropout: Dropout):
+  """One program: ``block_rows`` rows of ``heads_per_program`` heads (from ``program_id(0)``)
+  of one batch entry and row block (``program_id(1)``); every row whole, in power-of-two
+  column chunks. The mask tile is loaded once and serves all the program's heads."""
+  scale_ref, g_ref, p_ref, mask_ref, keep_ref, o_ref = _unpack_refs(refs, dropout)
+  block_rows = config.block_rows
+  h = pl.program_id(0)
+  n_row_blocks = pl.cdiv(seq_q, block_rows)
+  t = pl.program_id(1)
+  b = t // n_row_blocks
+  r0 = (t % n_row_blocks) * block_rows
+  rows = r0 + jnp.arange(block_rows)
+  heads = _program_heads(h, b, num_heads, config.heads_per_program)
+
+  # Pass over the chunks once to load everything and reduce the row sums, then once more
+  # (from registers) to write: every byte is read exactly once.
+  loaded = []
+  sums = [jnp.zeros((block_rows, 1), jnp.float32) for _ in heads]
+  for c0, width in column_chunks(seq_k, config.split):
+    # A traced start: a constant one past the row's end fails the indexer's static bounds
+    # check even though the masked access is fine.
+    c0 = h * 0 + c0
+    cols = c0 + jnp.arange(width)
+    valid = (rows[:, None] < seq_q) & (cols[None, :] < seq_k)
+    per_head = []
+    for bh, in_range in heads:
+      head_valid = valid if in_range is None else valid & in_range
+      tile = (bh, pl.ds(r0, block_rows), pl.ds(c0, width))
+      per_head.append((bh, head_valid, *_load_streams(g_ref, p_ref, keep_ref, scale_ref, tile,
+                                                      head_valid, dropout, config)))
+    # By default the attention mask is loaded with the others (not after the row sum), so
+    # a program waits for one round trip to memory, not two.
+    attend = None if config.mask_after_sum else _load_mask(mask_ref, b, r0, c0, block_rows,
+                                                           width, valid, config)
+    sums = [s + jnp.sum(probs * gd, axis=1, keepdims=True)
+            for s, (_, _, probs, gd) in zip(sums, per_head)]
+    loaded.append((c0, width, valid, attend, per_head))
+  if config.mask_after_sum:
+    loaded = [(c0, width, valid, _load_mask(mask_ref, b, r0, c0, block_rows, width, valid,
+                                            config), per_head)
+              for c0, width, valid, _, per_head in loaded]
+  # Masked elements are 0; with a traced rate, 0 * (1 / (1 - p)): NaN for an invalid rate,
+  # so that then every element is NaN, as in the reference.
+  fill = 0.0 if dropout.mode != "traced" else 0.0 * scale_ref[0]
+  for c0, width, valid, attend, per_head in loaded:
+    for s, (bh, head_valid, probs, gd) in zip(sums, per_head):
+      out = jnp.where(attend, probs * (gd - s), fill)
+      pltriton.store(o_ref.at[bh, pl.ds(r0, block_rows), pl.ds(c0, width)],
+                     out.astype(o_ref.dtype), mask=head_valid,
+                     eviction_policy=config.store_eviction)
+
+
+@functools.partial(jax.jit, static_argnames=("dropout", "config", "num_stages", "interpret"))
+def _call(grad_output, p_attn, mask, dropout_mask, p_dropout, *, dropout: Dropout,
+          config: Config, num_stages: int, interpret: bool):
+  b, h, seq_q, seq_k = p_attn.shape
+  config = dataclasses.replace(config, heads_per_program=min(config.heads_per_program, h))
+  if config.uses_cache_modifiers:
+    _enable_load_cache_modifiers()
+  kernel = functools.partial(_kernel, num_heads=h, seq_q=seq_q, seq_k=seq_k, config=config,
+                             dropout=dropout)
+  args = [grad_output.reshape(b * h, seq_q, seq_k), p_attn.reshape(b * h, seq_q, seq_k),
+          mask.reshape(b, seq_q, seq_k)]
+  if dropout.mode == "traced":
+    p = jnp.asarray(p_dropout, jnp.float32)
+    # An invalid traced rate (outside [0, 1), NaN) gives NaN gradients, not wrong ones.
+    inv = validation.nan_unless_rate_valid(p, 1.0 / (1.0 - p))
+    args.insert(0, jnp.stack([inv, (p > 0).astype(jnp.float32)]))
+  if dropout.mode != "none":
+    args.append(dropout_mask.reshape(b * h, seq_q, seq_k))
+  out = pallas_call(
+      kernel,
+      out_shape=out_struct((b * h, seq_q, seq_k), p_attn.dtype, *args),
+      grid=(pl.cdiv(h, config.heads_per_program),
+            b * pl.cdiv(seq_q, config.block_rows)),
+      compiler_params=compiler_params(config.num_warps, num_stages),
+      interpret=interpret,
+      name=_NAME,
+  )(*args)
+  return out.reshape(b, h, seq_q, seq_k)
+
+
+def masked_softmax_dropout_backward(grad_output, p_attn, mask, dropout_mask, p_dropout, *,
+                                    config: Config | None = None, num_stages: int = 1,
+                                    causal: bool = False, interpret: bool = False):
+  """Gradient of the scores through masked softmax and dropout.
+
+  Args:
+    grad_output: ``[B, H, Sq, Sk]`` float (fp32 in the usual case), gradient of the
+      dropout output.
+    p_attn: ``[B, H, Sq, Sk]``, same dtype, the softmax output P.
+    mask: ``[B, 1, Sq, Sk]`` bool, True = attend; broadcast over the heads.
+    dropout_mask: ``[B, H, Sq, Sk]`` bool, True = kept. Never read when the rate is 0 (it
+      may then be ``None`` if the rate is a Python number).
+    p_dropout: dropout rate in [0, 1): a Python float, or a traced scalar (one outside
+      [0, 1) gives NaN gradients, since nothing can raise at run time).
+    config: launch configuration; default: tuned for the device that holds the arrays,
+      else a heuristic.
+    num_stages: Triton pipelining depth (the kernel has no loop; 1 is right).
+    causal: accepted for a uniform interface across the kernels, and ignored: a causal
+      attention is a mask (and a P that is zero above the diagonal), which the dense math
+      handles as any other.
+    interpret: run the kernel in the Pallas interpreter (any backend).
+
+  Returns:
+    ``grad_scores [B, H, Sq, Sk]`` in the dtype of ``p_attn``.
+  """
+  del causal  # see above: the dense math covers it
+  _util.check_can_compile(_NAME, interpret, grad_output, p_attn, mask, dropout_mask)
+  p = validation.check_problem_b(grad_output, p_attn, mask, dropout_mask, p_dropout)
+  if config is None:
+    device_kind = _tuning.device_kind_of(p_attn, grad_output, interpret=interpret)
+    config = default_config(p_attn.shape[2], p_attn.shape[3], device_kind)
+  elif not isinstance(config, Config):
+    raise TypeError(f"config: expected a masked_softmax_dropout.Config, got {config!r}")
+  if not isinstance(num_stages, int) or num_stages < 1:
+    raise ValueError(f"num_stages must be >= 1 (an int), got {num_stages!r}")
+  return _call(grad_output, p_attn, mask, dropout_mask, p_dropout, dropout=Dropout.of(p),
+               config=config, num_stages=num_stages, interpret=interpret)

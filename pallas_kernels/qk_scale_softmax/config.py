@@ -1,0 +1,155 @@
+"""Launch configurations of the qk_scale_softmax backward: dataclasses, heuristic, tuned table.
+
+A :class:`Config` names a scheme and the :class:`PassConfig` of each of its kernels. The
+tuned table ``pallas_kernels/tuned/<device>/qk_scale_softmax.json`` maps a row-length class
+(:func:`length_class`) to one entry per class::
+
+  {"scheme": "per_head",
+   "row":  {"block_q": 64, "block_k": 256, "num_warps": 8, "num_stages": 2},
+   "col":  {"block_q": 32, "block_k": 64, "num_warps": 4, "num_stages": 3},
+   "head": {"block_q": 64, "block_k": "row", "num_warps": 8, "num_stages": 2}}
+
+``row`` / ``col`` configure the ``"two_pass"`` scheme's row and column kernels, ``head`` the
+``"per_head"`` kernel (present only where that scheme was measured). ``"block_k": "row"``
+(:data:`WHOLE_ROW`) asks for a whole row as one tile. :func:`pass_config` turns an entry
+into a :class:`PassConfig` for a shape, :func:`table_entry` a :class:`PassConfig` into an
+entry. How the table was chosen: ``benchmarks/results/qk_scale_softmax_tuned.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from pallas_kernels import _tuning
+from pallas_kernels._util import next_power_of_2
+
+KERNEL = "qk_scale_softmax"  # the tuned table's file name
+
+SCHEMES = ("two_pass", "per_head")
+
+WHOLE_ROW = "row"  # a table entry's block_k: the whole (padded) row is one key tile
+# A whole-row tile is tuned for short rows only; a longer row that borrows such an entry
+# (``_tuning.lookup``) takes this many keys per tile instead of a tile too large for registers.
+MAX_WHOLE_ROW = 512
+LONG_ROW_BLOCK_K = 128
+# The per_head kernel keeps a whole row and grad_key ([Sk, D] fp32) in registers.
+MAX_PER_HEAD_ROW = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class PassConfig(_tuning.TritonPassConfig):
+  """Tiles and Triton launch parameters of one kernel (tiles: powers of two >= 16).
+
+  ``prefetch``: load the next tile's ``g`` and ``P`` while this one is computed (rows of
+  odd length cannot use Triton's pipelined 16-byte copies).
+  ``row_align`` (row kernel, dense): rows of ``Sk % 8 != 0`` keys take aligned tiles of
+  every ``row_align``-th row (the phase-aligned row kernel; ``prefetch`` is then unused):
+  8, 16, 32 or 64; -1 = ``_phase.choose``; 0 = off (tiles of consecutive rows, scalar loads).
+  """
+  prefetch: bool = False
+  row_align: int = -1
+
+  def __post_init__(self):
+    super().__post_init__()
+    if not isinstance(self.prefetch, bool):
+      raise ValueError(f"config.prefetch: expected a bool, got {self.prefetch!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """How the backward runs: a ``scheme`` and the configs of its kernels.
+
+  * ``"two_pass"``: ``row`` is the delta + grad_query kernel, ``col`` the grad_key kernel.
+  * ``"per_head"``: one kernel, one program per head (``col.block_q`` query rows per step,
+    whole rows as one tile; ``row`` unused). Rows of at most :data:`MAX_PER_HEAD_ROW` keys
+    (the tuned table uses it up to 256).
+  """
+  row: PassConfig
+  col: PassConfig
+  scheme: str = "two_pass"
+
+  def __post_init__(self):
+    if self.scheme not in SCHEMES:
+      raise ValueError(f"config.scheme: expected one of {SCHEMES}, got {self.scheme!r}")
+    for name in ("row", "col"):
+      if not isinstance(getattr(self, name), PassConfig):
+        raise ValueError(f"config.{name}: expected a PassConfig, got "
+                         f"{type(getattr(self, name)).__name__}")
+
+
+def length_class(seq_k: int) -> str:
+  """The tuning table's key for rows of ``seq_k`` keys (see ``_tuning.tile_length_class``)."""
+  return _tuning.tile_length_class(seq_k)
+
+
+def heuristic(seq_q: int, seq_k: int, head_dim: int, *, row: bool) -> PassConfig:
+  """Untuned tiles and launch parameters for the row (``row=True``) or column kernel.
+
+  Base tiles are ``block_q=64`` x ``block_k=128``, capped by the padded sequence lengths and
+  kept >= 16 (the tensor-core minimum). The row kernel deviates in two ways:
+
+  * ``Sk <= 256``: the whole row is one tile (``block_k`` = padded Sk; ``block_q=32``, or
+    64 when ``Sk <= 128``), so its two passes fuse and ``g``/``P`` are read once.
+  * ``Sk > 256``: ``block_q=32``, halving each program's row footprint (``32*Sk*4`` B) so
+    that pass 2's re-read of the row is more likely to hit L2.
+  """
+  d_pad = next_power_of_2(max(head_dim, 16))
+  pq = max(16, next_power_of_2(seq_q))
+  pk = max(16, next_power_of_2(seq_k))
+  block_q = min(32 if row and pk > 128 else 64, pq)
+  block_k = min(256 if row and pk <= 256 else 128, pk)
+  tile = block_q * block_k
+  num_warps = 8 if tile >= 8192 or (d_pad >= 128 and tile >= 4096) else 4
+  if row and block_k >= pk:
+    num_stages = 1  # one-tile rows: the loop runs once, there is nothing to prefetch
+  else:
+    num_stages = 2 if d_pad >= 128 or tile >= 8192 else 3
+  return PassConfig(block_q, block_k, num_warps, num_stages)
+
+
+def pass_config(entry: dict, seq_q: int, seq_k: int) -> PassConfig:
+  """The :class:`PassConfig` of a table entry (``{"block_q": ..., "block_k": int |
+  WHOLE_ROW, "num_warps": ..., "num_stages": ..., ["prefetch", "row_align"]}``) for rows
+  of ``seq_k`` keys: tiles capped at the padded lengths; a whole-row ``block_k`` is the
+  padded ``Sk`` (:data:`LONG_ROW_BLOCK_K` for rows longer than :data:`MAX_WHOLE_ROW`)."""
+  fields = dict(entry)
+  if fields["block_k"] == WHOLE_ROW:
+    pk = max(16, next_power_of_2(seq_k))
+    fields["block_k"] = pk if pk <= MAX_WHOLE_ROW else LONG_ROW_BLOCK_K
+  return PassConfig(**fields).capped(seq_q, seq_k)
+
+
+def table_entry(config: PassConfig, *, whole_row: bool = False) -> dict:
+  """A table entry for ``config``: its four launch fields (``block_k`` = :data:`WHOLE_ROW`
+  with ``whole_row``) plus each other field that differs from its default."""
+  entry = {}
+  for f in dataclasses.fields(config):
+    value = getattr(config, f.name)
+    if f.name in ("block_q", "block_k", "num_warps", "num_stages") or value != f.default:
+      entry[f.name] = value
+  if whole_row:
+    entry["block_k"] = WHOLE_ROW
+  return entry
+
+
+def default_config(seq_q: int, seq_k: int, head_dim: int, dtype, device_kind=None,
+                   schemes=SCHEMES) -> Config:
+  """The tuned config (bf16/fp16, D <= 128, on the device kind it was tuned on), else the
+  heuristic.
+
+  ``device_kind``: the kind of the device that runs the call (``None``: the heuristic). The
+  table's scheme is used if it is in ``schemes`` (and ``per_head`` only for rows of at
+  most 256 keys), else its ``two_pass`` entry.
+  """
+  tuned = _tuning.lookup(_tuning.table(KERNEL, device_kind or ""), length_class(seq_k))
+  if not tuned or jnp.dtype(dtype).itemsize > 2 or next_power_of_2(head_dim) > 128:
+    return Config(heuristic(seq_q, seq_k, head_dim, row=True),
+                  heuristic(seq_q, seq_k, head_dim, row=False))
+  pk = max(16, next_power_of_2(seq_k))
+  scheme = tuned.get("scheme", "two_pass")
+  if scheme == "per_head" and scheme in schemes and "head" in tuned and pk <= 256:
+    head = pass_config(tuned["head"], seq_q, seq_k)
+    return Config(head, head, "per_head")
+  return Config(pass_config(tuned["row"], seq_q, seq_k), pass_config(tuned["col"], seq_q, seq_k))

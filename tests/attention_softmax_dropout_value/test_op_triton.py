@@ -1,0 +1,70 @@
+"""Op A's base suite on the ``"triton"`` backend, and the Triton backend's residual policy."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from conftest import INTERPRET, assert_close, keys
+import jax_ops
+from jax_ops import reference
+
+from .op_base import *  # noqa: F401,F403
+from .op_base import F32, _vjp
+
+
+@pytest.fixture
+def implementation():
+  return "triton"
+
+
+@pytest.mark.parametrize("b,h,kvh,sq,skv,d,rate", [
+    (2, 4, 2, 7, 16, 16, 0.1),
+    (1, 10, 1, 5, 40, 64, 0.0),
+    (1, 4, 2, 9, 80, 40, "traced"),
+    (1, 4, 1, 6, 136, 16, 0.1),
+])
+def test_grad_from_saved_output(monkeypatch, b, h, kvh, sq, skv, d, rate):
+  """The residual policy "output" (the backward that takes delta from the saved output; the
+  op's path on rows of >= 512 aligned keys, the threshold lowered here so small rows take
+  it), against autodiff of the fp32 forward; 64-key tiles: rows of 80 and 136 keys read the
+  delta made from the saved output, shorter ones compute it in the tile."""
+  from jax_ops.attention_value import pallas_triton
+  monkeypatch.setattr(pallas_triton, "FROM_OUTPUT_MIN_KEYS", 8)
+  k = keys(7, 4)
+  p = 0.15 if rate == "traced" else rate
+  scores = jax.random.normal(k[0], (b, h, sq, skv), jnp.bfloat16)
+  value = jax.random.normal(k[1], (b, kvh, skv, d), jnp.bfloat16)
+  ct = jax.random.normal(k[3], (b, sq, h, d), jnp.bfloat16)
+  op = lambda s, v, r: jax_ops.attention_softmax_dropout_value(
+      s, v, dropout_rate=r, dropout_rng=k[2], implementation="triton", interpret=INTERPRET)
+  if rate == "traced":
+    backward = lambda s, v, r: jax.vjp(lambda s, v: op(s, v, r), s, v)[1](ct)
+    args = (scores, value, jnp.float32(p))
+  else:
+    backward = lambda s, v: jax.vjp(lambda s, v: op(s, v, p), s, v)[1](ct)
+    args = (scores, value)
+  assert "attention_dropout_value_bwd_ds_dv" in str(jax.make_jaxpr(backward)(*args))
+  g_s, g_v = jax.jit(backward)(*args)
+  keep = reference.dropout_keep_mask(k[2], p, scores.shape) if p else None
+  plain = lambda s, v: reference.attention_softmax_dropout_value_forward(
+      s.astype(F32), v.astype(F32), keep, p)[0]
+  _, (r_s, r_v) = _vjp(plain, (scores, value), ct.astype(F32))
+  assert_close(g_s, r_s, atol=2e-3 * float(jnp.abs(r_s).max()), rtol=5e-2, name="d_scores")
+  assert_close(g_v, r_v, atol=1e-2 * float(jnp.abs(r_v).max()), rtol=5e-2, name="d_value")
+
+
+def test_residual_policy_by_row_length():
+  """Short or unaligned rows keep the two-kernel backward (from Pd); rows of >= 512 keys
+  that are a multiple of 8 take the one from delta."""
+  k = keys(8, 2)
+  def kernels(skv):
+    s = jnp.zeros((1, 2, 3, skv), jnp.bfloat16)
+    v = jnp.zeros((1, 1, skv, 16), jnp.bfloat16)
+    op = lambda s, v: jax_ops.attention_softmax_dropout_value(
+        s, v, dropout_rate=0.1, dropout_rng=k[0], implementation="triton", interpret=INTERPRET)
+    ct = jnp.zeros((1, 3, 2, 16), jnp.bfloat16)
+    return str(jax.make_jaxpr(lambda s, v: jax.vjp(op, s, v)[1](ct))(s, v))
+  for skv, from_delta in ((256, False), (515, False), (512, True)):
+    jaxpr = kernels(skv)
+    assert ("attention_dropout_value_bwd_ds_dv" in jaxpr) == from_delta, skv
+    assert ("attention_dropout_value_bwd_dv" in jaxpr) != from_delta, skv

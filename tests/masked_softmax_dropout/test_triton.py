@@ -1,0 +1,268 @@
+"""Kernel B's base suite on the Pallas Triton kernel, plus the Triton backend's own configs,
+tuned table and lowering."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import pallas_kernels
+from conftest import INTERPRET, ON_GPU, assert_close, triton_calls_in_gpu_lowering
+from jax_ops import masked_softmax_dropout_backward_reference as reference
+from pallas_kernels import _tuning
+from pallas_kernels.masked_softmax_dropout import (Config, TableEntry, column_chunks, config_for,
+                                                   default_config, heuristic_entry, length_class)
+from pallas_kernels.masked_softmax_dropout.config import VARIANT_FIELDS
+
+from .kernel_base import *  # noqa: F401,F403
+from .kernel_base import make_inputs
+
+kernel = pallas_kernels.masked_softmax_dropout_backward
+
+
+@pytest.fixture
+def backward():
+  return kernel
+
+
+@pytest.fixture
+def pretend_gpu(pretend_h200, monkeypatch):
+  """Lowering for a pretended H200 on any host: the entry point's "compiles only on a GPU"
+  check reads the default backend (the traced arrays hold no device)."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+
+
+@pytest.mark.parametrize("sq,sk", [(5, 33), (33, 5), (3, 100)])
+@pytest.mark.parametrize("config", [Config(1, 4, False), Config(4, 4, True), Config(2, 8, False)])
+def test_explicit_configs(sq, sk, config):
+  args = make_inputs(2, 2, sq, sk, seed=1)
+  out = kernel(*args, 0.2, config=config, interpret=INTERPRET)
+  assert_close(out, reference(*args, 0.2), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("sk,split,want", [
+    (128, True, ((0, 128),)), (131, True, ((0, 128), (128, 4))), (131, False, ((0, 256),)),
+    (919, True, ((0, 512), (512, 512))), (1, True, ((0, 1),)), (7, True, ((0, 4), (4, 4)))])
+def test_column_chunks_cover_the_row(sk, split, want):
+  chunks = column_chunks(sk, split)
+  assert chunks == want
+  assert chunks[-1][0] + chunks[-1][1] >= sk
+
+
+def test_causal_is_the_dense_math():
+  args = make_inputs(1, 2, 7, 7)
+  a = kernel(*args, 0.1, interpret=INTERPRET)
+  b = kernel(*args, 0.1, causal=True, interpret=INTERPRET)
+  assert bool(jnp.all(a == b))
+
+
+@pytest.mark.skipif(ON_GPU, reason="off a GPU only")
+def test_off_gpu_without_interpret_says_so():
+  args = make_inputs(1, 1, 3, 3)
+  with pytest.raises(ValueError, match="interpret=True"):
+    kernel(*args, 0.1)
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(block_rows=3), "block_rows"), (dict(block_rows=0), "block_rows"),
+    (dict(block_rows=2.0), "block_rows"), (dict(num_warps=3), "num_warps"),
+    (dict(num_warps=32), "num_warps"), (dict(split=1), "split"),
+    (dict(stream_cache=".cs"), "stream_cache"), (dict(mask_cache="ca"), "mask_cache"),
+    (dict(stream_eviction="first"), "stream_eviction"), (dict(mask_eviction=1), "mask_eviction"),
+    (dict(store_eviction="evict"), "store_eviction"), (dict(mask_after_sum=None), "mask_after_sum"),
+    (dict(heads_per_program=0), "heads_per_program"),
+    (dict(heads_per_program=True), "heads_per_program")])
+def test_config_validates_its_fields(kwargs, field):
+  with pytest.raises(ValueError, match=f"config.{field}"):
+    Config(**{"block_rows": 2, "num_warps": 4, **kwargs})
+
+
+def test_num_stages_and_config_type_are_checked():
+  args = make_inputs(1, 1, 3, 3)
+  with pytest.raises(ValueError, match="num_stages"):
+    kernel(*args, 0.1, num_stages=0, interpret=True)
+  with pytest.raises(TypeError, match="config"):
+    kernel(*args, 0.1, config=(1, 4), interpret=True)
+
+
+def test_config_for_aims_at_the_target():
+  assert config_for(512, 512, target=1024, num_warps=8, split=True) == Config(2, 8, True)
+  assert config_for(3, 128, target=4096, num_warps=4, split=True) == Config(4, 4, True)  # <= Sq
+  assert config_for(919, 919, target=512, num_warps=1, split=False) == Config(1, 1, False)
+
+
+def test_length_classes():
+  assert [length_class(s) for s in (128, 131, 293, 512, 919, 1)] == [
+      "128", "256-ragged", "512-ragged", "512", "1024-ragged", "1"]
+
+
+def test_tuned_table_has_named_configs_only():
+  with open(_tuning.table_path("masked_softmax_dropout", "NVIDIA H200")) as f:
+    data = json.load(f)
+  assert set(data) == {"device_kind", "date", "jax", "configs"}
+  for key, entry in data["configs"].items():
+    assert {"target", "num_warps", "split"} <= set(entry) <= {"target", "num_warps", "split",
+                                                               *VARIANT_FIELDS}, key
+    assert TableEntry.from_json(entry).to_json() == entry
+
+
+def test_table_entries_round_trip_variant_fields():
+  config = Config(1, 4, False, stream_cache=".cg", mask_after_sum=True, heads_per_program=2)
+  entry = TableEntry.of(512, config)
+  assert entry.to_json() == {"target": 512, "num_warps": 4, "split": False,
+                             "stream_cache": ".cg", "mask_after_sum": True,
+                             "heads_per_program": 2}
+  assert TableEntry.from_json(entry.to_json()) == entry
+  # 512 elements over 2 heads of 256-wide rows: one row each.
+  assert entry.config(256, 256) == config
+  assert TableEntry.of(1024, Config(2, 8)).to_json() == {"target": 1024, "num_warps": 8,
+                                                         "split": True}
+  with pytest.raises(ValueError, match="unknown fields"):
+    TableEntry.from_json({"target": 512, "num_warps": 4, "split": False, "rows": 2})
+
+
+def test_default_config_reads_the_table_for_its_device():
+  # (64, 8, 128): class "128" -> 1024 elements of 128 -> 8 rows, 8 warps, no split.
+  assert default_config(128, 128, "NVIDIA H200") == Config(8, 8, False)
+  # 293 -> "512-ragged": 512 elements, one padded chunk of 512 -> 1 row, 1 warp.
+  assert default_config(293, 293, "NVIDIA H200") == Config(1, 1, False)
+  # A ragged length whose class has no entry takes the aligned class of its padded length.
+  assert default_config(2000, 2000, "NVIDIA H200") == default_config(2048, 2048, "NVIDIA H200")
+  # Another device kind, or none (interpret mode): the heuristic.
+  for kind in (None, "NVIDIA A100-SXM4-80GB"):
+    assert default_config(293, 293, kind) == heuristic_entry(293).config(293, 293)
+  assert heuristic_entry(293).config(293, 293) == Config(8, 4, True)  # 4096 // (256 + 64)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.1, None])
+@pytest.mark.parametrize("split", [True, False])
+def test_lowers_to_triton(pretend_gpu, p, split):
+  """The kernel lowers to Triton IR for a GPU (no GPU needed; catches unsupported ops)."""
+  b, h, s = 2, 3, 131
+  shapes = [jax.ShapeDtypeStruct((b, h, s, s), jnp.float32)] * 2 + [
+      jax.ShapeDtypeStruct((b, 1, s, s), jnp.bool_), jax.ShapeDtypeStruct((b, h, s, s), jnp.bool_)]
+  assert triton_calls_in_gpu_lowering(kernel, shapes, p, config=Config(4, 4, split)) == 1
+
+
+# --- Config fields that change the loads, the store and the grouping of heads --------------
+
+VARIANTS = {
+    "stream_cg": Config(2, 4, True, stream_cache=".cg"),
+    "stream_ca_evict_last": Config(1, 2, False, stream_cache=".ca", stream_eviction="evict_last"),
+    "mask_ca": Config(4, 4, True, mask_cache=".ca", mask_eviction="evict_last"),
+    "mask_after_sum": Config(2, 4, True, mask_cache=".cg", mask_after_sum=True),
+    "store_streaming": Config(2, 4, False, stream_eviction=None, store_eviction="evict_first"),
+    "heads_2": Config(2, 4, True, heads_per_program=2),  # H = 3: the last program has one
+    "heads_4": Config(1, 4, False, heads_per_program=4),  # more than H = 3: capped
+    "public_like": Config(1, 4, False, stream_cache=".cg", stream_eviction=None,
+                          mask_cache=".ca", mask_after_sum=True, store_eviction="evict_first",
+                          heads_per_program=2),
+}
+RATES = (0.0, 0.1, None)  # None: traced
+
+
+def _run(args, p, config):
+  if p is None:  # a traced rate of 0.1
+    out = jax.jit(lambda rate: kernel(*args, rate, config=config, interpret=INTERPRET))(
+        jnp.float32(0.1))
+    return out, reference(*args, 0.1)
+  return kernel(*args, p, config=config, interpret=INTERPRET), reference(*args, p)
+
+
+@pytest.mark.parametrize("s", [1, 7, 131, 293])
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_variant_matches_reference(name, s):
+  """Every variant on odd rows; over the rows, each variant meets all three dropout modes."""
+  p = RATES[(list(VARIANTS).index(name) + [1, 7, 131, 293].index(s)) % 3]
+  b = 1 if s > 256 else 2  # (fewer interpreted programs on the long rows)
+  args = make_inputs(b, 3, s, s, seed=s)
+  out, ref = _run(args, p, VARIANTS[name])
+  assert out.shape == (b, 3, s, s) and out.dtype == jnp.float32
+  assert_close(out, ref, atol=1e-5, rtol=1e-5)
+  assert float(jnp.abs(out - ref).max()) < 1e-5
+
+
+def test_variant_rectangular_bfloat16():
+  args = make_inputs(1, 5, 6, 37, dtype=jnp.bfloat16)
+  out = kernel(*args, 0.1, config=VARIANTS["public_like"], interpret=INTERPRET)
+  assert out.dtype == jnp.bfloat16
+  assert_close(out, reference(*args, 0.1), atol=1e-2, rtol=1e-2)
+
+
+@pytest.fixture
+def triton_ir(pretend_gpu, monkeypatch):
+  """``ir(config, p)``: the Triton IR text of the kernel on [2, 4, 131, 131] inputs."""
+  from jax._src.pallas.triton import lowering
+  mods = []
+  orig = lowering.lower_jaxpr_to_triton_module
+
+  def capture(*a, **k):
+    res = orig(*a, **k)
+    mods.append(res.module.operation.get_asm(enable_debug_info=False))
+    return res
+  monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", capture)
+
+  def ir(config, p=0.1, heads=4):
+    shapes = [jax.ShapeDtypeStruct((2, heads, 131, 131), jnp.float32)] * 2 + [
+        jax.ShapeDtypeStruct((2, 1, 131, 131), jnp.bool_),
+        jax.ShapeDtypeStruct((2, heads, 131, 131), jnp.bool_)]
+    mods.clear()
+    assert triton_calls_in_gpu_lowering(kernel, shapes, p, config=config) == 1
+    (text,) = mods
+    return [line.strip() for line in text.splitlines()
+            if "tt.load" in line or "tt.store" in line or "tt.reduce\"" in line]
+  return ir
+
+
+@pytest.mark.parametrize("p", RATES)
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_variant_lowers_to_triton(triton_ir, name, p):
+  assert triton_ir(VARIANTS[name], p)
+
+
+def _loads(lines, pointee):
+  return [l for l in lines if "tt.load" in l and f"!tt.ptr<{pointee}>>" in l]
+
+
+def test_default_loads_and_store(triton_ir):
+  lines = triton_ir(Config(2, 4, True))  # two chunks (128 + 4), static rate: g, P, keep, mask
+  f32, i8 = _loads(lines, "f32"), _loads(lines, "i8")
+  assert not any("cacheModifier" in l for l in lines)
+  assert sum("evictionPolicy = evict_first" in l for l in f32) == 4  # g, P (the rest: stores)
+  assert sum("evictionPolicy = evict_first" in l for l in i8) == 2  # keep; the mask has none
+  assert not any("evictionPolicy" in l for l in lines if l.startswith("tt.store"))
+
+
+def test_stream_cache_and_eviction_reach_the_streamed_loads(triton_ir):
+  lines = triton_ir(Config(2, 4, True, stream_cache=".cg", stream_eviction="evict_last"))
+  streamed = [l for l in lines if "cacheModifier = cg" in l]
+  assert len(streamed) == 6  # g, P, keep of two chunks
+  assert all("evictionPolicy = evict_last" in l for l in streamed)
+  assert len([l for l in _loads(lines, "i8") if "cacheModifier" not in l]) == 2  # the mask
+
+
+def test_mask_cache_eviction_and_order(triton_ir):
+  def mask_lines(lines):
+    return [i for i, l in enumerate(lines) if "cacheModifier = ca evictionPolicy = evict_last" in l]
+  reduces = lambda lines: [i for i, l in enumerate(lines) if "tt.reduce" in l]
+  before = triton_ir(Config(2, 4, True, mask_cache=".ca", mask_eviction="evict_last"))
+  after = triton_ir(Config(2, 4, True, mask_cache=".ca", mask_eviction="evict_last",
+                           mask_after_sum=True))
+  assert len(mask_lines(before)) == len(mask_lines(after)) == 2
+  assert mask_lines(before)[-1] < reduces(before)[-1]  # loaded with the streams
+  assert mask_lines(after)[0] > reduces(after)[-1]  # after every row sum
+
+
+def test_store_eviction(triton_ir):
+  lines = triton_ir(Config(2, 4, True, store_eviction="evict_first"))
+  stores = [l for l in lines if l.startswith("tt.store")]
+  assert len(stores) == 2 and all("evictionPolicy = evict_first" in l for l in stores)
+
+
+@pytest.mark.parametrize("heads", [4, 3])
+def test_heads_per_program_loads_the_mask_once(triton_ir, heads):
+  lines = triton_ir(Config(2, 4, False, heads_per_program=2, mask_cache=".ca"), heads=heads)
+  assert len([l for l in lines if "cacheModifier = ca" in l]) == 1  # one chunk, one mask load
+  assert len(_loads(lines, "i8")) == 3  # + keep of each head
+  assert len([l for l in lines if l.startswith("tt.store")]) == 2

@@ -1,0 +1,308 @@
+"""The qk_scale_softmax kernel tests on the Pallas Triton backend: the base suite
+(``kernel_base``), plus the Triton kernels' own loop strategies, configs, tuned table and
+lowering (interpret mode off a GPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import INTERPRET, ON_GPU, assert_configs_fit, triton_calls_in_gpu_lowering
+from pallas_kernels import _tuning
+from pallas_kernels import qk_scale_softmax as qks
+from pallas_kernels.qk_scale_softmax import config as qks_config
+from pallas_kernels.qk_scale_softmax import pallas_triton
+from pallas_kernels.qk_scale_softmax import qk_scale_softmax_backward
+
+from .kernel_base import *  # noqa: F401,F403
+from .kernel_base import make_inputs, reference, run_and_check
+from .kernel_base import assert_close as assert_close_to_ref
+
+
+@pytest.fixture
+def backward():
+  return qk_scale_softmax_backward
+
+
+def assert_config_fits(config, rows, cols):
+  """``conftest.assert_configs_fit`` for a :class:`qks.Config` (dataclasses, not tuples)."""
+  assert isinstance(config, qks.Config) and config.scheme in qks.SCHEMES, config
+  assert_configs_fit([dataclasses.astuple(config.row), dataclasses.astuple(config.col)],
+                     rows, cols)
+
+
+# ------------------------------------------------------------- loop strategies (kernels)
+
+
+# Small explicit tiles force several tiles in both loops (the row kernel's two passes).
+@pytest.mark.parametrize("sq, sk, d, blocks", [
+    (131, 33, 40, dict(block_q=32, block_k=16)),
+    (33, 131, 64, dict(block_q=16, block_k=32)),
+])
+def test_dense_tiles(sq, sk, d, blocks):
+  args = make_inputs(0, 1, 2, sq, sk, d)
+  run_and_check(qk_scale_softmax_backward, args, 1.0 / np.sqrt(d), **blocks)
+
+
+@pytest.mark.parametrize("sq, sk, d, blocks", [
+    (33, 131, 64, dict(block_q=16, block_k=32)),   # Sq < Sk: every row has keys
+    (131, 33, 64, dict(block_q=32, block_k=16)),   # Sq > Sk: leading rows have none
+])
+def test_causal_tiles(sq, sk, d, blocks):
+  args = make_inputs(1, 1, 2, sq, sk, d, causal=True)
+  run_and_check(qk_scale_softmax_backward, args, 1.0 / np.sqrt(d), causal=True, **blocks)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq, sk, bq, bk", [(33, 131, 16, 32), (131, 33, 32, 16), (1, 70, 16, 16)])
+def test_prefetch(causal, sq, sk, bq, bk):
+  """Both kernels with the next tile's loads issued early: tails, causal, empty rows.
+  (``row_align=0``: these ragged rows would otherwise take the phase-aligned row kernel.)"""
+  cfg = qks.PassConfig(bq, bk, 4, 2, prefetch=True, row_align=0)
+  args = make_inputs(2, 1, 2, sq, sk, 64, causal=causal)
+  run_and_check(qk_scale_softmax_backward, args, 0.125, causal=causal,
+                config=qks.Config(cfg, cfg))
+
+
+# (Sq, Sk, D, block_k): rows of Sk % 8 != 0 keys spanning several key tiles.
+PHASED_CASES = [(33, 131, 64, 32), (131, 33, 40, 16), (7, 70, 128, 16), (200, 45, 64, 16)]
+
+
+@pytest.mark.parametrize("row_align", [-1, 8, 32, 64])
+@pytest.mark.parametrize("sq, sk, d, block_k", PHASED_CASES)
+def test_row_kernel_phased(sq, sk, d, block_k, row_align):
+  """The row kernel on aligned tiles of every ``row_align``-th row (``_row_kernel_phased``):
+  against the reference, and against tiles of consecutive rows (``row_align=0``; the
+  tiles group the keys differently, so sums may round differently)."""
+  args = make_inputs(8, 2, 1, sq, sk, d)
+  row = qks.PassConfig(16, block_k, 4, 2, row_align=row_align)
+  col = qks.PassConfig(16, 32, 4, 2)
+  plain = dataclasses.replace(row, row_align=0)
+  assert qks.use_phased(row, False, 2, sq, sk, d)
+  assert not qks.use_phased(plain, False, 2, sq, sk, d)
+  assert not qks.use_phased(row, True, 2, sq, sk, d)  # causal keeps the plain row kernel
+  outs = run_and_check(qk_scale_softmax_backward, args, 0.125, config=qks.Config(row, col))
+  base = qk_scale_softmax_backward(*args, 0.125, interpret=INTERPRET,
+                                   config=qks.Config(plain, col))
+  for out, ref in zip(outs, base):
+    o, r = (np.asarray(x, np.float32) for x in (out, ref))
+    assert np.mean(np.abs(o - r) <= 1e-5 + 1e-2 * np.abs(r)) >= 0.999
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq, sk, d, block_q", [(33, 131, 64, 16), (131, 33, 40, 32),
+                                                (7, 70, 128, 16), (70, 256, 64, 32)])
+def test_per_head(causal, sq, sk, d, block_q):
+  """The one-program-per-head scheme: several query tiles, ragged rows, causal, D padding."""
+  args = make_inputs(7, 1, 2, sq, sk, d, causal=causal)
+  cfg = qks.PassConfig(block_q, 32, 4, 2)
+  run_and_check(qk_scale_softmax_backward, args, 0.125, causal=causal,
+                config=qks.Config(cfg, cfg, "per_head"))
+
+
+@pytest.mark.parametrize("name, causal, config", [
+    ("phased", False, qks.Config(qks.PassConfig(16, 16, 4, 2), qks.PassConfig(16, 16, 4, 2))),
+    ("prefetch", True, qks.Config(qks.PassConfig(16, 16, 4, 2, prefetch=True, row_align=0),
+                                  qks.PassConfig(16, 16, 4, 2, prefetch=True))),
+    ("per_head", True, qks.Config(qks.PassConfig(16, 16, 4, 2), qks.PassConfig(16, 16, 4, 2),
+                                  "per_head")),
+])
+def test_x64_loop_strategies(name, causal, config):
+  """Under x64: the phase-aligned row kernel, the prefetch loops (causal: traced bounds)
+  and the per-head kernel; ragged rows of several key tiles."""
+  with jax.enable_x64(True):
+    args = make_inputs(11, 1, 2, 33, 45, 40, causal=causal)
+    if name == "phased":
+      assert qks.use_phased(config.row, causal, 2, 33, 45, 40)
+    run_and_check(qk_scale_softmax_backward, args, 0.125, causal=causal, config=config)
+
+
+def test_causal_ignores_upper_triangle():
+  """With causal=True nothing above the diagonal is used: garbage there changes nothing,
+  and skipping tiles gives bit-identical results to the dense walk on clean inputs."""
+  sq, sk, d = 33, 65, 40
+  g, q, k, p = make_inputs(2, 1, 1, sq, sk, d, causal=True)
+  upper = np.arange(sk)[None, :] > np.arange(sq)[:, None] + (sk - sq)
+  g_bad = jnp.where(upper, jnp.nan, g).astype(g.dtype)
+  p_bad = jnp.where(upper, jnp.inf, p).astype(p.dtype)
+  kw = dict(causal=True, block_q=16, block_k=16, interpret=INTERPRET)
+  clean = qk_scale_softmax_backward(g, q, k, p, 0.125, **kw)
+  dirty = qk_scale_softmax_backward(g_bad, q, k, p_bad, 0.125, **kw)
+  dense = qk_scale_softmax_backward(g, q, k, p, 0.125, block_q=16, block_k=16, interpret=INTERPRET)
+  ref = reference(g, q, k, p, 0.125)
+  for a, b, c, r in zip(clean, dirty, dense, ref):
+    assert_close_to_ref("causal", a, r)
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(c, np.float32))
+
+
+@pytest.mark.parametrize("sq, sk", [(1, 1), (7, 33), (33, 7), (64, 64), (131, 33), (33, 131)])
+@pytest.mark.parametrize("block_q, block_k", [(16, 16), (16, 64), (64, 16)])
+def test_causal_tile_ranges_are_tight(sq, sk, block_q, block_k):
+  """The loop bounds visit exactly the tiles that meet j <= i + (Sk - Sq) (brute force)."""
+  nq, nk = -(-sq // block_q), -(-sk // block_k)
+  live = np.arange(sk)[None, :] <= np.arange(sq)[:, None] + (sk - sq)
+  kt = pallas_triton
+
+  def tile_live(i, j):
+    return live[i * block_q:(i + 1) * block_q, j * block_k:(j + 1) * block_k].any()
+
+  for i in range(nq):
+    n = int(kt._row_num_k_tiles(i, sq, sk, block_q, block_k))
+    assert [j for j in range(nk) if tile_live(i, j)] == list(range(n)), (i, n)
+  for j in range(nk):
+    lo = int(kt._col_first_q_tile(j, sq, sk, block_q, block_k))
+    assert [i for i in range(nq) if tile_live(i, j)] == list(range(lo, nq)), (j, lo)
+
+  # Tiles loaded without the element-wise mask must hold no element above the diagonal.
+  def tile_full(i, j):
+    return live[i * block_q:(i + 1) * block_q, j * block_k:(j + 1) * block_k].all()
+
+  for i in range(nq):
+    n = int(kt._row_num_k_tiles(i, sq, sk, block_q, block_k))
+    n_full = int(kt._row_num_full_k_tiles(i, sq, sk, block_q, block_k))
+    assert 0 <= n_full <= n and all(tile_full(i, j) for j in range(n_full)), (i, n_full)
+  for j in range(nk):
+    lo = int(kt._col_first_q_tile(j, sq, sk, block_q, block_k))
+    full = int(kt._col_first_full_q_tile(j, sq, sk, block_q, block_k))
+    assert lo <= full <= nq and all(tile_full(i, j) for i in range(full, nq)), (j, full)
+
+
+def test_rounding_is_bit_exact():
+  """The kernel's bit-level bf16 rounding equals a plain conversion (round to nearest even)."""
+  x = jax.random.normal(jax.random.PRNGKey(0), (4096,)) * 10.0 ** jax.random.randint(
+      jax.random.PRNGKey(1), (4096,), -30, 30)
+  x = jnp.concatenate([x, jnp.array([0.0, -0.0, 1.00390625, 1.01171875, 1e-40])]).astype(jnp.float32)
+  want = x.astype(jnp.bfloat16).astype(jnp.float32)
+  for bits in (False, True):
+    got = pallas_triton._round_to(x, jnp.bfloat16, bits=bits)
+    assert bool(jnp.all(got.view(jnp.uint32) == want.view(jnp.uint32))), bits
+
+
+@pytest.mark.gpu
+def test_dl_rounding_paths_agree(monkeypatch):
+  """The kernels' dL with the conversion-based bf16 rounding is bit-identical to the
+  integer-arithmetic rounding: catches a compiler folding the conversion pair away, which
+  would keep fp32 precision (GPU only: the interpreter's XLA:CPU rounds either way;
+  ``test_rounding_is_bit_exact`` checks the two functions)."""
+  args = make_inputs(9, 1, 2, 45, 131, 64, probs="randn")
+  cfg = qks.Config(qks.PassConfig(16, 32, 4, 2), qks.PassConfig(16, 32, 4, 2))
+  run = lambda: qk_scale_softmax_backward(*args, 0.125, config=cfg, interpret=INTERPRET)
+  fast = run()
+  jax.clear_caches()
+  monkeypatch.setattr(pallas_triton, "_round_to",
+                      functools.partial(pallas_triton._round_to, bits=True))
+  exact = run()
+  jax.clear_caches()
+  for a, b in zip(fast, exact):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+# --------------------------------------------------------------- configs, errors, lowering
+
+
+def test_scheme_errors():
+  g, q, k, p = make_inputs(6, 1, 1, 8, 600, 16)
+  cfg = qks.PassConfig(16, 32, 4, 2)
+  with pytest.raises(ValueError, match="config.scheme"):
+    qk_scale_softmax_backward(g, q, k, p, 0.5, config=qks.Config(cfg, cfg, "fused"))
+  with pytest.raises(ValueError, match="per_head"):
+    qk_scale_softmax_backward(g, q, k, p, 0.5, config=qks.Config(cfg, cfg, "per_head"),
+                              interpret=INTERPRET)
+
+
+def test_config_argument_errors():
+  g, q, k, p = make_inputs(6, 1, 1, 8, 8, 16)
+  with pytest.raises(ValueError, match="block_q"):
+    qk_scale_softmax_backward(g, q, k, p, 0.5, block_q=24, interpret=INTERPRET)
+  with pytest.raises(ValueError, match="config.row_align"):
+    qks.PassConfig(16, 32, 4, 2, row_align=12)
+  with pytest.raises(ValueError, match="config.prefetch"):
+    qks.PassConfig(16, 32, 4, 2, prefetch=1)
+  with pytest.raises(ValueError, match="config.col"):
+    qks.Config(qks.PassConfig(16, 32, 4, 2), (16, 32, 4, 2))
+
+
+@pytest.mark.skipif(ON_GPU, reason="off a GPU only")
+def test_compiling_off_a_gpu_says_interpret():
+  g, q, k, p = make_inputs(6, 1, 1, 8, 8, 16)
+  with pytest.raises(ValueError, match="interpret=True"):
+    qk_scale_softmax_backward(g, q, k, p, 0.5)
+
+
+@pytest.mark.parametrize("device_kind", [None, "NVIDIA H200"])
+def test_default_config(device_kind):
+  """Heuristic and tuned defaults: powers of two >= 16, capped by the padded lengths."""
+  for sq, sk, d, dtype in itertools.product([1, 33, 211, 4096], [1, 200, 449, 4096],
+                                            [40, 64, 128], [jnp.bfloat16, jnp.float32]):
+    assert_config_fits(qks.default_config(sq, sk, d, dtype, device_kind), sq, sk)
+
+
+def test_tuned_table():
+  """The H200 table holds only configs (named fields, whole-row tiles named), and the
+  lookups give the entries' values: per_head with whole-row tiles for short rows, the
+  two-pass kernels (with their row_align) for long ones."""
+  with open(_tuning.table_path(qks_config.KERNEL, "NVIDIA H200")) as f:
+    data = json.load(f)
+  assert set(data) == {"device_kind", "date", "jax", "configs"}
+  for entry in data["configs"].values():
+    assert set(entry) <= {"scheme", "row", "col", "head"} and entry["scheme"] in qks.SCHEMES
+    for name in set(entry) - {"scheme"}:
+      for seq in (100, 211, 449, 4096):  # every entry builds a valid config
+        assert isinstance(qks.pass_config(entry[name], seq, seq), qks.PassConfig)
+      block_k = entry[name]["block_k"]
+      assert block_k == qks.WHOLE_ROW or isinstance(block_k, int)
+  h200 = functools.partial(qks.default_config, head_dim=128, dtype=jnp.bfloat16,
+                           device_kind="NVIDIA H200")
+  assert h200(211, 211) == qks.Config(qks.PassConfig(32, 256, 8, 3),
+                                      qks.PassConfig(32, 256, 8, 3), "per_head")
+  assert h200(211, 211, schemes=("two_pass",)) == qks.Config(
+      qks.PassConfig(32, 256, 4, 1), qks.PassConfig(32, 128, 4, 3))
+  assert h200(449, 449) == qks.Config(qks.PassConfig(32, 64, 4, 2, row_align=16),
+                                      qks.PassConfig(64, 64, 4, 3))
+  assert h200(4096, 4096) == qks.Config(qks.PassConfig(32, 128, 4, 2),
+                                        qks.PassConfig(32, 64, 4, 3))
+  # A whole-row entry used for rows longer than MAX_WHOLE_ROW keys (a class borrowing
+  # another's entry, _tuning.lookup) takes LONG_ROW_BLOCK_K-key tiles instead.
+  whole = {"block_q": 32, "block_k": qks.WHOLE_ROW, "num_warps": 4, "num_stages": 1}
+  assert qks.pass_config(whole, 64, 1029) == qks.PassConfig(32, qks_config.LONG_ROW_BLOCK_K, 4, 1)
+  assert qks.pass_config(whole, 64, 300) == qks.PassConfig(32, 512, 4, 1)
+  # fp32 or D > 128: the heuristic.
+  assert h200(449, 449, dtype=jnp.float32) == qks.default_config(449, 449, 128, jnp.float32)
+
+
+def test_table_entries_round_trip():
+  """``table_entry`` writes what ``pass_config`` reads back (the tuners' interface)."""
+  for cfg in (qks.PassConfig(32, 64, 4, 2), qks.PassConfig(32, 64, 4, 2, True, 16)):
+    entry = qks.table_entry(cfg)
+    assert json.loads(json.dumps(entry)) == entry
+    assert qks.pass_config(entry, 4096, 4096) == cfg
+  whole = qks.table_entry(qks.PassConfig(16, 256, 4, 3), whole_row=True)
+  assert whole == {"block_q": 16, "block_k": qks.WHOLE_ROW, "num_warps": 4, "num_stages": 3}
+  assert qks.pass_config(whole, 100, 211) == qks.PassConfig(16, 256, 4, 3)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("prefetch, row_align", [(False, -1), (True, 0), (False, 0)])
+def test_lowers_to_triton(pretend_h200, causal, dtype, prefetch, row_align):
+  """Both kernels lower to Triton IR for a GPU (no GPU needed; catches unsupported ops).
+  Rows of 300 keys: dense with ``row_align=-1`` takes the phase-aligned row kernel.
+  (Lowers the jitted backward behind the entry point, which says off a GPU that the kernels
+  compile only there.)"""
+  b, h, sq, sk, d = 1, 2, 131, 300, 64
+  shapes = [jax.ShapeDtypeStruct(s, dtype) for s in
+            ((b, h, sq, sk), (b, h, sq, d), (b, h, sk, d), (b, h, sq, sk))]
+  cfg = qks.PassConfig(32, 64, 4, 2, prefetch, row_align)
+  for scheme, kernels in (("two_pass", 2), ("per_head", 1)):
+    assert triton_calls_in_gpu_lowering(functools.partial(pallas_triton._backward,
+                                                          interpret=False),
+                                        shapes, 0.125, causal=causal,
+                                        config=qks.Config(cfg, cfg, scheme)) == kernels, scheme
