@@ -67,11 +67,13 @@ def variants(seq_q: int, seq_k: int, default: msd.Config) -> dict[str, msd.Confi
   r = dataclasses.replace
   out = {
       "default": default,
-      "cg": r(default, stream_cache=".cg"),
-      "cg+ca": r(default, stream_cache=".cg", mask_cache=".ca"),
-      "cg+ca_after": r(default, stream_cache=".cg", mask_cache=".ca", mask_after_sum=True),
+      "cg": r(default, stream_cache=".cg", stream_eviction=None),
+      "cg+ca": r(default, stream_cache=".cg", stream_eviction=None, mask_cache=".ca"),
+      "cg+ca_after": r(default, stream_cache=".cg", stream_eviction=None, mask_cache=".ca",
+                       mask_after_sum=True),
       "st_ef": r(default, store_eviction="evict_first"),
-      "cg+st_ef": r(default, stream_cache=".cg", store_eviction="evict_first"),
+      "cg+st_ef": r(default, stream_cache=".cg", stream_eviction=None,
+                    store_eviction="evict_first"),
       "cg_noev+st_ef": r(default, stream_cache=".cg", stream_eviction=None,
                          store_eviction="evict_first"),
   }

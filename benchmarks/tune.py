@@ -2,7 +2,7 @@
 
 Usage (on a GPU)::
 
-    PYTHONPATH=. python3 -m benchmarks.tune [--out pallas_kernels/tuned/masked_softmax_dropout.json]
+    PYTHONPATH=. python3 -m benchmarks.tune [--out PATH] | tee -a benchmarks/results/masked_softmax_dropout_tune.log
 
 For every workload of ``benchmarks/workloads.json`` it times a set of
 candidate configs (elements per program, warps, split columns) in one profiler
@@ -10,6 +10,15 @@ trace, then picks for each row-length class (``length_class(Sk)``: the padded
 length, and whether rows are ragged) the
 candidate with the best geomean over that class's workloads (each time divided
 by the workload's best). The kernel uses the table when the device matches.
+
+The table (default ``pallas_kernels/tuned/<device>/masked_softmax_dropout.json``, the
+folder of ``jax.devices()[0].device_kind``) holds configs only: per class a
+``TableEntry``'s JSON object (``target``, ``num_warps``, ``split``), as
+``masked_softmax_dropout.default_config`` reads it. The notes (each entry's
+``geomean_vs_best``, the times) are printed; keep them by appending stdout to
+``benchmarks/results/masked_softmax_dropout_tune.log`` as above.
+
+``write_table`` is shared with ``benchmarks/tune_attention.py``.
 """
 
 from __future__ import annotations
@@ -27,31 +36,88 @@ from benchmarks import run as bench
 from benchmarks.timing import compile_all, device_times_us
 from pallas_kernels import _tuning
 from pallas_kernels import masked_softmax_dropout as msd
+from pallas_kernels.masked_softmax_dropout.config import KERNEL
 
-# (elements per program, warps): 4 to 32 elements per thread and array.
-CANDIDATES = [(512, 1), (512, 2), (512, 4), (1024, 1), (1024, 2), (1024, 4), (1024, 8),
-              (2048, 2), (2048, 4), (2048, 8), (4096, 4), (4096, 8), (4096, 16), (8192, 8),
-              (8192, 16)]
+# TableEntry fields (each is timed with split=True and split=False): 4 to 32 elements per
+# thread and array.
+CANDIDATES = [
+    dict(target=512, num_warps=1), dict(target=512, num_warps=2), dict(target=512, num_warps=4),
+    dict(target=1024, num_warps=1), dict(target=1024, num_warps=2),
+    dict(target=1024, num_warps=4), dict(target=1024, num_warps=8),
+    dict(target=2048, num_warps=2), dict(target=2048, num_warps=4),
+    dict(target=2048, num_warps=8),
+    dict(target=4096, num_warps=4), dict(target=4096, num_warps=8),
+    dict(target=4096, num_warps=16),
+    dict(target=8192, num_warps=8), dict(target=8192, num_warps=16),
+]
 
 
-def write_table(configs: dict, out: str, *, merge: bool = False) -> dict:
-  """Writes a tuned table for this device; ``merge`` keeps the classes of the table
-  already at ``out`` (same device kind) that ``configs`` does not replace."""
-  device_kind = jax.devices()[0].device_kind
+def entry_json(entry: dict) -> dict:
+  """A class's entry as the kernel reads it (``TableEntry``'s JSON); ``ValueError`` (or
+  ``KeyError``/``TypeError``) if it is not one."""
+  return msd.TableEntry.from_json(entry).to_json()
+
+
+def _class_order(key: str):
+  """Classes by length, the aligned one before the ragged one."""
+  length, _, rest = key.partition("-")
+  return (int(length), rest) if length.isdigit() else (math.inf, key)
+
+
+def _dumps(value, depth: int = 0) -> str:
+  """JSON with one level per line down to a class's entry; the objects inside an entry
+  (a pass's config) on one line each."""
+  if not isinstance(value, dict) or not value or depth >= 3:
+    return json.dumps(value)
+  pad = " " * (depth + 1)
+  items = [f"{pad}{json.dumps(k)}: {_dumps(v, depth + 1)}" for k, v in value.items()]
+  return "{\n" + ",\n".join(items) + "\n" + " " * depth + "}"
+
+
+def read_table(path: str, device_kind: str) -> dict:
+  """The configs of the table at ``path`` if it was measured on ``device_kind``, else ``{}``."""
+  if not os.path.exists(path):
+    return {}
+  with open(path) as f:
+    old = json.load(f)
+  return dict(old.get("configs", {})) if old.get("device_kind") == device_kind else {}
+
+
+def write_table(configs: dict, out: str, *, entry_json=entry_json, merge: bool = False,
+                per_field: bool = False, device_kind: str | None = None) -> dict:
+  """Writes a tuned table ``{class: entry}`` for ``device_kind`` (default: this process's
+  first device's) to ``out``; returns what it wrote.
+
+  ``entry_json(entry)`` gives an entry as the kernel reads it (its named fields; it raises
+  if the entry is not valid). ``merge`` keeps the classes of the table already at ``out``
+  (same device kind) that ``configs`` does not replace; with ``per_field`` a class in both
+  keeps the old entry's fields (passes) that the new one lacks. An entry that is not valid
+  (an old table's, say) is left out, with a message.
+  """
+  device_kind = device_kind or jax.devices()[0].device_kind
+  old = read_table(out, device_kind) if merge else {}
   table = {}
-  if merge and os.path.exists(out):
-    with open(out) as f:
-      old = json.load(f)
-    if old.get("device_kind") == device_kind:
-      table.update(old["configs"])
-  for key, entry in configs.items():  # per class, new fields replace old ones
-    table[key] = {**table.get(key, {}), **entry} if merge else entry
+  for key in set(old) | set(configs):
+    tries = []
+    if key in configs and key in old and per_field and isinstance(old[key], dict):
+      tries.append({**old[key], **configs[key]})
+    tries.append(configs[key] if key in configs else old[key])
+    for entry in tries:
+      try:
+        table[key] = entry_json(entry)
+        break
+      except (KeyError, TypeError, ValueError) as e:
+        error = e
+    else:
+      print(f"table {out}: class {key} left out, not a valid entry ({type(error).__name__}: "
+            f"{error}): {json.dumps(tries[-1])}", flush=True)
   result = {"device_kind": device_kind,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "jax": jax.__version__, "configs": dict(sorted(table.items()))}
-  os.makedirs(os.path.dirname(out), exist_ok=True)
+            "jax": jax.__version__,
+            "configs": {k: table[k] for k in sorted(table, key=_class_order)}}
+  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
   with open(out, "w") as f:
-    json.dump(result, f, indent=1)
+    f.write(_dumps(result) + "\n")
   return result
 
 
@@ -66,30 +132,42 @@ def best_by_geomean(ratios: list[dict]):
   return best, round(score[best], 4)
 
 
-def _write_table(by_class: dict[str, list[dict]], out: str) -> dict:
-  """Per length class, the candidate with the best geomean of time / best time."""
-  table = {}
+def select(by_class: dict[str, list[dict]]) -> tuple[dict, dict]:
+  """Per length class, the candidate (a ``TableEntry``) with the best geomean of time /
+  best time: ``({class: entry JSON}, {class: geomean_vs_best})``."""
+  table, notes = {}, {}
   for key, ratios in sorted(by_class.items()):
     best, score = best_by_geomean(ratios)
     if best is not None:
-      target, warps, split = best
-      table[key] = {"target": target, "num_warps": warps, "split": split,
-                    "geomean_vs_best": score}
+      table[key], notes[key] = best.to_json(), score
+  return table, notes
+
+
+def _write_table(by_class: dict[str, list[dict]], out: str, device_kind=None) -> dict:
+  """Writes the selected entries (configs only) and prints their notes."""
+  table, notes = select(by_class)
+  print("  selected: " + "  ".join(
+      f"{k}: {e['target']}/{e['num_warps']}w/{'s' if e['split'] else 'p'} "
+      f"(geomean_vs_best {notes[k]})" for k, e in table.items()), flush=True)
   # Merged into the table already there: a run cut short keeps the classes it did not reach.
-  return write_table(table, out, merge=True)
+  return write_table(table, out, merge=True, device_kind=device_kind)
 
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--out", default=_tuning.table_path("masked_softmax_dropout"))
+  parser.add_argument("--out", default=None,
+                      help="default: pallas_kernels/tuned/<this device>/masked_softmax_dropout.json")
   parser.add_argument("--calls", type=int, default=10)
   args = parser.parse_args(argv)
   if jax.default_backend() != "gpu":
     print("tuning needs a CUDA GPU", file=sys.stderr)
     return 2
+  device_kind = jax.devices()[0].device_kind
+  out = args.out or _tuning.table_path(KERNEL, device_kind)
   with open(os.path.join(bench.HERE, "workloads.json")) as f:
     workloads = json.load(f)["masked_softmax_dropout_backward"]["workloads"]
   by_class: dict[str, list[dict]] = {}
+  result = None
   for index, w in enumerate(workloads):
     sq = sk = w["seq_len"]
     sets = [bench.PROBLEM_B.make_inputs(w, {}, jax.random.key(7000 + 100 * index + i))
@@ -99,13 +177,14 @@ def main(argv=None):
     sets += [bench.PROBLEM_B.make_inputs(w, {}, jax.random.key(7000 + 100 * index + i))
              for i in range(2, n_sets)]
     cands = {}
-    for target, warps in CANDIDATES:
+    for cand in CANDIDATES:
       for split in (True, False):  # identical configs when Sk is a power of two
-        config = msd.config_for(sq, sk, target=target, num_warps=warps, split=split)
+        entry = msd.TableEntry(**cand, split=split)
+        config = entry.config(sq, sk)
         width = sum(w for _, w in msd.column_chunks(sk, split))
-        if config.block_rows * width > 64 * 32 * warps:
+        if config.block_rows * width > 64 * 32 * entry.num_warps:
           continue  # over 64 elements per thread and array: spills
-        cands.setdefault(config, []).append((target, warps, split))
+        cands.setdefault(config, []).append(entry)
     configs = list(cands)
     compiled = compile_all([lambda g, p, m, k, c=c: msd.masked_softmax_dropout_backward(
         g, p, m, k, w["p_dropout"], config=c) for c in configs], sets[0])
@@ -122,7 +201,8 @@ def main(argv=None):
       for cand in cands[config]:
         ratio[cand] = t / best
     by_class.setdefault(msd.length_class(sk), []).append(ratio)
-    result = _write_table(by_class, args.out)  # after every workload: a cut run keeps its part
+    # After every workload: a cut run keeps its part.
+    result = _write_table(by_class, out, device_kind)
   print(json.dumps(result, indent=1))
   return 0
 

@@ -10,8 +10,22 @@ then grad_key); they are timed apart, each over a list of candidate tiles and la
 parameters, on a spread of the op's workloads (inputs rotated so L2 is cold). For each
 length class of the kernel (``length_class``) the table keeps, per pass, the candidate
 with the best geomean of time / best time over the class's workloads, and is written
-after every workload (``pallas_kernels/tuned/<op>.json``, used when the device matches).
-``--passes`` limits the run to some passes.
+after every workload (default ``pallas_kernels/tuned/<device>/<op>.json``, the folder of
+``jax.devices()[0].device_kind``; used when the device matches). ``--passes`` limits the
+run to some passes; the passes not tuned keep their entries from the table already there.
+
+The table holds configs only, with named fields, as the op's ``default_config`` reads
+them (A: ``Config.to_json()``, ``{"dv": {...}, "ds": {...}}``; C: ``{"scheme": ...,
+"row": {...}, "col": {...}, "head": {...}}`` of ``qk_scale_softmax.table_entry``). The
+notes (each pass's ``geomean_vs_best``, the schemes' geomeans, the times) are printed;
+keep them by appending stdout to ``benchmarks/results/<op>_tune.log``.
+
+A candidate is a pass's table entry: its ``PassConfig`` fields by name (fields left out
+take their defaults; C's ``"block_k": "row"`` (``WHOLE_ROW``) is a whole padded row as one
+tile). ``--cands`` replaces the lists for one run; it takes the old positional tuples (A:
+``(block_q, block_k, num_warps, num_stages[, prefetch, split, heads, row_align])``, split
+0 = ``"auto"``; C: ``(block_q, block_k, num_warps, num_stages[, prefetch, row_align])``,
+block_k 0 = the whole row) or dicts of named fields.
 
 A's pass 1 is timed with delta's partials. Where the dS pass takes a whole row in one tile
 it needs none, and pass 1 then runs without its dPd GEMM; the tuner does not time that
@@ -27,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import json
 import math
 import os
@@ -34,6 +49,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 from benchmarks import run as bench
 from benchmarks.timing import compile_all, device_times_us
@@ -41,45 +57,233 @@ from benchmarks.tune import best_by_geomean, write_table
 from pallas_kernels import _tuning
 from pallas_kernels import attention_softmax_dropout_value as asdv
 from pallas_kernels import qk_scale_softmax as qks
+from pallas_kernels._util import Dropout
+from pallas_kernels.attention_softmax_dropout_value.config import AUTO
 
-# PassConfig fields: (block_q, block_kv, warps, stages[, prefetch, split, heads, row_align])
-A_DV = [(64, 64, 4, 2), (64, 64, 4, 3), (32, 128, 8, 2), (64, 128, 8, 2), (64, 128, 8, 3),
-        (128, 128, 8, 2), (32, 64, 4, 3), (128, 64, 8, 2), (64, 128, 4, 2), (32, 128, 4, 3)]
-# dV pass: split=1 vs the automatic split (0, the default).
-A_DV += [(64, 64, 4, 3, False, 1), (128, 64, 8, 2, False, 1), (64, 128, 4, 2, False, 1),
-         (64, 32, 4, 3)]
+A = "attention_softmax_dropout_value"
+C = "qk_scale_softmax"
+
+# Kernel A: candidates of each pass (asdv.PassConfig fields; split "auto" by default).
+A_DV = [
+    dict(block_q=64, block_k=64, num_warps=4, num_stages=2),
+    dict(block_q=64, block_k=64, num_warps=4, num_stages=3),
+    dict(block_q=32, block_k=128, num_warps=8, num_stages=2),
+    dict(block_q=64, block_k=128, num_warps=8, num_stages=2),
+    dict(block_q=64, block_k=128, num_warps=8, num_stages=3),
+    dict(block_q=128, block_k=128, num_warps=8, num_stages=2),
+    dict(block_q=32, block_k=64, num_warps=4, num_stages=3),
+    dict(block_q=128, block_k=64, num_warps=8, num_stages=2),
+    dict(block_q=64, block_k=128, num_warps=4, num_stages=2),
+    dict(block_q=32, block_k=128, num_warps=4, num_stages=3),
+]
+# dV pass: split=1 vs the automatic split (the default).
+A_DV += [
+    dict(block_q=64, block_k=64, num_warps=4, num_stages=3, split=1),
+    dict(block_q=128, block_k=64, num_warps=8, num_stages=2, split=1),
+    dict(block_q=64, block_k=128, num_warps=4, num_stages=2, split=1),
+    dict(block_q=64, block_k=32, num_warps=4, num_stages=3),
+]
 # Explicit larger splits: small ragged launches run one partial wave at 250 registers per
 # program (benchmarks/results/attention_softmax_dropout_value_profile.log).
-A_DV += [(64, 64, 4, 3, False, 4), (64, 64, 4, 3, False, 8), (128, 64, 8, 2, False, 4)]
+A_DV += [
+    dict(block_q=64, block_k=64, num_warps=4, num_stages=3, split=4),
+    dict(block_q=64, block_k=64, num_warps=4, num_stages=3, split=8),
+    dict(block_q=128, block_k=64, num_warps=8, num_stages=2, split=4),
+]
 # 128 x 128 tiles with 3 stages: 0.90 of 64x64/4w/3s on rows of >= 1024 keys
 # (benchmarks/results/attention_dv_only.log, section 6).
-A_DV += [(128, 128, 8, 3)]
-A_DS = [(64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 128, 4, 2),
-        (64, 128, 8, 3), (128, 32, 4, 3), (256, 64, 8, 2), (128, 64, 4, 3), (64, 32, 4, 3)]
+A_DV += [dict(block_q=128, block_k=128, num_warps=8, num_stages=3)]
+A_DS = [
+    dict(block_q=64, block_k=64, num_warps=4, num_stages=2),
+    dict(block_q=128, block_k=64, num_warps=8, num_stages=2),
+    dict(block_q=128, block_k=64, num_warps=8, num_stages=3),
+    dict(block_q=128, block_k=128, num_warps=8, num_stages=2),
+    dict(block_q=64, block_k=128, num_warps=4, num_stages=2),
+    dict(block_q=64, block_k=128, num_warps=8, num_stages=3),
+    dict(block_q=128, block_k=32, num_warps=4, num_stages=3),
+    dict(block_q=256, block_k=64, num_warps=8, num_stages=2),
+    dict(block_q=128, block_k=64, num_warps=4, num_stages=3),
+    dict(block_q=64, block_k=32, num_warps=4, num_stages=3),
+]
 # Register prefetch on tiles of consecutive rows (row_align=0: on rows of Skv % 8 != 0 the
 # default is the phase-aligned kernel, which does not prefetch).
-A_DS += [(64, 64, 4, 2, True, 0, 1, 0), (64, 128, 4, 2, True, 0, 1, 0),
-         (32, 64, 4, 2, True, 0, 1, 0), (64, 64, 4, 1, True, 0, 1, 0),
-         (64, 32, 4, 2, True, 0, 1, 0)]
+A_DS += [
+    dict(block_q=64, block_k=64, num_warps=4, num_stages=2, prefetch=True, row_align=0),
+    dict(block_q=64, block_k=128, num_warps=4, num_stages=2, prefetch=True, row_align=0),
+    dict(block_q=32, block_k=64, num_warps=4, num_stages=2, prefetch=True, row_align=0),
+    dict(block_q=64, block_k=64, num_warps=4, num_stages=1, prefetch=True, row_align=0),
+    dict(block_q=64, block_k=32, num_warps=4, num_stages=2, prefetch=True, row_align=0),
+]
 A_WORKLOADS = [0, 1, 2, 3, 4, 8, 10, 15]
-# (block_q, block_k, warps, stages[, prefetch, row_align]); block_k 0 = the whole padded row.
-C_ROW = [(16, 0, 4, 1), (32, 0, 4, 1), (32, 0, 8, 1), (64, 0, 8, 1), (16, 128, 4, 2),
-         (32, 128, 4, 2), (32, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3), (64, 64, 4, 3),
-         (32, 256, 8, 2), (64, 256, 8, 2)]
-C_COL = [(64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (128, 64, 8, 2), (64, 128, 4, 2),
-         (128, 128, 8, 2), (32, 64, 4, 3), (64, 128, 8, 3), (128, 64, 4, 3)]
-C_ROW += [(32, 128, 4, 2, True, 0), (16, 128, 4, 2, True, 0), (32, 64, 4, 2, True, 0),
-          (32, 128, 4, 1, True, 0), (32, 64, 4, 2, False, 16)]
-C_COL += [(32, 64, 4, 3, True), (32, 64, 4, 2, True), (64, 64, 4, 2, True),
-          (32, 128, 4, 2, True)]
+
+# Kernel C: candidates of each kernel (qks.PassConfig fields); block_k WHOLE_ROW ("row") is
+# the whole padded row as one tile (row kernel: timed only on rows of <= 512 keys).
+ROW = qks.WHOLE_ROW
+C_ROW = [
+    dict(block_q=16, block_k=ROW, num_warps=4, num_stages=1),
+    dict(block_q=32, block_k=ROW, num_warps=4, num_stages=1),
+    dict(block_q=32, block_k=ROW, num_warps=8, num_stages=1),
+    dict(block_q=64, block_k=ROW, num_warps=8, num_stages=1),
+    dict(block_q=16, block_k=128, num_warps=4, num_stages=2),
+    dict(block_q=32, block_k=128, num_warps=4, num_stages=2),
+    dict(block_q=32, block_k=128, num_warps=8, num_stages=3),
+    dict(block_q=64, block_k=128, num_warps=8, num_stages=2),
+    dict(block_q=32, block_k=64, num_warps=4, num_stages=3),
+    dict(block_q=64, block_k=64, num_warps=4, num_stages=3),
+    dict(block_q=32, block_k=256, num_warps=8, num_stages=2),
+    dict(block_q=64, block_k=256, num_warps=8, num_stages=2),
+]
+C_COL = [
+    dict(block_q=64, block_k=128, num_warps=8, num_stages=2),
+    dict(block_q=32, block_k=128, num_warps=4, num_stages=3),
+    dict(block_q=64, block_k=64, num_warps=4, num_stages=3),
+    dict(block_q=128, block_k=64, num_warps=8, num_stages=2),
+    dict(block_q=64, block_k=128, num_warps=4, num_stages=2),
+    dict(block_q=128, block_k=128, num_warps=8, num_stages=2),
+    dict(block_q=32, block_k=64, num_warps=4, num_stages=3),
+    dict(block_q=64, block_k=128, num_warps=8, num_stages=3),
+    dict(block_q=128, block_k=64, num_warps=4, num_stages=3),
+]
+C_ROW += [
+    dict(block_q=32, block_k=128, num_warps=4, num_stages=2, prefetch=True, row_align=0),
+    dict(block_q=16, block_k=128, num_warps=4, num_stages=2, prefetch=True, row_align=0),
+    dict(block_q=32, block_k=64, num_warps=4, num_stages=2, prefetch=True, row_align=0),
+    dict(block_q=32, block_k=128, num_warps=4, num_stages=1, prefetch=True, row_align=0),
+    dict(block_q=32, block_k=64, num_warps=4, num_stages=2, row_align=16),
+]
+C_COL += [
+    dict(block_q=32, block_k=64, num_warps=4, num_stages=3, prefetch=True),
+    dict(block_q=32, block_k=64, num_warps=4, num_stages=2, prefetch=True),
+    dict(block_q=64, block_k=64, num_warps=4, num_stages=2, prefetch=True),
+    dict(block_q=32, block_k=128, num_warps=4, num_stages=2, prefetch=True),
+]
 C_WORKLOADS = [0, 1, 2, 4, 8, 9, 10, 13, 14]
-# Kernel C's "per_head" scheme (one program per head, rows <= 256 keys): (block_q, 0, warps, stages).
-C_HEAD = [(16, 0, 4, 2), (32, 0, 4, 2), (32, 0, 8, 2), (64, 0, 8, 2), (16, 0, 8, 2),
-          (32, 0, 16, 2), (64, 0, 16, 2), (32, 0, 8, 3), (16, 0, 4, 3), (128, 0, 16, 2)]
+# Kernel C's "per_head" scheme (one program per head, rows <= 256 keys, whole rows).
+C_HEAD = [
+    dict(block_q=16, block_k=ROW, num_warps=4, num_stages=2),
+    dict(block_q=32, block_k=ROW, num_warps=4, num_stages=2),
+    dict(block_q=32, block_k=ROW, num_warps=8, num_stages=2),
+    dict(block_q=64, block_k=ROW, num_warps=8, num_stages=2),
+    dict(block_q=16, block_k=ROW, num_warps=8, num_stages=2),
+    dict(block_q=32, block_k=ROW, num_warps=16, num_stages=2),
+    dict(block_q=64, block_k=ROW, num_warps=16, num_stages=2),
+    dict(block_q=32, block_k=ROW, num_warps=8, num_stages=3),
+    dict(block_q=16, block_k=ROW, num_warps=4, num_stages=3),
+    dict(block_q=128, block_k=ROW, num_warps=16, num_stages=2),
+]
+
+# Candidate lists per op and pass (``--cands`` replaces them for one run).
+CANDIDATES = {
+    A: {"dv": A_DV, "ds": A_DS},
+    C: {"row": C_ROW, "col": C_COL, "head": C_HEAD},
+}
+
+# The positional order of a ``--cands`` tuple (the old PassConfig NamedTuples' fields).
+TUPLE_FIELDS = {
+    A: ("block_q", "block_k", "num_warps", "num_stages", "prefetch", "split", "heads",
+        "row_align"),
+    C: ("block_q", "block_k", "num_warps", "num_stages", "prefetch", "row_align"),
+}
 
 
-def _a_passes(w, constants, sets):
+# ----------------------------------------------------------------------- candidates
+
+
+def a_pass_entry(entry: dict) -> dict:
+  """A pass candidate of kernel A as the table holds it (``PassConfig.to_json``: the
+  launch fields, then the others that differ from their defaults); raises
+  ``ValueError`` naming a bad field."""
+  return asdv.PassConfig.from_json(entry).to_json()
+
+
+def c_pass_entry(entry: dict) -> dict:
+  """A pass candidate of kernel C as the table holds it (``table_entry``; a whole-row
+  ``block_k`` stays ``WHOLE_ROW``); raises ``ValueError`` naming a bad field."""
+  entry = dict(entry)
+  whole = entry.get("block_k") == qks.WHOLE_ROW
+  if whole:
+    entry["block_k"] = 16  # any valid tile: table_entry writes WHOLE_ROW
+  names = {f.name for f in dataclasses.fields(qks.PassConfig)}
+  unknown = sorted(set(entry) - names)
+  if unknown:
+    raise ValueError(f"config: unknown fields {unknown}; expected some of {sorted(names)}")
+  return qks.table_entry(qks.PassConfig(**entry), whole_row=whole)
+
+
+PASS_ENTRY = {A: a_pass_entry, C: c_pass_entry}
+
+
+def pass_config(op: str, entry: dict, seq_q: int, seq_k: int):
+  """The pass config a candidate runs with on a workload: tiles capped at the padded
+  lengths (C: a whole-row tile is the padded row), as the op's ``default_config`` does."""
+  if op == A:
+    return asdv.PassConfig.from_json(entry).capped(seq_q, seq_k)
+  return qks.pass_config(entry, seq_q, seq_k)
+
+
+def candidate_key(op: str, entry: dict) -> tuple:
+  """A candidate as a hashable key (its table entry's items); ``dict(key)`` is the entry."""
+  return tuple(PASS_ENTRY[op](entry).items())
+
+
+def from_tuple(op: str, values) -> dict:
+  """An old positional candidate as named fields (``TUPLE_FIELDS``): A's split 0 is
+  ``"auto"``, C's block_k 0 the whole row (``WHOLE_ROW``)."""
+  fields = TUPLE_FIELDS[op]
+  if not 4 <= len(values) <= len(fields):
+    raise ValueError(f"candidate {tuple(values)}: expected 4 to {len(fields)} values "
+                     f"({', '.join(fields)})")
+  entry = dict(zip(fields, values))
+  if op == A and entry.get("split") == 0:
+    entry["split"] = AUTO
+  if op == C and entry["block_k"] == 0:
+    entry["block_k"] = qks.WHOLE_ROW
+  return entry
+
+
+def parse_cands(op: str, text: str) -> dict[str, list[dict]]:
+  """``--cands``: ``"ds=[(64,64,4,2),(64,64,4,2,True)];dv=[...]"`` -> ``{pass: [entry]}``.
+
+  A candidate is a tuple in ``TUPLE_FIELDS[op]`` order (:func:`from_tuple`) or a dict of
+  named fields; each is validated (``ValueError`` naming the field)."""
+  result = {}
+  for item in text.split(";"):
+    if not item.strip():
+      continue
+    name, _, value = item.partition("=")
+    name = name.strip()
+    if name not in CANDIDATES[op]:
+      raise ValueError(f"--cands: {op} has no pass {name!r}; expected one of "
+                       f"{sorted(CANDIDATES[op])}")
+    values = ast.literal_eval(value.strip())
+    if isinstance(values, dict) or (isinstance(values, tuple) and values
+                                    and not isinstance(values[0], (tuple, list, dict))):
+      values = [values]  # one candidate
+    entries = [dict(v) if isinstance(v, dict) else from_tuple(op, v) for v in values]
+    for entry in entries:
+      PASS_ENTRY[op](entry)
+    result[name] = entries
+  return result
+
+
+def _label(cand):
+  """``64x128/4w/2s`` plus the fields that differ from their defaults (``"table"``: the
+  two-pass baseline)."""
+  if isinstance(cand, str):
+    return cand
+  e = dict(cand)
+  label = f"{e['block_q']}x{e['block_k']}/{e['num_warps']}w/{e['num_stages']}s"
+  for name, value in list(e.items())[4:]:
+    label += f"/{name}" if value is True else f"/{name}={value}"
+  return label
+
+
+# ----------------------------------------------------------------------- the passes
+
+
+def _a_passes(w, constants, sets, cands=None):
   """``{pass: (candidates, [fn(*set) per candidate], sets)}`` for problem A."""
+  cands = cands or CANDIDATES[A]
   p = constants["attention_dropout"]
   h = constants["num_attention_heads"]
   b, _, kvh, sq, skv, d = bench._a_dims(w, constants)
@@ -95,25 +299,25 @@ def _a_passes(w, constants, sets):
   for d_o, pd3, p3, k3, v3 in view_sets:
     _, dpart = asdv.dv_pass(d_o, pd3, v3, num_heads=h, cfg=base.dv, interpret=False)
     ds_sets.append((d_o, p3, k3, v3, dpart))
-  dropout = ("static", 1.0 / (1.0 - p))
-  cap_q, cap_kv = max(16, asdv.next_power_of_2(sq)), max(16, asdv.next_power_of_2(skv))
+  dropout = Dropout.of(p)
 
-  def capped(c):
-    return asdv.PassConfig(min(c[0], cap_q), min(c[1], cap_kv), *c[2:])
+  def keyed(entries):
+    return [(candidate_key(A, e), pass_config(A, e, sq, skv)) for e in entries]
 
-  dv = [(c, lambda d_o, pd3, v3, cfg=capped(c): asdv.dv_pass(d_o, pd3, v3, num_heads=h, cfg=cfg,
-                                                             interpret=False)) for c in A_DV]
-  ds = [(c, lambda d_o, p3, k3, v3, dpart, cfg=capped(c): asdv.ds_pass(
+  dv = [(c, lambda d_o, pd3, v3, cfg=cfg: asdv.dv_pass(d_o, pd3, v3, num_heads=h, cfg=cfg,
+                                                       interpret=False))
+        for c, cfg in keyed(cands["dv"])]
+  ds = [(c, lambda d_o, p3, k3, v3, dpart, cfg=cfg: asdv.ds_pass(
       d_o, p3, k3, v3, dpart, None, num_heads=h, dropout=dropout, cfg=cfg, interpret=False))
-        for c in A_DS]
+        for c, cfg in keyed(cands["ds"])]
   return {"dv": (dv, dv_sets), "ds": (ds, ds_sets)}, asdv.length_class(skv)
 
 
-def _c_passes(w, constants, sets):
+def _c_passes(w, constants, sets, cands=None):
+  cands = cands or CANDIDATES[C]
   b, h, sq, sk, d = bench._c_dims(w, constants)
   scale = jnp.asarray([constants["scaling"]], jnp.float32)
-  pk = max(16, qks.next_power_of_2(sk))
-  cap_q = max(16, qks.next_power_of_2(sq))
+  pk = max(16, pl.next_power_of_2(sk))
 
   def views(g, q, k, p):
     return (g.reshape(b * h, sq, sk), p.reshape(b * h, sq, sk), q.reshape(b * h, sq, d),
@@ -129,55 +333,63 @@ def _c_passes(w, constants, sets):
     _, delta = qks.row_pass(scale, g, p, k, causal=False, cfg=base.row, interpret=False)
     col_sets.append((g, p, q, delta))
 
-  def capped(c):
-    return qks.PassConfig(min(c[0], cap_q), pk if c[1] == 0 else min(c[1], pk), *c[2:])
+  def keyed(entries):
+    return [(candidate_key(C, e), pass_config(C, e, sq, sk)) for e in entries]
 
-  row_cands = [c for c in C_ROW if c[1] != 0 or pk <= 512]
-  row = [(c, lambda g, p, k, cfg=capped(c): qks.row_pass(
-      scale, g, p, k, causal=False, cfg=cfg, interpret=False)) for c in row_cands]
-  col = [(c, lambda g, p, q, delta, cfg=capped(c): qks.col_pass(
-      scale, g, p, q, delta, causal=False, cfg=cfg, interpret=False)) for c in C_COL]
+  row_cands = [c for c in cands["row"] if c["block_k"] != qks.WHOLE_ROW or pk <= 512]
+  row = [(c, lambda g, p, k, cfg=cfg: qks.row_pass(
+      scale, g, p, k, causal=False, cfg=cfg, interpret=False)) for c, cfg in keyed(row_cands)]
+  col = [(c, lambda g, p, q, delta, cfg=cfg: qks.col_pass(
+      scale, g, p, q, delta, causal=False, cfg=cfg, interpret=False))
+         for c, cfg in keyed(cands["col"])]
   passes = {"row": (row, row_sets), "col": (col, col_sets)}
   # The whole backward with the table's two-pass config: the baseline the schemes must beat.
-  passes["two_pass"] = ([(("table",), lambda g, p, q, k: qks._backward(
+  passes["two_pass"] = ([("table", lambda g, p, q, k: qks.qk_scale_softmax_backward(
       g[None], q[None], k[None], p[None], constants["scaling"], causal=False, config=base,
       interpret=False))], [(g, p, q, k) for g, p, q, k in view_sets])
   if pk <= 256:
-    head = [(c, lambda g, p, q, k, cfg=capped(c): qks.head_pass(
-        scale, g, p, q, k, causal=False, cfg=cfg, interpret=False)) for c in C_HEAD]
+    head = [(c, lambda g, p, q, k, cfg=cfg: qks.head_pass(
+        scale, g, p, q, k, causal=False, cfg=cfg, interpret=False))
+            for c, cfg in keyed(cands["head"])]
     passes["head"] = (head, [(g, p, q, k) for g, p, q, k in view_sets])
   return passes, qks.length_class(sk)
 
-
-# Candidate lists per op and pass (``--cands`` replaces them for one run).
-CANDIDATES = {
-    "attention_softmax_dropout_value": {"dv": A_DV, "ds": A_DS},
-    "qk_scale_softmax": {"row": C_ROW, "col": C_COL, "head": C_HEAD},
-}
 
 # Per scheme of kernel C, the passes whose times add up to one backward.
 C_SCHEMES = {"two_pass": ("two_pass",), "per_head": ("head",)}
 
 
 OPS = {
-    "attention_softmax_dropout_value": (bench.PROBLEM_A, A_WORKLOADS, _a_passes,
-                                        _tuning.table_path("attention_softmax_dropout_value")),
-    "qk_scale_softmax": (bench.PROBLEMS["qk_scale_softmax"], C_WORKLOADS, _c_passes,
-                         _tuning.table_path("qk_scale_softmax")),
+    A: (bench.PROBLEM_A, A_WORKLOADS, _a_passes),
+    C: (bench.PROBLEMS[C], C_WORKLOADS, _c_passes),
 }
 
 
-def _label(c, cls):
-  """``64x128/4w/2s`` plus the ``cls`` (PassConfig) fields that differ from the defaults."""
-  if len(c) < 4:
-    return "/".join(map(str, c))
-  label = f"{c[0]}x{c[1]}/{c[2]}w/{c[3]}s"
-  extra = cls(*c)._asdict()
-  defaults = cls._field_defaults
-  for name in list(extra)[4:]:
-    if extra[name] != defaults[name]:
-      label += f"/{name}" if extra[name] is True else f"/{name}={extra[name]}"
-  return label
+# ----------------------------------------------------------------------- the table
+
+
+def a_table_entry(entry: dict) -> dict:
+  """A class's entry of kernel A's table as ``default_config`` reads it
+  (``Config.from_json(...).to_json()``); raises if it is not one."""
+  return asdv.Config.from_json(entry).to_json()
+
+
+def c_table_entry(entry: dict) -> dict:
+  """A class's entry of kernel C's table (``scheme``, ``row``, ``col`` and, if measured,
+  ``head``) as ``default_config`` reads it; raises if it is not one."""
+  scheme = entry.get("scheme", "two_pass")
+  if scheme not in qks.SCHEMES:
+    raise ValueError(f"scheme: expected one of {qks.SCHEMES}, got {scheme!r}")
+  out = {"scheme": scheme}
+  for name in ("row", "col", "head"):
+    if name in entry:
+      out[name] = c_pass_entry(entry[name])
+    elif name != "head":
+      raise KeyError(f"no {name!r} pass")
+  return out
+
+
+TABLE_ENTRY = {A: a_table_entry, C: c_table_entry}
 
 
 def _choose_scheme(best_times):
@@ -195,35 +407,55 @@ def _choose_scheme(best_times):
   return min(score, key=score.get), {s: round(v, 4) for s, v in score.items()}
 
 
-def _write_table(ratios, out, best_times=None):
+def select(ratios, best_times=None) -> tuple[dict, dict]:
   """ratios[class][pass] = list of {candidate: time / best} dicts, one per workload;
   best_times[class][pass] = that pass's best time per workload (kernel C: picks the scheme).
-
-  Classes not measured in this run keep their entries from the table already at ``out``.
-  """
-  table = {}
+  -> ``({class: {pass: entry, ["scheme": ...]}}, {class: {note: geomean}})``."""
+  table, notes = {}, {}
   for key, passes in ratios.items():
-    entry = {}
+    entry, note = {}, {}
+    if best_times is not None:
+      scheme, scores = _choose_scheme(best_times.get(key, {}))
+      if scheme is not None:
+        entry["scheme"], note["scheme_geomean_vs_best"] = scheme, scores
     for name, per_workload in passes.items():
       if name == "two_pass":
         continue
       best, score = best_by_geomean(per_workload)
       if best is None:
         continue
-      entry[name] = list(best)
-      entry[f"{name}_geomean_vs_best"] = score
-    if best_times is not None:
-      scheme, scores = _choose_scheme(best_times.get(key, {}))
-      if scheme is not None:
-        entry["scheme"], entry["scheme_geomean_vs_best"] = scheme, scores
-    table[key] = entry
-  return write_table(table, out, merge=True)
+      entry[name] = dict(best)
+      note[f"{name}_geomean_vs_best"] = score
+    if entry:
+      table[key], notes[key] = entry, note
+  return table, notes
+
+
+def _write_table(op, ratios, out, best_times=None, device_kind=None):
+  """Writes the selected entries (configs only; the passes of a class not measured in this
+  run, and the classes not measured, keep their entries from the table already at
+  ``out``) and prints the notes."""
+  table, notes = select(ratios, best_times)
+  for key in table:
+    print(f"  selected {key}: " + "  ".join(
+        f"{name}={_label(tuple(v.items())) if isinstance(v, dict) else v}"
+        for name, v in table[key].items()) + f"  {json.dumps(notes[key])}", flush=True)
+  return write_table(table, out, entry_json=TABLE_ENTRY[op], merge=True, per_field=True,
+                     device_kind=device_kind)
+
+
+def check_candidates(op: str, cands: dict) -> None:
+  """Builds every candidate's config (``ValueError`` naming a bad field)."""
+  for entries in cands.values():
+    for entry in entries:
+      PASS_ENTRY[op](entry)
 
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--op", required=True, choices=sorted(OPS))
-  parser.add_argument("--out", default=None)
+  parser.add_argument("--out", default=None,
+                      help="default: pallas_kernels/tuned/<this device>/<op>.json")
   parser.add_argument("--calls", type=int, default=8)
   parser.add_argument("--passes", default=None,
                       help="comma-separated passes to tune (default: all of the op's)")
@@ -231,18 +463,21 @@ def main(argv=None):
                       help="comma-separated workload indices (default: a fixed spread)")
   parser.add_argument("--cands", default=None,
                       help="replace candidate lists, e.g. 'ds=[(64,64,4,2),(64,64,4,2,True)];dv=[...]' "
-                           "(tuples in the pass's PassConfig field order)")
+                           "(tuples in the old PassConfig field order: A (block_q, block_k, "
+                           "num_warps, num_stages, prefetch, split, heads, row_align), split 0 = "
+                           "auto; C (block_q, block_k, num_warps, num_stages, prefetch, "
+                           "row_align), block_k 0 = whole row; or dicts of named fields)")
   args = parser.parse_args(argv)
+  cands = dict(CANDIDATES[args.op])
   if args.cands:
-    for item in args.cands.split(";"):
-      name, _, value = item.partition("=")
-      CANDIDATES[args.op][name.strip()][:] = ast.literal_eval(value)
+    cands.update(parse_cands(args.op, args.cands))
+  check_candidates(args.op, cands)
   if jax.default_backend() != "gpu":
     print("tuning needs a CUDA GPU", file=sys.stderr)
     return 2
-  problem, indices, passes_fn, default_out = OPS[args.op]
-  config_cls = asdv.PassConfig if args.op == "attention_softmax_dropout_value" else qks.PassConfig
-  out = args.out or default_out
+  problem, indices, passes_fn = OPS[args.op]
+  device_kind = jax.devices()[0].device_kind
+  out = args.out or _tuning.table_path(args.op, device_kind)
   if args.workloads:
     indices = [int(i) for i in args.workloads.split(",")]
   with open(os.path.join(bench.HERE, "workloads.json")) as f:
@@ -258,20 +493,21 @@ def main(argv=None):
     n_sets = int(min(16, max(2, math.ceil(bench._ROTATE_BYTES / set_bytes))))
     sets = [first] + [problem.make_inputs(w, constants, jax.random.key(9000 + 100 * index + i))
                       for i in range(1, n_sets)]
-    passes, key = passes_fn(w, constants, sets)
+    passes, key = passes_fn(w, constants, sets, cands)
     line = [f"{problem.label(w):>18} [{key}]"]
-    for name, (cands, pass_sets) in passes.items():
+    for name, (pass_cands, pass_sets) in passes.items():
       if args.passes and name not in args.passes.split(","):
         continue
-      compiled = compile_all([fn for _, fn in cands], pass_sets[0])
+      compiled = compile_all([fn for _, fn in pass_cands], pass_sets[0])
       ok = []
-      for (cand, _), exe in zip(cands, compiled):
+      for (cand, _), exe in zip(pass_cands, compiled):
         if exe is None:
           continue
         try:
           jax.block_until_ready(exe(*pass_sets[0]))
         except Exception as e:  # noqa: BLE001 - e.g. out of shared memory at launch
-          print(f"  {name} {cand}: launch failed: {str(e).splitlines()[0][:160]}", flush=True)
+          print(f"  {name} {_label(cand)}: launch failed: {str(e).splitlines()[0][:160]}",
+                flush=True)
           continue
         ok.append((cand, exe))
       if not ok:
@@ -283,10 +519,10 @@ def main(argv=None):
       best_times.setdefault(key, {}).setdefault(name, []).append(best)
       ratios.setdefault(key, {}).setdefault(name, []).append(
           {cand: t / best for (cand, _), t in zip(ok, times)})
-      line.append(f"{name}: " + " ".join(f"{_label(c, config_cls)}={t:.1f}"
-                                         for (c, _), t in zip(ok, times)))
+      line.append(f"{name}: " + " ".join(f"{_label(c)}={t:.1f}" for (c, _), t in zip(ok, times)))
     print("  ".join(line), flush=True)
-    result = _write_table(ratios, out, best_times if args.op == "qk_scale_softmax" else None)
+    result = _write_table(args.op, ratios, out, best_times if args.op == C else None,
+                          device_kind)
   print(json.dumps(result, indent=1))
   return 0
 

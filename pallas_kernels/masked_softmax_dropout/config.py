@@ -80,6 +80,11 @@ class Config:
       if getattr(self, name) not in EVICTION_POLICIES:
         raise ValueError(f"config.{name}: expected one of {EVICTION_POLICIES}, "
                          f"got {getattr(self, name)!r}")
+    for cache, evict in (("stream_cache", "stream_eviction"), ("mask_cache", "mask_eviction")):
+      if getattr(self, cache) is not None and getattr(self, evict) is not None:
+        # ptxas refuses the pair ("Modifier '.evict_first' cannot be combined with '.cg'").
+        raise ValueError(f"config.{cache}={getattr(self, cache)!r} cannot be combined with "
+                         f"config.{evict}={getattr(self, evict)!r}: set {evict}=None")
     n = self.heads_per_program
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
       raise ValueError(f"config.heads_per_program: expected an int >= 1, got {n!r}")

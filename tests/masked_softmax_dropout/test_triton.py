@@ -108,11 +108,12 @@ def test_tuned_table_has_named_configs_only():
 
 
 def test_table_entries_round_trip_variant_fields():
-  config = Config(1, 4, False, stream_cache=".cg", mask_after_sum=True, heads_per_program=2)
+  config = Config(1, 4, False, stream_cache=".cg", stream_eviction=None, mask_after_sum=True,
+                  heads_per_program=2)
   entry = TableEntry.of(512, config)
   assert entry.to_json() == {"target": 512, "num_warps": 4, "split": False,
-                             "stream_cache": ".cg", "mask_after_sum": True,
-                             "heads_per_program": 2}
+                             "stream_cache": ".cg", "stream_eviction": None,
+                             "mask_after_sum": True, "heads_per_program": 2}
   assert TableEntry.from_json(entry.to_json()) == entry
   # 512 elements over 2 heads of 256-wide rows: one row each.
   assert entry.config(256, 256) == config
@@ -124,9 +125,11 @@ def test_table_entries_round_trip_variant_fields():
 
 def test_default_config_reads_the_table_for_its_device():
   # (64, 8, 128): class "128" -> 1024 elements of 128 -> 8 rows, 8 warps, no split.
-  assert default_config(128, 128, "NVIDIA H200") == Config(8, 8, False)
+  assert default_config(128, 128, "NVIDIA H200") == Config(8, 8, False,
+                                                           store_eviction="evict_first")
   # 293 -> "512-ragged": 512 elements, one padded chunk of 512 -> 1 row, 1 warp.
-  assert default_config(293, 293, "NVIDIA H200") == Config(1, 1, False)
+  assert default_config(293, 293, "NVIDIA H200") == Config(
+      1, 1, False, stream_cache=".cg", stream_eviction=None, store_eviction="evict_first")
   # A ragged length whose class has no entry takes the aligned class of its padded length.
   assert default_config(2000, 2000, "NVIDIA H200") == default_config(2048, 2048, "NVIDIA H200")
   # Another device kind, or none (interpret mode): the heuristic.
@@ -148,9 +151,11 @@ def test_lowers_to_triton(pretend_gpu, p, split):
 # --- Config fields that change the loads, the store and the grouping of heads --------------
 
 VARIANTS = {
-    "stream_cg": Config(2, 4, True, stream_cache=".cg"),
-    "stream_ca_evict_last": Config(1, 2, False, stream_cache=".ca", stream_eviction="evict_last"),
-    "mask_ca": Config(4, 4, True, mask_cache=".ca", mask_eviction="evict_last"),
+    "stream_cg": Config(2, 4, True, stream_cache=".cg", stream_eviction=None),
+    "stream_ca": Config(1, 2, False, stream_cache=".ca", stream_eviction=None),
+    "stream_evict_last": Config(1, 2, False, stream_eviction="evict_last"),
+    "mask_ca": Config(4, 4, True, mask_cache=".ca"),
+    "mask_evict_last": Config(4, 4, True, mask_eviction="evict_last"),
     "mask_after_sum": Config(2, 4, True, mask_cache=".cg", mask_after_sum=True),
     "store_streaming": Config(2, 4, False, stream_eviction=None, store_eviction="evict_first"),
     "heads_2": Config(2, 4, True, heads_per_program=2),  # H = 3: the last program has one
@@ -160,6 +165,15 @@ VARIANTS = {
                           heads_per_program=2),
 }
 RATES = (0.0, 0.1, None)  # None: traced
+
+
+def test_cache_modifier_and_eviction_policy_do_not_combine():
+  """ptxas refuses a load with both (found compiling on an H200): said when the config is made."""
+  with pytest.raises(ValueError, match=r"config.stream_cache='.cg' cannot be combined with "
+                                       r"config.stream_eviction='evict_first'"):
+    Config(2, 4, True, stream_cache=".cg")
+  with pytest.raises(ValueError, match=r"config.mask_cache='.ca' cannot be combined"):
+    Config(2, 4, True, mask_cache=".ca", mask_eviction="evict_last")
 
 
 def _run(args, p, config):
@@ -235,20 +249,23 @@ def test_default_loads_and_store(triton_ir):
 
 
 def test_stream_cache_and_eviction_reach_the_streamed_loads(triton_ir):
-  lines = triton_ir(Config(2, 4, True, stream_cache=".cg", stream_eviction="evict_last"))
+  lines = triton_ir(Config(2, 4, True, stream_cache=".cg", stream_eviction=None))
   streamed = [l for l in lines if "cacheModifier = cg" in l]
   assert len(streamed) == 6  # g, P, keep of two chunks
-  assert all("evictionPolicy = evict_last" in l for l in streamed)
+  assert not any("evictionPolicy" in l for l in streamed)
   assert len([l for l in _loads(lines, "i8") if "cacheModifier" not in l]) == 2  # the mask
+  lines = triton_ir(Config(2, 4, True, stream_eviction="evict_last"))
+  assert sum("evictionPolicy = evict_last" in l for l in lines) == 6
 
 
 def test_mask_cache_eviction_and_order(triton_ir):
   def mask_lines(lines):
-    return [i for i, l in enumerate(lines) if "cacheModifier = ca evictionPolicy = evict_last" in l]
+    return [i for i, l in enumerate(lines) if "cacheModifier = ca" in l]
   reduces = lambda lines: [i for i, l in enumerate(lines) if "tt.reduce" in l]
-  before = triton_ir(Config(2, 4, True, mask_cache=".ca", mask_eviction="evict_last"))
-  after = triton_ir(Config(2, 4, True, mask_cache=".ca", mask_eviction="evict_last",
-                           mask_after_sum=True))
+  before = triton_ir(Config(2, 4, True, mask_cache=".ca"))
+  after = triton_ir(Config(2, 4, True, mask_cache=".ca", mask_after_sum=True))
+  evict = triton_ir(Config(2, 4, True, mask_eviction="evict_last"))
+  assert sum("evictionPolicy = evict_last" in l for l in evict) == 2
   assert len(mask_lines(before)) == len(mask_lines(after)) == 2
   assert mask_lines(before)[-1] < reduces(before)[-1]  # loaded with the streams
   assert mask_lines(after)[0] > reduces(after)[-1]  # after every row sum
