@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest -q "$@"
+# -n 2: the interpreters are single-threaded; two workers use both cores of a CI machine.
+exec .venv/bin/python -m pytest -q -n 2 "$@"
