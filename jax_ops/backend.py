@@ -97,3 +97,37 @@ class FunctionBackend(Backend):
     kwargs = {k: v for k, v in (("causal", causal), ("interpret", interpret))
               if k in self._takes}
     return self.fn(*args, **kwargs)
+
+
+class ReferenceBackend(Backend):
+  """The ``"xla"`` backend of an op: its plain-jnp reference backward. Every device and shape;
+  the residuals are the reference's arguments; ``causal`` is not needed (a causal P is zero
+  above the diagonal, which the dense math handles)."""
+
+  name = "xla"
+  priority = 0
+
+  def __init__(self, reference: Callable):
+    self.reference = reference
+
+  def backward(self, *args, causal: bool = False, interpret: bool = False):
+    del causal, interpret
+    return self.reference(*args)
+
+
+class TritonBackend(Backend):
+  """Base of the ``"triton"`` backends: Pallas Triton kernels, for any CUDA GPU (and the
+  interpreter anywhere). Their priority puts them first on a GPU: they are measured faster
+  than XLA on every benchmark workload (``benchmarks/results/``)."""
+
+  name = "triton"
+  pallas = True
+  priority = 10
+
+  def supported_on(self, device):
+    return device is not None and device.platform == "gpu"
+
+  @staticmethod
+  def device_kind(problem: Problem) -> str | None:
+    """The device kind whose tuned tables the kernels use (``None``: heuristics)."""
+    return None if problem.interpret or problem.device is None else problem.device.device_kind

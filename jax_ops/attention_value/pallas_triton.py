@@ -16,19 +16,15 @@ from __future__ import annotations
 
 import pallas_kernels
 from pallas_kernels import attention_softmax_dropout_value as kernels
-from jax_ops.backend import INPUTS, Backend
+from jax_ops import backend
+from jax_ops.backend import INPUTS
 
 OUTPUT = "output"  # residuals: P, keep, V and the forward's fp32 output O
 FROM_OUTPUT_MIN_KEYS = 512
 
 
-class TritonBackend(Backend):
-  name = "triton"
-  pallas = True
-  priority = 10  # faster than XLA on every benchmark workload (benchmarks/results/)
-
-  def supported_on(self, device):
-    return device is not None and device.platform == "gpu"
+class AttentionValueTriton(backend.TritonBackend):
+  """The op's Triton backend (name, devices and priority from the base class)."""
 
   def residual_policy(self, problem):
     b, h, sq, skv = problem.shape("scores")
@@ -40,10 +36,9 @@ class TritonBackend(Backend):
 
   def config(self, problem):
     """The kernels' default config for this problem on its device."""
-    from pallas_kernels import _tuning
     b, h, sq, skv = problem.shape("scores")
     _, kvh, _, d = problem.shape("value_states")
-    kind = None if problem.interpret or problem.device is None else problem.device.device_kind
+    kind = self.device_kind(problem)
     return kernels.default_config(b, h, kvh, sq, skv, d, problem.dtype, kind)
 
   def backward(self, grad_attn_output, attn_weights, attn_weights_dropped, value_states,
@@ -62,4 +57,4 @@ class TritonBackend(Backend):
         causal=causal, interpret=interpret)
 
 
-BACKEND = TritonBackend()
+BACKEND = AttentionValueTriton()

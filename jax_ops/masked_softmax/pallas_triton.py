@@ -9,21 +9,16 @@ from __future__ import annotations
 
 import pallas_kernels
 from pallas_kernels import masked_softmax_dropout as kernels
-from jax_ops.backend import Backend
+from jax_ops import backend
 
 
-class TritonBackend(Backend):
-  name = "triton"
-  pallas = True
-  priority = 10  # faster than XLA on every benchmark workload (benchmarks/results/)
-
-  def supported_on(self, device):
-    return device is not None and device.platform == "gpu"
+class MaskedSoftmaxTriton(backend.TritonBackend):
+  """The op's Triton backend (name, devices and priority from the base class)."""
 
   def config(self, problem):
     """The kernel's default config for this problem on its device."""
     _, _, sq, sk = problem.shape("scores")
-    kind = None if problem.interpret or problem.device is None else problem.device.device_kind
+    kind = self.device_kind(problem)
     return kernels.default_config(sq, sk, kind)
 
   def backward(self, grad_output, p_attn, mask, dropout_mask, p_dropout, *, causal=False,
@@ -32,4 +27,4 @@ class TritonBackend(Backend):
         grad_output, p_attn, mask, dropout_mask, p_dropout, causal=causal, interpret=interpret)
 
 
-BACKEND = TritonBackend()
+BACKEND = MaskedSoftmaxTriton()

@@ -9,22 +9,17 @@ from __future__ import annotations
 
 import pallas_kernels
 from pallas_kernels import qk_scale_softmax as kernels
-from jax_ops.backend import Backend
+from jax_ops import backend
 
 
-class TritonBackend(Backend):
-  name = "triton"
-  pallas = True
-  priority = 10  # faster than XLA on every benchmark workload (benchmarks/results/)
-
-  def supported_on(self, device):
-    return device is not None and device.platform == "gpu"
+class QKSoftmaxTriton(backend.TritonBackend):
+  """The op's Triton backend (name, devices and priority from the base class)."""
 
   def config(self, problem):
     """The kernels' default config for this problem on its device."""
     _, _, sq, d = problem.shape("query")
     sk = problem.shape("key")[2]
-    kind = None if problem.interpret or problem.device is None else problem.device.device_kind
+    kind = self.device_kind(problem)
     return kernels.default_config(sq, sk, d, problem.dtype, kind)
 
   def backward(self, grad_output, query, key, attn_weights, scaling, *, causal=False,
@@ -33,4 +28,4 @@ class TritonBackend(Backend):
         grad_output, query, key, attn_weights, scaling, causal=causal, interpret=interpret)
 
 
-BACKEND = TritonBackend()
+BACKEND = QKSoftmaxTriton()

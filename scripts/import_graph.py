@@ -1,0 +1,100 @@
+"""Prints the import graph of the project's two packages and checks its rules.
+
+    .venv/bin/python scripts/import_graph.py
+
+Rules: no cycles; ``pallas_kernels`` imports nothing of ``jax_ops``; no ``jax_ops`` module
+imports a backend file (``jax_ops/<op folder>/xla.py``, ``pallas_triton.py``, ...), which the
+registry loads by name. Exits non-zero if a rule is broken.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = ("pallas_kernels", "jax_ops")
+
+
+def modules() -> dict[str, str]:
+  found = {}
+  for pkg in PACKAGES:
+    for dirpath, _, files in os.walk(os.path.join(ROOT, pkg)):
+      for f in files:
+        if f.endswith(".py"):
+          rel = os.path.relpath(os.path.join(dirpath, f), ROOT)[:-3].replace(os.sep, ".")
+          found[rel.removesuffix(".__init__")] = os.path.join(dirpath, f)
+  return found
+
+
+def imports(path: str, name: str, known: set[str]) -> set[str]:
+  tree = ast.parse(open(path).read())
+  out = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      targets = [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom) and node.module:
+      base = node.module
+      subs = [f"{base}.{a.name}" for a in node.names]
+      # ``from pkg import submodule`` imports the submodule; other names come from pkg itself
+      targets = [t for t in subs if t in known] or [base]
+      if any(t not in known for t in subs) and base not in targets:
+        targets.append(base)
+    else:
+      continue
+    for t in targets:
+      while t and t not in known:
+        t = t.rpartition(".")[0]
+      if t and t != name:
+        out.add(t)
+  return out
+
+
+def graph() -> dict[str, set[str]]:
+  mods = modules()
+  return {m: imports(p, m, set(mods)) for m, p in sorted(mods.items())}
+
+
+def is_backend(module: str) -> bool:
+  parts = module.split(".")
+  return parts[0] == "jax_ops" and len(parts) == 3 and parts[2] not in ("api", "reference")
+
+
+def cycles(g: dict[str, set[str]]) -> list[list[str]]:
+  found, state = [], {}
+
+  def visit(m, stack):
+    state[m] = 1
+    for d in sorted(g.get(m, ())):
+      # a package's __init__ importing its own submodules is not a cycle of modules
+      if d.startswith(m + "."):
+        continue
+      if state.get(d) == 1:
+        found.append(stack[stack.index(d):] + [d] if d in stack else [m, d])
+      elif not state.get(d):
+        visit(d, stack + [d])
+    state[m] = 2
+
+  for m in g:
+    if not state.get(m):
+      visit(m, [m])
+  return found
+
+
+def main() -> int:
+  g = graph()
+  for m, deps in g.items():
+    print(f"{m} -> {', '.join(sorted(deps)) or '-'}")
+  problems = [f"cycle: {' -> '.join(c)}" for c in cycles(g)]
+  problems += [f"{m} imports jax_ops ({d})" for m, deps in g.items() if m.startswith("pallas_kernels")
+               for d in deps if d.startswith("jax_ops")]
+  problems += [f"{m} imports the backend file {d}" for m, deps in g.items()
+               if m.startswith("jax_ops") for d in deps if is_backend(d) and not is_backend(m)]
+  print("\n".join(problems) if problems else "\nno cycles; pallas_kernels does not import jax_ops; "
+        "no jax_ops module imports a backend file")
+  return 1 if problems else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
