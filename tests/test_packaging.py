@@ -1,0 +1,37 @@
+"""The install is reproducible and licensed: pinned versions that setup.sh installs from, and
+SPDX license metadata with the license file."""
+
+import os
+import re
+import tomllib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _read(name):
+  with open(os.path.join(ROOT, name)) as f:
+    return f.read()
+
+
+def test_constraints_pin_every_dependency_exactly():
+  pins = dict(re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)$", _read("constraints.txt"), flags=re.M))
+  assert pins["jax"] == "0.11.2" and pins["jaxlib"] == "0.11.2"
+  meta = tomllib.loads(_read("pyproject.toml"))["project"]
+  names = list(meta["dependencies"]) + [d for ds in meta["optional-dependencies"].values() for d in ds]
+  for dep in names:
+    name = re.split(r"[<>=\[ ]", dep)[0]
+    assert name.lower() in {k.lower() for k in pins}, f"{name} is not pinned in constraints.txt"
+  assert not [l for l in _read("constraints.txt").splitlines()
+              if l and not l.startswith("#") and "==" not in l]
+
+
+def test_setup_installs_from_the_constraints():
+  assert re.search(r"pip install -q -e '\.\[test,flax,bench\]' -c constraints\.txt",
+                   _read("scripts/setup.sh"))
+
+
+def test_spdx_license_and_file():
+  meta = tomllib.loads(_read("pyproject.toml"))
+  assert meta["project"]["license"] == "Apache-2.0"
+  assert meta["project"]["license-files"] == ["LICENSE"]
+  assert "Apache License" in _read("LICENSE") and "Version 2.0" in _read("LICENSE")
