@@ -211,8 +211,8 @@ def _jitted(fn, kw=()):
   return lambda *args: run(args[-1], *args[:-1])
 
 
-# The backend whose kernels are timed (``--backend``); its ``backward`` has the kernel entry
-# point's signature (for "triton": ``pallas_kernels.<op>_backward`` itself).
+# The backend whose kernels are timed (``--backend``); its ``backward`` takes the kernel entry
+# point's positional arguments (the "triton" backend calls ``pallas_kernels.<op>_backward``).
 BACKEND = ["triton"]
 
 
@@ -383,7 +383,13 @@ def main(argv=None):
   with open(os.path.join(HERE, "workloads.json")) as f:
     spec = json.load(f)
   BACKEND[0] = args.backend
+  names = {n for op in PROBLEMS for n in registry.available(op)}
+  if args.backend not in names:
+    parser.error(f"--backend: expected one of {sorted(names)}, got {args.backend!r}")
   ops = args.op or [op for op in PROBLEMS if args.backend in registry.available(op)]
+  if A_OP in ops and not hasattr(registry.get(PROBLEM_A.name, args.backend),
+                                 "backward_from_output"):
+    parser.error(f"--op {A_OP}: the {args.backend!r} backend has no backward from the output")
   ceiling = copy_ceiling()
   print(f"copy ceiling {ceiling['TBps']:.3f} TB/s via {ceiling['method']} {ceiling['all_TBps']}")
   meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

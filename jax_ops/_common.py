@@ -99,7 +99,8 @@ def op_dropout(rng, rate, shape):
     raise ValueError(f"dropout_rng: {what} needs a PRNG key (jax.random.key(seed)); pass "
                      f"dropout_rate=0 for no dropout")
   check_rng(rng)
-  rate = jnp.asarray(rate, f32)
+  # The ops are not differentiable with respect to the rate: it is a constant to autodiff.
+  rate = jax.lax.stop_gradient(jnp.asarray(rate, f32))
   if p_static is None:  # traced: an invalid rate makes the outputs NaN, not mis-scaled
     rate = validation.nan_unless_rate_valid(rate, rate)
   return dropout_keep_mask(rng, rate, shape), p_static, rate

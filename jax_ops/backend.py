@@ -14,6 +14,8 @@ registry (:mod:`jax_ops.registry`) picks by name, device and problem. A backend 
 * ``supports(problem)``: the shapes and dtypes it takes;
 * ``residual_policy(problem)``: what the op's forward saves for it (the op defines the
   policy names; ``"inputs"``, the reference backward's arguments, is the default);
+* ``config(problem)`` (the Pallas backends): the kernels' launch config for the problem on its
+  device, from the tuned table of that device kind or the heuristic;
 * ``backward(*args, causal=False, interpret=False)``: the backward with the reference
   backward's positional arguments; ops with other residual policies call the backend's
   method of that policy (for example ``backward_from_output``).
@@ -27,6 +29,7 @@ from collections.abc import Callable
 import jax
 
 INPUTS = "inputs"  # the residual policy of the reference backward: its own arguments
+OUTPUT = "output"  # op A: P, V, keep and the forward's fp32 output (delta = rowsum(dO * O))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +56,7 @@ class Backend:
   priority: int = 0
 
   def supported_on(self, device: jax.Device | None) -> bool:
-    """Whether the backend compiles for ``device`` (``None``: the default device)."""
+    """Whether the backend compiles for ``device``."""
     return True
 
   def supports(self, problem: Problem) -> bool:

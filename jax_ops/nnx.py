@@ -51,14 +51,17 @@ def _mask(mask, b, s, num_heads, *, heads_axis):
   if mask.dtype != jnp.bool_:
     raise TypeError(f"mask: expected dtype bool, got {jnp.dtype(mask.dtype).name}")
   full = (b, num_heads if heads_axis else 1, s, s)
-  try:
-    jnp.broadcast_shapes(mask.shape, (b, num_heads, s, s))
-  except ValueError:
-    raise ValueError(f"mask: expected a shape that broadcasts to [B, H, S, S] = "
-                     f"[{b}, {num_heads}, {s}, {s}], got {list(mask.shape)}") from None
   if not heads_axis and mask.ndim == 4 and mask.shape[1] != 1:
     raise ValueError(f"mask: expected [B, 1, Sq, Sk] = [{b}, 1, {s}, {s}] (one mask for all "
                      f"heads, or a shape that broadcasts to it), got {list(mask.shape)}")
+  try:
+    ok = jnp.broadcast_shapes(mask.shape, full) == full
+  except ValueError:
+    ok = False
+  if not ok:
+    want = f"[B, H, S, S] = [{b}, {num_heads}, {s}, {s}]" if heads_axis else \
+        f"[B, 1, S, S] = [{b}, 1, {s}, {s}]"
+    raise ValueError(f"mask: expected a shape that broadcasts to {want}, got {list(mask.shape)}")
   return jnp.broadcast_to(mask, full)
 
 

@@ -22,6 +22,7 @@ from collections.abc import Callable
 import jax
 
 from jax_ops.backend import Backend, FunctionBackend, Problem
+from pallas_kernels._util import device_of  # noqa: F401 (the device a call runs on)
 
 XLA = "xla"
 TRITON = "triton"
@@ -60,6 +61,11 @@ def register(op: str, name: str, backward: Callable | Backend) -> None:
   every device and shape and is used when a call says ``implementation=name``.
   """
   _check_op(op)
+  if not isinstance(name, str) or not name:
+    raise TypeError(f"name: expected a non-empty string, got {name!r}")
+  if isinstance(backward, type):
+    raise TypeError(f"backward: expected a Backend instance or a function, got the class "
+                    f"{backward.__name__}")
   if name == PALLAS:
     raise ValueError(f"name: {PALLAS!r} is the alias of the best Pallas backend; pick another")
   if not isinstance(backward, Backend):
@@ -92,23 +98,6 @@ def get(op: str, name: str) -> Backend:
     return importlib.import_module(_BUILTIN[op][name]).BACKEND
   raise ValueError(f"implementation: expected one of {sorted(available(op))}, "
                    f"{PALLAS!r} or None for {op}, got {name!r}")
-
-
-def device_of(*arrays) -> jax.Device | None:
-  """The device that holds the arrays: the first concrete array on a single device decides;
-  under ``jax.jit`` (tracers) it is the default device. ``None`` if there is none."""
-  for x in arrays:
-    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
-      try:
-        devices = x.devices()
-      except Exception:
-        continue
-      if len(devices) == 1:
-        return next(iter(devices))
-  default = jax.config.jax_default_device
-  if isinstance(default, jax.Device):
-    return default
-  return jax.devices()[0]
 
 
 def _usable(backend: Backend, problem: Problem) -> bool:

@@ -62,9 +62,7 @@ def choose(rows: int, block_rows: int, min_use: float = 0.85,
 
   Rows ``align`` elements apart start at the same offset modulo ``align`` elements, so
   with larger classes the tiles start on 32-, 64- or 128-byte boundaries (whole DRAM
-  sectors: a 16-byte aligned copy of 449-element rows streams at 2.8 TB/s on an H200,
-  a 32-byte aligned one at 3.2, 128-byte aligned 3.3;
-  ``benchmarks/results/attention_ragged_rows.log``). The largest ``align`` whose classes
+  sectors, which stream faster: ``benchmarks/results/attention_ragged_rows.log``). The largest ``align`` whose classes
   still fill at least ``min_use`` of their tiles wins (else the best-filled); ``block`` is
   ``block_rows`` capped at the class size (and >= 16, the tensor-core minimum). ``align``
   is at most ``max_align`` (a kernel that peels only the first column tile needs

@@ -16,10 +16,9 @@ import json
 import os
 import re
 
-import jax
 
 from pallas_kernels import _phase
-from pallas_kernels._util import next_power_of_2
+from pallas_kernels._util import device_of, next_power_of_2
 
 TUNED_DIR = os.path.join(os.path.dirname(__file__), "tuned")
 
@@ -47,27 +46,9 @@ def table(kernel: str, device_kind: str | None) -> dict:
 
 
 def device_kind_of(*arrays, interpret: bool = False) -> str | None:
-  """The device kind whose tuned table a call uses; ``None`` in interpret mode (heuristics).
-
-  The device is the one that holds the arrays: the first concrete array committed to a
-  single device decides. Under ``jax.jit`` the arrays are tracers that hold no device;
-  then it is the default device (``jax.default_device`` if set, else ``jax.devices()[0]``),
-  where the computation runs unless it is placed elsewhere.
-  """
-  if interpret:
-    return None
-  for x in arrays:
-    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
-      try:
-        devices = x.devices()
-      except Exception:  # an array without a concrete placement
-        continue
-      if len(devices) == 1:
-        return next(iter(devices)).device_kind
-  default = jax.config.jax_default_device
-  if isinstance(default, jax.Device):
-    return default.device_kind
-  return jax.devices()[0].device_kind
+  """The device kind whose tuned table a call uses (the device of :func:`_util.device_of`);
+  ``None`` in interpret mode (heuristics)."""
+  return None if interpret else device_of(*arrays).device_kind
 
 
 def tile_length_class(n: int, *, lo: int = 128, hi: int = 1024, align: int = 8) -> str:

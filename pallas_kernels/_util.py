@@ -101,6 +101,27 @@ class Dropout:
     return cls("static", dropout_scale(p_static))
 
 
+def device_of(*arrays) -> jax.Device:
+  """The device a call runs on: the first concrete array committed to a single device
+  decides; under ``jax.jit`` (tracers hold no device) it is the default device
+  (``jax.default_device``, a device or a platform name, if set; else ``jax.devices()[0]``).
+  Arrays placed elsewhere inside a jitted function are not seen."""
+  for x in arrays:
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+      try:
+        devices = x.devices()
+      except Exception:  # an array without a concrete placement
+        continue
+      if len(devices) == 1:
+        return next(iter(devices))
+  default = jax.config.jax_default_device
+  if isinstance(default, jax.Device):
+    return default
+  if isinstance(default, str):
+    return jax.devices(default)[0]
+  return jax.devices()[0]
+
+
 def check_can_compile(entry_point: str, interpret: bool, *arrays) -> None:
   """Raises a clear ``ValueError`` when a Triton kernel is asked to compile off a CUDA GPU.
 
@@ -110,17 +131,7 @@ def check_can_compile(entry_point: str, interpret: bool, *arrays) -> None:
   """
   if interpret:
     return
-  platform = None
-  for x in arrays:
-    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
-      try:
-        platform = next(iter(x.devices())).platform
-        break
-      except Exception:
-        pass
-  if platform is None:
-    default = jax.config.jax_default_device
-    platform = default.platform if isinstance(default, jax.Device) else jax.default_backend()
+  platform = device_of(*arrays).platform
   if platform not in ("gpu", "cuda"):
     raise ValueError(
         f"{entry_point}: the Pallas Triton kernels compile only for a CUDA GPU, and these "

@@ -92,6 +92,8 @@ def test_layers_check_x_and_masks():
   assert bool(jnp.all(a == b))
   with pytest.raises(ValueError, match=r"mask: expected a shape that broadcasts"):
     masked(x, jnp.ones((3, 1, S, S), bool))
+  with pytest.raises(ValueError, match=r"mask: expected a shape that broadcasts to \[B, 1, S, S\]"):
+    masked(x, jnp.ones((4, S, S), bool))  # per head: broadcasts to [B, H, S, S], not [B, 1, S, S]
   with pytest.raises(TypeError, match=r"mask: expected dtype bool"):
     masked(x, jnp.ones((2, 1, S, S)))
   gqa, _ = layers["gqa"]

@@ -84,3 +84,54 @@ def test_a_registered_backend_is_used_by_the_op():
   finally:
     registry.unregister("qk_scale_softmax", "doubled")
   assert "doubled" not in registry.available("qk_scale_softmax")
+
+
+def test_register_checks_its_arguments():
+  with pytest.raises(TypeError, match="name: expected a non-empty string"):
+    registry.register("qk_scale_softmax", "", lambda *a: a)
+  with pytest.raises(TypeError, match="name: expected a non-empty string"):
+    registry.register("qk_scale_softmax", None, lambda *a: a)
+  with pytest.raises(TypeError, match="expected a Backend instance or a function, got the class"):
+    registry.register("qk_scale_softmax", "cls", backend.Backend)
+  assert registry.available("qk_scale_softmax") == ("xla", "triton")
+
+
+def test_device_of_a_platform_name_default():
+  """``jax.default_device`` may hold a platform name: the call runs on that platform."""
+  with jax.default_device("cpu"):
+    assert registry.device_of().platform == "cpu"
+
+
+def test_triton_backends_report_the_kernels_config():
+  """A backend's config is its kernels' default config for the problem on its device."""
+  import pallas_kernels.attention_softmax_dropout_value as a
+  import pallas_kernels.masked_softmax_dropout as b
+  import pallas_kernels.qk_scale_softmax as c
+  dev = jax.devices()[0]
+  kind = dev.device_kind if dev.platform == "gpu" else None
+
+  def problem(op, **shapes):
+    return backend.Problem(op=op, shapes=tuple(shapes.items()), dtype="bfloat16", device=dev)
+
+  got = registry.get("attention_softmax_dropout_value", "triton").config(problem(
+      "attention_softmax_dropout_value", scores=(2, 8, 100, 300), value_states=(2, 2, 300, 64)))
+  assert got == a.default_config(2, 8, 2, 100, 300, 64, "bfloat16", kind)
+  got = registry.get("masked_softmax_dropout", "triton").config(problem(
+      "masked_softmax_dropout", scores=(2, 8, 131, 131), mask=(2, 1, 131, 131)))
+  assert got == b.default_config(131, 131, kind)
+  got = registry.get("qk_scale_softmax", "triton").config(problem(
+      "qk_scale_softmax", query=(1, 4, 256, 128), key=(1, 4, 512, 128)))
+  assert got == c.default_config(256, 512, 128, "bfloat16", kind)
+
+
+def test_kernel_entry_points_check_the_config_type():
+  import pallas_kernels
+  from pallas_kernels.masked_softmax_dropout import Config as BConfig
+  w = jnp.ones((1, 2, 3, 4), jnp.bfloat16)
+  q, k = jnp.ones((1, 2, 3, 8), jnp.bfloat16), jnp.ones((1, 2, 4, 8), jnp.bfloat16)
+  with pytest.raises(TypeError, match=r"config: expected a qk_scale_softmax.Config, got Config"):
+    pallas_kernels.qk_scale_softmax_backward(w, q, k, w, 0.3, config=BConfig(1, 4), interpret=True)
+  with pytest.raises(TypeError, match=r"config: expected a attention_softmax_dropout_value.Config"):
+    pallas_kernels.attention_softmax_dropout_value_backward(
+        jnp.ones((1, 3, 2, 8), jnp.bfloat16), w, w, jnp.ones((1, 1, 4, 8), jnp.bfloat16),
+        jnp.ones((1, 2, 3, 4), bool), 0.1, config=BConfig(1, 4), interpret=True)

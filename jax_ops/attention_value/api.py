@@ -16,11 +16,10 @@ import jax.numpy as jnp
 
 from jax_ops import _common, registry
 from jax_ops.attention_value import reference
-from jax_ops.backend import INPUTS
+from jax_ops.backend import INPUTS, OUTPUT
 from pallas_kernels import validation
 
 OP = "attention_softmax_dropout_value"
-OUTPUT = "output"
 
 
 def attention_softmax_dropout_value(scores, value_states, *, dropout_rate=0.0, dropout_rng=None,
@@ -53,6 +52,8 @@ def attention_softmax_dropout_value(scores, value_states, *, dropout_rate=0.0, d
   problem = _common.problem(OP, interpret, scores=scores, value_states=value_states)
   backend = registry.resolve(OP, implementation, problem)
   policy = backend.residual_policy(problem)
+  if policy not in (INPUTS, OUTPUT):
+    raise ValueError(f"{backend!r}: unknown residual policy {policy!r} for {OP}")
   return _op(scores, value_states, keep, rate, p_static, backend, policy, bool(interpret))
 
 
@@ -66,8 +67,6 @@ def _fwd(scores, value_states, keep, rate, p_static, backend, policy, interpret)
       scores, value_states, keep, rate, with_f32_output=True)
   if policy == OUTPUT:
     return out, (probs, None, value_states, keep, rate, out32)
-  if policy != INPUTS:
-    raise ValueError(f"{backend!r}: unknown residual policy {policy!r} for {OP}")
   return out, (probs, dropped, value_states, keep, rate, None)
 
 

@@ -17,9 +17,8 @@ from __future__ import annotations
 import pallas_kernels
 from pallas_kernels import attention_softmax_dropout_value as kernels
 from jax_ops import backend
-from jax_ops.backend import INPUTS
+from jax_ops.backend import INPUTS, OUTPUT
 
-OUTPUT = "output"  # residuals: P, keep, V and the forward's fp32 output O
 FROM_OUTPUT_MIN_KEYS = 512
 
 

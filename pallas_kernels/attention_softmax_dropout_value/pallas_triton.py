@@ -659,6 +659,8 @@ def attention_softmax_dropout_value_backward(
   if delta is not None:
     validation.check_array("delta", delta, ("B", "H", "Sq"), attn_weights.shape[:3],
                            dtypes=(f32,))
+  if config is not None and not isinstance(config, Config):
+    raise TypeError(f"config: expected a attention_softmax_dropout_value.Config, got {type(config).__name__}")
   if config is None:
     kvh, head_dim = value_states.shape[1], value_states.shape[3]
     config = default_config(b, h, kvh, seq_q, seq_k, head_dim, attn_weights.dtype,

@@ -75,7 +75,7 @@ class Config:
       raise ValueError(f"config.scheme: expected one of {SCHEMES}, got {self.scheme!r}")
     for name in ("row", "col"):
       if not isinstance(getattr(self, name), PassConfig):
-        raise ValueError(f"config.{name}: expected a PassConfig, got "
+        raise TypeError(f"config.{name}: expected a PassConfig, got "
                          f"{type(getattr(self, name)).__name__}")
 
 

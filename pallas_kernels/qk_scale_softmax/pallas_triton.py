@@ -672,6 +672,8 @@ def qk_scale_softmax_backward(grad_output, query, key, attn_weights, scaling, *,
                     attn_weights)
   validation.check_problem_c(grad_output, query, key, attn_weights, scaling, dtypes=_SUPPORTED)
   causal = validation.check_causal(causal, query.shape[2], key.shape[2], every_row_has_keys=False)
+  if config is not None and not isinstance(config, Config):
+    raise TypeError(f"config: expected a qk_scale_softmax.Config, got {type(config).__name__}")
   if config is None:
     device_kind = _tuning.device_kind_of(grad_output, query, key, attn_weights,
                                          interpret=interpret)
