@@ -226,7 +226,7 @@ def test_config_argument_errors():
     qks.PassConfig(16, 32, 4, 2, row_align=12)
   with pytest.raises(ValueError, match="config.prefetch"):
     qks.PassConfig(16, 32, 4, 2, prefetch=1)
-  with pytest.raises(ValueError, match="config.col"):
+  with pytest.raises(TypeError, match="config.col"):
     qks.Config(qks.PassConfig(16, 32, 4, 2), (16, 32, 4, 2))
 
 
