@@ -6,7 +6,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax_ops import registry
+from jax_ops.backend import Problem
 from pallas_kernels import validation
+from pallas_kernels._util import device_of
 
 f32 = jnp.float32
 FLOATS = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -113,11 +116,16 @@ def rate_for_backward(keep, p_static, rate):
   return rate if p_static is None else p_static
 
 
-def problem(op, implementation_interpret, causal=False, **arrays):
-  """A :class:`jax_ops.backend.Problem` of these arrays (name -> array)."""
-  from jax_ops import backend, registry
-  first = next(iter(arrays.values()))
-  return backend.Problem(
+def backend_for(op, implementation, interpret, policies, causal=False, **arrays):
+  """``(backend, residual policy)`` of a call of ``op`` on these arrays (name -> array): the
+  backend :func:`jax_ops.registry.resolve` picks for the call's problem, and the residual
+  policy it asks for, which must be one of the op's ``policies``."""
+  problem = Problem(
       op=op, shapes=tuple((k, tuple(v.shape)) for k, v in arrays.items()),
-      dtype=jnp.dtype(first.dtype).name, causal=causal,
-      device=registry.device_of(*arrays.values()), interpret=bool(implementation_interpret))
+      dtype=jnp.dtype(next(iter(arrays.values())).dtype).name, causal=causal,
+      device=device_of(*arrays.values()), interpret=bool(interpret))
+  backend = registry.resolve(op, implementation, problem)
+  policy = backend.residual_policy(problem)
+  if policy not in policies:
+    raise ValueError(f"{backend!r}: unknown residual policy {policy!r} for {op}")
+  return backend, policy

@@ -14,7 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_ops import _common, registry
+from jax_ops import _common
 from jax_ops.attention_value import reference
 from jax_ops.backend import INPUTS, OUTPUT
 from pallas_kernels import validation
@@ -49,11 +49,8 @@ def attention_softmax_dropout_value(scores, value_states, *, dropout_rate=0.0, d
   validation.check_positive("value_states", value_states, ("B", "KVH", "Skv", "D"))
   validation.check_divisible(h, value_states.shape[1])
   keep, p_static, rate = _common.op_dropout(dropout_rng, dropout_rate, scores.shape)
-  problem = _common.problem(OP, interpret, scores=scores, value_states=value_states)
-  backend = registry.resolve(OP, implementation, problem)
-  policy = backend.residual_policy(problem)
-  if policy not in (INPUTS, OUTPUT):
-    raise ValueError(f"{backend!r}: unknown residual policy {policy!r} for {OP}")
+  backend, policy = _common.backend_for(OP, implementation, interpret, (INPUTS, OUTPUT),
+                                        scores=scores, value_states=value_states)
   return _op(scores, value_states, keep, rate, p_static, backend, policy, bool(interpret))
 
 

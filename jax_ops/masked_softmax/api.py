@@ -12,7 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_ops import _common, registry
+from jax_ops import _common
 from jax_ops.backend import INPUTS
 from jax_ops.masked_softmax import reference
 from pallas_kernels import validation
@@ -42,11 +42,8 @@ def masked_softmax_dropout(scores, mask, *, dropout_rate=0.0, dropout_rng=None,
   validation.check_array("mask", mask, ("B", "1", "Sq", "Sk"), (b, 1, sq, sk),
                          dtypes=(jnp.bool_,))
   keep, p_static, rate = _common.op_dropout(dropout_rng, dropout_rate, scores.shape)
-  problem = _common.problem(OP, interpret, scores=scores, mask=mask)
-  backend = registry.resolve(OP, implementation, problem)
-  policy = backend.residual_policy(problem)
-  if policy != INPUTS:
-    raise ValueError(f"{backend!r}: unknown residual policy {policy!r} for {OP}")
+  backend, _ = _common.backend_for(OP, implementation, interpret, (INPUTS,), scores=scores,
+                                   mask=mask)
   return _op(scores, mask, keep, rate, p_static, backend, bool(interpret))
 
 

@@ -12,7 +12,7 @@ import math
 
 import jax
 
-from jax_ops import _common, registry
+from jax_ops import _common
 from jax_ops.backend import INPUTS
 from jax_ops.qk_softmax import reference
 from pallas_kernels import validation
@@ -49,11 +49,8 @@ def qk_scale_softmax(query, key, *, scaling: float | None = None, causal: bool =
   scaling = validation.check_scaling("scaling", scaling)
   if scaling is None:
     raise TypeError("scaling: expected a Python float (or None for 1/sqrt(D)), got a traced value")
-  problem = _common.problem(OP, interpret, causal, query=query, key=key)
-  backend = registry.resolve(OP, implementation, problem)
-  policy = backend.residual_policy(problem)
-  if policy != INPUTS:
-    raise ValueError(f"{backend!r}: unknown residual policy {policy!r} for {OP}")
+  backend, _ = _common.backend_for(OP, implementation, interpret, (INPUTS,), causal,
+                                   query=query, key=key)
   return _op(query, key, scaling, causal, backend, bool(interpret))
 
 
