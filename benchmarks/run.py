@@ -28,8 +28,10 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+import pallas_kernels
 from benchmarks.timing import copy_ceiling, device_times_us
 from jax_ops import reference, registry
+from pallas_kernels import attention_softmax_dropout_value as asdv
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -110,7 +112,8 @@ def _a_op_inputs(dims, p, key):
 
 def _a_op_backward(d_o, probs, dropped, value, keep, out32, p):
   del dropped  # the op does not save Pd
-  backend = registry.get("attention_softmax_dropout_value", BACKEND[0])
+  backend = registry.get("attention_softmax_dropout_value",
+                         "triton" if BACKEND[0] == ENTRY else BACKEND[0])
   return backend.backward_from_output(d_o, probs, value, keep, p, out32)
 
 
@@ -211,14 +214,28 @@ def _jitted(fn, kw=()):
   return lambda *args: run(args[-1], *args[:-1])
 
 
-# The backend whose kernels are timed (``--backend``); its ``backward`` takes the kernel entry
-# point's positional arguments (the "triton" backend calls ``pallas_kernels.<op>_backward``).
-BACKEND = ["triton"]
+# What is timed (``--backend``): "entry", the kernel entry point ``pallas_kernels.<op>_backward``
+# (it picks its kernels per device and problem: ``kernels_used``), or a registry backend of the
+# op, whose ``backward`` takes the entry point's positional arguments.
+ENTRY = "entry"
+BACKEND = [ENTRY]
 
 
 @functools.cache
 def _jit_kernel(op, **kw):
-  return _jitted(registry.get(op, BACKEND[0]).backward, tuple(sorted(kw.items())))
+  fn = (getattr(pallas_kernels, op + "_backward") if BACKEND[0] == ENTRY
+        else registry.get(op, BACKEND[0]).backward)
+  return _jitted(fn, tuple(sorted(kw.items())))
+
+
+def kernels_used(problem: Problem, args, constants) -> str:
+  """The kernels that time a workload: the entry point's choice (op A: Mosaic GPU or Triton;
+  the others: Triton), or the ``--backend`` named."""
+  if BACKEND[0] != ENTRY:
+    return BACKEND[0]
+  if problem.name == PROBLEM_A.name and len(args) == 5:
+    return asdv.kernels_for(*args, constants["attention_dropout"])
+  return "triton"
 
 
 @functools.cache
@@ -259,11 +276,12 @@ def run_problem(problem: Problem, constants, workloads, ceiling_tbps, calls, on_
     outs = outs if isinstance(outs, tuple) else (outs,)
     refs = refs if isinstance(refs, tuple) else (refs,)
     checks = [check(o, r, w["atol"], w["rtol"]) for o, r in zip(outs, refs)]
+    used = kernels_used(problem, first, constants)
     del outs, refs
     t_kernel, t_xla = device_times_us([kernel, xla], sets, calls=calls)
     floor_us = problem.floor_bytes(w, constants) / (ceiling_tbps * 1e6)
     row = {
-        "workload": problem.label(w), **{k: v for k, v in w.items()},
+        "workload": problem.label(w), **{k: v for k, v in w.items()}, "kernels": used,
         "floor_us": floor_us, "pallas_us": t_kernel["median_us"], "xla_us": t_xla["median_us"],
         "pallas_frac_floor": floor_us / t_kernel["median_us"],
         "xla_frac_floor": floor_us / t_xla["median_us"],
@@ -278,7 +296,7 @@ def run_problem(problem: Problem, constants, workloads, ceiling_tbps, calls, on_
     print(f"  {row['workload']:>24}  floor {floor_us:9.1f} us  pallas {row['pallas_us']:9.1f} us "
           f"({row['pallas_frac_floor']:5.1%})  xla {row['xla_us']:9.1f} us "
           f"({row['xla_frac_floor']:5.1%})  x{row['speedup']:5.2f}  "
-          f"{'PASS' if row['passed'] else 'FAIL'} "
+          f"{'PASS' if row['passed'] else 'FAIL'} {used} "
           f"{min(c['within'] for c in checks):.4%}", flush=True)
     del sets, first
     if on_row is not None:
@@ -327,14 +345,15 @@ def markdown(op, meta, rows, summary):
            *([f"- floor: {meta['floor_note']}"] if meta.get("floor_note") else []),
            "- times: median device time (JAX profiler, all kernels of a call), "
            f"{meta['calls']} calls, input sets rotated so L2 is cold; % = floor / time", "",
-           "| workload | floor us | Pallas us | Pallas % | XLA us | XLA % | speedup | check |",
-           "|---|---|---|---|---|---|---|---|"]
+           "| workload | kernels | floor us | Pallas us | Pallas % | XLA us | XLA % | speedup | check |",
+           "|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     within = min(c["within"] for c in r["checks"])
-    lines.append(f"| {r['workload']} | {r['floor_us']:.1f} | {r['pallas_us']:.1f} | "
+    lines.append(f"| {r['workload']} | {r.get('kernels', meta.get('backend', ''))} | "
+                 f"{r['floor_us']:.1f} | {r['pallas_us']:.1f} | "
                  f"{r['pallas_frac_floor']:.1%} | {r['xla_us']:.1f} | {r['xla_frac_floor']:.1%} | "
                  f"{r['speedup']:.2f}x | {'pass' if r['passed'] else 'FAIL'} ({within:.3%}) |")
-  lines.append(f"| **geomean** | | | **{summary['pallas_frac_floor']:.1%}** | | "
+  lines.append(f"| **geomean** | | | | **{summary['pallas_frac_floor']:.1%}** | | "
                f"**{summary['xla_frac_floor']:.1%}** | **{summary['speedup']:.2f}x** | "
                f"{'all pass' if summary['all_passed'] else 'FAILURES'} |")
   return "\n".join(lines) + "\n"
@@ -367,8 +386,9 @@ def main(argv=None):
   parser.add_argument("--op", action="append",
                       choices=sorted(PROBLEMS) + ["qk_scale_softmax_causal", A_OP],
                       help="op(s) to run; default: every op that has a Pallas kernel")
-  parser.add_argument("--backend", default="triton",
-                      help="the Pallas backend to time (a name of jax_ops.registry.available)")
+  parser.add_argument("--backend", default=ENTRY,
+                      help="what to time: 'entry' (the kernel entry points, which pick their "
+                           "kernels per device) or a Pallas backend of jax_ops.registry.available")
   parser.add_argument("--out", default=os.path.join(HERE, "results"))
   parser.add_argument("--calls", type=int, default=30)
   parser.add_argument("--quick", action="store_true", help="first 4 workloads only")
@@ -383,11 +403,12 @@ def main(argv=None):
   with open(os.path.join(HERE, "workloads.json")) as f:
     spec = json.load(f)
   BACKEND[0] = args.backend
-  names = {n for op in PROBLEMS for n in registry.available(op)}
+  names = {n for op in PROBLEMS for n in registry.available(op)} | {ENTRY}
   if args.backend not in names:
     parser.error(f"--backend: expected one of {sorted(names)}, got {args.backend!r}")
-  ops = args.op or [op for op in PROBLEMS if args.backend in registry.available(op)]
-  if A_OP in ops and not hasattr(registry.get(PROBLEM_A.name, args.backend),
+  ops = args.op or [op for op in PROBLEMS
+                    if args.backend == ENTRY or args.backend in registry.available(op)]
+  if A_OP in ops and args.backend != ENTRY and not hasattr(registry.get(PROBLEM_A.name, args.backend),
                                  "backward_from_output"):
     parser.error(f"--op {A_OP}: the {args.backend!r} backend has no backward from the output")
   ceiling = copy_ceiling()

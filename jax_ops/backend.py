@@ -4,13 +4,14 @@ An op (``jax_ops.attention_softmax_dropout_value`` and the others) is a ``jax.cu
 whose forward is plain jnp and whose backward comes from a :class:`Backend` that the
 registry (:mod:`jax_ops.registry`) picks by name, device and problem. A backend says:
 
-* ``name``: what ``implementation=`` takes (``"xla"``, ``"triton"``, later ``"mosaic_gpu"``);
+* ``name``: what ``implementation=`` takes (``"xla"``, ``"triton"``, ``"mosaic_gpu"``);
 * ``pallas``: whether it is a Pallas kernel (``implementation="pallas"`` takes the best
   Pallas backend for the device);
 * ``priority``: the order in which ``implementation=None`` tries the backends that support
   a call (higher first; the registry's builtin priorities follow measured speed);
 * ``supported_on(device)``: the devices it compiles for (the interpreter runs Pallas
-  backends anywhere);
+  backends anywhere; ``auto_in_interpreter``: whether ``implementation=None`` or
+  ``"pallas"`` may pick it under ``interpret=True``);
 * ``supports(problem)``: the shapes and dtypes it takes;
 * ``residual_policy(problem)``: what the op's forward saves for it (the op defines the
   policy names; ``"inputs"``, the reference backward's arguments, is the default);
@@ -27,6 +28,8 @@ import dataclasses
 from collections.abc import Callable
 
 import jax
+
+from pallas_kernels._util import is_hopper
 
 INPUTS = "inputs"  # the residual policy of the reference backward: its own arguments
 OUTPUT = "output"  # op A: P, V, keep and the forward's fp32 output (delta = rowsum(dO * O))
@@ -54,6 +57,7 @@ class Backend:
   name: str = ""
   pallas: bool = False
   priority: int = 0
+  auto_in_interpreter: bool = True
 
   def supported_on(self, device: jax.Device | None) -> bool:
     """Whether the backend compiles for ``device``."""
@@ -134,3 +138,19 @@ class TritonBackend(Backend):
   def device_kind(problem: Problem) -> str | None:
     """The device kind whose tuned tables the kernels use (``None``: heuristics)."""
     return None if problem.interpret or problem.device is None else problem.device.device_kind
+
+
+class MosaicGpuBackend(Backend):
+  """Base of the ``"mosaic_gpu"`` backends: Pallas Mosaic GPU kernels (TMA, wgmma, warp
+  specialization) for Hopper GPUs. Their priority puts them before Triton where they
+  take a problem: they are measured faster there (``benchmarks/results/``). Under
+  ``interpret=True`` they run only when named (``implementation="mosaic_gpu"``): the
+  default interpreter path stays the portable Triton one."""
+
+  name = "mosaic_gpu"
+  pallas = True
+  priority = 20
+  auto_in_interpreter = False
+
+  def supported_on(self, device):
+    return is_hopper(device)

@@ -3,11 +3,12 @@
 ``implementation=`` of every op takes:
 
 * ``None``: the backend of highest priority that supports the device and the problem
-  (the builtin priorities follow measured speed: the Triton kernels, faster than XLA on
-  every benchmark workload, come first on a GPU), else ``"xla"``. Never an error because
-  of the device;
+  (the builtin priorities follow measured speed: on a Hopper GPU op A's Mosaic GPU kernels
+  where they take the shapes, then the Triton kernels, faster than XLA on every benchmark
+  workload, on any CUDA GPU), else ``"xla"``. Never an error because of the device;
 * ``"pallas"``: the best Pallas backend for the device;
-* a backend's name (``"xla"``, ``"triton"``, or one added with :func:`register`).
+* a backend's name (``"xla"``, ``"triton"``, ``"mosaic_gpu"`` (op A), or one added with
+  :func:`register`).
 
 The builtin backends are listed by module path and imported on first use, so an op's code
 never imports a backend file: adding one is a file with a :class:`jax_ops.backend.Backend`
@@ -26,6 +27,7 @@ from pallas_kernels._util import device_of  # noqa: F401 (the device a call runs
 
 XLA = "xla"
 TRITON = "triton"
+MOSAIC_GPU = "mosaic_gpu"
 PALLAS = "pallas"  # an alias: the best Pallas backend for the device
 
 OPS = ("attention_softmax_dropout_value", "masked_softmax_dropout", "qk_scale_softmax")
@@ -34,6 +36,7 @@ _BUILTIN = {
     "attention_softmax_dropout_value": {
         XLA: "jax_ops.attention_value.xla",
         TRITON: "jax_ops.attention_value.pallas_triton",
+        MOSAIC_GPU: "jax_ops.attention_value.pallas_mosaic_gpu",
     },
     "masked_softmax_dropout": {
         XLA: "jax_ops.masked_softmax.xla",
@@ -116,7 +119,8 @@ def resolve(op: str, implementation: str | None, problem: Problem) -> Backend:
     backends = [get(op, n) for n in available(op)]
     if implementation == PALLAS:
       backends = [b for b in backends if b.pallas]
-    usable = [b for b in backends if _usable(b, problem)]
+    usable = [b for b in backends if _usable(b, problem)
+              and (b.auto_in_interpreter or not problem.interpret)]
     if usable:
       return max(usable, key=lambda b: b.priority)
     if implementation is None:

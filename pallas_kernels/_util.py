@@ -122,6 +122,14 @@ def device_of(*arrays) -> jax.Device:
   return jax.devices()[0]
 
 
+def is_hopper(device) -> bool:
+  """Whether ``device`` is a GPU of compute capability 9.x (H100, H200, GH200: sm_90a, the
+  target of the Mosaic GPU kernels' wgmma)."""
+  cap = getattr(device, "compute_capability", None)
+  return (device is not None and device.platform == "gpu" and isinstance(cap, str)
+          and cap.split(".")[0] == "9")
+
+
 def check_can_compile(entry_point: str, interpret: bool, *arrays) -> None:
   """Raises a clear ``ValueError`` when a Triton kernel is asked to compile off a CUDA GPU.
 

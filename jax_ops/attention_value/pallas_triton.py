@@ -42,7 +42,7 @@ class AttentionValueTriton(backend.TritonBackend):
 
   def backward(self, grad_attn_output, attn_weights, attn_weights_dropped, value_states,
                dropout_mask, attention_dropout, *, causal=False, interpret=False):
-    return pallas_kernels.attention_softmax_dropout_value_backward(
+    return kernels.pallas_triton.attention_softmax_dropout_value_backward(
         grad_attn_output, attn_weights, attn_weights_dropped, value_states, dropout_mask,
         attention_dropout, causal=causal, interpret=interpret)
 

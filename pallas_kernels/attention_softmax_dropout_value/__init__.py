@@ -1,10 +1,11 @@
 """Backward of softmax -> dropout -> GQA value matmul (``attention_softmax_dropout_value``).
 
-Entry points (Pallas Triton kernels, :mod:`.pallas_triton`):
-:func:`attention_softmax_dropout_value_backward` (two passes, from P, Pd and keep) and
-:func:`attention_softmax_dropout_value_backward_from_delta` (one kernel, from P, keep and
-the row sums ``delta``, :func:`delta_from_output`). Launch configurations:
-:mod:`.config`.
+Entry points: :func:`attention_softmax_dropout_value_backward` (from P, Pd and keep;
+:mod:`.dispatch` runs the Mosaic GPU kernels of :mod:`.pallas_mosaic_gpu` on a Hopper GPU
+where they take the problem, else the Pallas Triton kernels of :mod:`.pallas_triton`) and
+:func:`attention_softmax_dropout_value_backward_from_delta` (Triton, one kernel, from P,
+keep and the row sums ``delta``, :func:`delta_from_output`). Triton launch
+configurations: :mod:`.config`.
 """
 
 from pallas_kernels.attention_softmax_dropout_value.config import (
@@ -18,8 +19,11 @@ from pallas_kernels.attention_softmax_dropout_value.config import (
     length_class,
     use_phased,
 )
-from pallas_kernels.attention_softmax_dropout_value.pallas_triton import (
+from pallas_kernels.attention_softmax_dropout_value.dispatch import (
     attention_softmax_dropout_value_backward,
+    kernels_for,
+)
+from pallas_kernels.attention_softmax_dropout_value.pallas_triton import (
     attention_softmax_dropout_value_backward_from_delta,
     delta_from_output,
     ds_dv_pass,
@@ -30,6 +34,7 @@ from pallas_kernels.attention_softmax_dropout_value.pallas_triton import (
 __all__ = [
     "attention_softmax_dropout_value_backward",
     "attention_softmax_dropout_value_backward_from_delta",
+    "kernels_for",
     "delta_from_output",
     "Config",
     "PassConfig",

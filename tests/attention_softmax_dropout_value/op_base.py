@@ -1,6 +1,7 @@
 """Op A's tests, written once and run for every backend (fixture ``implementation``, set by
 each ``test_op_<backend>.py``): gradients against autodiff of the plain fp32 forward, and an
-invalid traced rate giving NaN."""
+invalid traced rate giving NaN. A backend that takes fewer shapes sets ``GRAD_CASES`` (and
+``TRACED_RATE_SHAPE``) in its test module."""
 
 import jax
 import jax.numpy as jnp
@@ -18,12 +19,22 @@ def _vjp(forward, primals, cotangent):
   return out, pullback(cotangent)
 
 
-@pytest.mark.parametrize("b,h,kvh,sq,skv,d,rate", [
+GRAD_CASES = [  # (B, H, KVH, Sq, Skv, D, rate)
     (2, 4, 2, 7, 9, 16, 0.1),
     (1, 10, 1, 5, 33, 64, 0.0),
     (1, 3, 3, 17, 4, 40, 0.2),
-])
-def test_grad_matches_autodiff(implementation, b, h, kvh, sq, skv, d, rate):
+]
+TRACED_RATE_SHAPE = (1, 2, 1, 4, 5, 8)  # (B, H, KVH, Sq, Skv, D)
+
+
+def pytest_generate_tests(metafunc):
+  """``grad_case`` takes the test module's ``GRAD_CASES``."""
+  if "grad_case" in metafunc.fixturenames:
+    metafunc.parametrize("grad_case", getattr(metafunc.module, "GRAD_CASES", GRAD_CASES))
+
+
+def test_grad_matches_autodiff(implementation, grad_case):
+  b, h, kvh, sq, skv, d, rate = grad_case
   k = keys(1, 4)
   scores = jax.random.normal(k[0], (b, h, sq, skv), jnp.bfloat16)
   value = jax.random.normal(k[1], (b, kvh, skv, d), jnp.bfloat16)
@@ -46,12 +57,13 @@ def test_grad_matches_autodiff(implementation, b, h, kvh, sq, skv, d, rate):
 
 
 @pytest.mark.parametrize("bad", [-0.5, float("nan")])
-def test_invalid_traced_rate_gives_nan_everywhere(implementation, bad):
+def test_invalid_traced_rate_gives_nan_everywhere(implementation, bad, request):
   """A traced rate outside [0, 1) cannot raise when the computation runs: the output and
   both gradients are NaN, never the no-dropout gradients."""
+  b, h, kvh, sq, skv, d = getattr(request.module, "TRACED_RATE_SHAPE", TRACED_RATE_SHAPE)
   k = keys(9, 3)
-  scores = jax.random.normal(k[0], (1, 2, 4, 5), jnp.bfloat16)
-  value = jax.random.normal(k[1], (1, 1, 5, 8), jnp.bfloat16)
+  scores = jax.random.normal(k[0], (b, h, sq, skv), jnp.bfloat16)
+  value = jax.random.normal(k[1], (b, kvh, skv, d), jnp.bfloat16)
   loss = lambda s, v, p: jnp.sum(jax_ops.attention_softmax_dropout_value(
       s, v, dropout_rate=p, dropout_rng=k[2], implementation=implementation,
       interpret=INTERPRET).astype(F32))

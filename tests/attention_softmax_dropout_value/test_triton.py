@@ -21,12 +21,12 @@ from pallas_kernels.attention_softmax_dropout_value import pallas_triton
 from .kernel_base import *  # noqa: F401,F403
 from .kernel_base import assert_close_fraction, check, delta_of, make_inputs, reference
 
-kernel = asdv.attention_softmax_dropout_value_backward
+kernel = pallas_triton.attention_softmax_dropout_value_backward
 
 
 @pytest.fixture
 def backward():
-  return asdv.attention_softmax_dropout_value_backward
+  return pallas_triton.attention_softmax_dropout_value_backward
 
 
 @pytest.fixture

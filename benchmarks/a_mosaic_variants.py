@@ -1,0 +1,162 @@
+"""Kernel A's Mosaic GPU kernels on the H200: compile, check and time variants in one run.
+
+Usage (on a Hopper GPU)::
+
+    PYTHONPATH=. python3 -m benchmarks.a_mosaic_variants [--workloads 0,2,3] [--out DIR]
+
+For each aligned workload: the Triton entry point, and each Mosaic GPU variant (the two
+kernels' tiles and pipeline depths), checked against the reference with the workload's
+tolerance and timed the way ``benchmarks.run`` times (device time, input sets rotated so
+L2 is cold); plus each Mosaic kernel alone. Prints one table; writes ``<out>/a_mosaic_variants.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import sys
+import traceback
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks import run
+from benchmarks.timing import copy_ceiling, device_times_us
+from jax_ops import reference
+from pallas_kernels.attention_softmax_dropout_value import pallas_mosaic_gpu as mg
+from pallas_kernels.attention_softmax_dropout_value import pallas_triton
+
+# name -> (delta_pass kwargs, ds_dv_pass kwargs); split "auto": enough programs for one wave
+VARIANTS = {
+    "r64s4_s2": (dict(rows=64, block_k=64, stages=4), dict(stages=2, split=1)),
+    "r128s3_s2": (dict(rows=128, block_k=64, stages=3), dict(stages=2, split=1)),
+    "r128s3_s2a": (dict(rows=128, block_k=64, stages=3), dict(stages=2, split="auto")),
+    "r64s4_s3a": (dict(rows=64, block_k=64, stages=4), dict(stages=3, split="auto")),
+}
+
+
+def auto_split(b, kvh, skv, tiles, sms=132):
+  programs = b * kvh * (skv // (mg.WGS * mg.KEYS))
+  split = 1
+  while programs * split < sms and tiles % (2 * split) == 0 and tiles // (2 * split) >= 4:
+    split *= 2
+  return split
+
+
+def _passes(variant, rate, d_o, probs, dropped, value, delta=None):
+  dk, sk = VARIANTS[variant]
+  b, h, sq, skv = probs.shape
+  kvh = value.shape[1]
+  groups = lambda x: x.reshape(b, kvh, (h // kvh) * sq, skv)
+  sk = dict(sk)
+  if sk["split"] == "auto":
+    sk["split"] = auto_split(b, kvh, skv, (h // kvh) * sq // mg.ROWS)
+  if delta is None:
+    delta = mg.delta_pass(d_o, groups(dropped), value, **dk)
+  ds, dv = mg.ds_dv_pass(d_o, groups(probs), groups(dropped), delta, value, rate=rate, **sk)
+  return ds.reshape(probs.shape), dv
+
+
+def mosaic_fn(variant, rate):
+  return jax.jit(lambda d_o, probs, dropped, value, keep:
+                 _passes(variant, rate, d_o, probs, dropped, value))
+
+
+def parts_fns(variant, rate):
+  dk, _ = VARIANTS[variant]
+
+  @jax.jit
+  def delta_only(d_o, probs, dropped, value, keep):
+    b, h, sq, skv = probs.shape
+    return mg.delta_pass(d_o, dropped.reshape(b, value.shape[1], -1, skv), value, **dk)
+
+  @jax.jit
+  def ds_dv_only(d_o, probs, dropped, value, keep):
+    b, h, sq, skv = probs.shape
+    kvh = value.shape[1]
+    delta = jnp.zeros((b, kvh, (h // kvh) * sq), jnp.float32)
+    return _passes(variant, rate, d_o, probs, dropped, value, delta=delta)
+  return delta_only, ds_dv_only
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--workloads", default=None)
+  parser.add_argument("--variants", default=",".join(VARIANTS))
+  parser.add_argument("--parts", action="store_true")
+  parser.add_argument("--calls", type=int, default=20)
+  parser.add_argument("--out", default=".")
+  args = parser.parse_args(argv)
+  with open(os.path.join(run.HERE, "workloads.json")) as f:
+    spec = json.load(f)["attention_softmax_dropout_value_backward"]
+  c = spec["constants"]
+  rate = c["attention_dropout"]
+  ceiling = copy_ceiling()
+  print(f"copy ceiling {ceiling['TBps']:.3f} TB/s", flush=True)
+  idx = (range(len(spec["workloads"])) if args.workloads is None
+         else [int(i) for i in args.workloads.split(",")])
+  triton = jax.jit(lambda *a: pallas_triton.attention_softmax_dropout_value_backward(*a, rate))
+  xla = jax.jit(lambda *a: reference.attention_softmax_dropout_value_backward_reference(*a, rate))
+  rows = []
+  for i in idx:
+    w = spec["workloads"][i]
+    dims = run._a_dims(w, c)
+    b, h, kvh, sq, skv, d = dims
+    why = mg.unsupported_reason(b, h, kvh, sq, skv, d, jnp.bfloat16, rate, False)
+    label = run.PROBLEM_A.label(w)
+    if why:
+      print(f"{label}: skipped ({why})", flush=True)
+      continue
+    first = run._a_inputs(dims, rate, jax.random.key(i))
+    set_bytes = sum(x.size * x.dtype.itemsize for x in first)
+    n_sets = int(min(32, max(2, math.ceil(run._ROTATE_BYTES / set_bytes))))
+    sets = [first] + [run._a_inputs(dims, rate, jax.random.key(1000 * i + k))
+                      for k in range(1, n_sets)]
+    floor_us = run._a_floor(w, c) / (ceiling["TBps"] * 1e6)
+    refs = xla(*first)
+    fns = {"triton": triton}
+    for v in args.variants.split(","):
+      fns[v] = mosaic_fn(v, rate)
+      if args.parts:
+        fns[v + ":delta"], fns[v + ":ds_dv"] = parts_fns(v, rate)
+    good = {}
+    for name, fn in fns.items():
+      try:
+        outs = fn(*first)
+        if ":" not in name:
+          checks = [run.check(o, r, w["atol"], w["rtol"]) for o, r in zip(outs, refs)]
+          ok = all(x["ok"] for x in checks)
+          print(f"  {label} {name}: {'PASS' if ok else 'FAIL'} "
+                f"{[round(x['within'], 5) for x in checks]}", flush=True)
+        good[name] = fn
+      except Exception as e:  # noqa: BLE001 - a variant that fails is reported, not fatal
+        print(f"  {label} {name}: ERROR {type(e).__name__}: {str(e)[:400]}", flush=True)
+        traceback.print_exc(limit=3)
+    times = device_times_us(list(good.values()), sets, calls=args.calls)
+    row = {"workload": label, "floor_us": floor_us}
+    for name, t in zip(good, times):
+      row[name] = t["median_us"]
+    rows.append(row)
+    print("  " + "  ".join(f"{k} {v:.1f}" for k, v in row.items() if k != "workload"),
+          flush=True)
+  names = [n for n in ["triton", *args.variants.split(",")]]
+  print("\n| workload | floor us | " + " | ".join(names) + " |")
+  print("|---|---|" + "---|" * len(names))
+  for r in rows:
+    cells = [f"{r['floor_us'] / r[n]:.1%} ({r[n]:.0f})" if n in r else "-" for n in names]
+    print(f"| {r['workload']} | {r['floor_us']:.1f} | " + " | ".join(cells) + " |")
+  for n in names:
+    fr = [r["floor_us"] / r[n] for r in rows if n in r]
+    if fr:
+      print(f"geomean {n}: {math.exp(sum(map(math.log, fr)) / len(fr)):.1%} over {len(fr)}")
+  with open(os.path.join(args.out, "a_mosaic_variants.json"), "w") as f:
+    json.dump({"device": jax.devices()[0].device_kind, "ceiling": ceiling, "rows": rows}, f,
+              indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,433 @@
+"""Pallas Mosaic GPU kernels (Hopper, sm_90a): the backward of softmax -> dropout -> GQA P·V.
+
+Same math as :mod:`.pallas_triton` (see its docstring); the kernels here are built from TMA
+copies, wgmma and warp specialization: in each kernel one warpgroup issues the TMA copies
+of a multi-stage ring and two warpgroups consume it with wgmma, so the GEMMs overlap the
+streams.
+
+Two kernels, both over the rows of one kv group, ``G * seq_q`` rows that share V (the
+query heads of a group are consecutive in P, so ``P[b, h]`` for the group's heads is one
+``[G * seq_q, seq_k]`` slab):
+
+1. :func:`_delta_kernel` (rows): a program owns ``2 * 64`` rows (64 per consumer
+   warpgroup, with their dO resident in shared memory) and streams V and Pd tiles over
+   the keys: ``dPd = dO @ V^T`` (wgmma) and ``delta = rowsum(dPd * Pd)``.
+2. :func:`_ds_dv_kernel` (keys): a program owns ``2 * 64`` keys (64 per consumer
+   warpgroup, with their V resident) and streams P, Pd, dO and delta tiles over the
+   group's rows: ``dPd = dO @ V^T`` and ``dV += Pd^T @ dO`` (two wgmmas in flight),
+   ``dS = P * (dPd * keep / (1 - p) - delta)`` written through shared memory with TMA.
+   dV is summed over the G heads in the program's registers.
+
+Precondition (as the problem statement allows): ``Pd == bf16(P * keep / (1 - p))`` bit for
+bit, as every forward makes it. Then ``delta = rowsum(dW * P)`` is computed as
+``rowsum(dPd * Pd)``, and since ``P > 0`` wherever it matters, ``keep == (Pd != 0)``:
+where ``P == 0`` the gradient ``P * (...)`` is 0 whatever keep says. The kernels never
+read ``keep``: a ``bool`` array cannot be a TMA operand (Mosaic GPU types it ``i1``),
+and converting it to ``uint8`` first is one more full pass over HBM. They stream
+``2 + 2 + 2 + 2 = 8`` bytes per attention element (Pd twice, P once, dS once).
+
+Supported (:func:`unsupported_reason` says why not otherwise): bf16 or fp16, ``D`` of 64
+or 128, ``seq_q % 64 == 0``, ``seq_k % 128 == 0``, ``(G * seq_q) % 128 == 0``, a static
+dropout rate, no causal mask. Other problems take the Triton kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import validation
+from pallas_kernels._util import device_of, is_hopper
+
+f32 = jnp.float32
+i32 = np.int32  # index constants: int32 under x64 too (lax.div/rem need one dtype)
+
+ROWS = 64          # rows per consumer warpgroup (one wgmma M)
+KEYS = 64          # keys per consumer warpgroup in the dS/dV kernel
+WGS = 2            # consumer warpgroups per program
+SWIZZLE = 128      # bytes: 64 16-bit elements per swizzled row
+MEMORY_REGISTERS = 40
+
+
+def _tiled(dtype):
+  """Tiling + 128-byte swizzle transforms of a 16-bit tile whose minor dim is a multiple of 64."""
+  elems = SWIZZLE // jnp.dtype(dtype).itemsize
+  return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(SWIZZLE))
+
+
+def unsupported_reason(b, h, kvh, sq, skv, d, dtype, p_static, causal) -> str | None:
+  """Why these kernels cannot run a problem (``None``: they can). ``p_static`` is the
+  dropout rate as a float, ``None`` when traced."""
+  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    return f"dtype {jnp.dtype(dtype)} (bfloat16 or float16 only)"
+  if d not in (64, 128):
+    return f"head dim {d} (64 or 128 only)"
+  if sq % ROWS:
+    return f"seq_q {sq} (a multiple of {ROWS} only)"
+  if skv % (WGS * KEYS):
+    return f"seq_k {skv} (a multiple of {WGS * KEYS} only)"
+  g = h // kvh
+  if skv != WGS * KEYS and (g * sq) % (WGS * ROWS):  # the delta kernel's row blocks
+    return f"G * seq_q = {g * sq} (a multiple of {WGS * ROWS} only, unless seq_k == {WGS * KEYS})"
+  if p_static is None:
+    return "a traced dropout rate (static rates only)"
+  if causal:
+    return "a causal mask"
+  return None
+
+
+# --------------------------------------------------------------------------------------
+# Kernel 1: delta = rowsum(dPd * Pd).
+# --------------------------------------------------------------------------------------
+def _delta_kernel(do_ref, pd_ref, v_ref, delta_ref, do_smem, delta_smem, barrier, *,
+                  kvh_count, g, sq, skv, d, rows, block_k, stages):
+  bk = lax.axis_index("bk")
+  rb = lax.axis_index("rows")
+  wg = lax.axis_index("wg")
+  b = lax.div(bk, i32(kvh_count))
+  kvh = lax.rem(bk, i32(kvh_count))
+  row0 = rb * (WGS * rows) + wg * rows        # first row of this warpgroup in the group
+  head = kvh * g + lax.div(row0, i32(sq))
+  q0 = lax.rem(row0, i32(sq))
+
+  def compute_context(run_pipeline):
+    plgpu.copy_gmem_to_smem(do_ref.at[b, pl.ds(q0, rows), head], do_smem.at[wg],
+                            barrier.at[wg])
+    plgpu.barrier_wait(barrier.at[wg])
+    zero = plgpu.layout_cast(jnp.zeros((rows,), f32), plgpu.Layout.WGMMA.reduce(1))
+    delta = run_pipeline(zero)
+    delta_smem[wg] = delta
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(delta_smem.at[wg], delta_ref.at[b, kvh, pl.ds(row0, rows)])
+    plgpu.wait_smem_to_gmem(0)
+
+  def step(_, v_smem, pd_smem, v_consumed, pd_consumed, delta):
+    def mm(acc):
+      plgpu.wgmma(acc, do_smem.at[wg], v_smem.T)
+      return acc[...]
+    dpd = pl.run_scoped(mm, plgpu.ACC((rows, block_k), f32))
+    plgpu.barrier_arrive(v_consumed)
+    pd = plgpu.load(pd_smem.at[pl.ds(wg * rows, rows)], layout=plgpu.Layout.WGMMA)
+    plgpu.barrier_arrive(pd_consumed)
+    return delta + jnp.sum(dpd * pd.astype(f32), axis=1)
+
+  dtype = do_ref.dtype
+  pipeline = plgpu.emit_pipeline_warp_specialized(
+      step, grid=(skv // block_k,), max_concurrent_steps=stages,
+      memory_registers=MEMORY_REGISTERS, num_compute_wgs=WGS, wg_axis="wg",
+      manual_consumed_barriers=True, compute_context=compute_context,
+      in_specs=[
+          plgpu.BlockSpec((block_k, d), lambda j: (j, 0), transforms=_tiled(dtype)),
+          plgpu.BlockSpec((WGS * rows, block_k), lambda j: (rb, j), transforms=_tiled(dtype)),
+      ])
+  pipeline(v_ref.at[b, kvh], pd_ref.at[b, kvh])
+
+
+def delta_pass(do, pd_groups, v, *, rows=64, block_k=64, stages=4, interpret=False):
+  """``delta [B, KVH, G * seq_q]`` (fp32) of the rows of ``pd_groups [B, KVH, G * seq_q, seq_k]``.
+
+  A program owns ``2 * rows`` rows (``rows`` = 64 or 128 per warpgroup; ``seq_q`` and
+  ``G * seq_q / 2`` multiples of it) and streams ``block_k`` keys per step.
+  """
+  b, sq, h, d = do.shape
+  _, kvh, n_rows, skv = pd_groups.shape
+  g = h // kvh
+  kernel = functools.partial(_delta_kernel, kvh_count=kvh, g=g, sq=sq, skv=skv, d=d,
+                             rows=rows, block_k=block_k, stages=stages)
+  return plgpu.kernel(
+      kernel,
+      out_type=jax.ShapeDtypeStruct((b, kvh, n_rows), f32),
+      scratch_types=[
+          plgpu.SMEM((WGS, rows, d), do.dtype, transforms=_tiled(do.dtype)),
+          plgpu.SMEM((WGS, rows), f32),
+          plgpu.Barrier(num_barriers=WGS),
+      ],
+      grid=(b * kvh, n_rows // (WGS * rows)), grid_names=("bk", "rows"),
+      num_threads=WGS + 1, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=_interpret_params(interpret),
+  )(do, pd_groups, v)
+
+
+# --------------------------------------------------------------------------------------
+# Kernel 2: dS and dV.
+# --------------------------------------------------------------------------------------
+def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale, stages,
+                  split, fused_delta):
+  if fused_delta:   # rows of one key block: delta from the two warpgroups' halves
+    v_ref, ds_ref, dv_ref, v_smem, ds_smem, barrier, xchg_smem, xchg_barrier = refs
+    delta_ref = None
+  else:
+    delta_ref, v_ref, ds_ref, dv_ref, v_smem, ds_smem, barrier = refs
+  bk = lax.axis_index("bk")
+  kb = lax.axis_index("keys")
+  share = lax.axis_index("split")
+  wg = lax.axis_index("wg")
+  b = lax.div(bk, i32(kvh_count))
+  kvh = lax.rem(bk, i32(kvh_count))
+  key0 = kb * (WGS * KEYS) + wg * KEYS         # first key of this warpgroup
+  q_tiles = sq // ROWS
+  share_tiles = g * q_tiles // split           # row tiles of this program
+  tile0 = share * share_tiles
+  dtype = p_ref.dtype
+  wg_keys = pl.ds(wg * KEYS, KEYS)
+  row_layout = plgpu.Layout.WGMMA.reduce(1)
+
+  def compute_context(run_pipeline):
+    plgpu.copy_gmem_to_smem(v_ref.at[b, kvh, pl.ds(key0, KEYS)], v_smem.at[wg],
+                            barrier.at[wg])
+    plgpu.barrier_wait(barrier.at[wg])
+
+    def run(dv_acc):
+      run_pipeline(dv_acc)
+      return dv_acc[...]
+    dv = pl.run_scoped(run, plgpu.ACC((KEYS, d), f32))
+    if split == 1:
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # this warpgroup's dS slots are free
+      v_smem[wg] = dv.astype(v_smem.dtype)                # V is no longer read
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_ref.at[b, kvh, pl.ds(key0, KEYS)])
+    else:   # an fp32 partial, stored from registers
+      dv_ref.at[share, b, kvh, pl.ds(key0, KEYS)][...] = dv
+    plgpu.wait_smem_to_gmem(0)
+
+  def step(idx, *args):
+    (t,) = idx
+    t = tile0 + t
+    dv_acc = args[-1]
+    if fused_delta:
+      p_smem, pd_smem, do_smem, p_consumed, pd_consumed, do_consumed = args[:-1]
+    else:
+      (p_smem, pd_smem, do_smem, delta_smem,
+       p_consumed, pd_consumed, do_consumed, delta_consumed) = args[:-1]
+
+    def mm(acc):
+      plgpu.wgmma(acc, do_smem, v_smem.at[wg].T)                      # dPd [rows, keys]
+      plgpu.wgmma(dv_acc, pd_smem.at[:, wg_keys].T, do_smem)          # dV [keys, d]
+      return plgpu.wgmma_accumulator_load(acc, wait_n=1)
+    dpd = pl.run_scoped(mm, plgpu.ACC((ROWS, KEYS), f32))
+    p = plgpu.load(p_smem.at[:, wg_keys], layout=plgpu.Layout.WGMMA).astype(f32)
+    if keep_scale is None:       # p == 0: no dropout
+      dw = dpd
+    else:
+      pd = plgpu.load(pd_smem.at[:, wg_keys], layout=plgpu.Layout.WGMMA)
+      dw = jnp.where(pd != 0, dpd * keep_scale, 0.0)
+    plgpu.barrier_arrive(p_consumed)
+    slot = lax.rem(t, i32(2))
+    if fused_delta:
+      # delta = rowsum(dW * P) as the spec writes it: this warpgroup's 64 keys, then the
+      # other's through shared memory (two slots: a warpgroup is at most one step ahead).
+      xchg_smem[slot, wg] = jnp.sum(dw * p, axis=1)
+      plgpu.barrier_arrive(xchg_barrier)
+      plgpu.barrier_wait(xchg_barrier)
+      delta = (plgpu.load(xchg_smem.at[slot, 0], layout=row_layout)
+               + plgpu.load(xchg_smem.at[slot, 1], layout=row_layout))
+    else:
+      delta = plgpu.load(delta_smem, layout=row_layout)
+      plgpu.barrier_arrive(delta_consumed)
+    ds = p * (dw - lax.broadcast_in_dim(delta, (ROWS, KEYS), [0]))
+    plgpu.wgmma_wait(0)                                               # dV read Pd and dO
+    plgpu.barrier_arrive(pd_consumed)
+    plgpu.barrier_arrive(do_consumed)
+    plgpu.wait_smem_to_gmem(1, wait_read_only=True)                   # the slot is free
+    ds_smem[wg, slot] = ds.astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(
+        ds_smem.at[wg, slot], ds_ref.at[b, kvh, pl.ds(t * ROWS, ROWS), pl.ds(key0, KEYS)])
+    return dv_acc
+
+  tiled = _tiled(dtype)
+  head_tile = lambda t: (lax.rem(tile0 + t, i32(q_tiles)), kvh * g + lax.div(tile0 + t, i32(q_tiles)), 0)
+  in_specs = [
+      plgpu.BlockSpec((ROWS, WGS * KEYS), lambda t: (tile0 + t, kb), transforms=tiled),
+      plgpu.BlockSpec((ROWS, WGS * KEYS), lambda t: (tile0 + t, kb), transforms=tiled),
+      plgpu.BlockSpec((ROWS, None, d), head_tile, transforms=tiled),
+  ]
+  operands = [p_ref.at[b, kvh], pd_ref.at[b, kvh], do_ref.at[b]]
+  if not fused_delta:
+    in_specs.append(plgpu.BlockSpec((ROWS,), lambda t: (tile0 + t,)))
+    operands.append(delta_ref.at[b, kvh])
+  pipeline = plgpu.emit_pipeline_warp_specialized(
+      step, grid=(share_tiles,), max_concurrent_steps=stages,
+      memory_registers=MEMORY_REGISTERS, num_compute_wgs=WGS, wg_axis="wg",
+      manual_consumed_barriers=True, compute_context=compute_context, in_specs=in_specs)
+  pipeline(*operands)
+
+
+def ds_dv_pass(do, p_groups, pd_groups, delta, v, *, rate, stages=3, split=1,
+               interpret=False):
+  """``(dS [B, KVH, G * seq_q, seq_k], dV [B, KVH, seq_k, D])`` from the group slabs of P
+  and Pd, ``delta [B, KVH, G * seq_q]`` and V.
+
+  ``delta=None`` (only for ``seq_k == 128``, one key block): the kernel computes it, as
+  ``rowsum(dW * P)``. ``split`` programs share each key block's rows (``G * seq_q / 64``
+  a multiple of it); above 1 each adds an fp32 partial dV, summed here.
+  """
+  b, sq, h, d = do.shape
+  _, kvh, rows, skv = p_groups.shape
+  g = h // kvh
+  if (rows // ROWS) % split:
+    raise ValueError(f"split={split} must divide the {rows // ROWS} row tiles")
+  fused_delta = delta is None
+  if fused_delta and skv != WGS * KEYS:
+    raise ValueError(f"delta=None needs seq_k == {WGS * KEYS}, got {skv}")
+  keep_scale = None if rate == 0 else 1.0 / (1.0 - rate)
+  kernel = functools.partial(_ds_dv_kernel, kvh_count=kvh, g=g, sq=sq, d=d,
+                             keep_scale=keep_scale, stages=stages, split=split,
+                             fused_delta=fused_delta)
+  dtype = p_groups.dtype
+  dv_type = (jax.ShapeDtypeStruct((b, kvh, skv, d), v.dtype) if split == 1
+             else jax.ShapeDtypeStruct((split, b, kvh, skv, d), f32))
+  scratch = [
+      plgpu.SMEM((WGS, KEYS, d), v.dtype, transforms=_tiled(v.dtype)),
+      plgpu.SMEM((WGS, 2, ROWS, KEYS), dtype, transforms=_tiled(dtype)),
+      plgpu.Barrier(num_barriers=WGS),
+  ]
+  if fused_delta:
+    scratch += [plgpu.SMEM((2, WGS, ROWS), f32), plgpu.Barrier(num_arrivals=WGS)]
+  operands = [do, p_groups, pd_groups] + ([] if fused_delta else [delta]) + [v]
+  ds, dv = plgpu.kernel(
+      kernel,
+      out_type=(jax.ShapeDtypeStruct((b, kvh, rows, skv), dtype), dv_type),
+      scratch_types=scratch,
+      grid=(b * kvh, skv // (WGS * KEYS), split), grid_names=("bk", "keys", "split"),
+      num_threads=WGS + 1, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=_interpret_params(interpret),
+  )(*operands)
+  if split > 1:
+    dv = jnp.sum(dv, axis=0).astype(v.dtype)
+  return ds, dv
+
+
+# --------------------------------------------------------------------------------------
+# Config and entry point.
+# --------------------------------------------------------------------------------------
+SMS = 132  # streaming multiprocessors of an H100 / H200 SXM
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Tiles and pipeline depths of the two kernels.
+
+  ``delta_rows``: rows per consumer warpgroup of the delta kernel (64 or 128; 128 halves
+  the V tiles it streams per row). ``delta_block_k``: keys per step (64 or 128).
+  ``delta_stages`` / ``stages``: TMA ring depth of the delta / dS-dV kernel.
+  ``split``: programs sharing each key block's rows in the dS-dV kernel (an int >= 1 or
+  ``"auto"``: enough for one wave on launches of under half a wave).
+  """
+  delta_rows: int = 128
+  delta_block_k: int = 64
+  delta_stages: int = 3
+  stages: int = 2
+  split: int | str = "auto"
+
+  def __post_init__(self):
+    for name, allowed in (("delta_rows", (64, 128)), ("delta_block_k", (64, 128))):
+      if getattr(self, name) not in allowed:
+        raise ValueError(f"config.{name}: expected one of {allowed}, got {getattr(self, name)!r}")
+    for name in ("delta_stages", "stages"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 8:
+        raise ValueError(f"config.{name}: expected an int in [1, 8], got {v!r}")
+    if self.split != "auto" and (isinstance(self.split, bool) or not isinstance(self.split, int)
+                                 or self.split < 1):
+      raise ValueError(f"config.split: expected 'auto' or an int >= 1, got {self.split!r}")
+
+
+def default_config(b, h, kvh, sq, skv, d) -> Config:
+  """The config measured best on the H200 (``benchmarks/results/attention_softmax_dropout_value_mosaic_gpu.md``):
+  128 delta rows per warpgroup where the rows allow it (else 64 with a deeper ring)."""
+  g = h // kvh
+  if sq % 128 == 0 and (g * sq) % (WGS * 128) == 0:
+    return Config(delta_rows=128, delta_stages=3)
+  return Config(delta_rows=64, delta_stages=4)
+
+
+def resolve_split(split, b, kvh, skv, row_tiles) -> int:
+  """``split`` of a launch: ``"auto"`` doubles it while the programs fill at most half the
+  SMs and each share keeps >= 4 row tiles."""
+  if split != "auto":
+    if row_tiles % split:
+      raise ValueError(f"config.split={split} must divide the {row_tiles} row tiles of a "
+                       f"kv group (G * seq_q / {ROWS})")
+    return split
+  programs = b * kvh * (skv // (WGS * KEYS))
+  split = 1
+  while (2 * programs * split <= SMS and row_tiles % (2 * split) == 0
+         and row_tiles // (2 * split) >= 4):
+    split *= 2
+  return split
+
+
+def attention_softmax_dropout_value_backward(
+    grad_attn_output, attn_weights, attn_weights_dropped, value_states, dropout_mask,
+    attention_dropout, *, config: Config | None = None, causal=False, interpret=False):
+  """Backward of ``O = transpose(dropout(P) @ V)`` with GQA, as two Mosaic GPU kernels.
+
+  Same arguments and results as the Triton entry point
+  (:func:`pallas_kernels.attention_softmax_dropout_value.pallas_triton.attention_softmax_dropout_value_backward`):
+  dO ``[B, seq_q, H, D]``; P, Pd, keep ``[B, H, seq_q, seq_k]``; V ``[B, KVH, seq_k, D]``;
+  returns ``(grad_attn_scores [B, H, seq_q, seq_k], grad_value_states [B, KVH, seq_k, D])``.
+  ``dropout_mask`` is checked but not read (see the module docstring's precondition).
+
+  Raises ``ValueError`` for a problem outside :func:`unsupported_reason`'s limits, and off
+  a Hopper GPU unless ``interpret`` (the Mosaic GPU interpreter, any machine).
+  ``config``: :class:`Config` (default :func:`default_config`).
+  """
+  p = validation.check_problem_a(grad_attn_output, attn_weights, attn_weights_dropped,
+                                 value_states, dropout_mask, attention_dropout)
+  b, h, sq, skv = attn_weights.shape
+  validation.check_causal(causal, sq, skv, every_row_has_keys=False)
+  kvh, d = value_states.shape[1], value_states.shape[3]
+  why = unsupported_reason(b, h, kvh, sq, skv, d, attn_weights.dtype, p, causal)
+  if why:
+    raise ValueError(f"attention_softmax_dropout_value_backward (mosaic_gpu): {why}; the "
+                     "Triton kernels take every shape")
+  if not interpret:
+    device = device_of(grad_attn_output, attn_weights, attn_weights_dropped, value_states)
+    if not is_hopper(device):
+      raise ValueError(
+          "attention_softmax_dropout_value_backward (mosaic_gpu): the kernels compile only "
+          f"for a Hopper GPU (sm_90a), and the arrays are on {device.device_kind!r}; pass "
+          "interpret=True to run them in the Mosaic GPU interpreter")
+  if config is not None and not isinstance(config, Config):
+    raise TypeError(f"config: expected a pallas_mosaic_gpu.Config, got {type(config).__name__}")
+  config = config or default_config(b, h, kvh, sq, skv, d)
+  return _backward(grad_attn_output, attn_weights, attn_weights_dropped, value_states,
+                   rate=p, config=config, interpret=interpret)
+
+
+def _backward(grad_attn_output, attn_weights, attn_weights_dropped, value_states, *, rate,
+              config, interpret):
+  b, h, sq, skv = attn_weights.shape
+  kvh = value_states.shape[1]
+  g = h // kvh
+  groups = lambda x: x.reshape(b, kvh, g * sq, skv)
+  pd_groups = groups(attn_weights_dropped)
+  if skv == WGS * KEYS:   # one key block: the dS-dV kernel computes delta itself
+    delta = None
+  else:
+    rows = config.delta_rows
+    if sq % rows or (g * sq) % (WGS * rows):
+      rows = ROWS
+    delta = delta_pass(grad_attn_output, pd_groups, value_states, rows=rows,
+                       block_k=config.delta_block_k, stages=config.delta_stages,
+                       interpret=interpret)
+  split = resolve_split(config.split, b, kvh, skv, g * sq // ROWS)
+  ds, dv = ds_dv_pass(grad_attn_output, groups(attn_weights), pd_groups, delta, value_states,
+                      rate=rate, stages=config.stages, split=split, interpret=interpret)
+  return ds.reshape(b, h, sq, skv), dv
+
+
+def _interpret_params(interpret):
+  if interpret is True:
+    return plgpu.InterpretGPUParams()
+  return interpret or None

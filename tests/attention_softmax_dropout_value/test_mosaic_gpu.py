@@ -1,0 +1,175 @@
+"""The Mosaic GPU kernels of op A's backward (``pallas_mosaic_gpu``): numbers against the
+jnp reference on the aligned shapes they take (the Mosaic GPU interpreter off a Hopper GPU,
+compiled on one), their configs, the entry point's dispatch and its errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import INTERPRET, ON_GPU
+import pallas_kernels
+from pallas_kernels.attention_softmax_dropout_value import dispatch
+from pallas_kernels.attention_softmax_dropout_value import pallas_mosaic_gpu as mg
+
+from .kernel_base import check, garbage_mask, make_inputs, reference
+
+HOPPER = ON_GPU and mg.is_hopper(jax.devices()[0])
+needs_kernels = pytest.mark.skipif(ON_GPU and not HOPPER, reason="needs a Hopper GPU")
+
+
+def backward(*args, **kw):
+  return pallas_kernels.attention_softmax_dropout_value_backward(
+      *args, implementation="mosaic_gpu", interpret=INTERPRET, **kw)
+
+
+# (B, H, KVH, Sq, Skv, D, p): G in {1, 4, 10}, D in {64, 128}, both delta row tilings,
+# one key block (delta in the dS-dV kernel) and several.
+CASES = [
+    (1, 4, 1, 64, 256, 64, 0.1),     # G = 4, 64 delta rows per warpgroup
+    (1, 10, 1, 128, 256, 128, 0.1),  # G = 10, 128 delta rows per warpgroup
+    (2, 2, 2, 64, 128, 128, 0.0),    # G = 1, B = 2, one key block, no dropout
+    (1, 20, 2, 64, 128, 64, 0.2),    # G = 10, one key block
+]
+
+
+@needs_kernels
+@pytest.mark.parametrize("b,h,kvh,sq,skv,d,p", CASES)
+def test_matches_reference(b, h, kvh, sq, skv, d, p):
+  args = make_inputs(b, h, kvh, sq, skv, d, p)
+  check(backward(*args, p), reference(*args, p))
+
+
+@needs_kernels
+@pytest.mark.parametrize("config", [
+    mg.Config(delta_rows=64, delta_block_k=128, delta_stages=2, stages=3, split=2),
+    mg.Config(split=4),
+])
+def test_configs(config):
+  """Split dV partials (summed in fp32), 128-key delta steps, other ring depths."""
+  p = 0.1
+  args = make_inputs(1, 4, 2, 128, 256, 64, p, seed=3)
+  check(backward(*args, p, config=config), reference(*args, p))
+
+
+@needs_kernels
+def test_one_key_block_delta_is_the_references():
+  """Rows of 128 keys: delta = rowsum(dW * P) across the two warpgroups, as the reference
+  sums it, so dS is exact wherever the reference's rounding is (no Pd rounding in delta)."""
+  p = 0.1
+  args = make_inputs(1, 4, 1, 64, 128, 64, p, seed=4)
+  ds, _ = backward(*args, p)
+  ref_ds, _ = reference(*args, p)
+  mismatch = np.mean(np.asarray(ds, np.float32) != np.asarray(ref_ds, np.float32))
+  assert mismatch < 1e-3, mismatch
+
+
+@needs_kernels
+def test_keep_is_not_read():
+  """The kernels use keep == (Pd != 0) (the precondition): any mask gives the same result."""
+  p = 0.1
+  args = make_inputs(1, 4, 1, 64, 256, 64, p, seed=2)
+  out = backward(*args, p)
+  other = backward(*args[:4], garbage_mask(args[4].shape, 7), p)
+  for a, b in zip(out, other):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@needs_kernels
+def test_float16():
+  p = 0.1
+  args = make_inputs(1, 4, 2, 64, 128, 64, p, dtype=jnp.float16, seed=6)
+  check(backward(*args, p), reference(*args, p), dtype=jnp.float16)
+
+
+@needs_kernels
+def test_vmap_and_x64():
+  p = 0.1
+  args = make_inputs(2, 4, 2, 64, 128, 64, p, seed=8)
+  ref = reference(*args, p)
+  ds, dv = jax.vmap(lambda *a: backward(*a, p))(*(x[:, None] for x in args))
+  check((ds[:, 0], dv[:, 0]), ref)
+  # The global flag, not the jax.enable_x64 context: the Mosaic GPU interpreter traces the
+  # kernel again on its own threads, which do not see a thread-local context.
+  jax.config.update("jax_enable_x64", True)
+  try:
+    check(jax.jit(lambda *a: backward(*a, p))(*args), ref)
+  finally:
+    jax.config.update("jax_enable_x64", False)
+
+
+@pytest.mark.parametrize("shape,dtype,match", [
+    ((1, 2, 1, 64, 131, 64), jnp.bfloat16, "seq_k 131"),
+    ((1, 2, 1, 65, 128, 64), jnp.bfloat16, "seq_q 65"),
+    ((1, 2, 1, 64, 128, 40), jnp.bfloat16, "head dim 40"),
+    ((1, 2, 2, 64, 256, 64), jnp.bfloat16, "G \\* seq_q = 64"),
+    ((1, 2, 1, 64, 128, 64), jnp.float32, "dtype float32"),
+])
+def test_unsupported_problems_say_why(shape, dtype, match):
+  b, h, kvh, sq, skv, d = shape
+  args = make_inputs(b, h, kvh, sq, skv, d, 0.1, dtype=dtype)
+  with pytest.raises(ValueError, match=match):
+    pallas_kernels.attention_softmax_dropout_value_backward(
+        *args, 0.1, implementation="mosaic_gpu", interpret=True)
+
+
+def test_traced_rate_and_causal_say_why():
+  args = make_inputs(1, 2, 1, 64, 128, 64, 0.1)
+  with pytest.raises(ValueError, match="traced dropout rate"):
+    jax.jit(lambda p: pallas_kernels.attention_softmax_dropout_value_backward(
+        *args, p, implementation="mosaic_gpu", interpret=True))(0.1)
+  with pytest.raises(ValueError, match="causal"):
+    pallas_kernels.attention_softmax_dropout_value_backward(
+        *args, 0.1, implementation="mosaic_gpu", causal=True, interpret=True)
+
+
+@pytest.mark.skipif(HOPPER, reason="the off-Hopper error")
+def test_off_hopper_without_interpret_says_why():
+  args = make_inputs(1, 2, 1, 64, 128, 64, 0.1)
+  with pytest.raises(ValueError, match="Hopper"):
+    pallas_kernels.attention_softmax_dropout_value_backward(
+        *args, 0.1, implementation="mosaic_gpu")
+
+
+def test_config_errors():
+  with pytest.raises(ValueError, match="config.delta_rows"):
+    mg.Config(delta_rows=32)
+  with pytest.raises(ValueError, match="config.stages"):
+    mg.Config(stages=0)
+  with pytest.raises(ValueError, match="config.split"):
+    mg.Config(split=0)
+  args = make_inputs(1, 2, 1, 64, 128, 64, 0.1)
+  with pytest.raises(TypeError, match="pallas_mosaic_gpu.Config"):
+    pallas_kernels.attention_softmax_dropout_value_backward(
+        *args, 0.1, implementation="mosaic_gpu", config=object(), interpret=True)
+  with pytest.raises(TypeError, match="no Triton options"):
+    pallas_kernels.attention_softmax_dropout_value_backward(
+        *args, 0.1, implementation="mosaic_gpu", block_q=32, interpret=True)
+  with pytest.raises(ValueError, match="implementation"):
+    pallas_kernels.attention_softmax_dropout_value_backward(
+        *args, 0.1, implementation="cuda", interpret=True)
+  with pytest.raises(ValueError, match="must divide"):
+    mg.resolve_split(3, 1, 1, 128, 4)
+
+
+def test_auto_split_fills_small_launches():
+  # 8 programs (B * KVH * key blocks) of 64 row tiles: doubled while they stay within one
+  # wave of the 132 SMs.
+  assert mg.resolve_split("auto", 1, 8, 128, 64) == 16
+  assert mg.resolve_split("auto", 8, 8, 256, 80) == 1      # 128 programs: no split
+  assert mg.resolve_split("auto", 1, 1, 128, 4) == 1       # shares keep >= 4 tiles
+
+
+def test_dispatch(monkeypatch):
+  """None: Mosaic GPU on a Hopper GPU for the problems it takes, else Triton."""
+  ok = make_inputs(1, 4, 1, 64, 256, 64, 0.1)
+  ragged = make_inputs(1, 4, 1, 64, 131, 64, 0.1)
+  assert dispatch.kernels_for(*ok, 0.1) == "triton"                 # not a Hopper here
+  monkeypatch.setattr(dispatch, "is_hopper", lambda device: True)
+  assert dispatch.kernels_for(*ok, 0.1) == "mosaic_gpu"
+  assert dispatch.kernels_for(*ok, 0.1, interpret=True) == "triton"
+  assert dispatch.kernels_for(*ragged, 0.1) == "triton"
+  assert dispatch.kernels_for(*ok, 0.1, causal=True) == "triton"
+  assert jax.jit(lambda p: jnp.float32(dispatch.kernels_for(*ok, p) == "triton"))(0.1) == 1

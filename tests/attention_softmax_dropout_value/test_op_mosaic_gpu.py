@@ -1,0 +1,79 @@
+"""Op A's base suite on the ``"mosaic_gpu"`` backend (the Mosaic GPU interpreter off a
+Hopper GPU), on the aligned shapes it takes, and how the op picks it."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from conftest import INTERPRET, keys
+import jax_ops
+from jax_ops import registry
+from jax_ops.backend import Problem
+
+from .op_base import *  # noqa: F401,F403
+
+GRAD_CASES = [  # (B, H, KVH, Sq, Skv, D, rate): G = 2 and 10, D = 64 and 128, one key block
+    (1, 4, 2, 64, 256, 64, 0.1),
+    (1, 10, 1, 64, 128, 128, 0.0),
+]
+TRACED_RATE_SHAPE = (1, 2, 1, 64, 128, 64)  # a traced rate runs the Triton kernels
+
+
+@pytest.fixture
+def implementation():
+  return "mosaic_gpu"
+
+
+def _problem(shape_s, shape_v, *, interpret=True, device=None, causal=False):
+  return Problem(op="attention_softmax_dropout_value",
+                 shapes=(("scores", shape_s), ("value_states", shape_v)), dtype="bfloat16",
+                 causal=causal, device=device, interpret=interpret)
+
+
+def test_not_picked_by_default_in_the_interpreter():
+  """Under interpret=True, None and "pallas" keep the portable Triton kernels."""
+  problem = _problem((1, 4, 64, 128), (1, 2, 128, 64))
+  op = "attention_softmax_dropout_value"
+  assert registry.resolve(op, None, problem).name == "triton"
+  assert registry.resolve(op, "pallas", problem).name == "triton"
+  assert registry.resolve(op, "mosaic_gpu", problem).name == "mosaic_gpu"
+
+
+class _FakeHopper:
+  platform = "gpu"
+  compute_capability = "9.0"
+  device_kind = "NVIDIA H200"
+
+
+class _FakeBlackwell(_FakeHopper):
+  compute_capability = "10.0"
+  device_kind = "NVIDIA B200"
+
+
+def test_picked_first_on_hopper_for_the_shapes_it_takes():
+  op = "attention_softmax_dropout_value"
+  on = lambda s, v, dev, **kw: registry.resolve(
+      op, None, _problem(s, v, interpret=False, device=dev, **kw)).name
+  assert on((2, 80, 256, 512), (2, 8, 512, 128), _FakeHopper()) == "mosaic_gpu"
+  assert on((2, 80, 256, 512), (2, 8, 512, 128), _FakeBlackwell()) == "triton"
+  assert on((2, 80, 211, 293), (2, 8, 293, 128), _FakeHopper()) == "triton"   # ragged
+  assert on((2, 80, 256, 512), (2, 8, 512, 40), _FakeHopper()) == "triton"    # D = 40
+  assert on((2, 80, 256, 256), (2, 8, 256, 128), _FakeHopper(), causal=True) == "triton"
+
+
+def test_forced_on_a_shape_it_does_not_take_says_why():
+  scores = jnp.zeros((1, 2, 64, 131), jnp.bfloat16)
+  value = jnp.zeros((1, 1, 131, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"mosaic_gpu.*seq_k 131"):
+    jax_ops.attention_softmax_dropout_value(scores, value, implementation="mosaic_gpu",
+                                            interpret=True)
+
+
+def test_forced_off_hopper_says_why():
+  if registry.get("attention_softmax_dropout_value", "mosaic_gpu").supported_on(
+      jax.devices()[0]):
+    pytest.skip("this GPU is a Hopper")
+  scores = jnp.zeros((1, 2, 64, 128), jnp.bfloat16)
+  value = jnp.zeros((1, 1, 128, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="does not compile"):
+    jax_ops.attention_softmax_dropout_value(scores, value, implementation="mosaic_gpu")
