@@ -29,56 +29,43 @@ from jax_ops import reference
 from pallas_kernels.attention_softmax_dropout_value import pallas_mosaic_gpu as mg
 from pallas_kernels.attention_softmax_dropout_value import pallas_triton
 
-# name -> (delta_pass kwargs, ds_dv_pass kwargs); split "auto": enough programs for one wave
+# name -> the Mosaic GPU entry point's Config (the default first)
 VARIANTS = {
-    "r64s4_s2": (dict(rows=64, block_k=64, stages=4), dict(stages=2, split=1)),
-    "r128s3_s2": (dict(rows=128, block_k=64, stages=3), dict(stages=2, split=1)),
-    "r128s3_s2a": (dict(rows=128, block_k=64, stages=3), dict(stages=2, split="auto")),
-    "r64s4_s3a": (dict(rows=64, block_k=64, stages=4), dict(stages=3, split="auto")),
+    "default": mg.Config(),
+    "dk128": mg.Config(delta_rows=64, delta_block_k=128, delta_stages=2),
+    "split1": mg.Config(split=1),
+    "split2": mg.Config(split=2),
+    "stages3": mg.Config(stages=3),
 }
 
 
-def auto_split(b, kvh, skv, tiles, sms=132):
-  programs = b * kvh * (skv // (mg.WGS * mg.KEYS))
-  split = 1
-  while programs * split < sms and tiles % (2 * split) == 0 and tiles // (2 * split) >= 4:
-    split *= 2
-  return split
-
-
-def _passes(variant, rate, d_o, probs, dropped, value, delta=None):
-  dk, sk = VARIANTS[variant]
-  b, h, sq, skv = probs.shape
-  kvh = value.shape[1]
-  groups = lambda x: x.reshape(b, kvh, (h // kvh) * sq, skv)
-  sk = dict(sk)
-  if sk["split"] == "auto":
-    sk["split"] = auto_split(b, kvh, skv, (h // kvh) * sq // mg.ROWS)
-  if delta is None:
-    delta = mg.delta_pass(d_o, groups(dropped), value, **dk)
-  ds, dv = mg.ds_dv_pass(d_o, groups(probs), groups(dropped), delta, value, rate=rate, **sk)
-  return ds.reshape(probs.shape), dv
-
-
 def mosaic_fn(variant, rate):
-  return jax.jit(lambda d_o, probs, dropped, value, keep:
-                 _passes(variant, rate, d_o, probs, dropped, value))
+  return jax.jit(lambda d_o, probs, dropped, value, keep: mg._backward(
+      d_o, probs, dropped, value, rate=rate, config=VARIANTS[variant], interpret=False))
 
 
 def parts_fns(variant, rate):
-  dk, _ = VARIANTS[variant]
+  """The delta kernel alone, and the dS-dV kernel (with its dV sum) alone."""
+  config = VARIANTS[variant]
+
+  def groups(x, value):
+    b, h, sq, skv = x.shape
+    return x.reshape(b, value.shape[1], -1, skv)
 
   @jax.jit
   def delta_only(d_o, probs, dropped, value, keep):
-    b, h, sq, skv = probs.shape
-    return mg.delta_pass(d_o, dropped.reshape(b, value.shape[1], -1, skv), value, **dk)
+    return mg.delta_pass(d_o, groups(dropped, value), value, rows=config.delta_rows,
+                         block_k=config.delta_block_k, stages=config.delta_stages)
 
   @jax.jit
   def ds_dv_only(d_o, probs, dropped, value, keep):
     b, h, sq, skv = probs.shape
     kvh = value.shape[1]
-    delta = jnp.zeros((b, kvh, (h // kvh) * sq), jnp.float32)
-    return _passes(variant, rate, d_o, probs, dropped, value, delta=delta)
+    delta = (None if skv == mg.WGS * mg.KEYS
+             else jnp.zeros((b, kvh, (h // kvh) * sq), jnp.float32))
+    split = mg.resolve_split(config.split, b, kvh, skv, (h // kvh) * sq // mg.ROWS)
+    return mg.ds_dv_pass(d_o, groups(probs, value), groups(dropped, value), delta, value,
+                         rate=rate, stages=config.stages, split=split)
   return delta_only, ds_dv_only
 
 
