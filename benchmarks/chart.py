@@ -21,6 +21,7 @@ import sys
 import textwrap
 
 PALLAS_COLOR, XLA_COLOR = "#1f77b4", "#ff7f0e"
+OTHER_KERNEL_COLORS = ("#17becf", "#9467bd", "#8c564b")  # a second kernel family, ...
 DPI = 100
 
 
@@ -55,9 +56,19 @@ def write_chart(json_path, png_path=None):
   ax = fig.add_subplot()
   width = 0.4
   xs = range(n)
-  handles = [
-      ax.bar([x - width / 2 for x in xs], pallas, width, color=PALLAS_COLOR,
-             label=f"{pallas_name}: geomean {_pct(pallas_gm)} of floor"),
+  kernels = [r.get("kernels") for r in rows]
+  names = list(dict.fromkeys(k for k in kernels if k))
+  if len(names) > 1:  # the entry point picked different kernels per workload: one color each
+    handles = []
+    for name, color in zip(names, [PALLAS_COLOR, *OTHER_KERNEL_COLORS]):
+      at = [x for x in xs if kernels[x] == name]
+      handles.append(ax.bar([x - width / 2 for x in at], [pallas[x] for x in at], width,
+                            color=color, label=f"Pallas ({name})"))
+    handles += ax.plot([], [], " ", label=f"Pallas, all: geomean {_pct(pallas_gm)} of floor")
+  else:
+    handles = [ax.bar([x - width / 2 for x in xs], pallas, width, color=PALLAS_COLOR,
+                      label=f"{pallas_name}: geomean {_pct(pallas_gm)} of floor")]
+  handles += [
       ax.bar([x + width / 2 for x in xs], xla, width, color=XLA_COLOR,
              label=f"XLA: geomean {_pct(xla_gm)} of floor"),
       ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="memory floor (1.0)")]
@@ -74,7 +85,8 @@ def write_chart(json_path, png_path=None):
   ax.set_ylabel("fraction of memory floor (floor / time)")
   ax.grid(axis="y", alpha=0.3)
   ax.set_axisbelow(True)
-  ax.legend(handles=handles, loc="upper left", fontsize=8, ncols=3, framealpha=0.9)
+  ax.legend(handles=handles, loc="upper left", fontsize=8, ncols=min(4, len(handles)),
+            framealpha=0.9)
   ax.set_title(_title(res, fig), fontsize=9, loc="left")
   fig.tight_layout()
   fig.savefig(png_path, dpi=DPI)
