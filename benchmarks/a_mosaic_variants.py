@@ -36,6 +36,8 @@ VARIANTS = {
     "split1": mg.Config(split=1),
     "split2": mg.Config(split=2),
     "stages3": mg.Config(stages=3),
+    "bits": mg.Config(keep_bits=True),
+    "bits_dk128": mg.Config(keep_bits=True, delta_rows=64, delta_block_k=128, delta_stages=2),
 }
 
 

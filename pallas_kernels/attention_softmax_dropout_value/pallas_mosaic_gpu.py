@@ -86,8 +86,24 @@ def unsupported_reason(b, h, kvh, sq, skv, d, dtype, p_static, causal) -> str | 
 # --------------------------------------------------------------------------------------
 # Kernel 1: delta = rowsum(dPd * Pd).
 # --------------------------------------------------------------------------------------
-def _delta_kernel(do_ref, pd_ref, v_ref, delta_ref, do_smem, delta_smem, barrier, *,
-                  kvh_count, g, sq, skv, d, rows, block_k, stages):
+def _keep_words(pd, block_k):
+  """The keep bits of a ``[rows, block_k]`` Pd tile (``Pd != 0``) as ``block_k / 32`` int32
+  row vectors: bit ``c % 32`` of word ``c // 32`` is column ``c``. Made with row sums of
+  distinct powers of two (a sum of distinct bits is their OR), so any register layout works."""
+  col = plgpu.broadcasted_iota(jnp.int32, pd.shape, 1, layout=plgpu.Layout.WGMMA)
+  one = jnp.ones(pd.shape, jnp.int32)
+  bits = jnp.where(pd != 0, lax.shift_left(one, col & i32(31)), i32(0))
+  word = lax.shift_right_logical(col, i32(5))
+  return [jnp.sum(jnp.where(word == i32(q), bits, i32(0)), axis=1)
+          for q in range(block_k // 32)]
+
+
+def _delta_kernel(do_ref, pd_ref, v_ref, delta_ref, *refs, kvh_count, g, sq, skv, d, rows,
+                  block_k, stages, write_keep):
+  if write_keep:
+    keep_ref, do_smem, delta_smem, barrier, keep_smem = refs
+  else:
+    do_smem, delta_smem, barrier = refs
   bk = lax.axis_index("bk")
   rb = lax.axis_index("rows")
   wg = lax.axis_index("wg")
@@ -96,6 +112,7 @@ def _delta_kernel(do_ref, pd_ref, v_ref, delta_ref, do_smem, delta_smem, barrier
   row0 = rb * (WGS * rows) + wg * rows        # first row of this warpgroup in the group
   head = kvh * g + lax.div(row0, i32(sq))
   q0 = lax.rem(row0, i32(sq))
+  words = block_k // 32
 
   def compute_context(run_pipeline):
     plgpu.copy_gmem_to_smem(do_ref.at[b, pl.ds(q0, rows), head], do_smem.at[wg],
@@ -103,12 +120,14 @@ def _delta_kernel(do_ref, pd_ref, v_ref, delta_ref, do_smem, delta_smem, barrier
     plgpu.barrier_wait(barrier.at[wg])
     zero = plgpu.layout_cast(jnp.zeros((rows,), f32), plgpu.Layout.WGMMA.reduce(1))
     delta = run_pipeline(zero)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     delta_smem[wg] = delta
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(delta_smem.at[wg], delta_ref.at[b, kvh, pl.ds(row0, rows)])
     plgpu.wait_smem_to_gmem(0)
 
-  def step(_, v_smem, pd_smem, v_consumed, pd_consumed, delta):
+  def step(idx, v_smem, pd_smem, v_consumed, pd_consumed, delta):
+    (j,) = idx
     def mm(acc):
       plgpu.wgmma(acc, do_smem.at[wg], v_smem.T)
       return acc[...]
@@ -116,6 +135,15 @@ def _delta_kernel(do_ref, pd_ref, v_ref, delta_ref, do_smem, delta_smem, barrier
     plgpu.barrier_arrive(v_consumed)
     pd = plgpu.load(pd_smem.at[pl.ds(wg * rows, rows)], layout=plgpu.Layout.WGMMA)
     plgpu.barrier_arrive(pd_consumed)
+    if write_keep:   # keep bits of this tile -> [B, KVH, seq_k / 32, G * seq_q]
+      slot = lax.rem(j, i32(2))
+      plgpu.wait_smem_to_gmem(1, wait_read_only=True)               # the slot is free
+      for q, w in enumerate(_keep_words(pd, block_k)):
+        keep_smem[wg, slot, q] = w
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(
+          keep_smem.at[wg, slot],
+          keep_ref.at[b, kvh, pl.ds(j * words, words), pl.ds(row0, rows)])
     return delta + jnp.sum(dpd * pd.astype(f32), axis=1)
 
   dtype = do_ref.dtype
@@ -130,8 +158,11 @@ def _delta_kernel(do_ref, pd_ref, v_ref, delta_ref, do_smem, delta_smem, barrier
   pipeline(v_ref.at[b, kvh], pd_ref.at[b, kvh])
 
 
-def delta_pass(do, pd_groups, v, *, rows=64, block_k=64, stages=4, interpret=False):
-  """``delta [B, KVH, G * seq_q]`` (fp32) of the rows of ``pd_groups [B, KVH, G * seq_q, seq_k]``.
+def delta_pass(do, pd_groups, v, *, rows=64, block_k=64, stages=4, write_keep=False,
+               interpret=False):
+  """``delta [B, KVH, G * seq_q]`` (fp32) of the rows of ``pd_groups [B, KVH, G * seq_q, seq_k]``;
+  with ``write_keep``, ``(delta, keep_bits [B, KVH, seq_k / 32, G * seq_q] int32)``: bit
+  ``k % 32`` of word ``k // 32`` of a row is ``Pd[row, k] != 0``.
 
   A program owns ``2 * rows`` rows (``rows`` = 64 or 128 per warpgroup; ``seq_q`` and
   ``G * seq_q / 2`` multiples of it) and streams ``block_k`` keys per step.
@@ -140,15 +171,20 @@ def delta_pass(do, pd_groups, v, *, rows=64, block_k=64, stages=4, interpret=Fal
   _, kvh, n_rows, skv = pd_groups.shape
   g = h // kvh
   kernel = functools.partial(_delta_kernel, kvh_count=kvh, g=g, sq=sq, skv=skv, d=d,
-                             rows=rows, block_k=block_k, stages=stages)
+                             rows=rows, block_k=block_k, stages=stages, write_keep=write_keep)
+  out_type = jax.ShapeDtypeStruct((b, kvh, n_rows), f32)
+  scratch = [
+      plgpu.SMEM((WGS, rows, d), do.dtype, transforms=_tiled(do.dtype)),
+      plgpu.SMEM((WGS, rows), f32),
+      plgpu.Barrier(num_barriers=WGS),
+  ]
+  if write_keep:
+    out_type = (out_type, jax.ShapeDtypeStruct((b, kvh, skv // 32, n_rows), jnp.int32))
+    scratch.append(plgpu.SMEM((WGS, 2, block_k // 32, rows), jnp.int32))
   return plgpu.kernel(
       kernel,
-      out_type=jax.ShapeDtypeStruct((b, kvh, n_rows), f32),
-      scratch_types=[
-          plgpu.SMEM((WGS, rows, d), do.dtype, transforms=_tiled(do.dtype)),
-          plgpu.SMEM((WGS, rows), f32),
-          plgpu.Barrier(num_barriers=WGS),
-      ],
+      out_type=out_type,
+      scratch_types=scratch,
       grid=(b * kvh, n_rows // (WGS * rows)), grid_names=("bk", "rows"),
       num_threads=WGS + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -160,10 +196,12 @@ def delta_pass(do, pd_groups, v, *, rows=64, block_k=64, stages=4, interpret=Fal
 # Kernel 2: dS and dV.
 # --------------------------------------------------------------------------------------
 def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale, stages,
-                  split, fused_delta):
+                  split, fused_delta, keep_bits):
   if fused_delta:   # rows of one key block: delta from the two warpgroups' halves
     v_ref, ds_ref, dv_ref, v_smem, ds_smem, barrier, xchg_smem, xchg_barrier = refs
     delta_ref = None
+  elif keep_bits:   # pd_ref holds the keep bits; Pd is rebuilt from P into pd_stage
+    delta_ref, v_ref, ds_ref, dv_ref, v_smem, ds_smem, barrier, pd_stage = refs
   else:
     delta_ref, v_ref, ds_ref, dv_ref, v_smem, ds_smem, barrier = refs
   bk = lax.axis_index("bk")
@@ -208,17 +246,37 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
       (p_smem, pd_smem, do_smem, delta_smem,
        p_consumed, pd_consumed, do_consumed, delta_consumed) = args[:-1]
 
-    def mm(acc):
-      plgpu.wgmma(acc, do_smem, v_smem.at[wg].T)                      # dPd [rows, keys]
-      plgpu.wgmma(dv_acc, pd_smem.at[:, wg_keys].T, do_smem)          # dV [keys, d]
-      return plgpu.wgmma_accumulator_load(acc, wait_n=1)
-    dpd = pl.run_scoped(mm, plgpu.ACC((ROWS, KEYS), f32))
-    p = plgpu.load(p_smem.at[:, wg_keys], layout=plgpu.Layout.WGMMA).astype(f32)
-    if keep_scale is None:       # p == 0: no dropout
-      dw = dpd
+    if keep_bits:
+      # keep from the delta kernel's bits; Pd = round(P * keep / (1 - p)) (the precondition)
+      # into this warpgroup's staging tile, the dV GEMM's operand.
+      def mm(acc):
+        plgpu.wgmma(acc, do_smem, v_smem.at[wg].T)                    # dPd [rows, keys]
+        p16 = plgpu.load(p_smem.at[:, wg_keys], layout=plgpu.Layout.WGMMA)
+        col = plgpu.broadcasted_iota(jnp.int32, (ROWS, KEYS), 1, layout=plgpu.Layout.WGMMA)
+        lo, hi = (lax.broadcast_in_dim(
+            plgpu.load(pd_smem.at[WGS * wg + q], layout=row_layout), (ROWS, KEYS), [0])
+            for q in range(2))
+        word = jnp.where(col < i32(32), lo, hi)
+        kept = (lax.shift_right_logical(word, col & i32(31)) & i32(1)) != i32(0)
+        p32 = p16.astype(f32)
+        pd_stage[wg] = jnp.where(kept, p32 * keep_scale, 0.0).astype(dtype)
+        plgpu.commit_smem()
+        plgpu.wgmma(dv_acc, pd_stage.at[wg].T, do_smem)               # dV [keys, d]
+        return plgpu.wgmma_accumulator_load(acc, wait_n=1), p32, kept
+      dpd, p, kept = pl.run_scoped(mm, plgpu.ACC((ROWS, KEYS), f32))
+      dw = jnp.where(kept, dpd * keep_scale, 0.0)
     else:
-      pd = plgpu.load(pd_smem.at[:, wg_keys], layout=plgpu.Layout.WGMMA)
-      dw = jnp.where(pd != 0, dpd * keep_scale, 0.0)
+      def mm(acc):
+        plgpu.wgmma(acc, do_smem, v_smem.at[wg].T)                    # dPd [rows, keys]
+        plgpu.wgmma(dv_acc, pd_smem.at[:, wg_keys].T, do_smem)        # dV [keys, d]
+        return plgpu.wgmma_accumulator_load(acc, wait_n=1)
+      dpd = pl.run_scoped(mm, plgpu.ACC((ROWS, KEYS), f32))
+      p = plgpu.load(p_smem.at[:, wg_keys], layout=plgpu.Layout.WGMMA).astype(f32)
+      if keep_scale is None:       # p == 0: no dropout
+        dw = dpd
+      else:
+        pd = plgpu.load(pd_smem.at[:, wg_keys], layout=plgpu.Layout.WGMMA)
+        dw = jnp.where(pd != 0, dpd * keep_scale, 0.0)
     plgpu.barrier_arrive(p_consumed)
     slot = lax.rem(t, i32(2))
     if fused_delta:
@@ -245,9 +303,12 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
 
   tiled = _tiled(dtype)
   head_tile = lambda t: (lax.rem(tile0 + t, i32(q_tiles)), kvh * g + lax.div(tile0 + t, i32(q_tiles)), 0)
+  second = (plgpu.BlockSpec((WGS * KEYS // 32, ROWS), lambda t: (kb, tile0 + t))
+            if keep_bits else
+            plgpu.BlockSpec((ROWS, WGS * KEYS), lambda t: (tile0 + t, kb), transforms=tiled))
   in_specs = [
       plgpu.BlockSpec((ROWS, WGS * KEYS), lambda t: (tile0 + t, kb), transforms=tiled),
-      plgpu.BlockSpec((ROWS, WGS * KEYS), lambda t: (tile0 + t, kb), transforms=tiled),
+      second,
       plgpu.BlockSpec((ROWS, None, d), head_tile, transforms=tiled),
   ]
   operands = [p_ref.at[b, kvh], pd_ref.at[b, kvh], do_ref.at[b]]
@@ -262,9 +323,12 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
 
 
 def ds_dv_pass(do, p_groups, pd_groups, delta, v, *, rate, stages=3, split=1,
-               interpret=False):
+               keep_bits=None, interpret=False):
   """``(dS [B, KVH, G * seq_q, seq_k], dV [B, KVH, seq_k, D])`` from the group slabs of P
   and Pd, ``delta [B, KVH, G * seq_q]`` and V.
+
+  ``keep_bits`` (from ``delta_pass(..., write_keep=True)``, a rate > 0): read instead of Pd
+  (``pd_groups`` is then unused), which is rebuilt from P: 4.125 B per element instead of 6.
 
   ``delta=None`` (only for ``seq_k == 128``, one key block): the kernel computes it, as
   ``rowsum(dW * P)``. ``split`` programs share each key block's rows (``G * seq_q / 64``
@@ -278,10 +342,12 @@ def ds_dv_pass(do, p_groups, pd_groups, delta, v, *, rate, stages=3, split=1,
   fused_delta = delta is None
   if fused_delta and skv != WGS * KEYS:
     raise ValueError(f"delta=None needs seq_k == {WGS * KEYS}, got {skv}")
+  if keep_bits is not None and (fused_delta or rate == 0):
+    raise ValueError("keep_bits go with a delta and a rate > 0")
   keep_scale = None if rate == 0 else 1.0 / (1.0 - rate)
   kernel = functools.partial(_ds_dv_kernel, kvh_count=kvh, g=g, sq=sq, d=d,
                              keep_scale=keep_scale, stages=stages, split=split,
-                             fused_delta=fused_delta)
+                             fused_delta=fused_delta, keep_bits=keep_bits is not None)
   dtype = p_groups.dtype
   dv_type = (jax.ShapeDtypeStruct((b, kvh, skv, d), v.dtype) if split == 1
              else jax.ShapeDtypeStruct((split, b, kvh, skv, d), f32))
@@ -292,7 +358,10 @@ def ds_dv_pass(do, p_groups, pd_groups, delta, v, *, rate, stages=3, split=1,
   ]
   if fused_delta:
     scratch += [plgpu.SMEM((2, WGS, ROWS), f32), plgpu.Barrier(num_arrivals=WGS)]
-  operands = [do, p_groups, pd_groups] + ([] if fused_delta else [delta]) + [v]
+  if keep_bits is not None:
+    scratch.append(plgpu.SMEM((WGS, ROWS, KEYS), dtype, transforms=_tiled(dtype)))
+  second = pd_groups if keep_bits is None else keep_bits
+  operands = [do, p_groups, second] + ([] if fused_delta else [delta]) + [v]
   ds, dv = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct((b, kvh, rows, skv), dtype), dv_type),
@@ -322,12 +391,15 @@ class Config:
   ``delta_stages`` / ``stages``: TMA ring depth of the delta / dS-dV kernel.
   ``split``: programs sharing each key block's rows in the dS-dV kernel (an int >= 1 or
   ``"auto"``: enough for one wave on launches of under half a wave).
+  ``keep_bits``: the delta kernel writes keep as bits and the dS-dV kernel rebuilds Pd from P
+  and them instead of reading Pd (rates > 0, ``seq_k > 128``): 6.125 B per element, not 8.
   """
   delta_rows: int = 128
   delta_block_k: int = 64
   delta_stages: int = 3
   stages: int = 2
   split: int | str = "auto"
+  keep_bits: bool = False
 
   def __post_init__(self):
     for name, allowed in (("delta_rows", (64, 128)), ("delta_block_k", (64, 128))):
@@ -340,6 +412,8 @@ class Config:
     if self.split != "auto" and (isinstance(self.split, bool) or not isinstance(self.split, int)
                                  or self.split < 1):
       raise ValueError(f"config.split: expected 'auto' or an int >= 1, got {self.split!r}")
+    if not isinstance(self.keep_bits, bool):
+      raise ValueError(f"config.keep_bits: expected a bool, got {self.keep_bits!r}")
 
 
 def default_config(b, h, kvh, sq, skv, d) -> Config:
@@ -412,18 +486,23 @@ def _backward(grad_attn_output, attn_weights, attn_weights_dropped, value_states
   g = h // kvh
   groups = lambda x: x.reshape(b, kvh, g * sq, skv)
   pd_groups = groups(attn_weights_dropped)
+  keep_bits = None
   if skv == WGS * KEYS:   # one key block: the dS-dV kernel computes delta itself
     delta = None
   else:
     rows = config.delta_rows
     if sq % rows or (g * sq) % (WGS * rows):
       rows = ROWS
+    write_keep = config.keep_bits and rate != 0
     delta = delta_pass(grad_attn_output, pd_groups, value_states, rows=rows,
                        block_k=config.delta_block_k, stages=config.delta_stages,
-                       interpret=interpret)
+                       write_keep=write_keep, interpret=interpret)
+    if write_keep:
+      delta, keep_bits = delta
   split = resolve_split(config.split, b, kvh, skv, g * sq // ROWS)
   ds, dv = ds_dv_pass(grad_attn_output, groups(attn_weights), pd_groups, delta, value_states,
-                      rate=rate, stages=config.stages, split=split, interpret=interpret)
+                      rate=rate, stages=config.stages, split=split, keep_bits=keep_bits,
+                      interpret=interpret)
   return ds.reshape(b, h, sq, skv), dv
 
 

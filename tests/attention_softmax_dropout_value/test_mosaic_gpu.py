@@ -46,9 +46,12 @@ def test_matches_reference(b, h, kvh, sq, skv, d, p):
 @pytest.mark.parametrize("config", [
     mg.Config(delta_rows=64, delta_block_k=128, delta_stages=2, stages=3, split=2),
     mg.Config(split=4),
+    mg.Config(keep_bits=True, delta_rows=64),
+    mg.Config(keep_bits=True, delta_block_k=128, delta_stages=2, split=2),
 ])
 def test_configs(config):
-  """Split dV partials (summed in fp32), 128-key delta steps, other ring depths."""
+  """Split dV partials (summed in fp32), 128-key delta steps, other ring depths, keep as
+  bits with Pd rebuilt from P."""
   p = 0.1
   args = make_inputs(1, 4, 2, 128, 256, 64, p, seed=3)
   check(backward(*args, p, config=config), reference(*args, p))
@@ -64,6 +67,22 @@ def test_one_key_block_delta_is_the_references():
   ref_ds, _ = reference(*args, p)
   mismatch = np.mean(np.asarray(ds, np.float32) != np.asarray(ref_ds, np.float32))
   assert mismatch < 1e-3, mismatch
+
+
+@needs_kernels
+@pytest.mark.parametrize("block_k", [64, 128])
+def test_keep_bits(block_k):
+  """The delta kernel's keep bits: bit k % 32 of word k // 32 of a row is Pd[row, k] != 0."""
+  p = 0.3
+  d_o, _, dropped, value, _ = make_inputs(1, 4, 1, 128, 256, 64, p, seed=9)
+  groups = dropped.reshape(1, 1, 4 * 128, 256)
+  _, bits = mg.delta_pass(d_o, groups, value, rows=64, block_k=block_k, stages=2,
+                          write_keep=True, interpret=INTERPRET)
+  bits = np.asarray(bits).view(np.uint32)                        # [B, KVH, Skv / 32, rows]
+  shifts = np.arange(32, dtype=np.uint32)[None, None, None, :, None]
+  decoded = ((bits[:, :, :, None, :] >> shifts) & 1).reshape(1, 1, 256, 4 * 128)
+  np.testing.assert_array_equal(decoded.transpose(0, 1, 3, 2).astype(bool),
+                                np.asarray(groups) != 0)
 
 
 @needs_kernels
@@ -140,6 +159,8 @@ def test_config_errors():
     mg.Config(stages=0)
   with pytest.raises(ValueError, match="config.split"):
     mg.Config(split=0)
+  with pytest.raises(ValueError, match="config.keep_bits"):
+    mg.Config(keep_bits=1)
   args = make_inputs(1, 2, 1, 64, 128, 64, 0.1)
   with pytest.raises(TypeError, match="pallas_mosaic_gpu.Config"):
     pallas_kernels.attention_softmax_dropout_value_backward(
