@@ -24,7 +24,10 @@ bit, as every forward makes it. Then ``delta = rowsum(dW * P)`` is computed as
 where ``P == 0`` the gradient ``P * (...)`` is 0 whatever keep says. The kernels never
 read ``keep``: a ``bool`` array cannot be a TMA operand (Mosaic GPU types it ``i1``),
 and converting it to ``uint8`` first is one more full pass over HBM. They stream
-``2 + 2 + 2 + 2 = 8`` bytes per attention element (Pd twice, P once, dS once).
+``2 + 2 + 2 + 2 = 8`` bytes per attention element (Pd twice, P once, dS once); at
+``seq_k == 128`` the dS-dV kernel computes delta itself and there is no delta kernel (6 B).
+``Config.keep_bits`` (off: measured slower) has the delta kernel write keep as bits and the
+dS-dV kernel rebuild Pd from P and them (6.25 B).
 
 Supported (:func:`unsupported_reason` says why not otherwise): bf16 or fp16, ``D`` of 64
 or 128, ``seq_q % 64 == 0``, ``seq_k % 128 == 0``, ``(G * seq_q) % 128 == 0``, a static
@@ -392,7 +395,8 @@ class Config:
   ``split``: programs sharing each key block's rows in the dS-dV kernel (an int >= 1 or
   ``"auto"``: enough for one wave on launches of under half a wave).
   ``keep_bits``: the delta kernel writes keep as bits and the dS-dV kernel rebuilds Pd from P
-  and them instead of reading Pd (rates > 0, ``seq_k > 128``): 6.125 B per element, not 8.
+  and them instead of reading Pd (rates > 0, ``seq_k > 128``): 6.25 B per element, not 8;
+  measured slower on the H200 (``benchmarks/results/attention_softmax_dropout_value_mosaic_gpu.md``).
   """
   delta_rows: int = 128
   delta_block_k: int = 64
