@@ -47,7 +47,8 @@ def mosaic_fn(variant, rate):
 
 
 def parts_fns(variant, rate):
-  """The delta kernel alone, and the dS-dV kernel (with its dV sum) alone."""
+  """The delta kernel alone, and the dS-dV kernel (with its dV sum) alone, in their
+  default mode: a ``keep_bits`` variant's parts are timed reading Pd, as the default."""
   config = VARIANTS[variant]
 
   def groups(x, value):

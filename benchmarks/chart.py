@@ -56,7 +56,7 @@ def write_chart(json_path, png_path=None):
   ax = fig.add_subplot()
   width = 0.4
   xs = range(n)
-  kernels = [r.get("kernels") for r in rows]
+  kernels = [r.get("kernels") or res.get("backend") or "?" for r in rows]
   names = list(dict.fromkeys(k for k in kernels if k))
   if len(names) > 1:  # the entry point picked different kernels per workload: one color each
     handles = []

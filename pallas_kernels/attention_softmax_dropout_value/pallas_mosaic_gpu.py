@@ -47,7 +47,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import validation
-from pallas_kernels._util import device_of, is_hopper
+from pallas_kernels._util import device_of, dropout_scale, is_hopper, out_struct
 
 f32 = jnp.float32
 i32 = np.int32  # index constants: int32 under x64 too (lax.div/rem need one dtype)
@@ -63,6 +63,22 @@ def _tiled(dtype):
   """Tiling + 128-byte swizzle transforms of a 16-bit tile whose minor dim is a multiple of 64."""
   elems = SWIZZLE // jnp.dtype(dtype).itemsize
   return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(SWIZZLE))
+
+
+def _varying_like(out, *like):
+  """``out`` marked as varying over the ``shard_map`` axes that ``like`` vary over:
+  ``plgpu.kernel`` drops that part of its output types, and a custom VJP inside
+  ``shard_map(check_vma=True)`` needs it."""
+  axes = frozenset()
+  for x in like:
+    mat = getattr(jax.typeof(x), "mat", None)
+    if mat is not None:
+      axes |= mat.varying
+  def mark(y):
+    mat = getattr(jax.typeof(y), "mat", None)
+    missing = tuple(sorted(axes - (mat.varying if mat is not None else frozenset())))
+    return lax.pcast(y, missing, to="varying") if missing else y
+  return jax.tree.map(mark, out)
 
 
 def unsupported_reason(b, h, kvh, sq, skv, d, dtype, p_static, causal) -> str | None:
@@ -97,7 +113,8 @@ def _keep_words(pd, block_k):
   one = jnp.ones(pd.shape, jnp.int32)
   bits = jnp.where(pd != 0, lax.shift_left(one, col & i32(31)), i32(0))
   word = lax.shift_right_logical(col, i32(5))
-  return [jnp.sum(jnp.where(word == i32(q), bits, i32(0)), axis=1)
+  # dtype: under x64 a sum of int32 would be int64.
+  return [jnp.sum(jnp.where(word == i32(q), bits, i32(0)), axis=1, dtype=jnp.int32)
           for q in range(block_k // 32)]
 
 
@@ -175,16 +192,17 @@ def delta_pass(do, pd_groups, v, *, rows=64, block_k=64, stages=4, write_keep=Fa
   g = h // kvh
   kernel = functools.partial(_delta_kernel, kvh_count=kvh, g=g, sq=sq, skv=skv, d=d,
                              rows=rows, block_k=block_k, stages=stages, write_keep=write_keep)
-  out_type = jax.ShapeDtypeStruct((b, kvh, n_rows), f32)
+  like = (do, pd_groups, v)   # outputs vary over the inputs' shard_map axes (check_vma)
+  out_type = out_struct((b, kvh, n_rows), f32, *like)
   scratch = [
       plgpu.SMEM((WGS, rows, d), do.dtype, transforms=_tiled(do.dtype)),
       plgpu.SMEM((WGS, rows), f32),
       plgpu.Barrier(num_barriers=WGS),
   ]
   if write_keep:
-    out_type = (out_type, jax.ShapeDtypeStruct((b, kvh, skv // 32, n_rows), jnp.int32))
+    out_type = (out_type, out_struct((b, kvh, skv // 32, n_rows), jnp.int32, *like))
     scratch.append(plgpu.SMEM((WGS, 2, block_k // 32, rows), jnp.int32))
-  return plgpu.kernel(
+  out = plgpu.kernel(
       kernel,
       out_type=out_type,
       scratch_types=scratch,
@@ -193,6 +211,7 @@ def delta_pass(do, pd_groups, v, *, rows=64, block_k=64, stages=4, write_keep=Fa
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=_interpret_params(interpret),
   )(do, pd_groups, v)
+  return _varying_like(out, *like)
 
 
 # --------------------------------------------------------------------------------------
@@ -347,13 +366,14 @@ def ds_dv_pass(do, p_groups, pd_groups, delta, v, *, rate, stages=3, split=1,
     raise ValueError(f"delta=None needs seq_k == {WGS * KEYS}, got {skv}")
   if keep_bits is not None and (fused_delta or rate == 0):
     raise ValueError("keep_bits go with a delta and a rate > 0")
-  keep_scale = None if rate == 0 else 1.0 / (1.0 - rate)
+  keep_scale = None if rate == 0 else dropout_scale(rate)   # the forward's fp32 factor
   kernel = functools.partial(_ds_dv_kernel, kvh_count=kvh, g=g, sq=sq, d=d,
                              keep_scale=keep_scale, stages=stages, split=split,
                              fused_delta=fused_delta, keep_bits=keep_bits is not None)
   dtype = p_groups.dtype
-  dv_type = (jax.ShapeDtypeStruct((b, kvh, skv, d), v.dtype) if split == 1
-             else jax.ShapeDtypeStruct((split, b, kvh, skv, d), f32))
+  like = tuple(x for x in (do, p_groups, pd_groups, delta, keep_bits, v) if x is not None)
+  dv_type = (out_struct((b, kvh, skv, d), v.dtype, *like) if split == 1
+             else out_struct((split, b, kvh, skv, d), f32, *like))
   scratch = [
       plgpu.SMEM((WGS, KEYS, d), v.dtype, transforms=_tiled(v.dtype)),
       plgpu.SMEM((WGS, 2, ROWS, KEYS), dtype, transforms=_tiled(dtype)),
@@ -367,13 +387,14 @@ def ds_dv_pass(do, p_groups, pd_groups, delta, v, *, rate, stages=3, split=1,
   operands = [do, p_groups, second] + ([] if fused_delta else [delta]) + [v]
   ds, dv = plgpu.kernel(
       kernel,
-      out_type=(jax.ShapeDtypeStruct((b, kvh, rows, skv), dtype), dv_type),
+      out_type=(out_struct((b, kvh, rows, skv), dtype, *like), dv_type),
       scratch_types=scratch,
       grid=(b * kvh, skv // (WGS * KEYS), split), grid_names=("bk", "keys", "split"),
       num_threads=WGS + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=_interpret_params(interpret),
   )(*operands)
+  ds, dv = _varying_like((ds, dv), *like)
   if split > 1:
     dv = jnp.sum(dv, axis=0).astype(v.dtype)
   return ds, dv
@@ -391,7 +412,10 @@ class Config:
 
   ``delta_rows``: rows per consumer warpgroup of the delta kernel (64 or 128; 128 halves
   the V tiles it streams per row). ``delta_block_k``: keys per step (64 or 128).
-  ``delta_stages`` / ``stages``: TMA ring depth of the delta / dS-dV kernel.
+  ``delta_stages`` / ``stages``: TMA ring depth of the delta / dS-dV kernel (2 to 8).
+  Not every combination fits the 227 KB of shared memory (at D = 128: 128-key delta steps
+  need ``delta_rows=64`` and 2 stages, the dS-dV kernel at most 3 stages); the Mosaic GPU
+  compiler refuses the others with the bytes they need.
   ``split``: programs sharing each key block's rows in the dS-dV kernel (an int >= 1 or
   ``"auto"``: enough for one wave on launches of under half a wave).
   ``keep_bits``: the delta kernel writes keep as bits and the dS-dV kernel rebuilds Pd from P
@@ -410,9 +434,11 @@ class Config:
       if getattr(self, name) not in allowed:
         raise ValueError(f"config.{name}: expected one of {allowed}, got {getattr(self, name)!r}")
     for name in ("delta_stages", "stages"):
+      # At least 2: with one slot the Mosaic GPU interpreter's race detector flags the
+      # ring (the pipeline refills the slot that a consumer warpgroup still reads).
       v = getattr(self, name)
-      if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 8:
-        raise ValueError(f"config.{name}: expected an int in [1, 8], got {v!r}")
+      if isinstance(v, bool) or not isinstance(v, int) or not 2 <= v <= 8:
+        raise ValueError(f"config.{name}: expected an int in [2, 8], got {v!r}")
     if self.split != "auto" and (isinstance(self.split, bool) or not isinstance(self.split, int)
                                  or self.split < 1):
       raise ValueError(f"config.split: expected 'auto' or an int >= 1, got {self.split!r}")

@@ -77,3 +77,27 @@ def test_forced_off_hopper_says_why():
   value = jnp.zeros((1, 1, 128, 64), jnp.bfloat16)
   with pytest.raises(ValueError, match="does not compile"):
     jax_ops.attention_softmax_dropout_value(scores, value, implementation="mosaic_gpu")
+
+
+def test_gradient_types_under_shard_map(monkeypatch):
+  """Inside ``shard_map(check_vma=True)`` the kernels' outputs vary over the inputs' mesh
+  axes, as the custom VJP needs (traced only: the types, not a run)."""
+  from jax.sharding import PartitionSpec as P
+  from jax_ops import backend
+  from pallas_kernels.attention_softmax_dropout_value import pallas_mosaic_gpu as mg
+  monkeypatch.setattr(backend, "is_hopper", lambda device: True)
+  monkeypatch.setattr(mg, "is_hopper", lambda device: True)
+  mesh = jax.make_mesh((1,), ("b",))
+  k = keys(3, 3)
+  sharded = jax.sharding.NamedSharding(mesh, P("b"))
+  scores = jax.ShapeDtypeStruct((2, 4, 64, 256), jnp.bfloat16, sharding=sharded)
+  value = jax.ShapeDtypeStruct((2, 1, 256, 64), jnp.bfloat16, sharding=sharded)
+
+  def loss(s, v):
+    return jnp.sum(jax_ops.attention_softmax_dropout_value(
+        s, v, dropout_rate=0.1, dropout_rng=k[2], implementation="mosaic_gpu").astype(
+            jnp.float32))
+  grad = jax.shard_map(jax.grad(loss, argnums=(0, 1)), mesh=mesh, in_specs=(P("b"), P("b")),
+                       out_specs=(P("b"), P("b")), check_vma=True)
+  g_s, g_v = jax.eval_shape(grad, scores, value)
+  assert g_s.shape == scores.shape and g_v.shape == value.shape
