@@ -32,6 +32,7 @@ import pallas_kernels
 from benchmarks.timing import copy_ceiling, device_times_us
 from jax_ops import reference, registry
 from pallas_kernels import attention_softmax_dropout_value as asdv
+from pallas_kernels import qk_scale_softmax as qks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -229,12 +230,14 @@ def _jit_kernel(op, **kw):
 
 
 def kernels_used(problem: Problem, args, constants) -> str:
-  """The kernels that time a workload: the entry point's choice (op A: Mosaic GPU or Triton;
-  the others: Triton), or the ``--backend`` named."""
+  """The kernels that time a workload: the entry point's choice (ops A and C: Mosaic GPU or
+  Triton; B: Triton), or the ``--backend`` named."""
   if BACKEND[0] != ENTRY:
     return BACKEND[0]
   if problem.name == PROBLEM_A.name and len(args) == 5:
     return asdv.kernels_for(*args, constants["attention_dropout"])
+  if problem.name.startswith("qk_scale_softmax"):
+    return qks.kernels_for(*args, constants["scaling"])
   return "triton"
 
 

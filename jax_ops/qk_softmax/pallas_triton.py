@@ -7,8 +7,8 @@ arguments). A causal call skips the key tiles above the diagonal.
 
 from __future__ import annotations
 
-import pallas_kernels
 from pallas_kernels import qk_scale_softmax as kernels
+from pallas_kernels.qk_scale_softmax import pallas_triton
 from jax_ops import backend
 
 
@@ -24,7 +24,7 @@ class QKSoftmaxTriton(backend.TritonBackend):
 
   def backward(self, grad_output, query, key, attn_weights, scaling, *, causal=False,
                interpret=False):
-    return pallas_kernels.qk_scale_softmax_backward(
+    return pallas_triton.qk_scale_softmax_backward(
         grad_output, query, key, attn_weights, scaling, causal=causal, interpret=interpret)
 
 

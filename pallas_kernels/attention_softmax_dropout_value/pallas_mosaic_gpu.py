@@ -46,7 +46,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import validation
+from pallas_kernels import _mosaic, validation
 from pallas_kernels._util import device_of, dropout_scale, is_hopper, out_struct
 
 f32 = jnp.float32
@@ -55,30 +55,10 @@ i32 = np.int32  # index constants: int32 under x64 too (lax.div/rem need one dty
 ROWS = 64          # rows per consumer warpgroup (one wgmma M)
 KEYS = 64          # keys per consumer warpgroup in the dS/dV kernel
 WGS = 2            # consumer warpgroups per program
-SWIZZLE = 128      # bytes: 64 16-bit elements per swizzled row
-MEMORY_REGISTERS = 40
-
-
-def _tiled(dtype):
-  """Tiling + 128-byte swizzle transforms of a 16-bit tile whose minor dim is a multiple of 64."""
-  elems = SWIZZLE // jnp.dtype(dtype).itemsize
-  return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(SWIZZLE))
-
-
-def _varying_like(out, *like):
-  """``out`` marked as varying over the ``shard_map`` axes that ``like`` vary over:
-  ``plgpu.kernel`` drops that part of its output types, and a custom VJP inside
-  ``shard_map(check_vma=True)`` needs it."""
-  axes = frozenset()
-  for x in like:
-    mat = getattr(jax.typeof(x), "mat", None)
-    if mat is not None:
-      axes |= mat.varying
-  def mark(y):
-    mat = getattr(jax.typeof(y), "mat", None)
-    missing = tuple(sorted(axes - (mat.varying if mat is not None else frozenset())))
-    return lax.pcast(y, missing, to="varying") if missing else y
-  return jax.tree.map(mark, out)
+MEMORY_REGISTERS = _mosaic.MEMORY_REGISTERS
+_tiled = _mosaic.tiled
+_varying_like = _mosaic.varying_like
+_interpret_params = _mosaic.interpret_params
 
 
 def unsupported_reason(b, h, kvh, sq, skv, d, dtype, p_static, causal) -> str | None:
@@ -403,7 +383,7 @@ def ds_dv_pass(do, p_groups, pd_groups, delta, v, *, rate, stages=3, split=1,
 # --------------------------------------------------------------------------------------
 # Config and entry point.
 # --------------------------------------------------------------------------------------
-SMS = 132  # streaming multiprocessors of an H100 / H200 SXM
+SMS = _mosaic.SMS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -534,9 +514,3 @@ def _backward(grad_attn_output, attn_weights, attn_weights_dropped, value_states
                       rate=rate, stages=config.stages, split=split, keep_bits=keep_bits,
                       interpret=interpret)
   return ds.reshape(b, h, sq, skv), dv
-
-
-def _interpret_params(interpret):
-  if interpret is True:
-    return plgpu.InterpretGPUParams()
-  return interpret or None

@@ -1,7 +1,9 @@
 """The backward of ``softmax((Q @ K^T) * scaling)`` to ``Q`` and ``K``: Pallas Triton kernels.
 
-``config.py``: the launch configurations (dataclasses, heuristic, tuned table);
-``pallas_triton.py``: the kernels, their passes and the entry point.
+``dispatch.py``: the entry point :func:`qk_scale_softmax_backward` (the Mosaic GPU kernel of
+``pallas_mosaic_gpu.py`` on a Hopper GPU where it takes the problem, the Pallas Triton
+kernels of ``pallas_triton.py`` elsewhere); ``config.py``: the Triton launch configurations
+(dataclasses, heuristic, tuned table).
 """
 
 from pallas_kernels.qk_scale_softmax.config import (
@@ -15,16 +17,17 @@ from pallas_kernels.qk_scale_softmax.config import (
     pass_config,
     table_entry,
 )
+from pallas_kernels.qk_scale_softmax.dispatch import kernels_for, qk_scale_softmax_backward
 from pallas_kernels.qk_scale_softmax.pallas_triton import (
     col_pass,
     head_pass,
-    qk_scale_softmax_backward,
     row_pass,
     use_phased,
 )
 
 __all__ = [
     "qk_scale_softmax_backward",
+    "kernels_for",
     "Config",
     "PassConfig",
     "SCHEMES",

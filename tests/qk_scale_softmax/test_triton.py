@@ -19,7 +19,7 @@ from pallas_kernels import _tuning
 from pallas_kernels import qk_scale_softmax as qks
 from pallas_kernels.qk_scale_softmax import config as qks_config
 from pallas_kernels.qk_scale_softmax import pallas_triton
-from pallas_kernels.qk_scale_softmax import qk_scale_softmax_backward
+from pallas_kernels.qk_scale_softmax.pallas_triton import qk_scale_softmax_backward
 
 from .kernel_base import *  # noqa: F401,F403
 from .kernel_base import make_inputs, reference, run_and_check

@@ -1,0 +1,129 @@
+"""The Mosaic GPU kernel of op C's backward (``pallas_mosaic_gpu``): numbers against the jnp
+reference on the shapes it takes (the Mosaic GPU interpreter off a Hopper GPU, compiled on
+one), the entry point's dispatch and its errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import INTERPRET, ON_GPU
+import pallas_kernels
+from pallas_kernels import _mosaic
+from pallas_kernels.qk_scale_softmax import dispatch
+from pallas_kernels.qk_scale_softmax import pallas_mosaic_gpu as mg
+
+from .kernel_base import assert_close, make_inputs, reference
+
+HOPPER = ON_GPU and mg.is_hopper(jax.devices()[0])
+needs_kernels = pytest.mark.skipif(ON_GPU and not HOPPER, reason="needs a Hopper GPU")
+SCALE = 1.0 / np.sqrt(128)
+
+
+def backward(*args, **kw):
+  return pallas_kernels.qk_scale_softmax_backward(
+      *args, implementation="mosaic_gpu", interpret=INTERPRET, **kw)
+
+
+def check(args, scaling=SCALE, **kw):
+  out_q, out_k = backward(*args, scaling, **kw)
+  ref_q, ref_k = reference(*args, scaling)
+  assert_close("grad_query", out_q, ref_q)
+  assert_close("grad_key", out_k, ref_k)
+  return out_q, out_k
+
+
+# (B, H, Sq, Sk): K in the ring (128 keys; several heads per program, an odd number of row
+# tiles) and K resident (256 keys); Sq != Sk.
+CASES = [(1, 3, 128, 128), (2, 1, 192, 128), (1, 2, 128, 256), (1, 1, 192, 256),
+         (1, 2, 256, 128)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("b,h,sq,sk", CASES)
+def test_matches_reference(b, h, sq, sk):
+  check(make_inputs(0, b, h, sq, sk, 128))
+
+
+@needs_kernels
+def test_heads_past_the_last_program(monkeypatch):
+  """5 heads over programs of 3: the last program redoes the last head (same values)."""
+  monkeypatch.setattr(_mosaic, "SMS", 2)
+  assert mg.heads_per_program(5, 128) == 3
+  check(make_inputs(1, 1, 5, 64, 128, 128))
+
+
+@needs_kernels
+@pytest.mark.parametrize("probs", ["sharp", "randn"])
+def test_roundings_of_dl(probs):
+  """A "randn" P (large delta) misses the 99% bar unless dL is rounded as the reference."""
+  check(make_inputs(2, 1, 2, 64, 256, 128, probs=probs), scaling=0.3)
+
+
+@needs_kernels
+def test_causal_and_float16():
+  check(make_inputs(3, 1, 2, 256, 256, 128, causal=True), causal=True)
+  check(make_inputs(4, 1, 2, 128, 128, 128, dtype=jnp.float16))
+
+
+@needs_kernels
+def test_vmap_and_jit():
+  args = make_inputs(5, 2, 2, 64, 128, 128)
+  ref_q, ref_k = reference(*args, SCALE)
+  dq, dk = jax.vmap(lambda *a: backward(*a, SCALE))(*(x[:, None] for x in args))
+  assert_close("grad_query", dq[:, 0], ref_q)
+  assert_close("grad_key", dk[:, 0], ref_k)
+  dq, dk = jax.jit(lambda *a: backward(*a, SCALE))(*args)
+  assert_close("grad_query", dq, ref_q)
+
+
+@pytest.mark.parametrize("shape,dtype,match", [
+    ((1, 1, 64, 384), jnp.bfloat16, "seq_k 384"),
+    ((1, 1, 65, 128), jnp.bfloat16, "seq_q 65"),
+    ((1, 1, 64, 128), jnp.float32, "dtype float32"),
+])
+def test_unsupported_problems_say_why(shape, dtype, match):
+  b, h, sq, sk = shape
+  args = make_inputs(0, b, h, sq, sk, 128, dtype=dtype)
+  with pytest.raises(ValueError, match=match):
+    pallas_kernels.qk_scale_softmax_backward(*args, SCALE, implementation="mosaic_gpu",
+                                             interpret=True)
+
+
+def test_head_dim_and_traced_scale_say_why():
+  args = make_inputs(0, 1, 1, 64, 128, 64)
+  with pytest.raises(ValueError, match="head dim 64"):
+    pallas_kernels.qk_scale_softmax_backward(*args, 0.125, implementation="mosaic_gpu",
+                                             interpret=True)
+  args = make_inputs(0, 1, 1, 64, 128, 128)
+  with pytest.raises(ValueError, match="traced scaling"):
+    jax.jit(lambda s: pallas_kernels.qk_scale_softmax_backward(
+        *args, s, implementation="mosaic_gpu", interpret=True))(jnp.float32(0.1))
+
+
+@pytest.mark.skipif(HOPPER, reason="off a Hopper GPU only")
+def test_needs_hopper_without_interpret():
+  args = make_inputs(0, 1, 1, 64, 128, 128)
+  with pytest.raises(ValueError, match="Hopper"):
+    pallas_kernels.qk_scale_softmax_backward(*args, SCALE, implementation="mosaic_gpu")
+
+
+def test_dispatch():
+  args = make_inputs(0, 1, 1, 64, 128, 128)
+  assert dispatch.kernels_for(*args, SCALE, interpret=True) == "triton"
+  assert dispatch.kernels_for(*args, SCALE, causal=True) == "triton"
+  expected = "mosaic_gpu" if HOPPER else "triton"
+  assert dispatch.kernels_for(*args, SCALE) == expected
+  other = make_inputs(0, 1, 1, 64, 384, 128)
+  assert dispatch.kernels_for(*other, SCALE) == "triton"
+  with pytest.raises(ValueError, match="implementation"):
+    pallas_kernels.qk_scale_softmax_backward(*args, SCALE, implementation="cuda")
+  with pytest.raises(TypeError, match="Triton options"):
+    pallas_kernels.qk_scale_softmax_backward(*args, SCALE, implementation="mosaic_gpu",
+                                             block_q=16, interpret=True)
+  # Triton options pick the Triton kernels (under the interpreter here).
+  out = pallas_kernels.qk_scale_softmax_backward(*args, SCALE, block_q=16, interpret=True)
+  ref = reference(*args, SCALE)
+  assert_close("grad_query", out[0], ref[0])
