@@ -119,18 +119,17 @@ def _kernel(g_ref, p_ref, q_ref, k_ref, dq_ref, dk_ref, *scratch, bh, heads_per_
       g_smem, p_smem, q_smem, g_done, p_done, q_done = args[:-1]
       k_smem, k_done = k_res, None
     head = head_of(i)
-    slot = lax.rem(i * tiles + t, i32(2))
 
     g = plgpu.load(g_smem.at[:, keys], layout=wgmma_layout).astype(f32)
     p = plgpu.load(p_smem.at[:, keys], layout=wgmma_layout).astype(f32)
     plgpu.barrier_arrive(p_done)
-    # delta: this warpgroup's half of each row, then the other's (two slots: a warpgroup
-    # is at most one step ahead of the other).
-    xchg_smem[slot, wg] = jnp.sum(g * p, axis=1)
+    # delta: this warpgroup's half of each row, then the other's. One slot: a warpgroup
+    # writes it again only after the other passed the dL barrier below, after its reads.
+    xchg_smem[wg] = jnp.sum(g * p, axis=1)
     plgpu.barrier_arrive(xchg_barrier)
     plgpu.barrier_wait(xchg_barrier)
-    delta = (plgpu.load(xchg_smem.at[slot, 0], layout=row_layout)
-             + plgpu.load(xchg_smem.at[slot, 1], layout=row_layout))
+    delta = (plgpu.load(xchg_smem.at[0], layout=row_layout)
+             + plgpu.load(xchg_smem.at[1], layout=row_layout))
     dl = _round_to(p * (g - lax.broadcast_in_dim(delta, g.shape, [0])), dtype)
     g_smem[:, keys] = (dl * scale).astype(dtype)  # dL over g (read above)
     plgpu.commit_smem()
@@ -154,7 +153,7 @@ def _kernel(g_ref, p_ref, q_ref, k_ref, dq_ref, dk_ref, *scratch, bh, heads_per_
     dq_ref.at[head, pl.ds(t * ROWS, ROWS), cols][...] = dq.astype(dtype)
     if not stream_k:
       return carry
-    dk = jnp.where(t == 0, dk_tile, carry + dk_tile)   # t == 0: a new head
+    dk = carry * jnp.where(t == 0, 0.0, 1.0).astype(f32) + dk_tile   # t == 0: a new head
 
     @pl.when(t == tiles - 1)
     def _():
@@ -198,7 +197,7 @@ def backward_kernel(g, p, q, k, *, scale, interpret=False):
   dtype = g.dtype
   like = (g, p, q, k)
   scratch = [
-      plgpu.SMEM((2, WGS, ROWS), f32), plgpu.Barrier(num_arrivals=WGS),
+      plgpu.SMEM((WGS, ROWS), f32), plgpu.Barrier(num_arrivals=WGS),
       plgpu.Barrier(num_arrivals=WGS),
   ]
   if not stream_k:
