@@ -12,7 +12,7 @@ warpgroup issues the TMA copies of a two-stage ring; two consumer warpgroups run
 A step is a tile of 64 query rows of one head, all its keys (``g``, ``P`` ``[64, Sk]``) and
 its ``Q`` rows. Consumer warpgroup ``w`` owns keys ``[w * Sk/2, (w + 1) * Sk/2)``:
 
-- it sums its half of each row, and the halves meet through shared memory (``delta``);
+- it sums each whole row (``delta``; both warpgroups do, which needs no exchange buffer);
 - it writes its half of ``dL`` over its half of the ``g`` tile (``g`` is read by then);
 - once both halves are written, it computes columns ``[64 w, 64 w + 64)`` of the tile's dQ
   from the whole ``dL`` tile and ``K`` (``dL @ K[:, cols]``), and accumulates its keys'
@@ -78,18 +78,18 @@ def _round_to(x, dtype):
 def _kernel(g_ref, p_ref, q_ref, k_ref, dq_ref, dk_ref, *scratch, bh, heads_per_program,
             tiles, sk, scale, stream_k):
   if stream_k:
-    xchg_smem, xchg_barrier, dl_barrier = scratch
+    read_barrier, dl_barrier = scratch
     k_res = None
   else:
-    k_res, k_barrier, xchg_smem, xchg_barrier, dl_barrier = scratch
+    k_res, k_barrier, read_barrier, dl_barrier = scratch
   program = lax.axis_index("program")
   wg = lax.axis_index("wg")
   half = sk // WGS
   keys = pl.ds(wg * half, half)                    # this warpgroup's keys
+  other = pl.ds((1 - wg) * half, half)             # the other warpgroup's
   cols = pl.ds(wg * (HEAD_DIM // WGS), HEAD_DIM // WGS)   # its dQ columns
   dtype = g_ref.dtype
   wgmma_layout = plgpu.Layout.WGMMA
-  row_layout = wgmma_layout.reduce(1)
 
   def head_of(i):
     # The last program may walk past the last head: it redoes that head (same values).
@@ -122,14 +122,14 @@ def _kernel(g_ref, p_ref, q_ref, k_ref, dq_ref, dk_ref, *scratch, bh, heads_per_
 
     g = plgpu.load(g_smem.at[:, keys], layout=wgmma_layout).astype(f32)
     p = plgpu.load(p_smem.at[:, keys], layout=wgmma_layout).astype(f32)
+    # delta: each warpgroup sums the whole row, its half and the other's (no exchange
+    # buffer: at 256 keys the ring and K leave no room for one).
+    g_other = plgpu.load(g_smem.at[:, other], layout=wgmma_layout).astype(f32)
+    p_other = plgpu.load(p_smem.at[:, other], layout=wgmma_layout).astype(f32)
+    delta = jnp.sum(g * p, axis=1) + jnp.sum(g_other * p_other, axis=1)
     plgpu.barrier_arrive(p_done)
-    # delta: this warpgroup's half of each row, then the other's. One slot: a warpgroup
-    # writes it again only after the other passed the dL barrier below, after its reads.
-    xchg_smem[wg] = jnp.sum(g * p, axis=1)
-    plgpu.barrier_arrive(xchg_barrier)
-    plgpu.barrier_wait(xchg_barrier)
-    delta = (plgpu.load(xchg_smem.at[0], layout=row_layout)
-             + plgpu.load(xchg_smem.at[1], layout=row_layout))
+    plgpu.barrier_arrive(read_barrier)            # both have read g: dL may overwrite it
+    plgpu.barrier_wait(read_barrier)
     dl = _round_to(p * (g - lax.broadcast_in_dim(delta, g.shape, [0])), dtype)
     g_smem[:, keys] = (dl * scale).astype(dtype)  # dL over g (read above)
     plgpu.commit_smem()
@@ -197,8 +197,7 @@ def backward_kernel(g, p, q, k, *, scale, interpret=False):
   dtype = g.dtype
   like = (g, p, q, k)
   scratch = [
-      plgpu.SMEM((WGS, ROWS), f32), plgpu.Barrier(num_arrivals=WGS),
-      plgpu.Barrier(num_arrivals=WGS),
+      plgpu.Barrier(num_arrivals=WGS), plgpu.Barrier(num_arrivals=WGS),
   ]
   if not stream_k:
     scratch = [plgpu.SMEM((sk, HEAD_DIM), dtype, transforms=_mosaic.tiled(dtype)),
