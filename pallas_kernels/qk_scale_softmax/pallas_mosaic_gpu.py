@@ -52,6 +52,7 @@ HEAD_DIM = 128
 SEQ_K = (128, 256)
 STREAM_K_MAX = 128   # K rides in the ring up to this many keys
 STAGES = 2
+DL_IN_PLACE = True
 
 
 def unsupported_reason(b, h, sq, sk, d, dtype, scaling_static) -> str | None:
@@ -76,7 +77,9 @@ def _round_to(x, dtype):
 
 
 def _kernel(g_ref, p_ref, q_ref, k_ref, dq_ref, dk_ref, *scratch, bh, heads_per_program,
-            tiles, sk, scale, stream_k):
+            tiles, sk, scale, stream_k, dl_in_place):
+  scratch = list(scratch)
+  dl_buffer = None if dl_in_place else scratch.pop()
   if stream_k:
     read_barrier, dl_barrier = scratch
     k_res = None
@@ -119,34 +122,44 @@ def _kernel(g_ref, p_ref, q_ref, k_ref, dq_ref, dk_ref, *scratch, bh, heads_per_
       g_smem, p_smem, q_smem, g_done, p_done, q_done = args[:-1]
       k_smem, k_done = k_res, None
     head = head_of(i)
+    # A buffer of its own: two slots (a warpgroup writes slot s % 2 again at step s + 2,
+    # after the other passed step s + 1's dL barrier, after its step-s GEMMs).
+    dl_smem = None if dl_buffer is None else dl_buffer.at[lax.rem(i * tiles + t, i32(2))]
 
-    g = plgpu.load(g_smem.at[:, keys], layout=wgmma_layout).astype(f32)
-    p = plgpu.load(p_smem.at[:, keys], layout=wgmma_layout).astype(f32)
-    # delta: each warpgroup sums the whole row, its half and the other's (no exchange
-    # buffer: at 256 keys the ring and K leave no room for one).
-    g_other = plgpu.load(g_smem.at[:, other], layout=wgmma_layout).astype(f32)
-    p_other = plgpu.load(p_smem.at[:, other], layout=wgmma_layout).astype(f32)
-    delta = jnp.sum(g * p, axis=1) + jnp.sum(g_other * p_other, axis=1)
+    # delta: each warpgroup sums the whole row, the other warpgroup's half first (its
+    # values die before this half's are loaded: at 256 keys dK holds 128 registers).
+    other_sum = jnp.sum(plgpu.load(g_smem.at[:, other], layout=wgmma_layout).astype(f32)
+                        * plgpu.load(p_smem.at[:, other], layout=wgmma_layout).astype(f32),
+                        axis=1)
+    g = plgpu.load(g_smem.at[:, keys], layout=wgmma_layout)
+    p = plgpu.load(p_smem.at[:, keys], layout=wgmma_layout)
+    delta = jnp.sum(g.astype(f32) * p.astype(f32), axis=1) + other_sum
     plgpu.barrier_arrive(p_done)
-    plgpu.barrier_arrive(read_barrier)            # both have read g: dL may overwrite it
-    plgpu.barrier_wait(read_barrier)
-    dl = _round_to(p * (g - lax.broadcast_in_dim(delta, g.shape, [0])), dtype)
-    g_smem[:, keys] = (dl * scale).astype(dtype)  # dL over g (read above)
+    if dl_smem is not None:
+      plgpu.barrier_arrive(g_done)
+    else:   # dL overwrites g: both warpgroups must have read it
+      plgpu.barrier_arrive(read_barrier)
+      plgpu.barrier_wait(read_barrier)
+      dl_smem = g_smem
+    dl = _round_to(p.astype(f32) * (g.astype(f32) - lax.broadcast_in_dim(delta, g.shape, [0])),
+                   dtype)
+    dl_smem[:, keys] = (dl * scale).astype(dtype)
     plgpu.commit_smem()
     plgpu.barrier_arrive(dl_barrier)              # both halves of dL are written
     plgpu.barrier_wait(dl_barrier)
 
     def mm(dq_acc, *dk_tile):
       dk_acc = dk_tile[0] if stream_k else carry
-      plgpu.wgmma(dq_acc, g_smem, k_smem.at[:, cols])          # dQ[:, cols] = dL @ K
-      plgpu.wgmma(dk_acc, g_smem.at[:, keys].T, q_smem)        # dK[keys] += dL^T @ Q
+      plgpu.wgmma(dq_acc, dl_smem, k_smem.at[:, cols])         # dQ[:, cols] = dL @ K
+      plgpu.wgmma(dk_acc, dl_smem.at[:, keys].T, q_smem)       # dK[keys] += dL^T @ Q
       plgpu.wgmma_wait(0)
       return (dq_acc[...], dk_acc[...]) if stream_k else (dq_acc[...], None)
     accs = [plgpu.ACC((ROWS, HEAD_DIM // WGS), f32)]
     if stream_k:
       accs.append(plgpu.ACC((half, HEAD_DIM), f32))
     dq, dk_tile = pl.run_scoped(mm, *accs)
-    plgpu.barrier_arrive(g_done)
+    if dl_buffer is None:
+      plgpu.barrier_arrive(g_done)
     plgpu.barrier_arrive(q_done)
     if stream_k:
       plgpu.barrier_arrive(k_done)
@@ -179,29 +192,36 @@ def _kernel(g_ref, p_ref, q_ref, k_ref, dq_ref, dk_ref, *scratch, bh, heads_per_
   pipeline(*operands)
 
 
-def heads_per_program(bh, sk) -> int:
+def heads_per_program(bh, sk, stream_k=None) -> int:
   """Heads a program walks: one with ``K`` resident; else enough for one wave of programs."""
-  if sk > STREAM_K_MAX:
+  if not (sk <= STREAM_K_MAX if stream_k is None else stream_k):
     return 1
   return max(1, math.ceil(bh / _mosaic.SMS))
 
 
-def backward_kernel(g, p, q, k, *, scale, interpret=False):
+def backward_kernel(g, p, q, k, *, scale, stream_k=None, dl_in_place=None, interpret=False):
   """``(dQ [BH, Sq, D], dK [BH, Sk, D])`` from ``g``, ``P`` ``[BH, Sq, Sk]``, ``Q``
-  ``[BH, Sq, D]``, ``K`` ``[BH, Sk, D]`` (one dtype) and a static ``scale``."""
+  ``[BH, Sq, D]``, ``K`` ``[BH, Sk, D]`` (one dtype) and a static ``scale``.
+
+  ``stream_k``: ``K`` rides in the ring (several heads per program) rather than staying
+  resident (one head per program); ``dl_in_place``: ``dL`` overwrites ``g`` in shared memory
+  rather than a buffer of its own. Default: both where they fit (``seq_k <= 128``; in place
+  always: measured in ``benchmarks/results/qk_scale_softmax_mosaic_gpu.md``).
+  """
   bh, sq, sk = g.shape
-  stream_k = sk <= STREAM_K_MAX
-  hpp = heads_per_program(bh, sk)
+  stream_k = sk <= STREAM_K_MAX if stream_k is None else stream_k
+  dl_in_place = DL_IN_PLACE if dl_in_place is None else dl_in_place
+  hpp = heads_per_program(bh, sk, stream_k)
   kernel = functools.partial(_kernel, bh=bh, heads_per_program=hpp, tiles=sq // ROWS, sk=sk,
-                             scale=float(scale), stream_k=stream_k)
+                             scale=float(scale), stream_k=stream_k, dl_in_place=dl_in_place)
   dtype = g.dtype
   like = (g, p, q, k)
-  scratch = [
-      plgpu.Barrier(num_arrivals=WGS), plgpu.Barrier(num_arrivals=WGS),
-  ]
+  scratch = [plgpu.Barrier(num_arrivals=WGS), plgpu.Barrier(num_arrivals=WGS)]
   if not stream_k:
     scratch = [plgpu.SMEM((sk, HEAD_DIM), dtype, transforms=_mosaic.tiled(dtype)),
                plgpu.Barrier(num_barriers=WGS)] + scratch
+  if not dl_in_place:
+    scratch.append(plgpu.SMEM((2, ROWS, sk), dtype, transforms=_mosaic.tiled(dtype)))
   out = plgpu.kernel(
       kernel,
       out_type=(out_struct(q.shape, dtype, *like), out_struct(k.shape, dtype, *like)),

@@ -1,0 +1,124 @@
+"""Kernel C's Mosaic GPU kernel on the H200: compile, check and time variants in one run.
+
+Usage (on a Hopper GPU)::
+
+    PYTHONPATH=. python3 -m benchmarks.c_mosaic_variants [--workloads 4,8] [--out DIR]
+
+For each workload the kernel takes: the Triton entry point and each Mosaic GPU variant
+(``K`` in the ring or resident, ``dL`` over ``g`` or in a buffer of its own), checked
+against the reference with the workload's tolerance and timed the way ``benchmarks.run``
+times (device time, input sets rotated so L2 is cold). Prints one table; writes
+``<out>/c_mosaic_variants.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import traceback
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks import run
+from benchmarks.timing import copy_ceiling, device_times_us
+from jax_ops import reference
+from pallas_kernels.qk_scale_softmax import pallas_mosaic_gpu as mg
+from pallas_kernels.qk_scale_softmax import pallas_triton
+
+# name -> backward_kernel options (the default first); a variant that does not fit a
+# workload (shared memory) is reported as an error there.
+VARIANTS = {
+    "default": {},
+    "stream_buf": {"stream_k": True, "dl_in_place": False},
+    "resident": {"stream_k": False, "dl_in_place": True},
+    "resident_buf": {"stream_k": False, "dl_in_place": False},
+}
+
+
+def mosaic_fn(options, scale):
+  def fn(g, q, k, p):
+    b, h, sq, sk = g.shape
+    bh = b * h
+    dq, dk = mg.backward_kernel(g.reshape(bh, sq, sk), p.reshape(bh, sq, sk),
+                                q.reshape(bh, sq, -1), k.reshape(bh, sk, -1), scale=scale,
+                                **options)
+    return dq.reshape(q.shape), dk.reshape(k.shape)
+  return jax.jit(fn)
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--workloads", default=None)
+  parser.add_argument("--variants", default=",".join(VARIANTS))
+  parser.add_argument("--calls", type=int, default=20)
+  parser.add_argument("--out", default=".")
+  args = parser.parse_args(argv)
+  with open(os.path.join(run.HERE, "workloads.json")) as f:
+    spec = json.load(f)["qk_scale_softmax_backward"]
+  c = spec["constants"]
+  scale = c["scaling"]
+  ceiling = copy_ceiling()
+  print(f"copy ceiling {ceiling['TBps']:.3f} TB/s", flush=True)
+  idx = (range(len(spec["workloads"])) if args.workloads is None
+         else [int(i) for i in args.workloads.split(",")])
+  triton = jax.jit(lambda *a: pallas_triton.qk_scale_softmax_backward(*a, scale))
+  xla = jax.jit(lambda *a: reference.qk_scale_softmax_backward_reference(*a, scale))
+  variants = args.variants.split(",")
+  rows = []
+  for i in idx:
+    w = spec["workloads"][i]
+    dims = run._c_dims(w, c)
+    b, h, sq, sk, d = dims
+    label = run._c_problem(False).label(w)
+    why = mg.unsupported_reason(b, h, sq, sk, d, jnp.bfloat16, scale)
+    if why:
+      print(f"{label}: skipped ({why})", flush=True)
+      continue
+    first = run._c_inputs(dims, False, jax.random.key(i))
+    set_bytes = sum(x.size * x.dtype.itemsize for x in first)
+    n_sets = int(min(32, max(2, math.ceil(run._ROTATE_BYTES / set_bytes))))
+    sets = [first] + [run._c_inputs(dims, False, jax.random.key(1000 * i + k))
+                      for k in range(1, n_sets)]
+    floor_us = run._c_floor(w, c) / (ceiling["TBps"] * 1e6)
+    refs = xla(*first)
+    fns = {"triton": triton} | {v: mosaic_fn(VARIANTS[v], scale) for v in variants}
+    good = {}
+    for name, fn in fns.items():
+      try:
+        outs = fn(*first)
+        checks = [run.check(o, r, w["atol"], w["rtol"]) for o, r in zip(outs, refs)]
+        ok = all(x["ok"] for x in checks)
+        print(f"  {label} {name}: {'PASS' if ok else 'FAIL'} "
+              f"{[round(x['within'], 5) for x in checks]}", flush=True)
+        good[name] = fn
+      except Exception as e:  # noqa: BLE001 - a variant that fails is reported, not fatal
+        print(f"  {label} {name}: ERROR {type(e).__name__}: {str(e)[:300]}", flush=True)
+        traceback.print_exc(limit=2)
+    times = device_times_us(list(good.values()), sets, calls=args.calls)
+    row = {"workload": label, "floor_us": floor_us}
+    for name, t in zip(good, times):
+      row[name] = t["median_us"]
+    rows.append(row)
+    print("  " + "  ".join(f"{k} {v:.1f}" for k, v in row.items() if k != "workload"),
+          flush=True)
+  names = ["triton", *variants]
+  print("\n| workload | floor us | " + " | ".join(names) + " |")
+  print("|---|---|" + "---|" * len(names))
+  for r in rows:
+    cells = [f"{r['floor_us'] / r[n]:.1%} ({r[n]:.0f})" if n in r else "-" for n in names]
+    print(f"| {r['workload']} | {r['floor_us']:.1f} | " + " | ".join(cells) + " |")
+  for n in names:
+    fr = [r["floor_us"] / r[n] for r in rows if n in r]
+    if fr:
+      print(f"geomean {n}: {math.exp(sum(map(math.log, fr)) / len(fr)):.1%} over {len(fr)}")
+  with open(os.path.join(args.out, "c_mosaic_variants.json"), "w") as f:
+    json.dump({"device": jax.devices()[0].device_kind, "ceiling": ceiling, "rows": rows}, f,
+              indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
