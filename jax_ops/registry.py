@@ -3,11 +3,11 @@
 ``implementation=`` of every op takes:
 
 * ``None``: the backend of highest priority that supports the device and the problem
-  (the builtin priorities follow measured speed: on a Hopper GPU op A's Mosaic GPU kernels
-  where they take the shapes, then the Triton kernels, faster than XLA on every benchmark
+  (the builtin priorities follow measured speed: on a Hopper GPU the Mosaic GPU kernels of
+  ops A and C where they take the shapes, then the Triton kernels, faster than XLA on every benchmark
   workload, on any CUDA GPU), else ``"xla"``. Never an error because of the device;
 * ``"pallas"``: the best Pallas backend for the device;
-* a backend's name (``"xla"``, ``"triton"``, ``"mosaic_gpu"`` (op A), or one added with
+* a backend's name (``"xla"``, ``"triton"``, ``"mosaic_gpu"`` (ops A and C), or one added with
   :func:`register`).
 
 The builtin backends are listed by module path and imported on first use, so an op's code
@@ -45,6 +45,7 @@ _BUILTIN = {
     "qk_scale_softmax": {
         XLA: "jax_ops.qk_softmax.xla",
         TRITON: "jax_ops.qk_softmax.pallas_triton",
+        MOSAIC_GPU: "jax_ops.qk_softmax.pallas_mosaic_gpu",
     },
 }
 

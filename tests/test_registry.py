@@ -42,7 +42,7 @@ def test_defaults(op):
 
 def test_unknown_names():
   with pytest.raises(ValueError, match=r"implementation: expected one of \['triton', 'xla'\]"):
-    registry.get("qk_scale_softmax", "cuda")
+    registry.get("masked_softmax_dropout", "cuda")
   with pytest.raises(ValueError, match="op: expected one of"):
     registry.available("softmax")
   with pytest.raises(ValueError, match="alias"):
@@ -93,7 +93,7 @@ def test_register_checks_its_arguments():
     registry.register("qk_scale_softmax", None, lambda *a: a)
   with pytest.raises(TypeError, match="expected a Backend instance or a function, got the class"):
     registry.register("qk_scale_softmax", "cls", backend.Backend)
-  assert registry.available("qk_scale_softmax") == ("xla", "triton")
+  assert registry.available("qk_scale_softmax") == ("xla", "triton", "mosaic_gpu")
 
 
 def test_device_of_a_platform_name_default():

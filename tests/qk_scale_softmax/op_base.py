@@ -1,5 +1,6 @@
 """Op C's tests, written once and run for every backend (fixture ``implementation``, set by
-each ``test_op_<backend>.py``)."""
+each ``test_op_<backend>.py``). A backend that takes fewer shapes sets ``GRAD_CASES`` (and
+``CAUSAL``) in its test module."""
 
 import jax
 import jax.numpy as jnp
@@ -17,9 +18,20 @@ def _vjp(forward, primals, cotangent):
   return out, pullback(cotangent)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("b,h,sq,sk,d", [(2, 3, 7, 7, 16), (1, 2, 5, 33, 64), (1, 1, 17, 17, 40)])
-def test_grad_matches_autodiff(implementation, causal, b, h, sq, sk, d):
+GRAD_CASES = [(2, 3, 7, 7, 16), (1, 2, 5, 33, 64), (1, 1, 17, 17, 40)]  # (B, H, Sq, Sk, D)
+CAUSAL = [False, True]
+
+
+def pytest_generate_tests(metafunc):
+  """``grad_case`` and ``causal`` take the test module's ``GRAD_CASES`` and ``CAUSAL``."""
+  if "grad_case" in metafunc.fixturenames:
+    metafunc.parametrize("grad_case", getattr(metafunc.module, "GRAD_CASES", GRAD_CASES))
+  if "causal" in metafunc.fixturenames:
+    metafunc.parametrize("causal", getattr(metafunc.module, "CAUSAL", CAUSAL))
+
+
+def test_grad_matches_autodiff(implementation, causal, grad_case):
+  b, h, sq, sk, d = grad_case
   k = keys(2, 3)
   query = jax.random.normal(k[0], (b, h, sq, d), jnp.bfloat16)
   key = jax.random.normal(k[1], (b, h, sk, d), jnp.bfloat16)

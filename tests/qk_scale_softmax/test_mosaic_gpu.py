@@ -35,10 +35,8 @@ def check(args, scaling=SCALE, **kw):
   return out_q, out_k
 
 
-# (B, H, Sq, Sk): K in the ring (128 keys; several heads per program, an odd number of row
-# tiles) and K resident (256 keys); Sq != Sk.
-CASES = [(1, 3, 128, 128), (2, 1, 192, 128), (1, 2, 128, 256), (1, 1, 192, 256),
-         (1, 2, 256, 128)]
+# (B, H, Sq, Sk): one and several heads per program, odd numbers of row tiles, Sq != Sk.
+CASES = [(1, 3, 128, 128), (2, 1, 192, 128), (1, 1, 64, 128), (1, 2, 320, 128)]
 
 
 @needs_kernels
@@ -51,7 +49,7 @@ def test_matches_reference(b, h, sq, sk):
 def test_heads_past_the_last_program(monkeypatch):
   """5 heads over programs of 3: the last program redoes the last head (same values)."""
   monkeypatch.setattr(_mosaic, "SMS", 2)
-  assert mg.heads_per_program(5, 128) == 3
+  assert mg.heads_per_program(5) == 3
   check(make_inputs(1, 1, 5, 64, 128, 128))
 
 
@@ -59,12 +57,12 @@ def test_heads_past_the_last_program(monkeypatch):
 @pytest.mark.parametrize("probs", ["sharp", "randn"])
 def test_roundings_of_dl(probs):
   """A "randn" P (large delta) misses the 99% bar unless dL is rounded as the reference."""
-  check(make_inputs(2, 1, 2, 64, 256, 128, probs=probs), scaling=0.3)
+  check(make_inputs(2, 1, 2, 64, 128, 128, probs=probs), scaling=0.3)
 
 
 @needs_kernels
 def test_causal_and_float16():
-  check(make_inputs(3, 1, 2, 256, 256, 128, causal=True), causal=True)
+  check(make_inputs(3, 1, 2, 128, 128, 128, causal=True), causal=True)
   check(make_inputs(4, 1, 2, 128, 128, 128, dtype=jnp.float16))
 
 
@@ -80,7 +78,7 @@ def test_vmap_and_jit():
 
 
 @pytest.mark.parametrize("shape,dtype,match", [
-    ((1, 1, 64, 384), jnp.bfloat16, "seq_k 384"),
+    ((1, 1, 64, 256), jnp.bfloat16, "seq_k 256"),
     ((1, 1, 65, 128), jnp.bfloat16, "seq_q 65"),
     ((1, 1, 64, 128), jnp.float32, "dtype float32"),
 ])
@@ -116,7 +114,7 @@ def test_dispatch():
   assert dispatch.kernels_for(*args, SCALE, causal=True) == "triton"
   expected = "mosaic_gpu" if HOPPER else "triton"
   assert dispatch.kernels_for(*args, SCALE) == expected
-  other = make_inputs(0, 1, 1, 64, 384, 128)
+  other = make_inputs(0, 1, 1, 64, 256, 128)
   assert dispatch.kernels_for(*other, SCALE) == "triton"
   with pytest.raises(ValueError, match="implementation"):
     pallas_kernels.qk_scale_softmax_backward(*args, SCALE, implementation="cuda")

@@ -1,0 +1,49 @@
+"""The ``"mosaic_gpu"`` backend of op C's backward: a Pallas Mosaic GPU kernel for Hopper.
+
+Kernel: :mod:`pallas_kernels.qk_scale_softmax.pallas_mosaic_gpu` (TMA streams, wgmma, one
+producer and two consumer warpgroups; ``g`` and ``P`` read once). It takes bf16/fp16
+problems with ``D == 128``, ``seq_q % 64 == 0`` and ``seq_k == 128``, not causal
+(:meth:`supports`; causal calls take the Triton kernels, which skip the tiles above the
+diagonal). Forced with ``implementation="mosaic_gpu"`` on another problem or device it
+raises saying why. Residuals: Q, K and P.
+"""
+
+from __future__ import annotations
+
+from pallas_kernels import qk_scale_softmax as kernels
+from pallas_kernels.qk_scale_softmax import pallas_mosaic_gpu as mosaic
+from jax_ops import backend
+
+
+class QKSoftmaxMosaicGpu(backend.MosaicGpuBackend):
+  """The op's Mosaic GPU backend (name, devices and priority from the base class)."""
+
+  def _reason(self, problem):
+    shapes = dict(problem.shapes)
+    if "query" not in shapes or "key" not in shapes:
+      return "a problem without the shapes of query and key"
+    b, h, sq, d = shapes["query"]
+    sk = shapes["key"][2]
+    why = mosaic.unsupported_reason(b, h, sq, sk, d, problem.dtype, 1.0)
+    if why is None and problem.causal:
+      return "a causal P (the Triton kernels skip its masked tiles; this kernel does not)"
+    return why
+
+  def supports(self, problem):
+    return self._reason(problem) is None
+
+  def unsupported_reason(self, problem):
+    return f"the Mosaic GPU kernel does not take {self._reason(problem)}"
+
+  def config(self, problem):
+    """The kernel has no config: its tiles follow from the shapes."""
+    return None
+
+  def backward(self, grad_output, query, key, attn_weights, scaling, *, causal=False,
+               interpret=False):
+    return kernels.qk_scale_softmax_backward(grad_output, query, key, attn_weights, scaling,
+                                             causal=causal, implementation="mosaic_gpu",
+                                             interpret=interpret)
+
+
+BACKEND = QKSoftmaxMosaicGpu()
