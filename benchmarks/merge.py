@@ -27,6 +27,13 @@ def _part_commit(part) -> str:
   return hashes.pop() if len(hashes) == 1 else part["commit"]
 
 
+def _part_kernels(part) -> str | None:
+  """The kernels of a results file whose rows do not name theirs: its ``backend`` when that
+  names one (not the entry point, which picks per workload)."""
+  backend = part.get("backend")
+  return None if backend in (None, run.ENTRY) else backend
+
+
 def merge(paths):
   parts = []
   for path in paths:
@@ -39,7 +46,8 @@ def merge(paths):
   for part in parts:
     for row in part["rows"]:
       # Each row keeps the commit it was measured at (a merged input's rows carry theirs).
-      rows[row["workload"]] = dict(row, commit=row.get("commit") or _part_commit(part))
+      rows[row["workload"]] = dict(row, commit=row.get("commit") or _part_commit(part),
+                                   kernels=row.get("kernels") or _part_kernels(part))
   with open(os.path.join(run.HERE, "workloads.json")) as f:
     spec = json.load(f)
   problem = run.problem_of(op)
