@@ -52,7 +52,8 @@ i32 = np.int32  # index constants: int32 under x64 too (lax.div/rem need one dty
 ROWS = 64            # query rows per step (one wgmma M)
 WGS = 2              # consumer warpgroups
 HEAD_DIM = 128
-SEQ_K = 128
+SEQ_K = 128         # one program walks several heads
+PAIR_SEQ_K = 256    # two programs per head
 STAGES = 2
 
 
@@ -65,8 +66,8 @@ def unsupported_reason(b, h, sq, sk, d, dtype, scaling_static) -> str | None:
     return f"head dim {d} ({HEAD_DIM} only)"
   if sq % ROWS:
     return f"seq_q {sq} (a multiple of {ROWS} only)"
-  if sk != SEQ_K:
-    return f"seq_k {sk} ({SEQ_K} only)"
+  if sk not in (SEQ_K, PAIR_SEQ_K):
+    return f"seq_k {sk} ({SEQ_K} or {PAIR_SEQ_K} only)"
   if scaling_static is None:
     return "a traced scaling (static scales only)"
   return None
@@ -191,6 +192,113 @@ def backward_kernel(g, p, q, k, *, scale, interpret=False):
   return _mosaic.varying_like(out, *like)
 
 
+def _pair_kernel(g_ref, p_ref, q_ref, k_ref, dq_ref, dk_ref, k_res, k_barrier, read_barrier,
+                 dl_barrier, dq_stage, *, tiles, scale):
+  """Rows of 256 keys: program ``c`` of a head's pair owns keys ``[128 c, 128 c + 128)`` of
+  dK and columns ``[64 c, 64 c + 64)`` of dQ; both read the head's whole rows (the second
+  read mostly from L2: the two run side by side)."""
+  c = lax.axis_index("half")
+  head = lax.axis_index("head")
+  wg = lax.axis_index("wg")
+  half = 2 * ROWS                                  # 128 keys
+  keys = pl.ds(wg * half, half)                    # this warpgroup's half of dL
+  other = pl.ds((1 - wg) * half, half)
+  owned = pl.ds(c * half, half)                    # this program's keys of dK
+  cols = pl.ds(c * (HEAD_DIM // 2), HEAD_DIM // 2)         # this program's dQ columns
+  dk_cols = pl.ds(wg * (HEAD_DIM // 2), HEAD_DIM // 2)     # this warpgroup's dK columns
+  dtype = g_ref.dtype
+  wgmma_layout = plgpu.Layout.WGMMA
+
+  def compute_context(run_pipeline):
+    # K[:, cols] in two key halves, one copy per warpgroup.
+    plgpu.copy_gmem_to_smem(k_ref.at[head, keys, cols], k_res.at[wg], k_barrier.at[wg])
+    plgpu.barrier_wait(k_barrier.at[0])
+    plgpu.barrier_wait(k_barrier.at[1])
+
+    def run(dk_acc):
+      run_pipeline(dk_acc)
+      return dk_acc[...]
+    dk = pl.run_scoped(run, plgpu.ACC((half, HEAD_DIM // 2), f32))
+    plgpu.barrier_arrive(read_barrier)            # both are done with K: stage dK over it
+    plgpu.barrier_wait(read_barrier)
+    k_res[wg] = dk.astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(k_res.at[wg], dk_ref.at[head, owned, dk_cols])
+    plgpu.wait_smem_to_gmem(0)
+
+  def step(idx, g_smem, p_smem, q_smem, g_done, p_done, q_done, dk_acc):
+    (t,) = idx
+    other_sum = jnp.sum(plgpu.load(g_smem.at[:, other], layout=wgmma_layout).astype(f32)
+                        * plgpu.load(p_smem.at[:, other], layout=wgmma_layout).astype(f32),
+                        axis=1)
+    g = plgpu.load(g_smem.at[:, keys], layout=wgmma_layout).astype(f32)
+    p = plgpu.load(p_smem.at[:, keys], layout=wgmma_layout).astype(f32)
+    delta = jnp.sum(g * p, axis=1) + other_sum
+    plgpu.barrier_arrive(p_done)
+    plgpu.barrier_arrive(read_barrier)            # both have read g: dL may overwrite it
+    plgpu.barrier_wait(read_barrier)
+    dl = _round_to(p * (g - lax.broadcast_in_dim(delta, g.shape, [0])), dtype)
+    g_smem[:, keys] = (dl * scale).astype(dtype)
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(dl_barrier)              # both halves of dL are written
+    plgpu.barrier_wait(dl_barrier)
+    plgpu.wgmma(dk_acc, g_smem.at[:, owned].T, q_smem.at[:, dk_cols])   # dK[owned, dk_cols]
+
+    @pl.when(wg == 0)
+    def _():
+      def mm(dq_acc):                                                 # dQ[:, cols]
+        plgpu.wgmma(dq_acc, g_smem.at[:, pl.ds(0, half)], k_res.at[0])
+        plgpu.wgmma(dq_acc, g_smem.at[:, pl.ds(half, half)], k_res.at[1])
+        plgpu.wgmma_wait(0)
+        return dq_acc[...]
+      dq = pl.run_scoped(mm, plgpu.ACC((ROWS, HEAD_DIM // 2), f32))
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      dq_stage[...] = dq.astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(dq_stage, dq_ref.at[head, pl.ds(t * ROWS, ROWS), cols])
+    plgpu.wgmma_wait(0)
+    plgpu.barrier_arrive(g_done)
+    plgpu.barrier_arrive(q_done)
+    return dk_acc
+
+  tiled = _mosaic.tiled(dtype)
+  rows = lambda t: (head, t, 0)
+  pipeline = plgpu.emit_pipeline_warp_specialized(
+      step, grid=(tiles,), max_concurrent_steps=STAGES,
+      memory_registers=_mosaic.MEMORY_REGISTERS, num_compute_wgs=WGS, wg_axis="wg",
+      manual_consumed_barriers=True, compute_context=compute_context,
+      in_specs=[
+          plgpu.BlockSpec((None, ROWS, PAIR_SEQ_K), rows, transforms=tiled),      # g
+          plgpu.BlockSpec((None, ROWS, PAIR_SEQ_K), rows, transforms=tiled),      # P
+          plgpu.BlockSpec((None, ROWS, HEAD_DIM), rows, transforms=tiled),        # Q
+      ])
+  pipeline(g_ref, p_ref, q_ref)
+
+
+def pair_backward_kernel(g, p, q, k, *, scale, interpret=False):
+  """:func:`backward_kernel` for rows of 256 keys: two programs per head."""
+  bh, sq, sk = g.shape
+  kernel = functools.partial(_pair_kernel, tiles=sq // ROWS, scale=float(scale))
+  dtype = g.dtype
+  like = (g, p, q, k)
+  tiled = _mosaic.tiled(dtype)
+  out = plgpu.kernel(
+      kernel,
+      out_type=(out_struct(q.shape, dtype, *like), out_struct(k.shape, dtype, *like)),
+      scratch_types=[
+          plgpu.SMEM((2, sk // 2, HEAD_DIM // 2), dtype, transforms=tiled),
+          plgpu.Barrier(num_barriers=WGS),
+          plgpu.Barrier(num_arrivals=WGS), plgpu.Barrier(num_arrivals=WGS),
+          plgpu.SMEM((ROWS, HEAD_DIM // 2), dtype, transforms=tiled),
+      ],
+      grid=(2, bh), grid_names=("half", "head"),   # a head's pair side by side
+      num_threads=WGS + 1, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=_mosaic.interpret_params(interpret),
+  )(g, p, q, k)
+  return _mosaic.varying_like(out, *like)
+
+
 def qk_scale_softmax_backward(grad_output, query, key, attn_weights, scaling, *, causal=False,
                               interpret=False):
   """Backward of ``softmax((Q @ K^T) * scaling)`` to ``Q`` and ``K``, one Mosaic GPU kernel.
@@ -219,7 +327,8 @@ def qk_scale_softmax_backward(grad_output, query, key, attn_weights, scaling, *,
           f"GPU (sm_90a), and the arrays are on {device.device_kind!r}; pass interpret=True "
           "to run it in the Mosaic GPU interpreter")
   bh = b * h
-  dq, dk = backward_kernel(grad_output.reshape(bh, sq, sk), attn_weights.reshape(bh, sq, sk),
+  run = backward_kernel if sk == SEQ_K else pair_backward_kernel
+  dq, dk = run(grad_output.reshape(bh, sq, sk), attn_weights.reshape(bh, sq, sk),
                            query.reshape(bh, sq, d), key.reshape(bh, sk, d), scale=scale,
                            interpret=interpret)
   return dq.reshape(b, h, sq, d), dk.reshape(b, h, sk, d)

@@ -35,8 +35,10 @@ def check(args, scaling=SCALE, **kw):
   return out_q, out_k
 
 
-# (B, H, Sq, Sk): one and several heads per program, odd numbers of row tiles, Sq != Sk.
-CASES = [(1, 3, 128, 128), (2, 1, 192, 128), (1, 1, 64, 128), (1, 2, 320, 128)]
+# (B, H, Sq, Sk): 128 keys (one and several heads per program) and 256 (two programs per
+# head); odd numbers of row tiles, Sq != Sk.
+CASES = [(1, 3, 128, 128), (2, 1, 192, 128), (1, 1, 64, 128), (1, 2, 320, 128),
+         (1, 2, 128, 256), (2, 1, 192, 256), (1, 1, 64, 256)]
 
 
 @needs_kernels
@@ -58,12 +60,15 @@ def test_heads_past_the_last_program(monkeypatch):
 def test_roundings_of_dl(probs):
   """A "randn" P (large delta) misses the 99% bar unless dL is rounded as the reference."""
   check(make_inputs(2, 1, 2, 64, 128, 128, probs=probs), scaling=0.3)
+  check(make_inputs(2, 1, 1, 64, 256, 128, probs=probs), scaling=0.3)
 
 
 @needs_kernels
 def test_causal_and_float16():
   check(make_inputs(3, 1, 2, 128, 128, 128, causal=True), causal=True)
+  check(make_inputs(3, 1, 1, 256, 256, 128, causal=True), causal=True)
   check(make_inputs(4, 1, 2, 128, 128, 128, dtype=jnp.float16))
+  check(make_inputs(4, 1, 1, 64, 256, 128, dtype=jnp.float16))
 
 
 @needs_kernels
@@ -78,7 +83,7 @@ def test_vmap_and_jit():
 
 
 @pytest.mark.parametrize("shape,dtype,match", [
-    ((1, 1, 64, 256), jnp.bfloat16, "seq_k 256"),
+    ((1, 1, 64, 384), jnp.bfloat16, "seq_k 384"),
     ((1, 1, 65, 128), jnp.bfloat16, "seq_q 65"),
     ((1, 1, 64, 128), jnp.float32, "dtype float32"),
 ])
@@ -114,7 +119,7 @@ def test_dispatch():
   assert dispatch.kernels_for(*args, SCALE, causal=True) == "triton"
   expected = "mosaic_gpu" if HOPPER else "triton"
   assert dispatch.kernels_for(*args, SCALE) == expected
-  other = make_inputs(0, 1, 1, 64, 256, 128)
+  other = make_inputs(0, 1, 1, 64, 384, 128)
   assert dispatch.kernels_for(*other, SCALE) == "triton"
   with pytest.raises(ValueError, match="implementation"):
     pallas_kernels.qk_scale_softmax_backward(*args, SCALE, implementation="cuda")
