@@ -41,9 +41,9 @@ def mosaic_fn(options, scale):
   def fn(g, q, k, p):
     b, h, sq, sk = g.shape
     bh = b * h
-    dq, dk = mg.backward_kernel(g.reshape(bh, sq, sk), p.reshape(bh, sq, sk),
-                                q.reshape(bh, sq, -1), k.reshape(bh, sk, -1), scale=scale,
-                                **options)
+    kernel = mg.backward_kernel if sk == mg.SEQ_K else mg.pair_backward_kernel
+    dq, dk = kernel(g.reshape(bh, sq, sk), p.reshape(bh, sq, sk), q.reshape(bh, sq, -1),
+                    k.reshape(bh, sk, -1), scale=scale, **options)
     return dq.reshape(q.shape), dk.reshape(k.shape)
   return jax.jit(fn)
 
