@@ -18,9 +18,11 @@ def kernels_for(grad_output, query, key, attn_weights, scaling, *, causal=False,
                 interpret=False) -> str:
   """``"mosaic_gpu"`` or ``"triton"``: the kernels that ``implementation=None`` runs.
 
-  The Mosaic GPU kernel on a Hopper GPU when :func:`pallas_mosaic_gpu.unsupported_reason`
-  allows the problem (rows of 128 or 256 keys, ``D == 128``; measured faster there:
-  ``benchmarks/results/qk_scale_softmax.md``); the Triton kernels otherwise, and always
+  The Mosaic GPU kernel on a Hopper GPU for rows of 128 keys that
+  :func:`pallas_mosaic_gpu.unsupported_reason` allows (``D == 128``; measured faster there:
+  ``benchmarks/results/qk_scale_softmax.md``); the Triton kernels otherwise (rows of 256
+  keys too: the Mosaic GPU pair kernel measured 0.82-0.90x their speed,
+  ``benchmarks/results/qk_scale_softmax_mosaic_gpu.md``), and always
   under ``interpret=True`` (the portable path; name ``"mosaic_gpu"`` to run the Mosaic GPU
   interpreter) and for a causal P (the Triton kernels skip the tiles above the diagonal,
   the Mosaic GPU kernel does not).
@@ -30,8 +32,9 @@ def kernels_for(grad_output, query, key, attn_weights, scaling, *, causal=False,
   if interpret or causal or not is_hopper(device_of(grad_output, query, key, attn_weights)):
     return TRITON
   b, h, sq, d = query.shape
-  why = pallas_mosaic_gpu.unsupported_reason(b, h, sq, key.shape[2], d, query.dtype, scale)
-  return TRITON if why else MOSAIC_GPU
+  sk = key.shape[2]
+  why = pallas_mosaic_gpu.unsupported_reason(b, h, sq, sk, d, query.dtype, scale)
+  return TRITON if why or sk != pallas_mosaic_gpu.SEQ_K else MOSAIC_GPU
 
 
 def qk_scale_softmax_backward(grad_output, query, key, attn_weights, scaling, *,

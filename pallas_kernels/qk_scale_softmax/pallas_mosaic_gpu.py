@@ -1,5 +1,5 @@
-"""Pallas Mosaic GPU kernel (Hopper, sm_90a): the backward of ``softmax((Q @ K^T) * scaling)``
-for rows of 128 keys.
+"""Pallas Mosaic GPU kernels (Hopper, sm_90a): the backward of ``softmax((Q @ K^T) * scaling)``
+for rows of 128 or 256 keys.
 
 Same math as :mod:`.pallas_triton` (see its docstring)::
 
@@ -21,13 +21,18 @@ programs). Consumer warpgroup ``w`` owns keys ``[64 w, 64 w + 64)``:
   array carried over the head's row tiles;
 - dQ (each step) and dK (at a head's last tile) go out through shared memory with TMA.
 
-Rows of 256 keys were built the same way (``K`` resident, 64 KB) and measured at half the
-Triton kernels' speed: dK of 128 keys per warpgroup (128 registers a thread) spills under
-the 168-register budget of three warpgroups, and the ring and ``K`` leave no shared memory
-to stage dQ for TMA (``benchmarks/results/qk_scale_softmax_mosaic_gpu.md``).
+Rows of 256 keys (:func:`pair_backward_kernel`): dK of 256 keys would take 128 fp32
+registers a thread in each consumer, more than the 168 of three warpgroups allow without
+spills (measured: half the Triton kernels' speed). So two programs share a head: program
+``c`` owns keys ``[128 c, 128 c + 128)`` of dK (64 of its columns per consumer) and columns
+``[64 c, 64 c + 64)`` of dQ (the first consumer, from the whole ``dL`` tile and a resident
+``K[:, cols]``); both read the head's whole rows, the second read mostly from L2 since the
+pair runs side by side. It measured 0.82-0.90x the Triton kernels' speed
+(``benchmarks/results/qk_scale_softmax_mosaic_gpu.md``), so the entry point runs it only
+when named (``implementation="mosaic_gpu"``).
 
 Supported (:func:`unsupported_reason`): bf16 or fp16, ``D == 128``, ``seq_q % 64 == 0``,
-``seq_k == 128``, a static ``scaling``. A causal P is taken (the dense math gives the same
+``seq_k`` of 128 or 256, a static ``scaling``. A causal P is taken (the dense math gives the same
 result; no tile is skipped). Other problems take the Triton kernels.
 """
 

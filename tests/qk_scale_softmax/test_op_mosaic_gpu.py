@@ -11,7 +11,7 @@ from jax_ops.backend import Problem
 
 from .op_base import *  # noqa: F401,F403
 
-GRAD_CASES = [(1, 2, 64, 128, 128), (2, 1, 192, 128, 128), (1, 1, 64, 256, 128)]  # (B, H, Sq, Sk, D)
+GRAD_CASES = [(1, 2, 64, 128, 128), (2, 1, 192, 128, 128)]  # (B, H, Sq, Sk, D)
 CAUSAL = [False]  # a causal call takes the Triton kernels (below)
 OP = "qk_scale_softmax"
 
@@ -42,7 +42,7 @@ def test_picked_first_on_hopper_for_the_shapes_it_takes():
   assert on(128, 128, 128, device=_FakeHopper()) == "mosaic_gpu"
   assert on(128, 128, 128, device=_FakeBlackwell()) == "triton"
   assert on(128, 128, 128, device=_FakeHopper(), causal=True) == "triton"
-  assert on(128, 256, 128, device=_FakeHopper()) == "mosaic_gpu"
+  assert on(128, 256, 128, device=_FakeHopper()) == "triton"   # measured slower there
   assert on(128, 384, 128, device=_FakeHopper()) == "triton"
   assert on(128, 128, 64, device=_FakeHopper()) == "triton"
   assert on(128, 128, 128, device=_FakeHopper(), dtype="float32") == "triton"
