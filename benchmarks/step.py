@@ -1,0 +1,214 @@
+"""The ops as a training step uses them: jitted ``value_and_grad`` of each op, XLA path vs
+Pallas path, in one run.
+
+Usage (on a GPU)::
+
+    PYTHONPATH=. python3 -m benchmarks.step [--calls 20] [--only A,C] [--out benchmarks/results]
+
+For each step shape (``STEPS``: the shapes of the tracking table plus others) it builds
+``loss = sum(op(x) * w)`` for a fixed random ``w``, jits ``jax.value_and_grad`` of it with
+``implementation="xla"`` and with the default (Pallas) path, and reports the median device time
+(JAX profiler, all kernels of a call; two input sets rotated), the speedup and the compiled
+temporary memory (``memory_analysis().temp_size_in_bytes``). Writes ``<out>/step.md``,
+``.json`` and ``.png`` with the date, device, jax version and commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import sys
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+import jax_ops
+from benchmarks import run
+from benchmarks.timing import device_times_us
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+RATE = 0.1
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+  op: str                  # "A", "B" or "C"
+  label: str
+  make: Callable           # key -> (primals tuple, weight w)
+  loss: Callable           # (primals, w, implementation) -> scalar
+  listed: bool = True      # a shape of the tracking table (else one timed besides)
+
+
+def _a(b, s, *, h=80, kvh=8, d=128, listed=True):
+  def make(key):
+    k = jax.random.split(key, 3)
+    scores = jax.random.normal(k[0], (b, h, s, s), BF16)
+    value = jax.random.normal(k[1], (b, kvh, s, d), BF16)
+    w = jax.random.normal(k[2], (b, s, h, d), BF16)
+    return (scores, value), w
+
+  def loss(primals, w, impl, rng):
+    out = jax_ops.attention_softmax_dropout_value(
+        *primals, dropout_rate=RATE, dropout_rng=rng, implementation=impl)
+    return jnp.sum(out.astype(F32) * w.astype(F32))
+  return Step("A", f"A, B={b} S={s} (H={h}, KVH={kvh}, D={d})", make, loss, listed)
+
+
+def _b(b, h, s, *, listed=True):
+  def make(key):
+    k = jax.random.split(key, 3)
+    scores = jax.random.normal(k[0], (b, h, s, s), F32)
+    mask = jax.random.bernoulli(k[1], 0.5, (b, 1, s, s))
+    w = jax.random.normal(k[2], (b, h, s, s), F32)
+    return (scores, mask), w
+
+  def loss(primals, w, impl, rng):
+    scores, mask = primals
+    out = jax_ops.masked_softmax_dropout(scores, mask, dropout_rate=RATE, dropout_rng=rng,
+                                         implementation=impl)
+    return jnp.sum(out * w)
+  return Step("B", f"B, B={b} H={h} S={s}", make, loss, listed)
+
+
+def _c(b, h, s, *, causal=False, d=128, listed=True):
+  def make(key):
+    k = jax.random.split(key, 3)
+    query = jax.random.normal(k[0], (b, h, s, d), BF16)
+    key_ = jax.random.normal(k[1], (b, h, s, d), BF16)
+    w = jax.random.normal(k[2], (b, h, s, s), BF16)
+    return (query, key_), w
+
+  def loss(primals, w, impl, rng):
+    out = jax_ops.qk_scale_softmax(*primals, causal=causal, implementation=impl)
+    return jnp.sum(out.astype(F32) * w.astype(F32))
+  name = "C causal" if causal else "C"
+  return Step("C", f"{name}, B={b} H={h} S={s}", make, loss, listed)
+
+
+STEPS = [
+    _a(2, 2048), _a(8, 512), _a(4, 1024, listed=False),
+    _b(8, 16, 1024), _b(32, 8, 256), _b(16, 8, 2048, listed=False),
+    _c(1, 32, 4096), _c(4, 32, 1024), _c(1, 32, 4096, causal=True),
+    _c(32, 32, 128, listed=False), _c(8, 32, 256, listed=False),
+]
+
+
+def step_fn(step: Step, impl):
+  """The jitted training step: loss and gradients w.r.t. the op's differentiable inputs."""
+  argnums = 0 if step.op == "B" else (0, 1)
+
+  def fn(primals, w, rng):
+    def f(*x):
+      full = tuple(x) + tuple(primals[len(x):])
+      return step.loss(full, w, impl, rng)
+    diff = primals[:1] if step.op == "B" else primals
+    return jax.value_and_grad(f, argnums=argnums)(*diff)
+  return jax.jit(fn)
+
+
+def temp_mb(fn, *args) -> float:
+  analysis = fn.lower(*args).compile().memory_analysis()
+  return analysis.temp_size_in_bytes / 2 ** 20
+
+
+def measure(step: Step, calls: int) -> dict:
+  sets = []
+  for i in range(2):
+    primals, w = step.make(jax.random.key(i))
+    sets.append((primals, w, jax.random.key(100 + i)))
+  fns = {impl: step_fn(step, impl) for impl in ("xla", None)}
+  row = {"op": step.op, "step": step.label, "listed": step.listed}
+  for impl, fn in fns.items():
+    row[f"{impl or 'pallas'}_temp_mb"] = temp_mb(fn, *sets[0])
+  times = device_times_us(list(fns.values()), sets, calls=calls)
+  row["xla_us"], row["pallas_us"] = times[0]["median_us"], times[1]["median_us"]
+  row["split_ok"] = all(t["split_ok"] for t in times)
+  row["speedup"] = row["xla_us"] / row["pallas_us"]
+  return row
+
+
+def markdown(meta, rows) -> str:
+  lines = ["# Training step: jitted value_and_grad of each op, XLA path vs Pallas path", "",
+           f"- date: {meta['date']}", f"- device: {meta['device']}", f"- jax: {meta['jax']}",
+           f"- commit: {meta['commit']}",
+           f"- times: median device time (JAX profiler, all kernels of a call), {meta['calls']} "
+           "calls, two input sets rotated; memory: the compiled step's temporary buffers",
+           "- dropout rate 0.1 (A, B); the forwards are jnp in both paths, the backward is "
+           "XLA's or the Pallas kernels'", "",
+           "| step | XLA path us | Pallas path us | speedup | temp memory, XLA / Pallas MB |",
+           "|---|---|---|---|---|"]
+  for r in rows:
+    extra = "" if r["listed"] else " (not in the table)"
+    lines.append(f"| {r['step']}{extra} | {r['xla_us']:.0f} | {r['pallas_us']:.0f} | "
+                 f"{r['speedup']:.2f}x | {r['xla_temp_mb']:.0f} / {r['pallas_temp_mb']:.0f} |")
+  return "\n".join(lines) + "\n"
+
+
+def write_chart(rows, png_path):
+  """Bars of the speedup of the Pallas path over the XLA path per step (1.0: a tie)."""
+  try:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+  except ImportError:
+    print(f"chart: matplotlib is not installed, no chart {png_path}")
+    return None
+  fig = Figure(figsize=(max(6.0, 1.4 + 0.7 * len(rows)), 4.8), dpi=100)
+  FigureCanvasAgg(fig)
+  ax = fig.add_subplot()
+  colors = {"A": "#1f77b4", "B": "#2ca02c", "C": "#9467bd"}
+  xs = range(len(rows))
+  ax.bar(xs, [r["speedup"] for r in rows], color=[colors.get(r["op"], "gray") for r in rows])
+  ax.axhline(1.0, color="black", linewidth=0.8)
+  ax.set_xticks(list(xs), [r["step"].replace(" (", "\n(") for r in rows], rotation=60,
+                ha="right", fontsize=7)
+  ax.set_ylabel("speedup of the Pallas path over XLA")
+  ax.set_title("Training step (jitted value_and_grad), device time", fontsize=10)
+  fig.tight_layout()
+  fig.savefig(png_path)
+  return png_path
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--calls", type=int, default=20)
+  parser.add_argument("--only", default=None, help="comma-separated ops (A, B, C)")
+  parser.add_argument("--out", default=os.path.join(run.HERE, "results"))
+  args = parser.parse_args(argv)
+  if jax.default_backend() != "gpu":
+    print("the step benchmark needs a CUDA GPU (jax.default_backend() is "
+          f"{jax.default_backend()!r})", file=sys.stderr)
+    return 2
+  ops = set(args.only.split(",")) if args.only else {"A", "B", "C"}
+  meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+          "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+          "commit": run._commit(), "calls": args.calls}
+  os.makedirs(args.out, exist_ok=True)
+  base = os.path.join(args.out, "step")
+  rows = []
+  for step in STEPS:
+    if step.op not in ops:
+      continue
+    row = measure(step, args.calls)
+    rows.append(row)
+    print(f"{row['step']:45s} xla {row['xla_us']:9.0f} us  pallas {row['pallas_us']:9.0f} us  "
+          f"x{row['speedup']:.2f}  temp {row['xla_temp_mb']:.0f}/{row['pallas_temp_mb']:.0f} MB",
+          flush=True)
+    write(base, meta, rows)   # after each step: a run cut short keeps what it measured
+  write_chart(rows, base + ".png")
+  print(markdown(meta, rows))
+  return 0
+
+
+def write(base, meta, rows):
+  with open(base + ".json", "w") as f:
+    json.dump({**meta, "rows": rows}, f, indent=1)
+  with open(base + ".md", "w") as f:
+    f.write(markdown(meta, rows))
+
+
+if __name__ == "__main__":
+  sys.exit(main())
