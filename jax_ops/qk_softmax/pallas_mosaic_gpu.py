@@ -2,10 +2,11 @@
 
 Kernel: :mod:`pallas_kernels.qk_scale_softmax.pallas_mosaic_gpu` (TMA streams, wgmma, one
 producer and two consumer warpgroups; ``g`` and ``P`` read once). It takes bf16/fp16
-problems with ``D == 128``, ``seq_q % 64 == 0`` and ``seq_k == 128``, not causal
-(:meth:`supports`; causal calls take the Triton kernels, which skip the tiles above the
-diagonal; so do rows of 256 keys, where the kernel entry point's Mosaic GPU pair kernel,
-``implementation="mosaic_gpu"`` there, measured slower than Triton). Forced with ``implementation="mosaic_gpu"`` on another problem or device it
+problems with ``D == 128``, ``seq_q % 64 == 0`` and ``seq_k == 128`` (:meth:`supports`),
+causal or not (it computes the tiles above the diagonal too and is still faster there than
+the Triton kernels that skip them). Rows of 256 keys take the Triton kernels: the kernel
+entry point's Mosaic GPU pair kernel (``implementation="mosaic_gpu"`` there) measured
+slower. Forced with ``implementation="mosaic_gpu"`` on another problem or device it
 raises saying why. Residuals: Q, K and P.
 """
 
@@ -29,8 +30,6 @@ class QKSoftmaxMosaicGpu(backend.MosaicGpuBackend):
     if why is None and sk != mosaic.SEQ_K:
       return (f"seq_k {sk} in the op (rows of {mosaic.SEQ_K} keys only; at {sk} it measured "
               "slower than the Triton kernels)")
-    if why is None and problem.causal:
-      return "a causal P (the Triton kernels skip its masked tiles; this kernel does not)"
     return why
 
   def supports(self, problem):

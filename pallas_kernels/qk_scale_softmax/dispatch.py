@@ -24,12 +24,13 @@ def kernels_for(grad_output, query, key, attn_weights, scaling, *, causal=False,
   keys too: the Mosaic GPU pair kernel measured 0.82-0.90x their speed,
   ``benchmarks/results/qk_scale_softmax_mosaic_gpu.md``), and always
   under ``interpret=True`` (the portable path; name ``"mosaic_gpu"`` to run the Mosaic GPU
-  interpreter) and for a causal P (the Triton kernels skip the tiles above the diagonal,
-  the Mosaic GPU kernel does not).
+  interpreter). A causal P takes the same choice: the Mosaic GPU kernel computes every tile
+  (the dense math gives the causal result) and still beats the Triton kernels that skip
+  the tiles above the diagonal (``benchmarks/results/qk_scale_softmax_causal.md``).
   """
   scale = validation.check_problem_c(grad_output, query, key, attn_weights, scaling,
                                      dtypes=pallas_triton._SUPPORTED)
-  if interpret or causal or not is_hopper(device_of(grad_output, query, key, attn_weights)):
+  if interpret or not is_hopper(device_of(grad_output, query, key, attn_weights)):
     return TRITON
   b, h, sq, d = query.shape
   sk = key.shape[2]
@@ -50,7 +51,8 @@ def qk_scale_softmax_backward(grad_output, query, key, attn_weights, scaling, *,
     attn_weights: the softmax output ``P`` ``[B, H, Sq, Sk]``.
     scaling: the logits' scale; a Python float, or a traced scalar (Triton).
     causal: the caller promises ``P_ij == 0`` for ``j > i + (Sk - Sq)``; the Triton kernels
-      skip the tiles above that diagonal. Results equal the dense ones.
+      skip the tiles above that diagonal (the Mosaic GPU kernel computes them). Results
+      equal the dense ones.
     implementation: ``None`` (:func:`kernels_for`), ``"mosaic_gpu"`` or ``"triton"``.
     interpret: run in the Pallas interpreter (any machine).
     **triton_options: the Triton entry point's other keywords (``config``, ``block_q``,

@@ -11,8 +11,8 @@ from jax_ops.backend import Problem
 
 from .op_base import *  # noqa: F401,F403
 
-GRAD_CASES = [(1, 2, 64, 128, 128), (2, 1, 192, 128, 128)]  # (B, H, Sq, Sk, D)
-CAUSAL = [False]  # a causal call takes the Triton kernels (below)
+GRAD_CASES = [(1, 2, 64, 128, 128), (2, 1, 128, 128, 128)]  # (B, H, Sq, Sk, D); Sq <= Sk (causal)
+CAUSAL = [False, True]
 OP = "qk_scale_softmax"
 
 
@@ -41,7 +41,7 @@ def test_picked_first_on_hopper_for_the_shapes_it_takes():
   on = lambda *a, **kw: registry.resolve(OP, None, _problem(*a, **kw)).name
   assert on(128, 128, 128, device=_FakeHopper()) == "mosaic_gpu"
   assert on(128, 128, 128, device=_FakeBlackwell()) == "triton"
-  assert on(128, 128, 128, device=_FakeHopper(), causal=True) == "triton"
+  assert on(128, 128, 128, device=_FakeHopper(), causal=True) == "mosaic_gpu"
   assert on(128, 256, 128, device=_FakeHopper()) == "triton"   # measured slower there
   assert on(128, 384, 128, device=_FakeHopper()) == "triton"
   assert on(128, 128, 64, device=_FakeHopper()) == "triton"
@@ -56,10 +56,9 @@ def test_forced_on_a_problem_it_does_not_take_says_why():
   k = jnp.zeros((1, 1, 384, 128), jnp.bfloat16)
   with pytest.raises(ValueError, match=r"mosaic_gpu.*seq_k 384"):
     jax_ops.qk_scale_softmax(q, k, implementation="mosaic_gpu", interpret=True)
-  q = jnp.zeros((1, 1, 128, 128), jnp.bfloat16)
-  k = jnp.zeros((1, 1, 128, 128), jnp.bfloat16)
-  with pytest.raises(ValueError, match=r"mosaic_gpu.*causal"):
-    jax_ops.qk_scale_softmax(q, k, causal=True, implementation="mosaic_gpu", interpret=True)
+  k = jnp.zeros((1, 1, 256, 128), jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"mosaic_gpu.*seq_k 256.*slower"):
+    jax_ops.qk_scale_softmax(q, k, implementation="mosaic_gpu", interpret=True)
 
 
 def test_forced_off_hopper_says_why():
