@@ -23,7 +23,7 @@ import traceback
 import jax
 import jax.numpy as jnp
 
-from benchmarks import run
+from benchmarks import run, variants_table
 from benchmarks.timing import copy_ceiling, device_times_us
 from jax_ops import reference
 from pallas_kernels.attention_softmax_dropout_value import pallas_mosaic_gpu as mg
@@ -112,13 +112,15 @@ def main(argv=None):
       fns[v] = mosaic_fn(v, rate)
       if args.parts:
         fns[v + ":delta"], fns[v + ":ds_dv"] = parts_fns(v, rate)
-    good = {}
+    good, failed = {}, []
     for name, fn in fns.items():
       try:
         outs = fn(*first)
         if ":" not in name:
           checks = [run.check(o, r, w["atol"], w["rtol"]) for o, r in zip(outs, refs)]
           ok = all(x["ok"] for x in checks)
+          if not ok:
+            failed.append(name)
           print(f"  {label} {name}: {'PASS' if ok else 'FAIL'} "
                 f"{[round(x['within'], 5) for x in checks]}", flush=True)
         good[name] = fn
@@ -126,22 +128,15 @@ def main(argv=None):
         print(f"  {label} {name}: ERROR {type(e).__name__}: {str(e)[:400]}", flush=True)
         traceback.print_exc(limit=3)
     times = device_times_us(list(good.values()), sets, calls=args.calls)
-    row = {"workload": label, "floor_us": floor_us}
+    row = {"workload": label, "floor_us": floor_us, "failed": failed}
     for name, t in zip(good, times):
       row[name] = t["median_us"]
     rows.append(row)
-    print("  " + "  ".join(f"{k} {v:.1f}" for k, v in row.items() if k != "workload"),
+    print("  " + "  ".join(f"{k} {v:.1f}" for k, v in row.items()
+                           if k not in ("workload", "failed")),
           flush=True)
   names = [n for n in ["triton", *args.variants.split(",")]]
-  print("\n| workload | floor us | " + " | ".join(names) + " |")
-  print("|---|---|" + "---|" * len(names))
-  for r in rows:
-    cells = [f"{r['floor_us'] / r[n]:.1%} ({r[n]:.0f})" if n in r else "-" for n in names]
-    print(f"| {r['workload']} | {r['floor_us']:.1f} | " + " | ".join(cells) + " |")
-  for n in names:
-    fr = [r["floor_us"] / r[n] for r in rows if n in r]
-    if fr:
-      print(f"geomean {n}: {math.exp(sum(map(math.log, fr)) / len(fr)):.1%} over {len(fr)}")
+  variants_table.print_table(rows, names)
   with open(os.path.join(args.out, "a_mosaic_variants.json"), "w") as f:
     json.dump({"device": jax.devices()[0].device_kind, "ceiling": ceiling, "rows": rows}, f,
               indent=1)

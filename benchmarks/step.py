@@ -39,7 +39,7 @@ class Step:
   op: str                  # "A", "B" or "C"
   label: str
   make: Callable           # key -> (primals tuple, weight w)
-  loss: Callable           # (primals, w, implementation) -> scalar
+  loss: Callable           # (primals, w, implementation, rng, interpret) -> scalar
   listed: bool = True      # a shape of the tracking table (else one timed besides)
 
 
@@ -51,9 +51,9 @@ def _a(b, s, *, h=80, kvh=8, d=128, listed=True):
     w = jax.random.normal(k[2], (b, s, h, d), BF16)
     return (scores, value), w
 
-  def loss(primals, w, impl, rng):
+  def loss(primals, w, impl, rng, interpret=False):
     out = jax_ops.attention_softmax_dropout_value(
-        *primals, dropout_rate=RATE, dropout_rng=rng, implementation=impl)
+        *primals, dropout_rate=RATE, dropout_rng=rng, implementation=impl, interpret=interpret)
     return jnp.sum(out.astype(F32) * w.astype(F32))
   return Step("A", f"A, B={b} S={s} (H={h}, KVH={kvh}, D={d})", make, loss, listed)
 
@@ -66,10 +66,10 @@ def _b(b, h, s, *, listed=True):
     w = jax.random.normal(k[2], (b, h, s, s), F32)
     return (scores, mask), w
 
-  def loss(primals, w, impl, rng):
+  def loss(primals, w, impl, rng, interpret=False):
     scores, mask = primals
     out = jax_ops.masked_softmax_dropout(scores, mask, dropout_rate=RATE, dropout_rng=rng,
-                                         implementation=impl)
+                                         implementation=impl, interpret=interpret)
     return jnp.sum(out * w)
   return Step("B", f"B, B={b} H={h} S={s}", make, loss, listed)
 
@@ -82,8 +82,9 @@ def _c(b, h, s, *, causal=False, d=128, listed=True):
     w = jax.random.normal(k[2], (b, h, s, s), BF16)
     return (query, key_), w
 
-  def loss(primals, w, impl, rng):
-    out = jax_ops.qk_scale_softmax(*primals, causal=causal, implementation=impl)
+  def loss(primals, w, impl, rng, interpret=False):
+    out = jax_ops.qk_scale_softmax(*primals, causal=causal, implementation=impl,
+                                   interpret=interpret)
     return jnp.sum(out.astype(F32) * w.astype(F32))
   name = "C causal" if causal else "C"
   return Step("C", f"{name}, B={b} H={h} S={s}", make, loss, listed)
@@ -97,14 +98,15 @@ STEPS = [
 ]
 
 
-def step_fn(step: Step, impl):
-  """The jitted training step: loss and gradients w.r.t. the op's differentiable inputs."""
+def step_fn(step: Step, impl, interpret=False):
+  """The jitted training step: loss and gradients w.r.t. the op's differentiable inputs
+  (``interpret``: the Pallas kernels in the interpreter, for tests off a GPU)."""
   argnums = 0 if step.op == "B" else (0, 1)
 
   def fn(primals, w, rng):
     def f(*x):
       full = tuple(x) + tuple(primals[len(x):])
-      return step.loss(full, w, impl, rng)
+      return step.loss(full, w, impl, rng, interpret)
     diff = primals[:1] if step.op == "B" else primals
     return jax.value_and_grad(f, argnums=argnums)(*diff)
   return jax.jit(fn)
@@ -143,6 +145,8 @@ def markdown(meta, rows) -> str:
            "|---|---|---|---|---|"]
   for r in rows:
     extra = "" if r["listed"] else " (not in the table)"
+    if not r.get("split_ok", True):
+      extra += " (calls not told apart in the trace: mean, not median)"
     lines.append(f"| {r['step']}{extra} | {r['xla_us']:.0f} | {r['pallas_us']:.0f} | "
                  f"{r['speedup']:.2f}x | {r['xla_temp_mb']:.0f} / {r['pallas_temp_mb']:.0f} |")
   return "\n".join(lines) + "\n"

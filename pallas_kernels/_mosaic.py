@@ -7,6 +7,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels._util import device_of, is_hopper
+
 SWIZZLE = 128          # bytes: 64 16-bit elements per swizzled row
 MEMORY_REGISTERS = 40  # registers per thread of the TMA producer warpgroup
 SMS = 132              # streaming multiprocessors of an H100 / H200 SXM
@@ -39,3 +41,16 @@ def interpret_params(interpret):
   if interpret is True:
     return plgpu.InterpretGPUParams()
   return interpret or None
+
+
+def check_hopper(entry_point: str, interpret, *arrays) -> None:
+  """Raises a clear ``ValueError`` when a Mosaic GPU kernel would compile off a Hopper GPU
+  (wgmma is sm_90a-only); under ``interpret`` any machine runs the Mosaic GPU interpreter."""
+  if interpret:
+    return
+  device = device_of(*arrays)
+  if not is_hopper(device):
+    raise ValueError(
+        f"{entry_point} (mosaic_gpu): the kernels compile only for a Hopper GPU (sm_90a), and "
+        f"the arrays are on {device.device_kind!r}; pass interpret=True to run them in the "
+        "Mosaic GPU interpreter")

@@ -82,3 +82,15 @@ def assert_configs_fit(config, rows, cols):
     assert block_q <= max(16, pl.next_power_of_2(rows)), c
     assert block_k <= max(16, pl.next_power_of_2(cols)), c
     assert num_warps in (2, 4, 8, 16) and 1 <= num_stages <= 4, c
+
+
+class FakeHopper:
+  """A device as the backends' ``supported_on`` sees an H200 (no arrays are placed on it)."""
+  platform = "gpu"
+  compute_capability = "9.0"
+  device_kind = "NVIDIA H200"
+
+
+class FakeBlackwell(FakeHopper):
+  compute_capability = "10.0"
+  device_kind = "NVIDIA B200"

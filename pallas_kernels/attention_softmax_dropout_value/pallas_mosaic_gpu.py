@@ -47,7 +47,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _mosaic, validation
-from pallas_kernels._util import device_of, dropout_scale, is_hopper, out_struct
+from pallas_kernels._util import dropout_scale, out_struct
 
 f32 = jnp.float32
 i32 = np.int32  # index constants: int32 under x64 too (lax.div/rem need one dtype)
@@ -475,13 +475,8 @@ def attention_softmax_dropout_value_backward(
   if why:
     raise ValueError(f"attention_softmax_dropout_value_backward (mosaic_gpu): {why}; the "
                      "Triton kernels take every shape")
-  if not interpret:
-    device = device_of(grad_attn_output, attn_weights, attn_weights_dropped, value_states)
-    if not is_hopper(device):
-      raise ValueError(
-          "attention_softmax_dropout_value_backward (mosaic_gpu): the kernels compile only "
-          f"for a Hopper GPU (sm_90a), and the arrays are on {device.device_kind!r}; pass "
-          "interpret=True to run them in the Mosaic GPU interpreter")
+  _mosaic.check_hopper("attention_softmax_dropout_value_backward", interpret,
+                       grad_attn_output, attn_weights, attn_weights_dropped, value_states)
   if config is not None and not isinstance(config, Config):
     raise TypeError(f"config: expected a pallas_mosaic_gpu.Config, got {type(config).__name__}")
   config = config or default_config(b, h, kvh, sq, skv, d)

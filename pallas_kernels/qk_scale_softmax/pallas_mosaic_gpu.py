@@ -49,7 +49,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _mosaic, validation
-from pallas_kernels._util import device_of, is_hopper, out_struct
+from pallas_kernels._util import out_struct
 
 f32 = jnp.float32
 i32 = np.int32  # index constants: int32 under x64 too (lax.div/rem need one dtype)
@@ -68,11 +68,11 @@ def unsupported_reason(b, h, sq, sk, d, dtype, scaling_static) -> str | None:
   if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return f"dtype {jnp.dtype(dtype)} (bfloat16 or float16 only)"
   if d != HEAD_DIM:
-    return f"head dim {d} ({HEAD_DIM} only)"
+    return f"head dim {d} (query.shape[3]: {HEAD_DIM} only)"
   if sq % ROWS:
-    return f"seq_q {sq} (a multiple of {ROWS} only)"
+    return f"seq_q {sq} (query.shape[2]: a multiple of {ROWS} only)"
   if sk not in (SEQ_K, PAIR_SEQ_K):
-    return f"seq_k {sk} ({SEQ_K} or {PAIR_SEQ_K} only)"
+    return f"seq_k {sk} (key.shape[2]: {SEQ_K} or {PAIR_SEQ_K} only)"
   if scaling_static is None:
     return "a traced scaling (static scales only)"
   return None
@@ -81,6 +81,32 @@ def unsupported_reason(b, h, sq, sk, d, dtype, scaling_static) -> str | None:
 def _round_to(x, dtype):
   """``x`` (fp32) rounded to nearest-even in ``dtype``, back in fp32."""
   return x.astype(dtype).astype(f32)
+
+
+def _dl_over_g(g_smem, p_smem, keys, other, p_done, read_barrier, dl_barrier, *, scale):
+  """One consumer warpgroup's half of a step's ``dL``, written over its half of the ``g``
+  tile; returns once both halves are written.
+
+  ``delta``: each warpgroup sums the whole row (no exchange buffer), the other warpgroup's
+  half first (its values die before this half's are loaded). ``p_done`` is arrived once P
+  is read; ``read_barrier`` holds the dL write until both have read ``g``; ``dl_barrier``
+  until both halves are written (the GEMMs read the whole tile).
+  """
+  layout = plgpu.Layout.WGMMA
+  dtype = g_smem.dtype
+  other_sum = jnp.sum(plgpu.load(g_smem.at[:, other], layout=layout).astype(f32)
+                      * plgpu.load(p_smem.at[:, other], layout=layout).astype(f32), axis=1)
+  g = plgpu.load(g_smem.at[:, keys], layout=layout).astype(f32)
+  p = plgpu.load(p_smem.at[:, keys], layout=layout).astype(f32)
+  delta = jnp.sum(g * p, axis=1) + other_sum
+  plgpu.barrier_arrive(p_done)
+  plgpu.barrier_arrive(read_barrier)
+  plgpu.barrier_wait(read_barrier)
+  dl = _round_to(p * (g - lax.broadcast_in_dim(delta, g.shape, [0])), dtype)
+  g_smem[:, keys] = (dl * scale).astype(dtype)
+  plgpu.commit_smem()
+  plgpu.barrier_arrive(dl_barrier)
+  plgpu.barrier_wait(dl_barrier)
 
 
 def _kernel(g_ref, p_ref, q_ref, k_ref, dq_ref, dk_ref, read_barrier, dl_barrier, dk_stage,
@@ -106,22 +132,7 @@ def _kernel(g_ref, p_ref, q_ref, k_ref, dq_ref, dk_ref, read_barrier, dl_barrier
   def step(idx, g_smem, p_smem, q_smem, k_smem, g_done, p_done, q_done, k_done, carry):
     i, t = idx
     head = head_of(i)
-    # delta: each warpgroup sums the whole row, the other warpgroup's half first (its
-    # values die before this half's are loaded).
-    other_sum = jnp.sum(plgpu.load(g_smem.at[:, other], layout=wgmma_layout).astype(f32)
-                        * plgpu.load(p_smem.at[:, other], layout=wgmma_layout).astype(f32),
-                        axis=1)
-    g = plgpu.load(g_smem.at[:, keys], layout=wgmma_layout).astype(f32)
-    p = plgpu.load(p_smem.at[:, keys], layout=wgmma_layout).astype(f32)
-    delta = jnp.sum(g * p, axis=1) + other_sum
-    plgpu.barrier_arrive(p_done)
-    plgpu.barrier_arrive(read_barrier)            # both have read g: dL may overwrite it
-    plgpu.barrier_wait(read_barrier)
-    dl = _round_to(p * (g - lax.broadcast_in_dim(delta, g.shape, [0])), dtype)
-    g_smem[:, keys] = (dl * scale).astype(dtype)
-    plgpu.commit_smem()
-    plgpu.barrier_arrive(dl_barrier)              # both halves of dL are written
-    plgpu.barrier_wait(dl_barrier)
+    _dl_over_g(g_smem, p_smem, keys, other, p_done, read_barrier, dl_barrier, scale=scale)
 
     def mm(dq_acc, dk_acc):
       plgpu.wgmma(dq_acc, g_smem, k_smem.at[:, cols])         # dQ[:, cols] = dL @ K
@@ -133,7 +144,11 @@ def _kernel(g_ref, p_ref, q_ref, k_ref, dq_ref, dk_ref, read_barrier, dl_barrier
     plgpu.barrier_arrive(g_done)
     plgpu.barrier_arrive(q_done)
     plgpu.barrier_arrive(k_done)
-    dk = carry * jnp.where(t == 0, 0.0, 1.0).astype(f32) + dk_tile   # t == 0: a new head
+    # t == 0: a new head. A select, not carry * 0: a NaN or Inf of the last head must not
+    # reach this one. (Mosaic GPU selects need a predicate array of the operands' shape.)
+    zero = plgpu.layout_cast(jnp.zeros(dk_tile.shape, f32), wgmma_layout)
+    first = zero + jnp.where(t == 0, 1.0, 0.0).astype(f32) > 0.5
+    dk = jnp.where(first, dk_tile, carry + dk_tile)
     # Stores through shared memory with TMA (from registers they are uncoalesced writes:
     # measured 1.5x slower in all). The staging tiles are free once the previous step's
     # copies have read them.
@@ -202,17 +217,17 @@ def _pair_kernel(g_ref, p_ref, q_ref, k_ref, dq_ref, dk_ref, k_res, k_barrier, r
   """Rows of 256 keys: program ``c`` of a head's pair owns keys ``[128 c, 128 c + 128)`` of
   dK and columns ``[64 c, 64 c + 64)`` of dQ; both read the head's whole rows (the second
   read mostly from L2: the two run side by side)."""
-  c = lax.axis_index("half")
-  head = lax.axis_index("head")
+  program = lax.axis_index("program")
+  c = lax.rem(program, i32(2))                     # a head's pair: programs 2h, 2h + 1
+  head = lax.div(program, i32(2))
   wg = lax.axis_index("wg")
-  half = 2 * ROWS                                  # 128 keys
+  half = PAIR_SEQ_K // 2                           # 128 keys
   keys = pl.ds(wg * half, half)                    # this warpgroup's half of dL
   other = pl.ds((1 - wg) * half, half)
   owned = pl.ds(c * half, half)                    # this program's keys of dK
   cols = pl.ds(c * (HEAD_DIM // 2), HEAD_DIM // 2)         # this program's dQ columns
   dk_cols = pl.ds(wg * (HEAD_DIM // 2), HEAD_DIM // 2)     # this warpgroup's dK columns
   dtype = g_ref.dtype
-  wgmma_layout = plgpu.Layout.WGMMA
 
   def compute_context(run_pipeline):
     # K[:, cols] in two key halves, one copy per warpgroup.
@@ -233,20 +248,7 @@ def _pair_kernel(g_ref, p_ref, q_ref, k_ref, dq_ref, dk_ref, k_res, k_barrier, r
 
   def step(idx, g_smem, p_smem, q_smem, g_done, p_done, q_done, dk_acc):
     (t,) = idx
-    other_sum = jnp.sum(plgpu.load(g_smem.at[:, other], layout=wgmma_layout).astype(f32)
-                        * plgpu.load(p_smem.at[:, other], layout=wgmma_layout).astype(f32),
-                        axis=1)
-    g = plgpu.load(g_smem.at[:, keys], layout=wgmma_layout).astype(f32)
-    p = plgpu.load(p_smem.at[:, keys], layout=wgmma_layout).astype(f32)
-    delta = jnp.sum(g * p, axis=1) + other_sum
-    plgpu.barrier_arrive(p_done)
-    plgpu.barrier_arrive(read_barrier)            # both have read g: dL may overwrite it
-    plgpu.barrier_wait(read_barrier)
-    dl = _round_to(p * (g - lax.broadcast_in_dim(delta, g.shape, [0])), dtype)
-    g_smem[:, keys] = (dl * scale).astype(dtype)
-    plgpu.commit_smem()
-    plgpu.barrier_arrive(dl_barrier)              # both halves of dL are written
-    plgpu.barrier_wait(dl_barrier)
+    _dl_over_g(g_smem, p_smem, keys, other, p_done, read_barrier, dl_barrier, scale=scale)
     plgpu.wgmma(dk_acc, g_smem.at[:, owned].T, q_smem.at[:, dk_cols])   # dK[owned, dk_cols]
 
     @pl.when(wg == 0)
@@ -296,7 +298,7 @@ def pair_backward_kernel(g, p, q, k, *, scale, interpret=False):
           plgpu.Barrier(num_arrivals=WGS), plgpu.Barrier(num_arrivals=WGS),
           plgpu.SMEM((ROWS, HEAD_DIM // 2), dtype, transforms=tiled),
       ],
-      grid=(2, bh), grid_names=("half", "head"),   # a head's pair side by side
+      grid=(2 * bh,), grid_names=("program",),   # a head's pair side by side
       num_threads=WGS + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=_mosaic.interpret_params(interpret),
@@ -324,16 +326,11 @@ def qk_scale_softmax_backward(grad_output, query, key, attn_weights, scaling, *,
   if why:
     raise ValueError(f"qk_scale_softmax_backward (mosaic_gpu): {why}; the Triton kernels "
                      "take every shape")
-  if not interpret:
-    device = device_of(grad_output, query, key, attn_weights)
-    if not is_hopper(device):
-      raise ValueError(
-          "qk_scale_softmax_backward (mosaic_gpu): the kernel compiles only for a Hopper "
-          f"GPU (sm_90a), and the arrays are on {device.device_kind!r}; pass interpret=True "
-          "to run it in the Mosaic GPU interpreter")
+  _mosaic.check_hopper("qk_scale_softmax_backward", interpret, grad_output, query, key,
+                       attn_weights)
   bh = b * h
   run = backward_kernel if sk == SEQ_K else pair_backward_kernel
   dq, dk = run(grad_output.reshape(bh, sq, sk), attn_weights.reshape(bh, sq, sk),
-                           query.reshape(bh, sq, d), key.reshape(bh, sk, d), scale=scale,
-                           interpret=interpret)
+               query.reshape(bh, sq, d), key.reshape(bh, sk, d), scale=scale,
+               interpret=interpret)
   return dq.reshape(b, h, sq, d), dk.reshape(b, h, sk, d)

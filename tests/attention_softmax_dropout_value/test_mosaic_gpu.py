@@ -11,12 +11,13 @@ import pytest
 
 from conftest import INTERPRET, ON_GPU
 import pallas_kernels
+from pallas_kernels._util import is_hopper
 from pallas_kernels.attention_softmax_dropout_value import dispatch
 from pallas_kernels.attention_softmax_dropout_value import pallas_mosaic_gpu as mg
 
 from .kernel_base import check, garbage_mask, make_inputs, reference
 
-HOPPER = ON_GPU and mg.is_hopper(jax.devices()[0])
+HOPPER = ON_GPU and is_hopper(jax.devices()[0])
 needs_kernels = pytest.mark.skipif(ON_GPU and not HOPPER, reason="needs a Hopper GPU")
 
 

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from conftest import INTERPRET, keys
+from conftest import INTERPRET, FakeBlackwell, FakeHopper, keys
 import jax_ops
 from jax_ops import registry
 from jax_ops.backend import Problem
@@ -39,26 +39,15 @@ def test_not_picked_by_default_in_the_interpreter():
   assert registry.resolve(op, "mosaic_gpu", problem).name == "mosaic_gpu"
 
 
-class _FakeHopper:
-  platform = "gpu"
-  compute_capability = "9.0"
-  device_kind = "NVIDIA H200"
-
-
-class _FakeBlackwell(_FakeHopper):
-  compute_capability = "10.0"
-  device_kind = "NVIDIA B200"
-
-
 def test_picked_first_on_hopper_for_the_shapes_it_takes():
   op = "attention_softmax_dropout_value"
   on = lambda s, v, dev, **kw: registry.resolve(
       op, None, _problem(s, v, interpret=False, device=dev, **kw)).name
-  assert on((2, 80, 256, 512), (2, 8, 512, 128), _FakeHopper()) == "mosaic_gpu"
-  assert on((2, 80, 256, 512), (2, 8, 512, 128), _FakeBlackwell()) == "triton"
-  assert on((2, 80, 211, 293), (2, 8, 293, 128), _FakeHopper()) == "triton"   # ragged
-  assert on((2, 80, 256, 512), (2, 8, 512, 40), _FakeHopper()) == "triton"    # D = 40
-  assert on((2, 80, 256, 256), (2, 8, 256, 128), _FakeHopper(), causal=True) == "triton"
+  assert on((2, 80, 256, 512), (2, 8, 512, 128), FakeHopper()) == "mosaic_gpu"
+  assert on((2, 80, 256, 512), (2, 8, 512, 128), FakeBlackwell()) == "triton"
+  assert on((2, 80, 211, 293), (2, 8, 293, 128), FakeHopper()) == "triton"   # ragged
+  assert on((2, 80, 256, 512), (2, 8, 512, 40), FakeHopper()) == "triton"    # D = 40
+  assert on((2, 80, 256, 256), (2, 8, 256, 128), FakeHopper(), causal=True) == "triton"
 
 
 def test_forced_on_a_shape_it_does_not_take_says_why():
@@ -84,9 +73,9 @@ def test_gradient_types_under_shard_map(monkeypatch):
   axes, as the custom VJP needs (traced only: the types, not a run)."""
   from jax.sharding import PartitionSpec as P
   from jax_ops import backend
-  from pallas_kernels.attention_softmax_dropout_value import pallas_mosaic_gpu as mg
+  from pallas_kernels import _mosaic
   monkeypatch.setattr(backend, "is_hopper", lambda device: True)
-  monkeypatch.setattr(mg, "is_hopper", lambda device: True)
+  monkeypatch.setattr(_mosaic, "is_hopper", lambda device: True)
   mesh = jax.make_mesh((1,), ("b",))
   k = keys(3, 3)
   sharded = jax.sharding.NamedSharding(mesh, P("b"))

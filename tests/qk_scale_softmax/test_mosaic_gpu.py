@@ -11,13 +11,14 @@ import pytest
 
 from conftest import INTERPRET, ON_GPU
 import pallas_kernels
+from pallas_kernels._util import is_hopper
 from pallas_kernels import _mosaic
 from pallas_kernels.qk_scale_softmax import dispatch
 from pallas_kernels.qk_scale_softmax import pallas_mosaic_gpu as mg
 
 from .kernel_base import assert_close, make_inputs, reference
 
-HOPPER = ON_GPU and mg.is_hopper(jax.devices()[0])
+HOPPER = ON_GPU and is_hopper(jax.devices()[0])
 needs_kernels = pytest.mark.skipif(ON_GPU and not HOPPER, reason="needs a Hopper GPU")
 SCALE = 1.0 / np.sqrt(128)
 
@@ -49,10 +50,25 @@ def test_matches_reference(b, h, sq, sk):
 
 @needs_kernels
 def test_heads_past_the_last_program(monkeypatch):
-  """5 heads over programs of 3: the last program redoes the last head (same values)."""
+  """5 heads of 3 row tiles over programs of 3 heads: dK carried over a head's tiles, reset
+  between heads, and the last program redoes the last head (same values)."""
   monkeypatch.setattr(_mosaic, "SMS", 2)
   assert mg.heads_per_program(5) == 3
-  check(make_inputs(1, 1, 5, 64, 128, 128))
+  check(make_inputs(1, 1, 5, 192, 128, 128))
+
+
+@needs_kernels
+def test_a_non_finite_head_stays_in_its_head(monkeypatch):
+  """All heads in one program: an Inf in head 0's g makes head 0's gradients non-finite,
+  as in the reference, and leaves head 1's as the reference's."""
+  monkeypatch.setattr(_mosaic, "SMS", 1)
+  g, q, k, p = make_inputs(2, 1, 2, 128, 128, 128)
+  g = g.at[0, 0, 5, 7].set(jnp.inf)
+  dq, dk = backward(g, q, k, p, SCALE)
+  ref_q, ref_k = reference(g, q, k, p, SCALE)
+  assert not np.all(np.isfinite(np.asarray(dk[0, 0], np.float32)))
+  assert_close("grad_query", dq[0, 1], ref_q[0, 1])
+  assert_close("grad_key", dk[0, 1], ref_k[0, 1])
 
 
 @needs_kernels
@@ -131,3 +147,18 @@ def test_dispatch():
   out = pallas_kernels.qk_scale_softmax_backward(*args, SCALE, block_q=16, interpret=True)
   ref = reference(*args, SCALE)
   assert_close("grad_query", out[0], ref[0])
+
+
+def test_dispatch_on_a_hopper(monkeypatch):
+  """kernels_for's choice on a Hopper GPU, seen from any machine (a stand-in device)."""
+  from conftest import FakeHopper
+  monkeypatch.setattr(dispatch, "device_of", lambda *arrays: FakeHopper())
+  on = lambda sq, sk, d=128, dtype=jnp.bfloat16, **kw: dispatch.kernels_for(
+      *make_inputs(0, 1, 1, sq, sk, d, dtype=dtype), SCALE, **kw)
+  assert on(128, 128) == "mosaic_gpu"
+  assert on(128, 128, causal=True) == "mosaic_gpu"
+  assert on(64, 256) == "triton"          # the pair kernel: measured slower, only when named
+  assert on(64, 128, d=64) == "triton"
+  assert on(65, 128) == "triton"
+  assert on(64, 128, dtype=jnp.float32) == "triton"
+  assert on(128, 128, interpret=True) == "triton"

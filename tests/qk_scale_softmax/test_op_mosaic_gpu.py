@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from conftest import FakeBlackwell, FakeHopper
 import jax_ops
 from jax_ops import registry
 from jax_ops.backend import Problem
@@ -21,17 +22,6 @@ def implementation():
   return "mosaic_gpu"
 
 
-class _FakeHopper:
-  platform = "gpu"
-  compute_capability = "9.0"
-  device_kind = "NVIDIA H200"
-
-
-class _FakeBlackwell(_FakeHopper):
-  compute_capability = "10.0"
-  device_kind = "NVIDIA B200"
-
-
 def _problem(sq, sk, d, *, interpret=False, device=None, causal=False, dtype="bfloat16"):
   return Problem(op=OP, shapes=(("query", (2, 4, sq, d)), ("key", (2, 4, sk, d))),
                  dtype=dtype, causal=causal, device=device, interpret=interpret)
@@ -39,14 +29,14 @@ def _problem(sq, sk, d, *, interpret=False, device=None, causal=False, dtype="bf
 
 def test_picked_first_on_hopper_for_the_shapes_it_takes():
   on = lambda *a, **kw: registry.resolve(OP, None, _problem(*a, **kw)).name
-  assert on(128, 128, 128, device=_FakeHopper()) == "mosaic_gpu"
-  assert on(128, 128, 128, device=_FakeBlackwell()) == "triton"
-  assert on(128, 128, 128, device=_FakeHopper(), causal=True) == "mosaic_gpu"
-  assert on(128, 256, 128, device=_FakeHopper()) == "triton"   # measured slower there
-  assert on(128, 384, 128, device=_FakeHopper()) == "triton"
-  assert on(128, 128, 64, device=_FakeHopper()) == "triton"
-  assert on(128, 128, 128, device=_FakeHopper(), dtype="float32") == "triton"
-  assert on(128, 128, 128, device=_FakeHopper(), interpret=True) == "triton"
+  assert on(128, 128, 128, device=FakeHopper()) == "mosaic_gpu"
+  assert on(128, 128, 128, device=FakeBlackwell()) == "triton"
+  assert on(128, 128, 128, device=FakeHopper(), causal=True) == "mosaic_gpu"
+  assert on(128, 256, 128, device=FakeHopper()) == "triton"   # measured slower there
+  assert on(128, 384, 128, device=FakeHopper()) == "triton"
+  assert on(128, 128, 64, device=FakeHopper()) == "triton"
+  assert on(128, 128, 128, device=FakeHopper(), dtype="float32") == "triton"
+  assert on(128, 128, 128, device=FakeHopper(), interpret=True) == "triton"
   assert registry.resolve(OP, "mosaic_gpu", _problem(128, 128, 128, interpret=True)).name == (
       "mosaic_gpu")
 
