@@ -13,6 +13,7 @@ from jax_ops.reference import (
     attention_softmax_dropout_value_backward_reference,
     causal_mask,
     dropout_keep_mask,
+    effective_dropout_rate,
     masked_softmax_dropout_backward_reference,
     qk_scale_softmax_backward_reference,
 )
@@ -22,6 +23,7 @@ __all__ = [
     "attention_softmax_dropout_value_backward_reference",
     "causal_mask",
     "dropout_keep_mask",
+    "effective_dropout_rate",
     "masked_softmax_dropout",
     "masked_softmax_dropout_backward_reference",
     "qk_scale_softmax",

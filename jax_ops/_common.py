@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_ops import registry
 from jax_ops.backend import Problem
@@ -52,9 +53,70 @@ def dropout_scale(keep, p, p_static):
   return scale
 
 
+# The dropout mask: a counter-based hash of (key, leading index, row, column).
+RATE_BITS = 16                     # the rate is rounded to a multiple of 2**-16
+_RATE_STEPS = 1 << RATE_BITS
+_GOLDEN = np.uint32(0x9E3779B9)
+
+
+def _mix32(x):
+  """A 32-bit integer mixer (lowbias32: two multiply-xorshift rounds), full avalanche."""
+  x = x ^ (x >> np.uint32(16))
+  x = x * np.uint32(0x7FEB352D)
+  x = x ^ (x >> np.uint32(15))
+  x = x * np.uint32(0x846CA68B)
+  return x ^ (x >> np.uint32(16))
+
+
+def rate_threshold(rate):
+  """The mask's threshold ``round(rate * 2**16)`` (at most ``2**16 - 1``), uint32; a
+  Python float gives a Python int."""
+  if isinstance(rate, (int, float)):
+    return min(int(round(float(rate) * _RATE_STEPS)), _RATE_STEPS - 1)
+  rate = jnp.asarray(rate, f32)
+  t = jnp.clip(jnp.round(rate * _RATE_STEPS), 0, _RATE_STEPS - 1)
+  return jnp.where(jnp.isnan(t), 0, t).astype(jnp.uint32)
+
+
+def effective_dropout_rate(rate):
+  """The rate the mask draws, ``rate`` rounded to a multiple of ``2**-16``: what the ops
+  scale by (``1 / (1 - effective_dropout_rate(rate))``) so that the expectation is exact. A Python float
+  gives a Python float; a NaN stays NaN."""
+  if isinstance(rate, (int, float)):
+    return rate_threshold(rate) / _RATE_STEPS
+  rate = jnp.asarray(rate, f32)
+  return jnp.where(jnp.isnan(rate), rate, rate_threshold(rate).astype(f32) / _RATE_STEPS)
+
+
 def dropout_keep_mask(rng, rate, shape):
-  """The dropout keep mask the ops draw: ``bernoulli(rng, 1 - rate)``, True = kept."""
-  return jax.random.bernoulli(rng, 1.0 - jnp.asarray(rate, f32), shape)
+  """The dropout keep mask the ops draw (True = kept): deterministic, counter-based.
+
+  For an array of ``shape`` ``[..., rows, cols]``, with ``(k0, k1) =
+  jax.random.bits(rng, (2,), uint32)``, ``n`` the index over the leading dimensions
+  (row-major, e.g. ``b * H + h``), row ``r`` and column pair ``w = c // 2``::
+
+    h = mix32(mix32((r * ceil(cols / 2) + w) ^ k0) ^ (n * 0x9E3779B9 + k1))   # uint32
+    u = (h >> (16 * (c % 2))) & 0xFFFF                                        # 16 bits
+    keep = u >= round(rate * 2**16)
+
+  with ``mix32`` the lowbias32 mixer (:func:`_mix32`). So one 32-bit hash draws two
+  elements, the rate is rounded to a multiple of ``2**-16`` (:func:`effective_dropout_rate`; a rate
+  under ``2**-17`` drops nothing), and the counter wraps past ``2**32`` pairs in one
+  ``[rows, cols]`` slice. These are not the masks of ``jax.random.bernoulli``.
+  """
+  *lead, rows, cols = shape
+  n_lead = int(np.prod(lead)) if lead else 1
+  pairs = (cols + 1) // 2
+  k0, k1 = jax.random.bits(rng, (2,), jnp.uint32)
+  # Element-wise (each element hashes its pair): one fused loop, no [.., pairs] temporary.
+  # A kernel computes one hash per pair and takes both halves.
+  dims = (n_lead, rows, cols)
+  n = jax.lax.broadcasted_iota(jnp.uint32, dims, 0)
+  r = jax.lax.broadcasted_iota(jnp.uint32, dims, 1)
+  c = jax.lax.broadcasted_iota(jnp.uint32, dims, 2)
+  h = _mix32(_mix32((r * np.uint32(pairs) + (c >> np.uint32(1))) ^ k0) ^ (n * _GOLDEN + k1))
+  u = ((h >> ((c & np.uint32(1)) * np.uint32(16))) & np.uint32(0xFFFF)).reshape(shape)
+  return u >= jnp.asarray(rate_threshold(rate), jnp.uint32)
 
 
 def apply_dropout(probs, keep, rate):
@@ -87,7 +149,8 @@ def check_rng(rng) -> None:
 
 def op_dropout(rng, rate, shape):
   """``(keep, rate_static, rate_array)`` of an op's dropout; ``keep`` is ``None`` when no
-  dropout applies (``dropout_rate == 0``).
+  dropout applies (``dropout_rate == 0``). The rates returned are the effective ones
+  (:func:`effective_dropout_rate`: rounded to a multiple of ``2**-16``), which the mask draws.
 
   A rate that may be > 0 (a Python number > 0, or a traced one) needs a key:
   ``dropout_rng=None`` then raises, as ``flax.nnx.Dropout`` does, instead of silently
@@ -106,7 +169,12 @@ def op_dropout(rng, rate, shape):
   rate = jax.lax.stop_gradient(jnp.asarray(rate, f32))
   if p_static is None:  # traced: an invalid rate makes the outputs NaN, not mis-scaled
     rate = validation.nan_unless_rate_valid(rate, rate)
-  return dropout_keep_mask(rng, rate, shape), p_static, rate
+  keep = dropout_keep_mask(rng, rate, shape)
+  # Everything downstream (the forward's scale, the backward) uses the rate the mask drew.
+  if p_static is not None:
+    p_static = effective_dropout_rate(p_static)
+    return keep, p_static, jnp.asarray(p_static, f32)
+  return keep, None, effective_dropout_rate(rate)
 
 
 def rate_for_backward(keep, p_static, rate):

@@ -2,7 +2,7 @@
 also its ``"xla"`` backend) and forward. They live beside their ops
 (``jax_ops/<op folder>/reference.py``); this module gathers them."""
 
-from jax_ops._common import causal_mask, dropout_keep_mask
+from jax_ops._common import causal_mask, dropout_keep_mask, effective_dropout_rate
 from jax_ops.attention_value.reference import (
     attention_softmax_dropout_value_backward_reference,
     attention_softmax_dropout_value_forward,
@@ -21,6 +21,7 @@ __all__ = [
     "attention_softmax_dropout_value_forward",
     "causal_mask",
     "dropout_keep_mask",
+    "effective_dropout_rate",
     "masked_softmax_dropout_backward_reference",
     "masked_softmax_dropout_forward",
     "qk_scale_softmax_backward_reference",

@@ -27,7 +27,8 @@ def test_grad_matches_autodiff(implementation, b, h, sq, sk, rate):
       s, mask, dropout_rate=rate, dropout_rng=k[2], implementation=implementation,
       interpret=INTERPRET)
   keep = reference.dropout_keep_mask(k[2], rate, scores.shape) if rate else None
-  plain = lambda s: reference.masked_softmax_dropout_forward(s, mask, keep, rate)[0]
+  rate_drawn = reference.effective_dropout_rate(rate)   # the ops scale by the rate drawn
+  plain = lambda s: reference.masked_softmax_dropout_forward(s, mask, keep, rate_drawn)[0]
   out, (grad,) = _vjp(jax.jit(op), (scores,), ct)
   ref_out, (ref_grad,) = _vjp(plain, (scores,), ct)
   assert_close(out, ref_out, atol=1e-6, rtol=1e-6)

@@ -1,0 +1,95 @@
+"""The ops' dropout mask (``jax_ops.dropout_keep_mask``): a counter-based hash of (key,
+leading index, row, column) with 16-bit thresholds. Statistics, determinism, the rounding
+of the rate, and that the ops use it."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_ops
+from jax_ops import _common
+
+SHAPE = (4, 4, 96, 130)   # B, H, rows, cols: 200k elements, odd pairs per row
+
+
+def _mask(seed, rate, shape=SHAPE):
+  return np.asarray(_common.dropout_keep_mask(jax.random.key(seed), rate, shape))
+
+
+@pytest.mark.parametrize("rate", [0.05, 0.1, 0.5, 0.9])
+def test_keep_fraction_within_4_sigma(rate):
+  m = _mask(0, rate)
+  keep = 1.0 - _common.effective_dropout_rate(rate)
+  sigma = np.sqrt(keep * (1 - keep) / m.size)
+  assert abs(m.mean() - keep) < 4 * sigma, (m.mean(), keep)
+
+
+@pytest.mark.parametrize("axis", [0, 1, 2, 3])   # batch entries, heads, rows, columns
+def test_no_correlation_between_neighbours(axis):
+  m = _mask(1, 0.5).astype(np.float64)
+  a = np.take(m, np.arange(m.shape[axis] - 1), axis=axis).ravel()
+  b = np.take(m, np.arange(1, m.shape[axis]), axis=axis).ravel()
+  corr = np.corrcoef(a, b)[0, 1]
+  assert abs(corr) < 4 / np.sqrt(a.size), corr
+
+
+def test_columns_of_one_hash_are_independent():
+  """Columns 2w and 2w + 1 come from the two halves of one 32-bit hash."""
+  m = _mask(2, 0.3).astype(np.float64)
+  corr = np.corrcoef(m[..., 0:-1:2].ravel(), m[..., 1::2].ravel())[0, 1]
+  assert abs(corr) < 4 / np.sqrt(m[..., 1::2].size), corr
+
+
+def test_keys_differ_and_repeat():
+  a, b = _mask(3, 0.5), _mask(4, 0.5)
+  agree = (a == b).mean()
+  assert abs(agree - 0.5) < 0.01, agree      # two independent fair masks agree half the time
+  np.testing.assert_array_equal(a, _mask(3, 0.5))
+  jitted = jax.jit(lambda k: _common.dropout_keep_mask(k, jnp.float32(0.5), SHAPE))
+  np.testing.assert_array_equal(np.asarray(jitted(jax.random.key(3))), a)
+  raw = np.asarray(_common.dropout_keep_mask(jax.random.PRNGKey(3), 0.5, SHAPE))
+  np.testing.assert_array_equal(raw, a)       # a raw uint32 key draws the same mask
+
+
+def test_the_function_is_pinned():
+  """The documented function, on a small case (a change of the hash fails here)."""
+  m = _mask(42, 0.5, (1, 2, 3, 5)).astype(int).tolist()
+  assert m == [[[[1, 1, 1, 1, 1], [1, 0, 1, 1, 0], [1, 1, 0, 1, 1]],
+                [[0, 1, 0, 0, 0], [0, 0, 1, 1, 0], [0, 1, 0, 0, 0]]]]
+
+
+def test_x64_draws_the_same_mask():
+  a = _mask(5, 0.2)
+  with jax.enable_x64(True):
+    b = np.asarray(_common.dropout_keep_mask(jax.random.key(5), 0.2, SHAPE))
+  np.testing.assert_array_equal(a, b)
+
+
+def test_rate_rounding():
+  assert _common.effective_dropout_rate(0.1) == 6554 / 65536
+  assert _common.effective_dropout_rate(0.0) == 0.0
+  assert _common.effective_dropout_rate(1e-6) == 0.0            # under 2**-17: nothing dropped
+  assert _common.effective_dropout_rate(0.99999) == 65535 / 65536
+  assert float(_common.effective_dropout_rate(jnp.float32(0.1))) == pytest.approx(6554 / 65536)
+  assert np.isnan(float(_common.effective_dropout_rate(jnp.float32(np.nan))))
+  assert _mask(6, 1e-6).all()
+
+
+def test_the_ops_drop_with_it_and_scale_by_the_rate_drawn():
+  """B's op output is softmax * keep / (1 - effective rate), keep from the documented mask,
+  and its gradient runs."""
+  k = jax.random.split(jax.random.key(7), 3)
+  scores = jax.random.normal(k[0], (2, 3, 8, 10), jnp.float32)
+  mask = jnp.ones((2, 1, 8, 10), bool)
+  rate = 0.3
+  out = jax_ops.masked_softmax_dropout(scores, mask, dropout_rate=rate, dropout_rng=k[1],
+                                       implementation="xla")
+  keep = _common.dropout_keep_mask(k[1], rate, scores.shape)
+  expected = jax.nn.softmax(scores, -1) * keep / (1 - _common.effective_dropout_rate(rate))
+  np.testing.assert_allclose(np.asarray(out), np.asarray(expected), rtol=1e-6, atol=1e-7)
+  grad = jax.grad(lambda s: jnp.sum(jax_ops.masked_softmax_dropout(
+      s, mask, dropout_rate=rate, dropout_rng=k[1], implementation="xla") * jnp.arange(10.0)))(
+          scores)
+  assert np.all(np.isfinite(np.asarray(grad)))
+  assert not np.allclose(np.asarray(grad), 0)
