@@ -112,6 +112,11 @@ def step_fn(step: Step, impl, interpret=False):
   return jax.jit(fn)
 
 
+def forward_fn(step: Step):
+  """The step's forward alone (the loss, no gradient): the same jnp on both paths today."""
+  return jax.jit(lambda primals, w, rng: step.loss(primals, w, "xla", rng))
+
+
 def temp_mb(fn, *args) -> float:
   analysis = fn.lower(*args).compile().memory_analysis()
   return analysis.temp_size_in_bytes / 2 ** 20
@@ -126,8 +131,9 @@ def measure(step: Step, calls: int) -> dict:
   row = {"op": step.op, "step": step.label, "listed": step.listed}
   for impl, fn in fns.items():
     row[f"{impl or 'pallas'}_temp_mb"] = temp_mb(fn, *sets[0])
-  times = device_times_us(list(fns.values()), sets, calls=calls)
+  times = device_times_us([*fns.values(), forward_fn(step)], sets, calls=calls)
   row["xla_us"], row["pallas_us"] = times[0]["median_us"], times[1]["median_us"]
+  row["forward_us"] = times[2]["median_us"]
   row["split_ok"] = all(t["split_ok"] for t in times)
   row["speedup"] = row["xla_us"] / row["pallas_us"]
   return row
@@ -141,14 +147,19 @@ def markdown(meta, rows) -> str:
            "calls, two input sets rotated; memory: the compiled step's temporary buffers",
            "- dropout rate 0.1 (A, B); the forwards are jnp in both paths, the backward is "
            "XLA's or the Pallas kernels'", "",
-           "| step | XLA path us | Pallas path us | speedup | temp memory, XLA / Pallas MB |",
-           "|---|---|---|---|---|"]
+           "- forward: the loss alone, no gradient (the same on both paths); a step's backward "
+           "is about its time minus the forward's", "",
+           "| step | XLA path us | Pallas path us | speedup | forward us | "
+           "temp memory, XLA / Pallas MB |",
+           "|---|---|---|---|---|---|"]
   for r in rows:
     extra = "" if r["listed"] else " (not in the table)"
     if not r.get("split_ok", True):
       extra += " (calls not told apart in the trace: mean, not median)"
+    forward = f"{r['forward_us']:.0f}" if "forward_us" in r else "-"
     lines.append(f"| {r['step']}{extra} | {r['xla_us']:.0f} | {r['pallas_us']:.0f} | "
-                 f"{r['speedup']:.2f}x | {r['xla_temp_mb']:.0f} / {r['pallas_temp_mb']:.0f} |")
+                 f"{r['speedup']:.2f}x | {forward} | "
+                 f"{r['xla_temp_mb']:.0f} / {r['pallas_temp_mb']:.0f} |")
   return "\n".join(lines) + "\n"
 
 

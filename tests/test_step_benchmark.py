@@ -31,6 +31,8 @@ def test_step_fn_same_on_both_paths(make):
     np.testing.assert_allclose(np.asarray(gp, np.float32), np.asarray(gx, np.float32),
                                atol=2e-2 * scale, rtol=5e-2)
   assert step.temp_mb(step.step_fn(s, "xla"), primals, w, rng) >= 0
+  np.testing.assert_allclose(float(step.forward_fn(s)(primals, w, rng)), float(loss_x),
+                             rtol=1e-5, atol=1e-5)
 
 
 def test_report_and_chart(tmp_path):
@@ -43,7 +45,9 @@ def test_report_and_chart(tmp_path):
   meta = {"date": "2026-12-01", "device": "NVIDIA H200", "jax": "0.11.2", "commit": "abc",
           "calls": 20}
   text = step.markdown(meta, rows)
-  assert "| A, B=2 S=2048 (H=80, KVH=8, D=128) | 6000 | 3000 | 2.00x | 4480 / 2112 |" in text
+  assert "| A, B=2 S=2048 (H=80, KVH=8, D=128) | 6000 | 3000 | 2.00x | - | 4480 / 2112 |" in text
+  rows[0]["forward_us"] = 2500.0
+  assert "| 2.00x | 2500 | 4480 / 2112 |" in step.markdown(meta, rows)
   assert "(not in the table)" in text
   png = step.write_chart(rows, str(tmp_path / "step.png"))
   if png is not None:
