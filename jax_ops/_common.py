@@ -9,7 +9,7 @@ import numpy as np
 
 from jax_ops import registry
 from jax_ops.backend import Problem
-from pallas_kernels import validation
+from pallas_kernels import _dropout, validation
 from pallas_kernels._util import device_of
 
 f32 = jnp.float32
@@ -53,39 +53,14 @@ def dropout_scale(keep, p, p_static):
   return scale
 
 
-# The dropout mask: a counter-based hash of (key, leading index, row, column).
-RATE_BITS = 16                     # the rate is rounded to a multiple of 2**-16
-_RATE_STEPS = 1 << RATE_BITS
-_GOLDEN = np.uint32(0x9E3779B9)
-
-
-def _mix32(x):
-  """A 32-bit integer mixer (lowbias32: two multiply-xorshift rounds), full avalanche."""
-  x = x ^ (x >> np.uint32(16))
-  x = x * np.uint32(0x7FEB352D)
-  x = x ^ (x >> np.uint32(15))
-  x = x * np.uint32(0x846CA68B)
-  return x ^ (x >> np.uint32(16))
-
-
-def rate_threshold(rate):
-  """The mask's threshold ``round(rate * 2**16)`` (at most ``2**16 - 1``), uint32; a
-  Python float gives a Python int."""
-  if isinstance(rate, (int, float)):
-    return min(int(round(float(rate) * _RATE_STEPS)), _RATE_STEPS - 1)
-  rate = jnp.asarray(rate, f32)
-  t = jnp.clip(jnp.round(rate * _RATE_STEPS), 0, _RATE_STEPS - 1)
-  return jnp.where(jnp.isnan(t), 0, t).astype(jnp.uint32)
+rate_threshold = _dropout.rate_threshold
 
 
 def effective_dropout_rate(rate):
-  """The rate the mask draws, ``rate`` rounded to a multiple of ``2**-16``: what the ops
-  scale by (``1 / (1 - effective_dropout_rate(rate))``) so that the expectation is exact. A Python float
-  gives a Python float; a NaN stays NaN."""
-  if isinstance(rate, (int, float)):
-    return rate_threshold(rate) / _RATE_STEPS
-  rate = jnp.asarray(rate, f32)
-  return jnp.where(jnp.isnan(rate), rate, rate_threshold(rate).astype(f32) / _RATE_STEPS)
+  """The rate the dropout mask draws: ``rate`` rounded to a multiple of ``2**-16``, which
+  the ops scale by (``1 / (1 - effective_dropout_rate(rate))``) so that the expectation is
+  exact. A Python float gives a Python float; a NaN stays NaN."""
+  return _dropout.effective_rate(rate)
 
 
 def dropout_keep_mask(rng, rate, shape):
@@ -99,23 +74,19 @@ def dropout_keep_mask(rng, rate, shape):
     u = (h >> (16 * (c % 2))) & 0xFFFF                                        # 16 bits
     keep = u >= round(rate * 2**16)
 
-  with ``mix32`` the lowbias32 mixer (:func:`_mix32`). So one 32-bit hash draws two
+  with ``mix32`` the lowbias32 mixer (``pallas_kernels._dropout``, which kernels share). So one 32-bit hash draws two
   elements, the rate is rounded to a multiple of ``2**-16`` (:func:`effective_dropout_rate`; a rate
   under ``2**-17`` drops nothing), and the counter wraps past ``2**32`` pairs in one
   ``[rows, cols]`` slice. These are not the masks of ``jax.random.bernoulli``.
   """
   *lead, rows, cols = shape
   n_lead = int(np.prod(lead)) if lead else 1
-  pairs = (cols + 1) // 2
   k0, k1 = jax.random.bits(rng, (2,), jnp.uint32)
   # Element-wise (each element hashes its pair): one fused loop, no [.., pairs] temporary.
   # A kernel computes one hash per pair and takes both halves.
   dims = (n_lead, rows, cols)
-  n = jax.lax.broadcasted_iota(jnp.uint32, dims, 0)
-  r = jax.lax.broadcasted_iota(jnp.uint32, dims, 1)
-  c = jax.lax.broadcasted_iota(jnp.uint32, dims, 2)
-  h = _mix32(_mix32((r * np.uint32(pairs) + (c >> np.uint32(1))) ^ k0) ^ (n * _GOLDEN + k1))
-  u = ((h >> ((c & np.uint32(1)) * np.uint32(16))) & np.uint32(0xFFFF)).reshape(shape)
+  n, r, c = (jax.lax.broadcasted_iota(jnp.uint32, dims, i) for i in range(3))
+  u = _dropout.bits16(k0, k1, n, r, c, cols).reshape(shape)
   return u >= jnp.asarray(rate_threshold(rate), jnp.uint32)
 
 

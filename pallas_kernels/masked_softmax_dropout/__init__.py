@@ -2,6 +2,8 @@
 
 ``masked_softmax_dropout_backward`` is the entry point (``pallas_triton.py``); its launch
 configuration, the tuned table's entries and the default for a device are in ``config.py``.
+``forward.py`` has the fused forward (masked fill, softmax and dropout in one kernel, the mask
+drawn in the kernel), not yet used by the op.
 """
 
 from pallas_kernels.masked_softmax_dropout.config import (

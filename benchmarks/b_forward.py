@@ -1,0 +1,72 @@
+"""Kernel B's fused forward (``pallas_kernels.masked_softmax_dropout.forward``) against the
+op's jnp forward (mask drawn by ``jax_ops.dropout_keep_mask``), on a GPU.
+
+Usage::
+
+    PYTHONPATH=. python3 -m benchmarks.b_forward [--calls 20] [--out DIR]
+
+Both produce ``(y, P, keep)``; the keep masks must agree bit for bit and ``y`` within 1e-6.
+Median device time (JAX profiler), two input sets rotated. Writes ``<out>/b_forward.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_ops
+from benchmarks.timing import device_times_us
+from jax_ops import reference
+from pallas_kernels.masked_softmax_dropout.forward import masked_softmax_dropout_forward
+
+SHAPES = [(8, 16, 1024), (32, 8, 256), (16, 8, 2048), (4, 4, 4096)]   # (B, H, S)
+RATE = 0.1
+
+
+def jnp_forward(scores, mask, rng):
+  keep = jax_ops.dropout_keep_mask(rng, RATE, scores.shape)
+  y, p = reference.masked_softmax_dropout_forward(scores, mask, keep,
+                                                  jax_ops.effective_dropout_rate(RATE))
+  return y, p, keep
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--calls", type=int, default=20)
+  parser.add_argument("--out", default=".")
+  args = parser.parse_args(argv)
+  if jax.default_backend() != "gpu":
+    print("needs a CUDA GPU", file=sys.stderr)
+    return 2
+  fns = {"jnp": jax.jit(jnp_forward),
+         "kernel": jax.jit(lambda s, m, r: masked_softmax_dropout_forward(s, m, RATE, r))}
+  rows = []
+  for b, h, s in SHAPES:
+    sets = []
+    for i in range(2):
+      k = jax.random.split(jax.random.key(i), 3)
+      sets.append((jax.random.normal(k[0], (b, h, s, s), jnp.float32),
+                   jax.random.bernoulli(k[1], 0.9, (b, 1, s, s)), k[2]))
+    ref, out = fns["jnp"](*sets[0]), fns["kernel"](*sets[0])
+    same_keep = bool(jnp.all(ref[2] == out[2]))
+    y_err = float(jnp.max(jnp.abs(ref[0] - out[0])))
+    times = device_times_us(list(fns.values()), sets, calls=args.calls)
+    row = {"shape": [b, h, s], "jnp_us": times[0]["median_us"],
+           "kernel_us": times[1]["median_us"], "same_keep": same_keep, "max_y_err": y_err}
+    rows.append(row)
+    print(f"B={b} H={h} S={s}: jnp {row['jnp_us']:.0f} us, kernel {row['kernel_us']:.0f} us "
+          f"(x{row['jnp_us'] / row['kernel_us']:.2f}); keep equal {same_keep}, "
+          f"max |y err| {y_err:.2g}", flush=True)
+  with open(os.path.join(args.out, "b_forward.json"), "w") as f:
+    json.dump({"device": jax.devices()[0].device_kind, "rows": rows}, f, indent=1)
+  return 0 if all(r["same_keep"] and r["max_y_err"] < 1e-6 for r in rows) else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,56 @@
+"""The dropout mask's hash, shared by the jnp reference (``jax_ops.dropout_keep_mask``) and
+the kernels that draw the mask themselves: the same uint32 arithmetic, bit for bit.
+
+For element ``(n, r, c)`` of an array ``[..., rows, cols]`` (``n`` the row-major index over
+the leading dimensions), with ``(k0, k1) = jax.random.bits(rng, (2,), uint32)``::
+
+  h    = mix32(mix32((r * ceil(cols / 2) + c // 2) ^ k0) ^ (n * GOLDEN + k1))
+  u    = (h >> (16 * (c % 2))) & 0xFFFF
+  keep = u >= round(rate * 2**16)          (the threshold at most 2**16 - 1)
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+RATE_BITS = 16                     # the rate is rounded to a multiple of 2**-16
+RATE_STEPS = 1 << RATE_BITS
+GOLDEN = np.uint32(0x9E3779B9)
+
+
+def mix32(x):
+  """A 32-bit integer mixer (lowbias32: two multiply-xorshift rounds), full avalanche.
+  ``x``: uint32 (array or kernel value)."""
+  x = x ^ (x >> np.uint32(16))
+  x = x * np.uint32(0x7FEB352D)
+  x = x ^ (x >> np.uint32(15))
+  x = x * np.uint32(0x846CA68B)
+  return x ^ (x >> np.uint32(16))
+
+
+def bits16(k0, k1, n, r, c, cols: int):
+  """The 16 bits ``u`` of elements ``(n, r, c)`` (uint32 values that broadcast together)."""
+  pairs = np.uint32((cols + 1) // 2)
+  h = mix32(mix32((r * pairs + (c >> np.uint32(1))) ^ k0) ^ (n * GOLDEN + k1))
+  return (h >> ((c & np.uint32(1)) * np.uint32(16))) & np.uint32(0xFFFF)
+
+
+def rate_threshold(rate):
+  """The threshold ``round(rate * 2**16)`` (at most ``2**16 - 1``): a Python int for a
+  Python float, else a uint32 array (0 for a NaN rate)."""
+  if isinstance(rate, (int, float)):
+    return min(int(round(float(rate) * RATE_STEPS)), RATE_STEPS - 1)
+  rate = jnp.asarray(rate, jnp.float32)
+  t = jnp.clip(jnp.round(rate * RATE_STEPS), 0, RATE_STEPS - 1)
+  return jnp.where(jnp.isnan(t), 0, t).astype(jnp.uint32)
+
+
+def effective_rate(rate):
+  """The rate the mask draws: ``rate`` rounded to a multiple of ``2**-16``. A Python float
+  gives a Python float; a NaN stays NaN."""
+  if isinstance(rate, (int, float)):
+    return rate_threshold(rate) / RATE_STEPS
+  rate = jnp.asarray(rate, jnp.float32)
+  return jnp.where(jnp.isnan(rate), rate,
+                   rate_threshold(rate).astype(jnp.float32) / RATE_STEPS)

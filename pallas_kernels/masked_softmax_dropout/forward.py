@@ -1,0 +1,132 @@
+"""The forward of masked softmax -> dropout in one Pallas Triton row kernel, drawing the
+dropout mask itself.
+
+``P = softmax(scores.masked_fill(~mask, -1e4))``, ``y = P * keep / (1 - p)`` with ``keep``
+the counter-based mask of ``pallas_kernels._dropout`` (the one ``jax_ops.dropout_keep_mask``
+draws, bit for bit, and ``p`` the rate it draws, rounded to a multiple of ``2**-16``). One
+program owns ``block_rows`` whole rows (padded to a power of two) of one head: it reads the
+scores and the attention mask once and writes ``y``, ``P`` and ``keep`` once (4 + 1 bytes in,
+4 + 4 + 1 out per fp32 element; the mask is shared by the heads). One 32-bit hash draws two
+elements of ``keep``.
+
+Not yet used by the op (its forward is jnp): an internal entry point, to be timed against
+the jnp forward on a GPU before the op's Pallas path takes it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels import _dropout, _util, validation
+from pallas_kernels._util import compiler_params, next_power_of_2, out_struct, pallas_call
+
+_NAME = "masked_softmax_dropout_forward"
+_F32 = jnp.float32
+_U32 = jnp.uint32
+
+
+def _kernel(seeds_ref, scale_ref, s_ref, mask_ref, y_ref, p_ref, keep_ref, *, num_heads,
+            seq_q, seq_k, block_rows, width, dropout):
+  bh = pl.program_id(0)
+  r0 = pl.program_id(1) * block_rows
+  b = bh // num_heads
+  rows = r0 + jnp.arange(block_rows)
+  cols = jnp.arange(width)
+  valid = (rows[:, None] < seq_q) & (cols[None, :] < seq_k)
+  c0 = bh * 0                      # a traced column start (the indexer's static bounds)
+  tile = (bh, pl.ds(r0, block_rows), pl.ds(c0, width))
+  s = pltriton.load(s_ref.at[tile], mask=valid, other=0.0).astype(_F32)
+  attend = pltriton.load(mask_ref.at[b, pl.ds(r0, block_rows), pl.ds(c0, width)],
+                         mask=valid, other=False)
+  filled = jnp.where(valid, jnp.where(attend, s, -1e4), -jnp.inf)
+  e = jnp.exp(filled - jnp.max(filled, axis=1, keepdims=True))
+  probs = (e / jnp.sum(e, axis=1, keepdims=True)).astype(p_ref.dtype)
+  pltriton.store(p_ref.at[tile], probs, mask=valid)
+  if not dropout:
+    pltriton.store(y_ref.at[tile], probs, mask=valid)
+    return
+  u = _dropout.bits16(seeds_ref[0], seeds_ref[1], bh.astype(_U32),
+                      rows.astype(_U32)[:, None], cols.astype(_U32)[None, :], seq_k)
+  keep = u >= seeds_ref[2]
+  # As the reference: (P * keep) * scale, so an invalid traced rate (a NaN scale) gives NaN.
+  y = (probs.astype(_F32) * keep.astype(_F32) * scale_ref[0]).astype(y_ref.dtype)
+  pltriton.store(keep_ref.at[tile], keep, mask=valid)
+  pltriton.store(y_ref.at[tile], y, mask=valid)
+
+
+def default_block_rows(seq_k: int) -> int:
+  """About 4096 elements per program (whole rows)."""
+  return max(1, min(16, 4096 // next_power_of_2(seq_k)))
+
+
+@functools.partial(jax.jit, static_argnames=("dropout", "block_rows", "num_warps",
+                                             "interpret"))
+def _call(scores, mask, seeds, scale, *, dropout, block_rows, num_warps, interpret):
+  b, h, seq_q, seq_k = scores.shape
+  width = next_power_of_2(seq_k)
+  kernel = functools.partial(_kernel, num_heads=h, seq_q=seq_q, seq_k=seq_k,
+                             block_rows=block_rows, width=width, dropout=dropout)
+  flat = (b * h, seq_q, seq_k)
+  args = (seeds, scale, scores.reshape(flat), mask.reshape(b, seq_q, seq_k))
+  y, p, keep = pallas_call(
+      kernel,
+      out_shape=(out_struct(flat, scores.dtype, *args), out_struct(flat, scores.dtype, *args),
+                 out_struct(flat, jnp.bool_, *args)),
+      grid=(b * h, pl.cdiv(seq_q, block_rows)),
+      compiler_params=compiler_params(num_warps, 1),
+      interpret=interpret,
+      name=_NAME,
+  )(*args)
+  shape = scores.shape
+  return y.reshape(shape), p.reshape(shape), (keep.reshape(shape) if dropout else None)
+
+
+def masked_softmax_dropout_forward(scores, mask, dropout_rate, dropout_rng=None, *,
+                                   block_rows=None, num_warps=None, interpret=False):
+  """``(y, P, keep)`` of ``y = dropout(softmax(scores.masked_fill(~mask, -1e4)))``.
+
+  Args:
+    scores: ``[B, H, Sq, Sk]`` float (fp32 in the usual case; bf16, fp16).
+    mask: ``[B, 1, Sq, Sk]`` bool, True = attend; broadcast over the heads.
+    dropout_rate: in [0, 1), a Python float or a traced scalar; rounded to a multiple of
+      ``2**-16`` (``pallas_kernels._dropout.effective_rate``), which scales the kept values.
+    dropout_rng: a PRNG key (needed for a rate that may be > 0); the mask is
+      ``jax_ops.dropout_keep_mask(dropout_rng, dropout_rate, scores.shape)``.
+    block_rows, num_warps: launch overrides (default: about 4096 elements per program).
+    interpret: run the kernel in the Pallas interpreter (any backend).
+
+  Returns:
+    ``y`` and ``P`` in the scores' dtype, ``keep`` ``[B, H, Sq, Sk]`` bool (``None`` for a
+    concrete rate of 0).
+  """
+  _util.check_can_compile(_NAME, interpret, scores, mask)
+  validation.check_array("scores", scores, ("B", "H", "Sq", "Sk"),
+                         dtypes=(jnp.float32, jnp.bfloat16, jnp.float16))
+  validation.check_positive("scores", scores, ("B", "H", "Sq", "Sk"))
+  b, _, seq_q, seq_k = scores.shape
+  validation.check_array("mask", mask, ("B", "1", "Sq", "Sk"), (b, 1, seq_q, seq_k),
+                         dtypes=(jnp.bool_,))
+  p_static = validation.check_dropout_rate("dropout_rate", dropout_rate)
+  dropout = p_static != 0.0
+  if dropout and dropout_rng is None:
+    raise ValueError("dropout_rng: a dropout_rate that may be > 0 needs a PRNG key")
+  if dropout:
+    k0, k1 = jax.random.bits(dropout_rng, (2,), _U32)
+    rate = jnp.asarray(dropout_rate, _F32)
+    seeds = jnp.stack([k0, k1, jnp.asarray(_dropout.rate_threshold(rate), _U32)])
+    # The reference's scale, 1 / (1 - p) in fp32, of the rate drawn; NaN for an invalid
+    # traced rate.
+    p = _dropout.effective_rate(rate)
+    scale = validation.nan_unless_rate_valid(rate, 1.0 / (1.0 - p)).reshape(1)
+  else:
+    seeds, scale = jnp.zeros((3,), _U32), jnp.ones((1,), _F32)
+  block_rows = block_rows or default_block_rows(seq_k)
+  num_warps = num_warps or (8 if next_power_of_2(seq_k) * block_rows >= 4096 else 4)
+  return _call(scores, mask, seeds, scale, dropout=dropout, block_rows=block_rows,
+               num_warps=num_warps, interpret=bool(interpret))
