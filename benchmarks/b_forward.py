@@ -1,11 +1,13 @@
 """Kernel B's fused forward (``pallas_kernels.masked_softmax_dropout.forward``) against the
-op's jnp forward (mask drawn by ``jax_ops.dropout_keep_mask``), on a GPU.
+op's jnp forward (mask drawn by ``jax_ops.dropout_keep_mask``), and the backward that draws
+the mask from the key against the one that reads it, on a GPU.
 
 Usage::
 
     PYTHONPATH=. python3 -m benchmarks.b_forward [--calls 20] [--out DIR]
 
-Both produce ``(y, P, keep)``; the keep masks must agree bit for bit and ``y`` within 1e-6.
+Both forwards produce ``(y, P, keep)``; the keep masks must agree bit for bit and ``y``
+within 1e-6; the two backwards must agree bit for bit.
 Median device time (JAX profiler), two input sets rotated. Writes ``<out>/b_forward.json``.
 """
 
@@ -23,6 +25,7 @@ import numpy as np
 import jax_ops
 from benchmarks.timing import device_times_us
 from jax_ops import reference
+from pallas_kernels.masked_softmax_dropout import pallas_triton
 from pallas_kernels.masked_softmax_dropout.forward import masked_softmax_dropout_forward
 
 SHAPES = [(8, 16, 1024), (32, 8, 256), (16, 8, 2048), (4, 4, 4096)]   # (B, H, S)
@@ -59,13 +62,28 @@ def main(argv=None):
     times = device_times_us(list(fns.values()), sets, calls=args.calls)
     row = {"shape": [b, h, s], "jnp_us": times[0]["median_us"],
            "kernel_us": times[1]["median_us"], "same_keep": same_keep, "max_y_err": y_err}
+    # The backwards: keep read (1 B per element) or drawn from the key.
+    rate = jax_ops.effective_dropout_rate(RATE)
+    bwd = [jax.jit(lambda g, p, m, keep, r: pallas_triton.masked_softmax_dropout_backward(
+               g, p, m, keep, rate)),
+           jax.jit(lambda g, p, m, keep, r: pallas_triton.masked_softmax_dropout_backward_from_key(
+               g, p, m, r, RATE))]
+    bsets = []
+    for scores, mask, rng in sets:
+      y, p, keep = fns["jnp"](scores, mask, rng)
+      bsets.append((jax.random.normal(rng, scores.shape, jnp.float32), p, mask, keep, rng))
+    row["same_grad"] = bool(jnp.all(bwd[0](*bsets[0]) == bwd[1](*bsets[0])))
+    bt = device_times_us(bwd, bsets, calls=args.calls)
+    row["bwd_keep_us"], row["bwd_key_us"] = bt[0]["median_us"], bt[1]["median_us"]
     rows.append(row)
     print(f"B={b} H={h} S={s}: jnp {row['jnp_us']:.0f} us, kernel {row['kernel_us']:.0f} us "
           f"(x{row['jnp_us'] / row['kernel_us']:.2f}); keep equal {same_keep}, "
-          f"max |y err| {y_err:.2g}", flush=True)
+          f"max |y err| {y_err:.2g}; backward: keep read {row['bwd_keep_us']:.0f} us, drawn "
+          f"{row['bwd_key_us']:.0f} us, equal {row['same_grad']}", flush=True)
   with open(os.path.join(args.out, "b_forward.json"), "w") as f:
     json.dump({"device": jax.devices()[0].device_kind, "rows": rows}, f, indent=1)
-  return 0 if all(r["same_keep"] and r["max_y_err"] < 1e-6 for r in rows) else 1
+  ok = all(r["same_keep"] and r["same_grad"] and r["max_y_err"] < 1e-6 for r in rows)
+  return 0 if ok else 1
 
 
 if __name__ == "__main__":

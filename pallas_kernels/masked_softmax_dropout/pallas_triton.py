@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels import _tuning, _util, validation
+from pallas_kernels import _dropout, _tuning, _util, validation
 from pallas_kernels._util import Dropout, compiler_params, out_struct, pallas_call
 from pallas_kernels.masked_softmax_dropout.config import Config, column_chunks, default_config
 
@@ -81,10 +81,26 @@ def _enable_load_cache_modifiers():
       names[name] = names[name[1:]]
 
 
-def _dropped_grad(g, keep_ref, scale_ref, tile, valid, dropout: Dropout, config: Config):
-  """``gd = g * keep / (1 - p)`` for one tile (``g`` when the rate is a concrete 0)."""
+def _hashed_keep(seeds_ref, bh, rows, cols, seq_k):
+  """The keep mask of a tile drawn from the key (``pallas_kernels._dropout``): ``seeds_ref``
+  holds ``[k0, k1, threshold]`` (uint32)."""
+  u = _dropout.bits16(seeds_ref[0], seeds_ref[1], bh.astype(jnp.uint32),
+                      rows.astype(jnp.uint32)[:, None], cols.astype(jnp.uint32)[None, :], seq_k)
+  return u >= seeds_ref[2]
+
+
+def _dropped_grad(g, keep_ref, scale_ref, tile, valid, dropout: Dropout, config: Config,
+                  hashed=None):
+  """``gd = g * keep / (1 - p)`` for one tile (``g`` when the rate is a concrete 0).
+  ``hashed``: ``(bh, rows, cols, seq_k)`` when ``keep_ref`` holds the key's seeds and the
+  mask is drawn here, not read."""
   if dropout.mode == "none":
     return g
+  if hashed is not None:
+    keep = _hashed_keep(keep_ref, *hashed)
+    if dropout.mode == "traced":   # 0 * scale: NaN everywhere for an invalid rate
+      return jnp.where(keep, g * scale_ref[0], 0.0 * scale_ref[0])
+    return jnp.where(keep, g * dropout.scale, 0.0)
   if dropout.mode == "traced":
     # A traced rate: when it is 0 the predicated-off load never touches memory.
     keep = pltriton.load(keep_ref.at[tile], mask=valid & (scale_ref[1] > 0), other=True,
@@ -96,12 +112,13 @@ def _dropped_grad(g, keep_ref, scale_ref, tile, valid, dropout: Dropout, config:
   return jnp.where(keep, g * dropout.scale, 0.0)
 
 
-def _load_streams(g_ref, p_ref, keep_ref, scale_ref, tile, valid, dropout, config):
+def _load_streams(g_ref, p_ref, keep_ref, scale_ref, tile, valid, dropout, config,
+                  hashed=None):
   """``(P, gd)`` of one tile of one head, fp32: the loads of data read exactly once."""
   stream = dict(cache_modifier=config.stream_cache, eviction_policy=config.stream_eviction)
   g = pltriton.load(g_ref.at[tile], mask=valid, other=0.0, **stream).astype(jnp.float32)
   probs = pltriton.load(p_ref.at[tile], mask=valid, other=0.0, **stream).astype(jnp.float32)
-  return probs, _dropped_grad(g, keep_ref, scale_ref, tile, valid, dropout, config)
+  return probs, _dropped_grad(g, keep_ref, scale_ref, tile, valid, dropout, config, hashed)
 
 
 def _load_mask(mask_ref, b, r0, c0, block_rows, width, valid, config):
@@ -121,7 +138,8 @@ def _program_heads(h, b, num_heads, heads_per_program):
   return [(b * num_heads + head, head < num_heads if ragged else None) for head in heads]
 
 
-def _kernel(*refs, num_heads, seq_q, seq_k, config: Config, dropout: Dropout):
+def _kernel(*refs, num_heads, seq_q, seq_k, config: Config, dropout: Dropout,
+            hashed: bool = False):
   """One program: ``block_rows`` rows of ``heads_per_program`` heads (from ``program_id(0)``)
   of one batch entry and row block (``program_id(1)``); every row whole, in power-of-two
   column chunks. The mask tile is loaded once and serves all the program's heads."""
@@ -149,8 +167,9 @@ def _kernel(*refs, num_heads, seq_q, seq_k, config: Config, dropout: Dropout):
     for bh, in_range in heads:
       head_valid = valid if in_range is None else valid & in_range
       tile = (bh, pl.ds(r0, block_rows), pl.ds(c0, width))
+      draw = (bh, rows, cols, seq_k) if hashed else None
       per_head.append((bh, head_valid, *_load_streams(g_ref, p_ref, keep_ref, scale_ref, tile,
-                                                      head_valid, dropout, config)))
+                                                      head_valid, dropout, config, draw)))
     # By default the attention mask is loaded with the others (not after the row sum), so
     # a program waits for one round trip to memory, not two.
     attend = None if config.mask_after_sum else _load_mask(mask_ref, b, r0, c0, block_rows,
@@ -173,15 +192,17 @@ def _kernel(*refs, num_heads, seq_q, seq_k, config: Config, dropout: Dropout):
                      eviction_policy=config.store_eviction)
 
 
-@functools.partial(jax.jit, static_argnames=("dropout", "config", "num_stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("dropout", "config", "num_stages", "interpret",
+                                             "hashed"))
 def _call(grad_output, p_attn, mask, dropout_mask, p_dropout, *, dropout: Dropout,
-          config: Config, num_stages: int, interpret: bool):
+          config: Config, num_stages: int, interpret: bool, hashed: bool = False):
+  """``hashed``: ``dropout_mask`` is the key's ``[k0, k1, threshold]`` (uint32), not a mask."""
   b, h, seq_q, seq_k = p_attn.shape
   config = dataclasses.replace(config, heads_per_program=min(config.heads_per_program, h))
   if config.uses_cache_modifiers:
     _enable_load_cache_modifiers()
   kernel = functools.partial(_kernel, num_heads=h, seq_q=seq_q, seq_k=seq_k, config=config,
-                             dropout=dropout)
+                             dropout=dropout, hashed=hashed)
   args = [grad_output.reshape(b * h, seq_q, seq_k), p_attn.reshape(b * h, seq_q, seq_k),
           mask.reshape(b, seq_q, seq_k)]
   if dropout.mode == "traced":
@@ -190,7 +211,7 @@ def _call(grad_output, p_attn, mask, dropout_mask, p_dropout, *, dropout: Dropou
     inv = validation.nan_unless_rate_valid(p, 1.0 / (1.0 - p))
     args.insert(0, jnp.stack([inv, (p > 0).astype(jnp.float32)]))
   if dropout.mode != "none":
-    args.append(dropout_mask.reshape(b * h, seq_q, seq_k))
+    args.append(dropout_mask if hashed else dropout_mask.reshape(b * h, seq_q, seq_k))
   out = pallas_call(
       kernel,
       out_shape=out_struct((b * h, seq_q, seq_k), p_attn.dtype, *args),
@@ -240,3 +261,39 @@ def masked_softmax_dropout_backward(grad_output, p_attn, mask, dropout_mask, p_d
     raise ValueError(f"num_stages must be >= 1 (an int), got {num_stages!r}")
   return _call(grad_output, p_attn, mask, dropout_mask, p_dropout, dropout=Dropout.of(p),
                config=config, num_stages=num_stages, interpret=interpret)
+
+
+def masked_softmax_dropout_backward_from_key(grad_output, p_attn, mask, dropout_rng, p_dropout,
+                                             *, config: Config | None = None,
+                                             interpret: bool = False):
+  """:func:`masked_softmax_dropout_backward` with the keep mask drawn in the kernel from the
+  key, ``jax_ops.dropout_keep_mask(dropout_rng, p_dropout, shape)`` bit for bit, instead
+  of read (1 B per element less; the forward need not store it). ``p_dropout`` is the rate
+  as given (a Python float or a traced scalar); the kernel scales by the rate the mask draws
+  (``pallas_kernels._dropout.effective_rate``). An internal entry point, not yet used by the op.
+  """
+  _util.check_can_compile(_NAME, interpret, grad_output, p_attn, mask)
+  # The mask is not an argument: its shape stands in for the check.
+  p = validation.check_problem_b(grad_output, p_attn, mask,
+                                 jax.ShapeDtypeStruct(p_attn.shape, jnp.bool_), p_dropout)
+  if config is None:
+    device_kind = _tuning.device_kind_of(p_attn, grad_output, interpret=interpret)
+    config = default_config(p_attn.shape[2], p_attn.shape[3], device_kind)
+  elif not isinstance(config, Config):
+    raise TypeError(f"config: expected a masked_softmax_dropout.Config, got {config!r}")
+  if p == 0.0:
+    return _call(grad_output, p_attn, mask, None, 0.0, dropout=Dropout.of(0.0), config=config,
+                 num_stages=1, interpret=interpret)
+  if dropout_rng is None:
+    raise ValueError("dropout_rng: a p_dropout that may be > 0 needs a PRNG key")
+  k0, k1 = jax.random.bits(dropout_rng, (2,), jnp.uint32)
+  seeds = jnp.stack([k0, k1, jnp.asarray(_dropout.rate_threshold(
+      p if p is not None else jnp.asarray(p_dropout, jnp.float32)), jnp.uint32)])
+  rate = _dropout.effective_rate(p if p is not None else jnp.asarray(p_dropout, jnp.float32))
+  if p is not None:
+    return _call(grad_output, p_attn, mask, seeds, rate, dropout=Dropout.of(rate),
+                 config=config, num_stages=1, interpret=interpret, hashed=True)
+  # A traced rate: an invalid one gives NaN (the scale), as the keep-mask entry point.
+  rate = validation.nan_unless_rate_valid(jnp.asarray(p_dropout, jnp.float32), rate)
+  return _call(grad_output, p_attn, mask, seeds, rate, dropout=Dropout.of(None),
+               config=config, num_stages=1, interpret=interpret, hashed=True)
