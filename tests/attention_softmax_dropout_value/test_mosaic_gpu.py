@@ -196,3 +196,17 @@ def test_dispatch(monkeypatch):
   assert dispatch.kernels_for(*ragged, 0.1) == "triton"
   assert dispatch.kernels_for(*ok, 0.1, causal=True) == "triton"
   assert jax.jit(lambda p: jnp.float32(dispatch.kernels_for(*ok, p) == "triton"))(0.1) == 1
+
+
+@pytest.mark.parametrize("skv,config", [(256, mg.Config()), (128, mg.Config()),
+                                        (256, mg.Config(keep_bits=True, delta_rows=64))])
+def test_lowers_for_a_gpu(skv, config):
+  """The kernels go through the Mosaic GPU lowering rules for CUDA on any host (catches an
+  unsupported op before a GPU sees it; the Mosaic passes and ptxas still need one)."""
+  s = jax.ShapeDtypeStruct
+  b, h, kvh, sq, d = 1, 4, 2, 128, 64
+  args = [s((b, sq, h, d), jnp.bfloat16), s((b, h, sq, skv), jnp.bfloat16),
+          s((b, h, sq, skv), jnp.bfloat16), s((b, kvh, skv, d), jnp.bfloat16)]
+  fn = jax.jit(lambda *a: mg._backward(*a, rate=0.1, config=config, interpret=False))
+  text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text

@@ -163,3 +163,17 @@ def test_dispatch_on_a_hopper(monkeypatch):
   assert on(65, 128) == "triton"
   assert on(64, 128, dtype=jnp.float32) == "triton"
   assert on(128, 128, interpret=True) == "triton"
+
+
+@pytest.mark.parametrize("sk", [128, 256])
+def test_lowers_for_a_gpu(sk):
+  """The kernels go through the Mosaic GPU lowering rules for CUDA on any host (catches an
+  unsupported op before a GPU sees it; the Mosaic passes and ptxas still need one)."""
+  s = jax.ShapeDtypeStruct
+  bh, sq = 4, 128
+  args = [s((bh, sq, sk), jnp.bfloat16)] * 2 + [s((bh, sq, 128), jnp.bfloat16),
+                                              s((bh, sk, 128), jnp.bfloat16)]
+  kernel = mg.backward_kernel if sk == mg.SEQ_K else mg.pair_backward_kernel
+  fn = jax.jit(lambda g, p, q, k: kernel(g, p, q, k, scale=0.1))
+  text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
