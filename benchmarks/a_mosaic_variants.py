@@ -13,18 +13,15 @@ L2 is cold); plus each Mosaic kernel alone. Prints one table; writes ``<out>/a_m
 from __future__ import annotations
 
 import argparse
-import functools
 import json
-import math
 import os
 import sys
-import traceback
 
 import jax
 import jax.numpy as jnp
 
 from benchmarks import run, variants_table
-from benchmarks.timing import copy_ceiling, device_times_us
+from benchmarks.timing import copy_ceiling
 from jax_ops import reference
 from pallas_kernels.attention_softmax_dropout_value import pallas_mosaic_gpu as mg
 from pallas_kernels.attention_softmax_dropout_value import pallas_triton
@@ -100,41 +97,17 @@ def main(argv=None):
     if why:
       print(f"{label}: skipped ({why})", flush=True)
       continue
-    first = run._a_inputs(dims, rate, jax.random.key(i))
-    set_bytes = sum(x.size * x.dtype.itemsize for x in first)
-    n_sets = int(min(32, max(2, math.ceil(run._ROTATE_BYTES / set_bytes))))
-    sets = [first] + [run._a_inputs(dims, rate, jax.random.key(1000 * i + k))
-                      for k in range(1, n_sets)]
+    sets = run.input_sets(lambda key: run._a_inputs(dims, rate, key), i)
     floor_us = run._a_floor(w, c) / (ceiling["TBps"] * 1e6)
-    refs = xla(*first)
+    refs = xla(*sets[0])
     fns = {"triton": triton}
     for v in args.variants.split(","):
       fns[v] = mosaic_fn(v, rate)
       if args.parts:
         fns[v + ":delta"], fns[v + ":ds_dv"] = parts_fns(v, rate)
-    good, failed = {}, []
-    for name, fn in fns.items():
-      try:
-        outs = fn(*first)
-        if ":" not in name:
-          checks = [run.check(o, r, w["atol"], w["rtol"]) for o, r in zip(outs, refs)]
-          ok = all(x["ok"] for x in checks)
-          if not ok:
-            failed.append(name)
-          print(f"  {label} {name}: {'PASS' if ok else 'FAIL'} "
-                f"{[round(x['within'], 5) for x in checks]}", flush=True)
-        good[name] = fn
-      except Exception as e:  # noqa: BLE001 - a variant that fails is reported, not fatal
-        print(f"  {label} {name}: ERROR {type(e).__name__}: {str(e)[:400]}", flush=True)
-        traceback.print_exc(limit=3)
-    times = device_times_us(list(good.values()), sets, calls=args.calls)
-    row = {"workload": label, "floor_us": floor_us, "failed": failed}
-    for name, t in zip(good, times):
-      row[name] = t["median_us"]
-    rows.append(row)
-    print("  " + "  ".join(f"{k} {v:.1f}" for k, v in row.items()
-                           if k not in ("workload", "failed")),
-          flush=True)
+    rows.append(variants_table.check_and_time(label, w, floor_us, fns, sets, refs,
+                                              calls=args.calls,
+                                              checked=lambda name: ":" not in name))
   names = [n for n in ["triton", *args.variants.split(",")]]
   variants_table.print_table(rows, names)
   with open(os.path.join(args.out, "a_mosaic_variants.json"), "w") as f:

@@ -264,15 +264,21 @@ def check(out, ref, atol, rtol) -> dict:
           "ok": finite and nonzero and within >= 0.99}
 
 
+def input_sets(make, index, max_sets=32):
+  """Input sets of workload ``index`` (``make(key)`` -> a tuple of arrays), rotated by the
+  timing so that L2 is cold: together at least ``_ROTATE_BYTES``, 2 to ``max_sets``."""
+  first = make(jax.random.key(index))
+  set_bytes = sum(x.size * x.dtype.itemsize for x in first)
+  n_sets = int(min(max_sets, max(2, math.ceil(_ROTATE_BYTES / set_bytes))))
+  return [first] + [make(jax.random.key(1000 * index + i)) for i in range(1, n_sets)]
+
+
 def run_problem(problem: Problem, constants, workloads, ceiling_tbps, calls, on_row=None):
   """Checks and times every workload; ``on_row(rows)`` after each (to write partial results)."""
   rows = []
   for index, w in enumerate(workloads):
-    first = problem.make_inputs(w, constants, jax.random.key(index))
-    set_bytes = sum(x.size * x.dtype.itemsize for x in first)
-    n_sets = int(min(32, max(2, math.ceil(_ROTATE_BYTES / set_bytes))))
-    sets = [first] + [problem.make_inputs(w, constants, jax.random.key(1000 * index + i))
-                      for i in range(1, n_sets)]
+    sets = input_sets(lambda key: problem.make_inputs(w, constants, key), index)
+    first, n_sets = sets[0], len(sets)
     kernel = lambda *a: problem.kernel(a, w, constants)
     xla = lambda *a: problem.xla(a, w, constants)
     outs, refs = kernel(*first), xla(*first)

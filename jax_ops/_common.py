@@ -53,9 +53,6 @@ def dropout_scale(keep, p, p_static):
   return scale
 
 
-rate_threshold = _dropout.rate_threshold
-
-
 def effective_dropout_rate(rate):
   """The rate the dropout mask draws: ``rate`` rounded to a multiple of ``2**-16``, which
   the ops scale by (``1 / (1 - effective_dropout_rate(rate))``) so that the expectation is
@@ -81,13 +78,13 @@ def dropout_keep_mask(rng, rate, shape):
   """
   *lead, rows, cols = shape
   n_lead = int(np.prod(lead)) if lead else 1
-  k0, k1 = jax.random.bits(rng, (2,), jnp.uint32)
+  k0, k1 = _dropout.key_words(rng)
   # Element-wise (each element hashes its pair): one fused loop, no [.., pairs] temporary.
   # A kernel computes one hash per pair and takes both halves.
   dims = (n_lead, rows, cols)
   n, r, c = (jax.lax.broadcasted_iota(jnp.uint32, dims, i) for i in range(3))
   u = _dropout.bits16(k0, k1, n, r, c, cols).reshape(shape)
-  return u >= jnp.asarray(rate_threshold(rate), jnp.uint32)
+  return u >= jnp.asarray(_dropout.rate_threshold(rate), jnp.uint32)
 
 
 def apply_dropout(probs, keep, rate):

@@ -154,3 +154,13 @@ class MosaicGpuBackend(Backend):
 
   def supported_on(self, device):
     return is_hopper(device)
+
+  def reason(self, problem) -> str | None:
+    """What of ``problem`` the kernels do not take (``None``: they take it)."""
+    raise NotImplementedError
+
+  def supports(self, problem):
+    return self.reason(problem) is None
+
+  def unsupported_reason(self, problem):
+    return f"the Mosaic GPU kernels do not take {self.reason(problem)}"

@@ -11,6 +11,7 @@ the leading dimensions), with ``(k0, k1) = jax.random.bits(rng, (2,), uint32)``:
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -54,3 +55,14 @@ def effective_rate(rate):
   rate = jnp.asarray(rate, jnp.float32)
   return jnp.where(jnp.isnan(rate), rate,
                    rate_threshold(rate).astype(jnp.float32) / RATE_STEPS)
+
+
+def key_words(rng):
+  """``(k0, k1)``: the two uint32 words of a PRNG key that the hash takes."""
+  return jax.random.bits(rng, (2,), jnp.uint32)
+
+
+def seeds(rng, rate):
+  """``[k0, k1, threshold]`` (uint32): what a kernel that draws the mask reads."""
+  k0, k1 = key_words(rng)
+  return jnp.stack([k0, k1, jnp.asarray(rate_threshold(rate), jnp.uint32)])

@@ -165,6 +165,15 @@ def check_problem_a(grad_attn_output, attn_weights, attn_weights_dropped, value_
   return p
 
 
+def check_scores_and_mask(scores, mask, *, dtypes=_LOW) -> None:
+  """Checks the inputs of the masked softmax-dropout forward (problem B): ``scores``
+  ``[B, H, Sq, Sk]`` float, ``mask`` ``[B, 1, Sq, Sk]`` bool."""
+  check_array("scores", scores, ("B", "H", "Sq", "Sk"), dtypes=dtypes)
+  check_positive("scores", scores, ("B", "H", "Sq", "Sk"))
+  b, _, sq, sk = scores.shape
+  check_array("mask", mask, ("B", "1", "Sq", "Sk"), (b, 1, sq, sk), dtypes=(jnp.bool_,))
+
+
 def check_problem_b(grad_output, p_attn, mask, dropout_mask, p_dropout, *,
                     dtypes=_LOW) -> float | None:
   """Checks the arguments of the masked softmax-dropout backward (problem B)."""

@@ -30,7 +30,9 @@ def test_step_fn_same_on_both_paths(make):
     scale = float(np.abs(np.asarray(gx, np.float32)).max()) + 1e-6
     np.testing.assert_allclose(np.asarray(gp, np.float32), np.asarray(gx, np.float32),
                                atol=2e-2 * scale, rtol=5e-2)
-  assert step.temp_mb(step.step_fn(s, "xla"), primals, w, rng) >= 0
+  compiled = step.step_fn(s, "xla").lower(primals, w, rng).compile()
+  assert step.temp_mb(compiled) >= 0
+  np.testing.assert_allclose(float(compiled(primals, w, rng)[0]), float(loss_x))
   np.testing.assert_allclose(float(step.forward_fn(s)(primals, w, rng)), float(loss_x),
                              rtol=1e-5, atol=1e-5)
 

@@ -18,9 +18,10 @@ from jax_ops import backend
 
 
 class AttentionValueMosaicGpu(backend.MosaicGpuBackend):
-  """The op's Mosaic GPU backend (name, devices and priority from the base class)."""
+  """The op's Mosaic GPU backend (name, devices, priority and the support checks from the
+  base class; :meth:`reason` says what of a problem the kernels do not take)."""
 
-  def _reason(self, problem):
+  def reason(self, problem):
     shapes = dict(problem.shapes)
     if "scores" not in shapes or "value_states" not in shapes:
       return "a problem without the shapes of scores and value_states"
@@ -28,12 +29,6 @@ class AttentionValueMosaicGpu(backend.MosaicGpuBackend):
     _, kvh, _, d = shapes["value_states"]
     return mosaic.unsupported_reason(b, h, kvh, sq, skv, d, problem.dtype, 0.1,
                                      problem.causal)
-
-  def supports(self, problem):
-    return self._reason(problem) is None
-
-  def unsupported_reason(self, problem):
-    return f"the Mosaic GPU kernels do not take {self._reason(problem)}"
 
   def config(self, problem):
     """The kernels' default config for this problem."""

@@ -36,11 +36,7 @@ def masked_softmax_dropout(scores, mask, *, dropout_rate=0.0, dropout_rng=None,
   Returns:
     ``[B, H, Sq, Sk]`` in the dtype of ``scores`` (softmax computed in fp32).
   """
-  validation.check_array("scores", scores, ("B", "H", "Sq", "Sk"), dtypes=_common.FLOATS)
-  validation.check_positive("scores", scores, ("B", "H", "Sq", "Sk"))
-  b, _, sq, sk = scores.shape
-  validation.check_array("mask", mask, ("B", "1", "Sq", "Sk"), (b, 1, sq, sk),
-                         dtypes=(jnp.bool_,))
+  validation.check_scores_and_mask(scores, mask, dtypes=_common.FLOATS)
   keep, p_static, rate = _common.op_dropout(dropout_rng, dropout_rate, scores.shape)
   backend, _ = _common.backend_for(OP, implementation, interpret, (INPUTS,), scores=scores,
                                    mask=mask)

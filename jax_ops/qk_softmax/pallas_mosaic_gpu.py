@@ -18,9 +18,10 @@ from jax_ops import backend
 
 
 class QKSoftmaxMosaicGpu(backend.MosaicGpuBackend):
-  """The op's Mosaic GPU backend (name, devices and priority from the base class)."""
+  """The op's Mosaic GPU backend (name, devices, priority and the support checks from the
+  base class; :meth:`reason` says what of a problem the kernels do not take)."""
 
-  def _reason(self, problem):
+  def reason(self, problem):
     shapes = dict(problem.shapes)
     if "query" not in shapes or "key" not in shapes:
       return "a problem without the shapes of query and key"
@@ -31,12 +32,6 @@ class QKSoftmaxMosaicGpu(backend.MosaicGpuBackend):
       return (f"seq_k {sk} in the op (rows of {mosaic.SEQ_K} keys only; at {sk} it measured "
               "slower than the Triton kernels)")
     return why
-
-  def supports(self, problem):
-    return self._reason(problem) is None
-
-  def unsupported_reason(self, problem):
-    return f"the Mosaic GPU kernel does not take {self._reason(problem)}"
 
   def config(self, problem):
     """The kernel has no config: its tiles follow from the shapes."""

@@ -286,14 +286,10 @@ def masked_softmax_dropout_backward_from_key(grad_output, p_attn, mask, dropout_
                  num_stages=1, interpret=interpret)
   if dropout_rng is None:
     raise ValueError("dropout_rng: a p_dropout that may be > 0 needs a PRNG key")
-  k0, k1 = jax.random.bits(dropout_rng, (2,), jnp.uint32)
-  seeds = jnp.stack([k0, k1, jnp.asarray(_dropout.rate_threshold(
-      p if p is not None else jnp.asarray(p_dropout, jnp.float32)), jnp.uint32)])
-  rate = _dropout.effective_rate(p if p is not None else jnp.asarray(p_dropout, jnp.float32))
-  if p is not None:
-    return _call(grad_output, p_attn, mask, seeds, rate, dropout=Dropout.of(rate),
-                 config=config, num_stages=1, interpret=interpret, hashed=True)
-  # A traced rate: an invalid one gives NaN (the scale), as the keep-mask entry point.
-  rate = validation.nan_unless_rate_valid(jnp.asarray(p_dropout, jnp.float32), rate)
-  return _call(grad_output, p_attn, mask, seeds, rate, dropout=Dropout.of(None),
-               config=config, num_stages=1, interpret=interpret, hashed=True)
+  given = p if p is not None else jnp.asarray(p_dropout, jnp.float32)
+  rate = _dropout.effective_rate(given)
+  if p is None:  # a traced rate: an invalid one gives NaN (the scale), as the keep-mask path
+    rate = validation.nan_unless_rate_valid(given, rate)
+  dropout = Dropout.of(rate if p is not None else None)
+  return _call(grad_output, p_attn, mask, _dropout.seeds(dropout_rng, given), rate,
+               dropout=dropout, config=config, num_stages=1, interpret=interpret, hashed=True)

@@ -194,17 +194,22 @@ def backward_kernel(g, p, q, k, *, scale, interpret=False):
   hpp = heads_per_program(bh)
   kernel = functools.partial(_kernel, bh=bh, heads_per_program=hpp, tiles=sq // ROWS, sk=sk,
                              scale=float(scale))
-  dtype = g.dtype
+  tiled = _mosaic.tiled(g.dtype)
+  scratch = [plgpu.Barrier(num_arrivals=WGS), plgpu.Barrier(num_arrivals=WGS),
+             plgpu.SMEM((WGS, sk // WGS, HEAD_DIM), g.dtype, transforms=tiled),
+             plgpu.SMEM((WGS, ROWS, HEAD_DIM // WGS), g.dtype, transforms=tiled)]
+  return _launch(kernel, scratch, math.ceil(bh / hpp), g, p, q, k, interpret=interpret)
+
+
+def _launch(kernel, scratch, programs, g, p, q, k, *, interpret):
+  """``(dQ, dK)`` of ``kernel`` on a 1-D grid of ``programs``, one TMA producer and
+  :data:`WGS` consumer warpgroups each."""
   like = (g, p, q, k)
   out = plgpu.kernel(
       kernel,
-      out_type=(out_struct(q.shape, dtype, *like), out_struct(k.shape, dtype, *like)),
-      scratch_types=[
-          plgpu.Barrier(num_arrivals=WGS), plgpu.Barrier(num_arrivals=WGS),
-          plgpu.SMEM((WGS, sk // WGS, HEAD_DIM), dtype, transforms=_mosaic.tiled(dtype)),
-          plgpu.SMEM((WGS, ROWS, HEAD_DIM // WGS), dtype, transforms=_mosaic.tiled(dtype)),
-      ],
-      grid=(math.ceil(bh / hpp),), grid_names=("program",),
+      out_type=(out_struct(q.shape, g.dtype, *like), out_struct(k.shape, g.dtype, *like)),
+      scratch_types=scratch,
+      grid=(programs,), grid_names=("program",),
       num_threads=WGS + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=_mosaic.interpret_params(interpret),
@@ -286,24 +291,13 @@ def pair_backward_kernel(g, p, q, k, *, scale, interpret=False):
   """:func:`backward_kernel` for rows of 256 keys: two programs per head."""
   bh, sq, sk = g.shape
   kernel = functools.partial(_pair_kernel, tiles=sq // ROWS, scale=float(scale))
-  dtype = g.dtype
-  like = (g, p, q, k)
-  tiled = _mosaic.tiled(dtype)
-  out = plgpu.kernel(
-      kernel,
-      out_type=(out_struct(q.shape, dtype, *like), out_struct(k.shape, dtype, *like)),
-      scratch_types=[
-          plgpu.SMEM((2, sk // 2, HEAD_DIM // 2), dtype, transforms=tiled),
-          plgpu.Barrier(num_barriers=WGS),
-          plgpu.Barrier(num_arrivals=WGS), plgpu.Barrier(num_arrivals=WGS),
-          plgpu.SMEM((ROWS, HEAD_DIM // 2), dtype, transforms=tiled),
-      ],
-      grid=(2 * bh,), grid_names=("program",),   # a head's pair side by side
-      num_threads=WGS + 1, thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=_mosaic.interpret_params(interpret),
-  )(g, p, q, k)
-  return _mosaic.varying_like(out, *like)
+  tiled = _mosaic.tiled(g.dtype)
+  scratch = [plgpu.SMEM((2, sk // 2, HEAD_DIM // 2), g.dtype, transforms=tiled),
+             plgpu.Barrier(num_barriers=WGS),
+             plgpu.Barrier(num_arrivals=WGS), plgpu.Barrier(num_arrivals=WGS),
+             plgpu.SMEM((ROWS, HEAD_DIM // 2), g.dtype, transforms=tiled)]
+  # A head's pair side by side: programs 2h and 2h + 1.
+  return _launch(kernel, scratch, 2 * bh, g, p, q, k, interpret=interpret)
 
 
 def qk_scale_softmax_backward(grad_output, query, key, attn_weights, scaling, *, causal=False,
