@@ -62,6 +62,32 @@ def public_warps(seq_k: int) -> int:
   return 4 if width < 2048 else 8 if width < 4096 else 16
 
 
+# The second set: the order of the programs (Config.row_group) and 32 warps on long rows.
+ORDER_NAMES = ["default", "rg1", "rg8", "rg64", "rows", "pub_r1_w", "pub_rows_w",
+               "pub_rows_2w", "pub_rg8_w", "rows_32w", "pub_rows_32w"]
+ALL = 1 << 30  # a row group capped at every row block of a head: rows fastest
+
+
+def order_variants(seq_q: int, seq_k: int, default: msd.Config) -> dict[str, msd.Config]:
+  """The program-order configs for rows of ``seq_k``: the default's tiling with one head's
+  row blocks in groups of 1 (the default's order, on a 1-D grid), 8, 64 or all of them,
+  and the public-like design (1 row per program) in the default order, rows fastest and in
+  groups of 8; on rows of >= 2048, 32 warps."""
+  r = dataclasses.replace
+  w = public_warps(seq_k)
+  out = {"default": default, "rg1": r(default, row_group=1), "rg8": r(default, row_group=8),
+         "rg64": r(default, row_group=64), "rows": r(default, row_group=ALL),
+         "pub_r1_w": msd.Config(1, w, **PUBLIC),
+         "pub_rows_w": msd.Config(1, w, row_group=ALL, **PUBLIC),
+         "pub_rows_2w": msd.Config(1, min(32, 2 * w), row_group=ALL, **PUBLIC),
+         "pub_rg8_w": msd.Config(1, w, row_group=8, **PUBLIC)}
+  if next_power_of_2(seq_k) >= 2048:
+    out["rows_32w"] = r(default, num_warps=32, row_group=ALL)
+    out["pub_rows_32w"] = msd.Config(1, 32, row_group=ALL, **PUBLIC)
+  assert set(out) <= set(ORDER_NAMES), set(out) - set(ORDER_NAMES)
+  return out
+
+
 def variants(seq_q: int, seq_k: int, default: msd.Config) -> dict[str, msd.Config]:
   """The configs to time for rows of ``seq_k`` (``default``: the tuned config), by name."""
   r = dataclasses.replace
@@ -113,10 +139,13 @@ def _input_sets(w, index, count):
   return [first] + [make(i) for i in range(1, n_sets)]
 
 
-def run_workload(index, w, ceiling_tbps, calls, device_kind):
+SETS = {"loads": (variants, NAMES), "order": (order_variants, ORDER_NAMES)}
+
+
+def run_workload(index, w, ceiling_tbps, calls, device_kind, make=variants):
   s, p = w["seq_len"], w["p_dropout"]
   default = msd.default_config(s, s, device_kind)
-  named = variants(s, s, default)
+  named = make(s, s, default)
   configs = list(dict.fromkeys(named.values()))  # identical configs compile and time once
   sets = _input_sets(w, index, calls + 2)
   compiled = compile_all([_backward(c, p) for c in configs], sets[0])
@@ -160,8 +189,8 @@ def _cell(v) -> str:
   return f"{v['us']:.1f}/{v['frac_floor']:.0%}{mark}"
 
 
-def print_table(rows):
-  names = [n for n in NAMES if any(n in r["variants"] for r in rows)]
+def print_table(rows, order=NAMES):
+  names = [n for n in order if any(n in r["variants"] for r in rows)]
   width = max(10, *(len(n) for n in names))
   head = f"{'workload':>22} {'floor us':>8} " + " ".join(f"{n:>{width}}" for n in names)
   print("\ntime us / fraction of the floor per variant (!FAIL: misses the tolerance)")
@@ -189,7 +218,7 @@ def print_table(rows):
     print(f"  {r['workload']}: " + "; ".join(f"{n}={v['label']}" for n, v in r["variants"].items()))
 
 
-def dry_run() -> int:
+def dry_run(make=variants, order=NAMES) -> int:
   """No GPU: every variant of every workload is built; the variants of a few tiny shapes run
   in interpret mode against the reference (the workload tolerance, 1e-5)."""
   with open(os.path.join(bench.HERE, "workloads.json")) as f:
@@ -197,7 +226,7 @@ def dry_run() -> int:
   total = 0
   for w in workloads:
     s = w["seq_len"]
-    total += len(variants(s, s, msd.default_config(s, s, "NVIDIA H200")))
+    total += len(make(s, s, msd.default_config(s, s, "NVIDIA H200")))
   print(f"{len(workloads)} workloads, {total} (workload, variant) pairs built")
   failures, rows = 0, []
   for (b, h, s), p in [((2, 3, 7), 0.1), ((1, 2, 128), 0.0), ((2, 3, 131), 0.15)]:
@@ -205,7 +234,7 @@ def dry_run() -> int:
          "rtol": 1e-5}
     args = bench.PROBLEM_B.make_inputs(w, {}, jax.random.key(s))
     ref = reference.masked_softmax_dropout_backward_reference(*args, p)
-    named = variants(s, s, msd.default_config(s, s, "NVIDIA H200"))
+    named = make(s, s, msd.default_config(s, s, "NVIDIA H200"))
     checks = {}
     for name, c in named.items():
       out = msd.masked_softmax_dropout_backward(*args, p, config=c, interpret=True)
@@ -216,7 +245,7 @@ def dry_run() -> int:
     # The table with made-up times, to check the report itself.
     fake = {c: 1.0 + i for i, c in enumerate(checks)}
     rows.append(make_row(w, 0.5, named, fake, checks))
-  print_table(rows)
+  print_table(rows, order)
   print("\ndry run (times above are made up):",
         "all variants match the reference" if not failures else f"{failures} FAIL")
   return 1 if failures else 0
@@ -227,11 +256,15 @@ def main(argv=None):
   parser.add_argument("--calls", type=int, default=10)
   parser.add_argument("--workloads", default=None, help="comma-separated indices (default: all)")
   parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
+  parser.add_argument("--set", choices=sorted(SETS), default="loads",
+                      help="loads: cache hints and the public-like tiling; order: the order "
+                           "of the programs (row_group) and 32 warps")
   parser.add_argument("--dry-run", action="store_true",
                       help="no GPU: build the variants, check them on tiny shapes (interpret)")
   args = parser.parse_args(argv)
+  make, order = SETS[args.set]
   if args.dry_run:
-    return dry_run()
+    return dry_run(make, order)
   if jax.default_backend() != "gpu":
     print("timing needs a CUDA GPU; use --dry-run here", file=sys.stderr)
     return 2
@@ -246,13 +279,13 @@ def main(argv=None):
         f"{ceiling['TBps']:.3f} TB/s ({ceiling['method']})", flush=True)
   rows = []
   for i in indices:
-    row = run_workload(i, workloads[i], ceiling["TBps"], args.calls, device_kind)
+    row = run_workload(i, workloads[i], ceiling["TBps"], args.calls, device_kind, make)
     rows.append(row)
     v = row["variants"]
     print(f"  {row['workload']:>22}: floor {row['floor_us']:.1f} us, default "
           f"{_cell(v['default'])}, best {row['best']} {_cell(v.get(row['best']))} "
           f"[{time.time() - start:.0f} s]", flush=True)
-  print_table(rows)
+  print_table(rows, order)
   if args.json:
     with open(args.json, "w") as f:
       json.dump({"device": device_kind, "jax": jax.__version__, "commit": bench._commit(),

@@ -15,7 +15,7 @@ from pallas_kernels import _tuning
 from pallas_kernels._util import next_power_of_2
 
 KERNEL = "masked_softmax_dropout"  # the tuned table's file name
-NUM_WARPS = (1, 2, 4, 8, 16)
+NUM_WARPS = (1, 2, 4, 8, 16, 32)
 # What ``pltriton.load`` accepts (jax 0.11): cache modifiers and L2 eviction policies.
 CACHE_MODIFIERS = (None, ".ca", ".cg")
 EVICTION_POLICIES = (None, "evict_normal", "evict_first", "evict_last")
@@ -27,7 +27,7 @@ class Config:
 
   Attributes:
     block_rows: rows per program (a power of two >= 1).
-    num_warps: Triton warps per program (1, 2, 4, 8 or 16).
+    num_warps: Triton warps per program (1, 2, 4, 8, 16 or 32).
     split: cover a row whose length is not a power of two with two power-of-two column
       chunks (the largest power of two <= seq_k, then the rest padded), instead of one
       chunk padded to ``next_power_of_2(seq_k)`` (up to 2x idle lanes).
@@ -51,6 +51,13 @@ class Config:
     heads_per_program: heads of one (batch entry, row block) per program (the grid's first
       axis is then ``cdiv(H, heads_per_program)``; it is capped at H). The mask tile is
       loaded once per program and used for all its heads.
+    row_group: the order of the programs. 0 (default): the heads of one (batch entry, row
+      block) run together, so the mask tile they share is read from memory once and from
+      L2 by the others. ``k >= 1``: ``k`` consecutive row blocks of one head run before
+      the next head's, so concurrent programs read longer contiguous stretches of each
+      tensor and the mask tile is reused after ``k`` row blocks (capped at the row blocks
+      of a head: then each head's rows run in order, as in a plain one-row-per-program
+      launch).
   """
   block_rows: int
   num_warps: int
@@ -62,13 +69,15 @@ class Config:
   mask_after_sum: bool = False
   store_eviction: str | None = None
   heads_per_program: int = 1
+  row_group: int = 0
 
   def __post_init__(self):
     r = self.block_rows
     if not isinstance(r, int) or isinstance(r, bool) or r < 1 or r & (r - 1):
       raise ValueError(f"config.block_rows: expected a power of two >= 1, got {r!r}")
     if self.num_warps not in NUM_WARPS or isinstance(self.num_warps, bool):
-      raise ValueError(f"config.num_warps: expected 1, 2, 4, 8 or 16, got {self.num_warps!r}")
+      raise ValueError(
+          f"config.num_warps: expected 1, 2, 4, 8, 16 or 32, got {self.num_warps!r}")
     for name in ("split", "mask_after_sum"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"config.{name}: expected a bool, got {getattr(self, name)!r}")
@@ -88,6 +97,9 @@ class Config:
     n = self.heads_per_program
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
       raise ValueError(f"config.heads_per_program: expected an int >= 1, got {n!r}")
+    k = self.row_group
+    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+      raise ValueError(f"config.row_group: expected an int >= 0, got {k!r}")
 
   @property
   def uses_cache_modifiers(self) -> bool:

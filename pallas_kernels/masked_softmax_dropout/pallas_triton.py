@@ -138,6 +138,35 @@ def _program_heads(h, b, num_heads, heads_per_program):
   return [(b * num_heads + head, head < num_heads if ragged else None) for head in heads]
 
 
+def _grid(batch, num_heads, seq_q, config: Config):
+  """The launch grid: ``(head groups, batch * row blocks)`` in the default order, else one
+  axis in :attr:`Config.row_group` order (:func:`_program_tile` decodes it)."""
+  n_heads = pl.cdiv(num_heads, config.heads_per_program)
+  n_blocks = pl.cdiv(seq_q, config.block_rows)
+  if config.row_group == 0:
+    return (n_heads, batch * n_blocks)
+  group = min(config.row_group, n_blocks)
+  return (batch * n_heads * pl.cdiv(n_blocks, group) * group,)
+
+
+def _program_tile(num_heads, seq_q, config: Config):
+  """``(head group, batch entry, first row)`` of this program. With a row group that does
+  not divide the row blocks, the last group's extra programs get rows >= ``seq_q``: every
+  access of theirs is masked off."""
+  n_blocks = pl.cdiv(seq_q, config.block_rows)
+  if config.row_group == 0:
+    t = pl.program_id(1)
+    return pl.program_id(0), t // n_blocks, (t % n_blocks) * config.block_rows
+  n_heads = pl.cdiv(num_heads, config.heads_per_program)
+  group = min(config.row_group, n_blocks)
+  n_groups = pl.cdiv(n_blocks, group)
+  p = pl.program_id(0)
+  in_group, p = p % group, p // group
+  h, p = p % n_heads, p // n_heads
+  block = (p % n_groups) * group + in_group
+  return h, p // n_groups, block * config.block_rows
+
+
 def _kernel(*refs, num_heads, seq_q, seq_k, config: Config, dropout: Dropout,
             hashed: bool = False):
   """One program: ``block_rows`` rows of ``heads_per_program`` heads (from ``program_id(0)``)
@@ -145,11 +174,7 @@ def _kernel(*refs, num_heads, seq_q, seq_k, config: Config, dropout: Dropout,
   column chunks. The mask tile is loaded once and serves all the program's heads."""
   scale_ref, g_ref, p_ref, mask_ref, keep_ref, o_ref = _unpack_refs(refs, dropout)
   block_rows = config.block_rows
-  h = pl.program_id(0)
-  n_row_blocks = pl.cdiv(seq_q, block_rows)
-  t = pl.program_id(1)
-  b = t // n_row_blocks
-  r0 = (t % n_row_blocks) * block_rows
+  h, b, r0 = _program_tile(num_heads, seq_q, config)
   rows = r0 + jnp.arange(block_rows)
   heads = _program_heads(h, b, num_heads, config.heads_per_program)
 
@@ -215,8 +240,7 @@ def _call(grad_output, p_attn, mask, dropout_mask, p_dropout, *, dropout: Dropou
   out = pallas_call(
       kernel,
       out_shape=out_struct((b * h, seq_q, seq_k), p_attn.dtype, *args),
-      grid=(pl.cdiv(h, config.heads_per_program),
-            b * pl.cdiv(seq_q, config.block_rows)),
+      grid=_grid(b, h, seq_q, config),
       compiler_params=compiler_params(config.num_warps, num_stages),
       interpret=interpret,
       name=_NAME,

@@ -68,12 +68,13 @@ def test_off_gpu_without_interpret_says_so():
 @pytest.mark.parametrize("kwargs,field", [
     (dict(block_rows=3), "block_rows"), (dict(block_rows=0), "block_rows"),
     (dict(block_rows=2.0), "block_rows"), (dict(num_warps=3), "num_warps"),
-    (dict(num_warps=32), "num_warps"), (dict(split=1), "split"),
+    (dict(num_warps=64), "num_warps"), (dict(split=1), "split"),
     (dict(stream_cache=".cs"), "stream_cache"), (dict(mask_cache="ca"), "mask_cache"),
     (dict(stream_eviction="first"), "stream_eviction"), (dict(mask_eviction=1), "mask_eviction"),
     (dict(store_eviction="evict"), "store_eviction"), (dict(mask_after_sum=None), "mask_after_sum"),
     (dict(heads_per_program=0), "heads_per_program"),
-    (dict(heads_per_program=True), "heads_per_program")])
+    (dict(heads_per_program=True), "heads_per_program"),
+    (dict(row_group=-1), "row_group"), (dict(row_group=1.5), "row_group")])
 def test_config_validates_its_fields(kwargs, field):
   with pytest.raises(ValueError, match=f"config.{field}"):
     Config(**{"block_rows": 2, "num_warps": 4, **kwargs})
@@ -164,6 +165,11 @@ VARIANTS = {
     "public_like": Config(1, 4, False, stream_cache=".cg", stream_eviction=None,
                           mask_cache=".ca", mask_after_sum=True, store_eviction="evict_first",
                           heads_per_program=2),
+    # Program orders: one head's row blocks in groups (3 does not divide the row blocks
+    # of 7, 131 or 293 rows: the last group's extra programs are masked off), with head
+    # groups; capped at a head's row blocks (rows fastest).
+    "row_group_3": Config(2, 4, True, heads_per_program=2, row_group=3),
+    "rows_fastest": Config(4, 2, False, row_group=1 << 20),
 }
 RATES = (0.0, 0.1, None)  # None: traced
 
