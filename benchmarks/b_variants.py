@@ -88,6 +88,32 @@ def order_variants(seq_q: int, seq_k: int, default: msd.Config) -> dict[str, msd
   return out
 
 
+# The third set: a loop over row blocks per program with the next block's loads prefetched.
+LOOP_NAMES = ["default", "rows", "loop2", "loop4", "loop8", "loop16", "loop4_2w", "loop8_2w",
+              "loop4_w/2", "loop4_1r", "loop4_1r_ca"]
+
+
+def loop_variants(seq_q: int, seq_k: int, default: msd.Config) -> dict[str, msd.Config]:
+  """The row-block loop (``blocks_per_program``) on the default's tiling at 2-16 blocks per
+  program, at twice and half the warps, and at one row per block (``_ca``: with the public
+  design's loads), against the default and rows fastest."""
+  r = dataclasses.replace
+  w = default.num_warps
+  out = {"default": default, "rows": r(default, row_group=ALL)}
+  for n in (2, 4, 8, 16):
+    out[f"loop{n}"] = r(default, blocks_per_program=n)
+  if w < 32:
+    out["loop4_2w"] = r(default, blocks_per_program=4, num_warps=2 * w)
+    out["loop8_2w"] = r(default, blocks_per_program=8, num_warps=2 * w)
+  if w > 1:
+    out["loop4_w/2"] = r(default, blocks_per_program=4, num_warps=w // 2)
+  if default.block_rows > 1:
+    out["loop4_1r"] = r(default, block_rows=1, blocks_per_program=4 * default.block_rows)
+  out["loop4_1r_ca"] = msd.Config(1, public_warps(seq_k), blocks_per_program=4, **PUBLIC)
+  assert set(out) <= set(LOOP_NAMES), set(out) - set(LOOP_NAMES)
+  return out
+
+
 def variants(seq_q: int, seq_k: int, default: msd.Config) -> dict[str, msd.Config]:
   """The configs to time for rows of ``seq_k`` (``default``: the tuned config), by name."""
   r = dataclasses.replace
@@ -139,7 +165,8 @@ def _input_sets(w, index, count):
   return [first] + [make(i) for i in range(1, n_sets)]
 
 
-SETS = {"loads": (variants, NAMES), "order": (order_variants, ORDER_NAMES)}
+SETS = {"loads": (variants, NAMES), "order": (order_variants, ORDER_NAMES),
+        "loop": (loop_variants, LOOP_NAMES)}
 
 
 def run_workload(index, w, ceiling_tbps, calls, device_kind, make=variants):
@@ -258,7 +285,8 @@ def main(argv=None):
   parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
   parser.add_argument("--set", choices=sorted(SETS), default="loads",
                       help="loads: cache hints and the public-like tiling; order: the order "
-                           "of the programs (row_group) and 32 warps")
+                           "of the programs (row_group) and 32 warps; loop: row blocks walked "
+                           "in a loop with a prefetch (blocks_per_program)")
   parser.add_argument("--dry-run", action="store_true",
                       help="no GPU: build the variants, check them on tiny shapes (interpret)")
   args = parser.parse_args(argv)

@@ -58,6 +58,10 @@ class Config:
       tensor and the mask tile is reused after ``k`` row blocks (capped at the row blocks
       of a head: then each head's rows run in order, as in a plain one-row-per-program
       launch).
+    blocks_per_program: row blocks (of ``block_rows`` rows) one program walks in a loop, in
+      the default order (``row_group`` 0). The next block's loads are issued before this
+      block's row sums and stores, so that memory stays busy while a block is reduced and
+      written (a prefetch in registers: about twice the registers per block).
   """
   block_rows: int
   num_warps: int
@@ -70,6 +74,7 @@ class Config:
   store_eviction: str | None = None
   heads_per_program: int = 1
   row_group: int = 0
+  blocks_per_program: int = 1
 
   def __post_init__(self):
     r = self.block_rows
@@ -100,6 +105,12 @@ class Config:
     k = self.row_group
     if not isinstance(k, int) or isinstance(k, bool) or k < 0:
       raise ValueError(f"config.row_group: expected an int >= 0, got {k!r}")
+    n = self.blocks_per_program
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+      raise ValueError(f"config.blocks_per_program: expected an int >= 1, got {n!r}")
+    if n > 1 and k:
+      raise ValueError(f"config.blocks_per_program={n} needs config.row_group=0 (the default "
+                       f"order), got row_group={k}")
 
   @property
   def uses_cache_modifiers(self) -> bool:

@@ -89,11 +89,23 @@ def _hashed_keep(seeds_ref, bh, rows, cols, seq_k):
   return u >= seeds_ref[2]
 
 
-def _dropped_grad(g, keep_ref, scale_ref, tile, valid, dropout: Dropout, config: Config,
-                  hashed=None):
-  """``gd = g * keep / (1 - p)`` for one tile (``g`` when the rate is a concrete 0).
-  ``hashed``: ``(bh, rows, cols, seq_k)`` when ``keep_ref`` holds the key's seeds and the
-  mask is drawn here, not read."""
+def _load_keep(keep_ref, scale_ref, tile, valid, dropout: Dropout, config: Config):
+  """The tile's keep mask as read (``None`` when the rate is a concrete 0)."""
+  if dropout.mode == "none":
+    return None
+  stream = dict(cache_modifier=config.stream_cache, eviction_policy=config.stream_eviction)
+  if dropout.mode == "traced":
+    # A traced rate: when it is 0 the predicated-off load never touches memory.
+    return pltriton.load(keep_ref.at[tile], mask=valid & (scale_ref[1] > 0), other=True,
+                         **stream)
+  return pltriton.load(keep_ref.at[tile], mask=valid, other=False, **stream)
+
+
+def _dropped_grad(g, keep, keep_ref, scale_ref, dropout: Dropout, hashed=None):
+  """``gd = g * keep / (1 - p)`` for one tile (``g`` when the rate is a concrete 0), fp32.
+  ``keep``: the tile's mask as read; ``hashed``: ``(bh, rows, cols, seq_k)`` when
+  ``keep_ref`` holds the key's seeds and the mask is drawn here instead."""
+  g = g.astype(jnp.float32)
   if dropout.mode == "none":
     return g
   if hashed is not None:
@@ -102,23 +114,8 @@ def _dropped_grad(g, keep_ref, scale_ref, tile, valid, dropout: Dropout, config:
       return jnp.where(keep, g * scale_ref[0], 0.0 * scale_ref[0])
     return jnp.where(keep, g * dropout.scale, 0.0)
   if dropout.mode == "traced":
-    # A traced rate: when it is 0 the predicated-off load never touches memory.
-    keep = pltriton.load(keep_ref.at[tile], mask=valid & (scale_ref[1] > 0), other=True,
-                         cache_modifier=config.stream_cache,
-                         eviction_policy=config.stream_eviction)
     return jnp.where(keep, g * scale_ref[0], 0.0)
-  keep = pltriton.load(keep_ref.at[tile], mask=valid, other=False,
-                       cache_modifier=config.stream_cache, eviction_policy=config.stream_eviction)
   return jnp.where(keep, g * dropout.scale, 0.0)
-
-
-def _load_streams(g_ref, p_ref, keep_ref, scale_ref, tile, valid, dropout, config,
-                  hashed=None):
-  """``(P, gd)`` of one tile of one head, fp32: the loads of data read exactly once."""
-  stream = dict(cache_modifier=config.stream_cache, eviction_policy=config.stream_eviction)
-  g = pltriton.load(g_ref.at[tile], mask=valid, other=0.0, **stream).astype(jnp.float32)
-  probs = pltriton.load(p_ref.at[tile], mask=valid, other=0.0, **stream).astype(jnp.float32)
-  return probs, _dropped_grad(g, keep_ref, scale_ref, tile, valid, dropout, config, hashed)
 
 
 def _load_mask(mask_ref, b, r0, c0, block_rows, width, valid, config):
@@ -139,24 +136,27 @@ def _program_heads(h, b, num_heads, heads_per_program):
 
 
 def _grid(batch, num_heads, seq_q, config: Config):
-  """The launch grid: ``(head groups, batch * row blocks)`` in the default order, else one
-  axis in :attr:`Config.row_group` order (:func:`_program_tile` decodes it)."""
+  """The launch grid: ``(head groups, batch * row blocks)`` in the default order (with
+  ``blocks_per_program`` row blocks per program), else one axis in :attr:`Config.row_group`
+  order (:func:`_program_tile` decodes it)."""
   n_heads = pl.cdiv(num_heads, config.heads_per_program)
   n_blocks = pl.cdiv(seq_q, config.block_rows)
   if config.row_group == 0:
-    return (n_heads, batch * n_blocks)
+    return (n_heads, batch * pl.cdiv(n_blocks, config.blocks_per_program))
   group = min(config.row_group, n_blocks)
   return (batch * n_heads * pl.cdiv(n_blocks, group) * group,)
 
 
 def _program_tile(num_heads, seq_q, config: Config):
-  """``(head group, batch entry, first row)`` of this program. With a row group that does
-  not divide the row blocks, the last group's extra programs get rows >= ``seq_q``: every
-  access of theirs is masked off."""
+  """``(head group, batch entry, first row)`` of this program. Where the row blocks do not
+  divide evenly (a row group, or ``blocks_per_program``), the last programs get rows >=
+  ``seq_q``: every access of theirs is masked off."""
   n_blocks = pl.cdiv(seq_q, config.block_rows)
   if config.row_group == 0:
+    per_head = pl.cdiv(n_blocks, config.blocks_per_program)
     t = pl.program_id(1)
-    return pl.program_id(0), t // n_blocks, (t % n_blocks) * config.block_rows
+    first = (t % per_head) * config.blocks_per_program
+    return pl.program_id(0), t // per_head, first * config.block_rows
   n_heads = pl.cdiv(num_heads, config.heads_per_program)
   group = min(config.row_group, n_blocks)
   n_groups = pl.cdiv(n_blocks, group)
@@ -167,54 +167,110 @@ def _program_tile(num_heads, seq_q, config: Config):
   return h, p // n_groups, block * config.block_rows
 
 
+class _Block:
+  """One row block of a program (``block_rows`` rows of its heads): its loads, and the
+  update that reduces and writes it."""
+
+  def __init__(self, refs, h, b, heads, *, seq_q, seq_k, config: Config, dropout: Dropout,
+               hashed: bool):
+    (self.scale_ref, self.g_ref, self.p_ref, self.mask_ref, self.keep_ref,
+     self.o_ref) = refs
+    self.h, self.b, self.heads = h, b, heads
+    self.seq_q, self.seq_k, self.config, self.dropout = seq_q, seq_k, config, dropout
+    self.hashed = hashed
+
+  def _chunks(self, r0, live=None):
+    """``(c0, width, rows, cols, valid)`` per column chunk of the block at row ``r0``;
+    ``live``: a scalar predicate that masks every access off when false."""
+    block_rows = self.config.block_rows
+    rows = r0 + jnp.arange(block_rows)
+    for c0, width in column_chunks(self.seq_k, self.config.split):
+      # A traced start: a constant one past the row's end fails the indexer's static bounds
+      # check even though the masked access is fine.
+      c0 = self.h * 0 + c0
+      cols = c0 + jnp.arange(width)
+      valid = (rows[:, None] < self.seq_q) & (cols[None, :] < self.seq_k)
+      if live is not None:
+        valid = valid & live
+      yield c0, width, rows, cols, valid
+
+  def _head_valid(self, valid, in_range):
+    return valid if in_range is None else valid & in_range
+
+  def load(self, r0, live=None):
+    """The block's loads as read, per chunk ``(mask tile or None, [(g, P, keep)] per
+    head)``; the mask tile is ``None`` when it is loaded after the row sums."""
+    c = self.config
+    stream = dict(cache_modifier=c.stream_cache, eviction_policy=c.stream_eviction)
+    out = []
+    for c0, width, _, _, valid in self._chunks(r0, live):
+      per_head = []
+      for bh, in_range in self.heads:
+        head_valid = self._head_valid(valid, in_range)
+        tile = (bh, pl.ds(r0, c.block_rows), pl.ds(c0, width))
+        g = pltriton.load(self.g_ref.at[tile], mask=head_valid, other=0.0, **stream)
+        probs = pltriton.load(self.p_ref.at[tile], mask=head_valid, other=0.0, **stream)
+        keep = None if self.hashed else _load_keep(self.keep_ref, self.scale_ref, tile,
+                                                   head_valid, self.dropout, c)
+        per_head.append((g, probs, keep))
+      # By default the attention mask is loaded with the others (not after the row sum),
+      # so a program waits for one round trip to memory, not two.
+      attend = None if c.mask_after_sum else _load_mask(self.mask_ref, self.b, r0, c0,
+                                                        c.block_rows, width, valid, c)
+      out.append((attend, per_head))
+    return out
+
+  def update(self, r0, loaded):
+    """Reduces the row sums of the loaded block and writes its gradient."""
+    c = self.config
+    chunks = list(self._chunks(r0))
+    sums = [jnp.zeros((c.block_rows, 1), jnp.float32) for _ in self.heads]
+    dropped = []
+    for (_, _, rows, cols, _), (_, per_head) in zip(chunks, loaded):
+      gds = []
+      for (bh, _), (g, probs, keep) in zip(self.heads, per_head):
+        draw = (bh, rows, cols, self.seq_k) if self.hashed else None
+        gds.append((probs.astype(jnp.float32),
+                    _dropped_grad(g, keep, self.keep_ref, self.scale_ref, self.dropout, draw)))
+      sums = [s + jnp.sum(probs * gd, axis=1, keepdims=True)
+              for s, (probs, gd) in zip(sums, gds)]
+      dropped.append(gds)
+    # Masked elements are 0; with a traced rate, 0 * (1 / (1 - p)): NaN for an invalid
+    # rate, so that then every element is NaN, as in the reference.
+    fill = 0.0 if self.dropout.mode != "traced" else 0.0 * self.scale_ref[0]
+    for (c0, width, _, _, valid), (attend, _), gds in zip(chunks, loaded, dropped):
+      if attend is None:
+        attend = _load_mask(self.mask_ref, self.b, r0, c0, c.block_rows, width, valid, c)
+      for s, (bh, in_range), (probs, gd) in zip(sums, self.heads, gds):
+        out = jnp.where(attend, probs * (gd - s), fill)
+        pltriton.store(self.o_ref.at[bh, pl.ds(r0, c.block_rows), pl.ds(c0, width)],
+                       out.astype(self.o_ref.dtype), mask=self._head_valid(valid, in_range),
+                       eviction_policy=c.store_eviction)
+
+
 def _kernel(*refs, num_heads, seq_q, seq_k, config: Config, dropout: Dropout,
             hashed: bool = False):
-  """One program: ``block_rows`` rows of ``heads_per_program`` heads (from ``program_id(0)``)
-  of one batch entry and row block (``program_id(1)``); every row whole, in power-of-two
-  column chunks. The mask tile is loaded once and serves all the program's heads."""
-  scale_ref, g_ref, p_ref, mask_ref, keep_ref, o_ref = _unpack_refs(refs, dropout)
-  block_rows = config.block_rows
+  """One program: ``blocks_per_program`` blocks of ``block_rows`` rows of
+  ``heads_per_program`` heads of one batch entry (:func:`_program_tile`); every row whole,
+  in power-of-two column chunks, every byte read once. The mask tile is loaded once and
+  serves all the program's heads. With several blocks, the next block's loads are issued
+  before this block's row sums, so the loads of one overlap the update of the other."""
   h, b, r0 = _program_tile(num_heads, seq_q, config)
-  rows = r0 + jnp.arange(block_rows)
-  heads = _program_heads(h, b, num_heads, config.heads_per_program)
+  block = _Block(_unpack_refs(refs, dropout), h, b,
+                 _program_heads(h, b, num_heads, config.heads_per_program), seq_q=seq_q,
+                 seq_k=seq_k, config=config, dropout=dropout, hashed=hashed)
+  n = config.blocks_per_program
+  if n == 1:
+    block.update(r0, block.load(r0))
+    return
+  step = config.block_rows
 
-  # Pass over the chunks once to load everything and reduce the row sums, then once more
-  # (from registers) to write: every byte is read exactly once.
-  loaded = []
-  sums = [jnp.zeros((block_rows, 1), jnp.float32) for _ in heads]
-  for c0, width in column_chunks(seq_k, config.split):
-    # A traced start: a constant one past the row's end fails the indexer's static bounds
-    # check even though the masked access is fine.
-    c0 = h * 0 + c0
-    cols = c0 + jnp.arange(width)
-    valid = (rows[:, None] < seq_q) & (cols[None, :] < seq_k)
-    per_head = []
-    for bh, in_range in heads:
-      head_valid = valid if in_range is None else valid & in_range
-      tile = (bh, pl.ds(r0, block_rows), pl.ds(c0, width))
-      draw = (bh, rows, cols, seq_k) if hashed else None
-      per_head.append((bh, head_valid, *_load_streams(g_ref, p_ref, keep_ref, scale_ref, tile,
-                                                      head_valid, dropout, config, draw)))
-    # By default the attention mask is loaded with the others (not after the row sum), so
-    # a program waits for one round trip to memory, not two.
-    attend = None if config.mask_after_sum else _load_mask(mask_ref, b, r0, c0, block_rows,
-                                                           width, valid, config)
-    sums = [s + jnp.sum(probs * gd, axis=1, keepdims=True)
-            for s, (_, _, probs, gd) in zip(sums, per_head)]
-    loaded.append((c0, width, valid, attend, per_head))
-  if config.mask_after_sum:
-    loaded = [(c0, width, valid, _load_mask(mask_ref, b, r0, c0, block_rows, width, valid,
-                                            config), per_head)
-              for c0, width, valid, _, per_head in loaded]
-  # Masked elements are 0; with a traced rate, 0 * (1 / (1 - p)): NaN for an invalid rate,
-  # so that then every element is NaN, as in the reference.
-  fill = 0.0 if dropout.mode != "traced" else 0.0 * scale_ref[0]
-  for c0, width, valid, attend, per_head in loaded:
-    for s, (bh, head_valid, probs, gd) in zip(sums, per_head):
-      out = jnp.where(attend, probs * (gd - s), fill)
-      pltriton.store(o_ref.at[bh, pl.ds(r0, block_rows), pl.ds(c0, width)],
-                     out.astype(o_ref.dtype), mask=head_valid,
-                     eviction_policy=config.store_eviction)
+  def body(i, loaded):
+    nxt = block.load(r0 + (i + 1) * step, live=i + 1 < n)
+    block.update(r0 + i * step, loaded)
+    return nxt
+
+  jax.lax.fori_loop(0, n, body, block.load(r0))
 
 
 @functools.partial(jax.jit, static_argnames=("dropout", "config", "num_stages", "interpret",

@@ -74,7 +74,9 @@ def test_off_gpu_without_interpret_says_so():
     (dict(store_eviction="evict"), "store_eviction"), (dict(mask_after_sum=None), "mask_after_sum"),
     (dict(heads_per_program=0), "heads_per_program"),
     (dict(heads_per_program=True), "heads_per_program"),
-    (dict(row_group=-1), "row_group"), (dict(row_group=1.5), "row_group")])
+    (dict(row_group=-1), "row_group"), (dict(row_group=1.5), "row_group"),
+    (dict(blocks_per_program=0), "blocks_per_program"),
+    (dict(blocks_per_program=2, row_group=4), "blocks_per_program")])
 def test_config_validates_its_fields(kwargs, field):
   with pytest.raises(ValueError, match=f"config.{field}"):
     Config(**{"block_rows": 2, "num_warps": 4, **kwargs})
@@ -150,6 +152,16 @@ def test_lowers_to_triton(pretend_gpu, p, split):
   assert triton_calls_in_gpu_lowering(kernel, shapes, p, config=Config(4, 4, split)) == 1
 
 
+@pytest.mark.parametrize("config", [Config(2, 4, True, blocks_per_program=3),
+                                    Config(1, 2, False, row_group=8, heads_per_program=2)])
+def test_program_orders_lower_to_triton(pretend_gpu, config):
+  """The row-block loop (a carried prefetch) and the 1-D grid lower to Triton IR."""
+  b, h, s = 2, 3, 131
+  shapes = [jax.ShapeDtypeStruct((b, h, s, s), jnp.float32)] * 2 + [
+      jax.ShapeDtypeStruct((b, 1, s, s), jnp.bool_), jax.ShapeDtypeStruct((b, h, s, s), jnp.bool_)]
+  assert triton_calls_in_gpu_lowering(kernel, shapes, 0.1, config=config) == 1
+
+
 # --- Config fields that change the loads, the store and the grouping of heads --------------
 
 VARIANTS = {
@@ -170,6 +182,12 @@ VARIANTS = {
     # groups; capped at a head's row blocks (rows fastest).
     "row_group_3": Config(2, 4, True, heads_per_program=2, row_group=3),
     "rows_fastest": Config(4, 2, False, row_group=1 << 20),
+    # A loop over row blocks with the next block's loads prefetched: 3 blocks of 2 rows
+    # leave the last program of 7 or 131 rows partly past the end; with split columns and
+    # two heads per program (H = 3); one row at a time with the mask after the sums.
+    "loop_3": Config(2, 4, True, heads_per_program=2, blocks_per_program=3),
+    "loop_rows": Config(1, 2, False, stream_cache=".cg", stream_eviction=None,
+                        mask_cache=".ca", mask_after_sum=True, blocks_per_program=4),
 }
 RATES = (0.0, 0.1, None)  # None: traced
 
