@@ -114,6 +114,34 @@ def loop_variants(seq_q: int, seq_k: int, default: msd.Config) -> dict[str, msd.
   return out
 
 
+# The fourth set: two passes over column chunks per row (Config.chunk).
+TWO_PASS_NAMES = ["default", "rows", "tp256_1w", "tp512_1w", "tp512_2w", "tp1024_2w",
+                  "tp1024_4w", "tp2048_8w", "tp1024_4w_noev", "tp512_2w_rows", "tp1024_4w_2r"]
+
+
+def two_pass_variants(seq_q: int, seq_k: int, default: msd.Config) -> dict[str, msd.Config]:
+  """One row per program, walked twice in chunks of 256-2048 columns at 8 or 16 elements
+  per thread, the first pass evict-last (``_noev``: no hint), in the default order
+  (``_rows``: rows fastest; ``_2r``: two rows per program); only chunks narrower than the
+  padded row."""
+  r = dataclasses.replace
+  width = next_power_of_2(seq_k)
+  out = {"default": default, "rows": r(default, row_group=ALL)}
+  tp = lambda chunk, warps, **kw: msd.Config(
+      kw.pop("rows", 1), warps, False, chunk=chunk, stream_eviction=kw.pop("ev", "evict_last"),
+      store_eviction="evict_first", **kw)
+  for name, chunk, warps, kw in [("tp256_1w", 256, 1, {}), ("tp512_1w", 512, 1, {}),
+                                 ("tp512_2w", 512, 2, {}), ("tp1024_2w", 1024, 2, {}),
+                                 ("tp1024_4w", 1024, 4, {}), ("tp2048_8w", 2048, 8, {}),
+                                 ("tp1024_4w_noev", 1024, 4, {"ev": None}),
+                                 ("tp512_2w_rows", 512, 2, {"row_group": ALL}),
+                                 ("tp1024_4w_2r", 1024, 4, {"rows": 2})]:
+    if chunk < width:
+      out[name] = tp(chunk, warps, **kw)
+  assert set(out) <= set(TWO_PASS_NAMES), set(out) - set(TWO_PASS_NAMES)
+  return out
+
+
 def variants(seq_q: int, seq_k: int, default: msd.Config) -> dict[str, msd.Config]:
   """The configs to time for rows of ``seq_k`` (``default``: the tuned config), by name."""
   r = dataclasses.replace
@@ -166,7 +194,7 @@ def _input_sets(w, index, count):
 
 
 SETS = {"loads": (variants, NAMES), "order": (order_variants, ORDER_NAMES),
-        "loop": (loop_variants, LOOP_NAMES)}
+        "loop": (loop_variants, LOOP_NAMES), "two_pass": (two_pass_variants, TWO_PASS_NAMES)}
 
 
 def run_workload(index, w, ceiling_tbps, calls, device_kind, make=variants):
@@ -286,7 +314,8 @@ def main(argv=None):
   parser.add_argument("--set", choices=sorted(SETS), default="loads",
                       help="loads: cache hints and the public-like tiling; order: the order "
                            "of the programs (row_group) and 32 warps; loop: row blocks walked "
-                           "in a loop with a prefetch (blocks_per_program)")
+                           "in a loop with a prefetch (blocks_per_program); two_pass: rows "
+                           "walked twice in column chunks (chunk)")
   parser.add_argument("--dry-run", action="store_true",
                       help="no GPU: build the variants, check them on tiny shapes (interpret)")
   args = parser.parse_args(argv)

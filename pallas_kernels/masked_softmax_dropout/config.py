@@ -62,6 +62,11 @@ class Config:
       the default order (``row_group`` 0). The next block's loads are issued before this
       block's row sums and stores, so that memory stays busy while a block is reduced and
       written (a prefetch in registers: about twice the registers per block).
+    chunk: 0 (default): every row whole in registers. A power of two: the rows are walked
+      twice in column chunks of this width, once to reduce the row sums and once, reading
+      the chunks again from the caches, to write; the streamed loads' hints
+      (``stream_cache``, ``stream_eviction``) apply to the first pass, the second reads
+      evict-first. Fewer registers per program, so more programs per SM.
   """
   block_rows: int
   num_warps: int
@@ -75,6 +80,7 @@ class Config:
   heads_per_program: int = 1
   row_group: int = 0
   blocks_per_program: int = 1
+  chunk: int = 0
 
   def __post_init__(self):
     r = self.block_rows
@@ -111,6 +117,12 @@ class Config:
     if n > 1 and k:
       raise ValueError(f"config.blocks_per_program={n} needs config.row_group=0 (the default "
                        f"order), got row_group={k}")
+    w = self.chunk
+    if not isinstance(w, int) or isinstance(w, bool) or w < 0 or w & (w - 1):
+      raise ValueError(f"config.chunk: expected 0 or a power of two, got {w!r}")
+    if w and n > 1:
+      raise ValueError(f"config.chunk={w} cannot be combined with "
+                       f"config.blocks_per_program={n}")
 
   @property
   def uses_cache_modifiers(self) -> bool:

@@ -89,11 +89,11 @@ def _hashed_keep(seeds_ref, bh, rows, cols, seq_k):
   return u >= seeds_ref[2]
 
 
-def _load_keep(keep_ref, scale_ref, tile, valid, dropout: Dropout, config: Config):
-  """The tile's keep mask as read (``None`` when the rate is a concrete 0)."""
+def _load_keep(keep_ref, scale_ref, tile, valid, dropout: Dropout, stream: dict):
+  """The tile's keep mask as read (``None`` when the rate is a concrete 0); ``stream``: the
+  load's cache modifier and eviction policy."""
   if dropout.mode == "none":
     return None
-  stream = dict(cache_modifier=config.stream_cache, eviction_policy=config.stream_eviction)
   if dropout.mode == "traced":
     # A traced rate: when it is 0 the predicated-off load never touches memory.
     return pltriton.load(keep_ref.at[tile], mask=valid & (scale_ref[1] > 0), other=True,
@@ -211,7 +211,7 @@ class _Block:
         g = pltriton.load(self.g_ref.at[tile], mask=head_valid, other=0.0, **stream)
         probs = pltriton.load(self.p_ref.at[tile], mask=head_valid, other=0.0, **stream)
         keep = None if self.hashed else _load_keep(self.keep_ref, self.scale_ref, tile,
-                                                   head_valid, self.dropout, c)
+                                                   head_valid, self.dropout, stream)
         per_head.append((g, probs, keep))
       # By default the attention mask is loaded with the others (not after the row sum),
       # so a program waits for one round trip to memory, not two.
@@ -248,6 +248,58 @@ class _Block:
                        eviction_policy=c.store_eviction)
 
 
+def _two_pass(block: _Block, r0):
+  """The rows of ``block`` at ``r0`` in column chunks of ``config.chunk``, twice: the first
+  pass reduces the row sums, the second reads the chunks again (from the caches: the
+  program read them a moment ago) and writes the gradient. Few registers per program, so
+  many programs share an SM and keep memory busy."""
+  c, width = block.config, block.config.chunk
+  n_chunks = pl.cdiv(block.seq_k, width)
+  rows = r0 + jnp.arange(c.block_rows)
+
+  def chunk(j, stream):
+    c0 = j * width
+    cols = c0 + jnp.arange(width)
+    valid = (rows[:, None] < block.seq_q) & (cols[None, :] < block.seq_k)
+    per_head = []
+    for bh, in_range in block.heads:
+      head_valid = block._head_valid(valid, in_range)
+      tile = (bh, pl.ds(r0, c.block_rows), pl.ds(c0, width))
+      g = pltriton.load(block.g_ref.at[tile], mask=head_valid, other=0.0, **stream)
+      probs = pltriton.load(block.p_ref.at[tile], mask=head_valid, other=0.0, **stream)
+      keep = None if block.hashed else _load_keep(block.keep_ref, block.scale_ref, tile,
+                                                  head_valid, block.dropout, stream)
+      draw = (bh, rows, cols, block.seq_k) if block.hashed else None
+      per_head.append((probs.astype(jnp.float32),
+                       _dropped_grad(g, keep, block.keep_ref, block.scale_ref, block.dropout,
+                                     draw)))
+    return c0, valid, per_head
+
+  first = dict(cache_modifier=c.stream_cache, eviction_policy=c.stream_eviction)
+  again = dict(cache_modifier=None, eviction_policy="evict_first")  # the last read
+
+  def accumulate(j, accs):
+    _, _, per_head = chunk(j, first)
+    return tuple(a + probs * gd for a, (probs, gd) in zip(accs, per_head))
+
+  zeros = tuple(jnp.zeros((c.block_rows, width), jnp.float32) for _ in block.heads)
+  accs = jax.lax.fori_loop(0, n_chunks, accumulate, zeros)
+  sums = [jnp.sum(a, axis=1, keepdims=True) for a in accs]
+  fill = 0.0 if block.dropout.mode != "traced" else 0.0 * block.scale_ref[0]
+
+  def write(j, carry):
+    c0, valid, per_head = chunk(j, again)
+    attend = _load_mask(block.mask_ref, block.b, r0, c0, c.block_rows, width, valid, c)
+    for s, (bh, in_range), (probs, gd) in zip(sums, block.heads, per_head):
+      out = jnp.where(attend, probs * (gd - s), fill)
+      pltriton.store(block.o_ref.at[bh, pl.ds(r0, c.block_rows), pl.ds(c0, width)],
+                     out.astype(block.o_ref.dtype), mask=block._head_valid(valid, in_range),
+                     eviction_policy=c.store_eviction)
+    return carry
+
+  jax.lax.fori_loop(0, n_chunks, write, 0)
+
+
 def _kernel(*refs, num_heads, seq_q, seq_k, config: Config, dropout: Dropout,
             hashed: bool = False):
   """One program: ``blocks_per_program`` blocks of ``block_rows`` rows of
@@ -259,6 +311,9 @@ def _kernel(*refs, num_heads, seq_q, seq_k, config: Config, dropout: Dropout,
   block = _Block(_unpack_refs(refs, dropout), h, b,
                  _program_heads(h, b, num_heads, config.heads_per_program), seq_q=seq_q,
                  seq_k=seq_k, config=config, dropout=dropout, hashed=hashed)
+  if config.chunk:
+    _two_pass(block, r0)
+    return
   n = config.blocks_per_program
   if n == 1:
     block.update(r0, block.load(r0))

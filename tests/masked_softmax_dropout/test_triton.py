@@ -76,7 +76,9 @@ def test_off_gpu_without_interpret_says_so():
     (dict(heads_per_program=True), "heads_per_program"),
     (dict(row_group=-1), "row_group"), (dict(row_group=1.5), "row_group"),
     (dict(blocks_per_program=0), "blocks_per_program"),
-    (dict(blocks_per_program=2, row_group=4), "blocks_per_program")])
+    (dict(blocks_per_program=2, row_group=4), "blocks_per_program"),
+    (dict(chunk=48), "chunk"), (dict(chunk=-2), "chunk"),
+    (dict(chunk=64, blocks_per_program=2), "chunk")])
 def test_config_validates_its_fields(kwargs, field):
   with pytest.raises(ValueError, match=f"config.{field}"):
     Config(**{"block_rows": 2, "num_warps": 4, **kwargs})
@@ -153,6 +155,7 @@ def test_lowers_to_triton(pretend_gpu, p, split):
 
 
 @pytest.mark.parametrize("config", [Config(2, 4, True, blocks_per_program=3),
+                                    Config(1, 4, False, chunk=64, stream_eviction="evict_last"),
                                     Config(1, 2, False, row_group=8, heads_per_program=2)])
 def test_program_orders_lower_to_triton(pretend_gpu, config):
   """The row-block loop (a carried prefetch) and the 1-D grid lower to Triton IR."""
@@ -188,6 +191,12 @@ VARIANTS = {
     "loop_3": Config(2, 4, True, heads_per_program=2, blocks_per_program=3),
     "loop_rows": Config(1, 2, False, stream_cache=".cg", stream_eviction=None,
                         mask_cache=".ca", mask_after_sum=True, blocks_per_program=4),
+    # Two passes over column chunks (the last chunk of a ragged row partly past its end;
+    # a chunk wider than a row of 7), with two heads per program, and rows fastest.
+    "two_pass_64": Config(2, 4, False, chunk=64, heads_per_program=2,
+                          stream_eviction="evict_last"),
+    "two_pass_rows": Config(1, 2, False, chunk=32, row_group=1 << 20, stream_cache=".cg",
+                            stream_eviction=None, mask_cache=".ca"),
 }
 RATES = (0.0, 0.1, None)  # None: traced
 
