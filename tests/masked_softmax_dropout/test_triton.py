@@ -135,7 +135,8 @@ def test_default_config_reads_the_table_for_its_device():
                                                            store_eviction="evict_first")
   # 293 -> "512-ragged": 512 elements, one padded chunk of 512 -> 1 row, 1 warp.
   assert default_config(293, 293, "NVIDIA H200") == Config(
-      1, 1, False, stream_cache=".cg", stream_eviction=None, store_eviction="evict_first")
+      1, 1, False, stream_cache=".cg", stream_eviction=None, store_eviction="evict_first",
+      row_group=65536)
   # A ragged length whose class has no entry takes the aligned class of its padded length.
   assert default_config(2000, 2000, "NVIDIA H200") == default_config(2048, 2048, "NVIDIA H200")
   # Another device kind, or none (interpret mode): the heuristic.
