@@ -97,7 +97,7 @@ def loop_variants(seq_q: int, seq_k: int, default: msd.Config) -> dict[str, msd.
   """The row-block loop (``blocks_per_program``) on the default's tiling at 2-16 blocks per
   program, at twice and half the warps, and at one row per block (``_ca``: with the public
   design's loads), against the default and rows fastest."""
-  r = dataclasses.replace
+  r = lambda c, **kw: dataclasses.replace(c, **{"row_group": 0, **kw})  # the loop's order
   w = default.num_warps
   out = {"default": default, "rows": r(default, row_group=ALL)}
   for n in (2, 4, 8, 16):
@@ -139,6 +139,24 @@ def two_pass_variants(seq_q: int, seq_k: int, default: msd.Config) -> dict[str, 
     if chunk < width:
       out[name] = tp(chunk, warps, **kw)
   assert set(out) <= set(TWO_PASS_NAMES), set(out) - set(TWO_PASS_NAMES)
+  return out
+
+
+# The fifth set: the row-block loop left to Triton's pipeliner (num_stages), no prefetch.
+PIPELINE_NAMES = ["default", "loop2", "loop4_s2", "loop4_s3", "loop8_s2", "loop8_s3",
+                  "loop4_pf_s2"]
+
+
+def pipeline_variants(seq_q: int, seq_k: int, default: msd.Config) -> dict[str, msd.Config]:
+  """``blocks_per_program`` 4 and 8 without the prefetch at 2 and 3 pipeline stages, the
+  prefetching loop at 2 stages, against the default and the prefetching loop of 2."""
+  r = lambda c, **kw: dataclasses.replace(c, row_group=0, **kw)  # the loop's order
+  out = {"default": default, "loop2": r(default, blocks_per_program=2)}
+  for n in (4, 8):
+    for st in (2, 3):
+      out[f"loop{n}_s{st}"] = r(default, blocks_per_program=n, prefetch=False, num_stages=st)
+  out["loop4_pf_s2"] = r(default, blocks_per_program=4, num_stages=2)
+  assert set(out) <= set(PIPELINE_NAMES), set(out) - set(PIPELINE_NAMES)
   return out
 
 
@@ -194,7 +212,8 @@ def _input_sets(w, index, count):
 
 
 SETS = {"loads": (variants, NAMES), "order": (order_variants, ORDER_NAMES),
-        "loop": (loop_variants, LOOP_NAMES), "two_pass": (two_pass_variants, TWO_PASS_NAMES)}
+        "loop": (loop_variants, LOOP_NAMES), "two_pass": (two_pass_variants, TWO_PASS_NAMES),
+        "pipeline": (pipeline_variants, PIPELINE_NAMES)}
 
 
 def run_workload(index, w, ceiling_tbps, calls, device_kind, make=variants):
@@ -315,7 +334,8 @@ def main(argv=None):
                       help="loads: cache hints and the public-like tiling; order: the order "
                            "of the programs (row_group) and 32 warps; loop: row blocks walked "
                            "in a loop with a prefetch (blocks_per_program); two_pass: rows "
-                           "walked twice in column chunks (chunk)")
+                           "walked twice in column chunks (chunk); pipeline: the loop with "
+                           "Triton's pipeliner (num_stages)")
   parser.add_argument("--dry-run", action="store_true",
                       help="no GPU: build the variants, check them on tiny shapes (interpret)")
   args = parser.parse_args(argv)

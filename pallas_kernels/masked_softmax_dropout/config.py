@@ -67,6 +67,11 @@ class Config:
       the chunks again from the caches, to write; the streamed loads' hints
       (``stream_cache``, ``stream_eviction``) apply to the first pass, the second reads
       evict-first. Fewer registers per program, so more programs per SM.
+    prefetch: with ``blocks_per_program > 1``, issue the next block's loads before this
+      block's update (default); False leaves the loop plain, for Triton's pipeliner
+      (``num_stages``) to overlap.
+    num_stages: Triton's pipelining depth for the kernel's loops (the kernel entry point's
+      ``num_stages`` overrides it when given).
   """
   block_rows: int
   num_warps: int
@@ -81,6 +86,8 @@ class Config:
   row_group: int = 0
   blocks_per_program: int = 1
   chunk: int = 0
+  prefetch: bool = True
+  num_stages: int = 1
 
   def __post_init__(self):
     r = self.block_rows
@@ -89,7 +96,7 @@ class Config:
     if self.num_warps not in NUM_WARPS or isinstance(self.num_warps, bool):
       raise ValueError(
           f"config.num_warps: expected 1, 2, 4, 8, 16 or 32, got {self.num_warps!r}")
-    for name in ("split", "mask_after_sum"):
+    for name in ("split", "mask_after_sum", "prefetch"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"config.{name}: expected a bool, got {getattr(self, name)!r}")
     for name in ("stream_cache", "mask_cache"):
@@ -117,6 +124,9 @@ class Config:
     if n > 1 and k:
       raise ValueError(f"config.blocks_per_program={n} needs config.row_group=0 (the default "
                        f"order), got row_group={k}")
+    st = self.num_stages
+    if not isinstance(st, int) or isinstance(st, bool) or st < 1:
+      raise ValueError(f"config.num_stages: expected an int >= 1, got {st!r}")
     w = self.chunk
     if not isinstance(w, int) or isinstance(w, bool) or w < 0 or w & (w - 1):
       raise ValueError(f"config.chunk: expected 0 or a power of two, got {w!r}")

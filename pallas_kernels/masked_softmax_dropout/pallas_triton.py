@@ -319,6 +319,13 @@ def _kernel(*refs, num_heads, seq_q, seq_k, config: Config, dropout: Dropout,
     block.update(r0, block.load(r0))
     return
   step = config.block_rows
+  if not config.prefetch:
+    def plain(i, carry):
+      block.update(r0 + i * step, block.load(r0 + i * step))
+      return carry
+
+    jax.lax.fori_loop(0, n, plain, 0)
+    return
 
   def body(i, loaded):
     nxt = block.load(r0 + (i + 1) * step, live=i + 1 < n)
@@ -360,7 +367,8 @@ def _call(grad_output, p_attn, mask, dropout_mask, p_dropout, *, dropout: Dropou
 
 
 def masked_softmax_dropout_backward(grad_output, p_attn, mask, dropout_mask, p_dropout, *,
-                                    config: Config | None = None, num_stages: int = 1,
+                                    config: Config | None = None,
+                                    num_stages: int | None = None,
                                     causal: bool = False, interpret: bool = False):
   """Gradient of the scores through masked softmax and dropout.
 
@@ -375,7 +383,8 @@ def masked_softmax_dropout_backward(grad_output, p_attn, mask, dropout_mask, p_d
       [0, 1) gives NaN gradients, since nothing can raise at run time).
     config: launch configuration; default: tuned for the device that holds the arrays,
       else a heuristic.
-    num_stages: Triton pipelining depth (the kernel has no loop; 1 is right).
+    num_stages: Triton pipelining depth; default: the config's (1: the default configs
+      have no loop).
     causal: accepted for a uniform interface across the kernels, and ignored: a causal
       attention is a mask (and a P that is zero above the diagonal), which the dense math
       handles as any other.
@@ -392,6 +401,8 @@ def masked_softmax_dropout_backward(grad_output, p_attn, mask, dropout_mask, p_d
     config = default_config(p_attn.shape[2], p_attn.shape[3], device_kind)
   elif not isinstance(config, Config):
     raise TypeError(f"config: expected a masked_softmax_dropout.Config, got {config!r}")
+  if num_stages is None:
+    num_stages = config.num_stages
   if not isinstance(num_stages, int) or num_stages < 1:
     raise ValueError(f"num_stages must be >= 1 (an int), got {num_stages!r}")
   return _call(grad_output, p_attn, mask, dropout_mask, p_dropout, dropout=Dropout.of(p),
@@ -418,7 +429,7 @@ def masked_softmax_dropout_backward_from_key(grad_output, p_attn, mask, dropout_
     raise TypeError(f"config: expected a masked_softmax_dropout.Config, got {config!r}")
   if p == 0.0:
     return _call(grad_output, p_attn, mask, None, 0.0, dropout=Dropout.of(0.0), config=config,
-                 num_stages=1, interpret=interpret)
+                 num_stages=config.num_stages, interpret=interpret)
   if dropout_rng is None:
     raise ValueError("dropout_rng: a p_dropout that may be > 0 needs a PRNG key")
   given = p if p is not None else jnp.asarray(p_dropout, jnp.float32)
@@ -427,4 +438,5 @@ def masked_softmax_dropout_backward_from_key(grad_output, p_attn, mask, dropout_
     rate = validation.nan_unless_rate_valid(given, rate)
   dropout = Dropout.of(rate if p is not None else None)
   return _call(grad_output, p_attn, mask, _dropout.seeds(dropout_rng, given), rate,
-               dropout=dropout, config=config, num_stages=1, interpret=interpret, hashed=True)
+               dropout=dropout, config=config, num_stages=config.num_stages,
+               interpret=interpret, hashed=True)

@@ -78,7 +78,8 @@ def test_off_gpu_without_interpret_says_so():
     (dict(blocks_per_program=0), "blocks_per_program"),
     (dict(blocks_per_program=2, row_group=4), "blocks_per_program"),
     (dict(chunk=48), "chunk"), (dict(chunk=-2), "chunk"),
-    (dict(chunk=64, blocks_per_program=2), "chunk")])
+    (dict(chunk=64, blocks_per_program=2), "chunk"), (dict(prefetch=0), "prefetch"),
+    (dict(num_stages=0), "num_stages")])
 def test_config_validates_its_fields(kwargs, field):
   with pytest.raises(ValueError, match=f"config.{field}"):
     Config(**{"block_rows": 2, "num_warps": 4, **kwargs})
@@ -156,6 +157,8 @@ def test_lowers_to_triton(pretend_gpu, p, split):
 
 
 @pytest.mark.parametrize("config", [Config(2, 4, True, blocks_per_program=3),
+                                    Config(2, 4, True, blocks_per_program=3, prefetch=False,
+                                           num_stages=3),
                                     Config(1, 4, False, chunk=64, stream_eviction="evict_last"),
                                     Config(1, 2, False, row_group=8, heads_per_program=2)])
 def test_program_orders_lower_to_triton(pretend_gpu, config):
@@ -192,6 +195,8 @@ VARIANTS = {
     "loop_3": Config(2, 4, True, heads_per_program=2, blocks_per_program=3),
     "loop_rows": Config(1, 2, False, stream_cache=".cg", stream_eviction=None,
                         mask_cache=".ca", mask_after_sum=True, blocks_per_program=4),
+    # The loop left to Triton's pipeliner.
+    "loop_pipelined": Config(2, 4, False, blocks_per_program=3, prefetch=False, num_stages=3),
     # Two passes over column chunks (the last chunk of a ragged row partly past its end;
     # a chunk wider than a row of 7), with two heads per program, and rows fastest.
     "two_pass_64": Config(2, 4, False, chunk=64, heads_per_program=2,
