@@ -112,9 +112,10 @@ def step_fn(step: Step, impl, interpret=False):
   return jax.jit(fn)
 
 
-def forward_fn(step: Step):
-  """The step's forward alone (the loss, no gradient): the same jnp on both paths today."""
-  return jax.jit(lambda primals, w, rng: step.loss(primals, w, "xla", rng))
+def forward_fn(step: Step, impl="xla", interpret=False):
+  """The step's forward alone (the loss, no gradient) on the path of ``impl``: jnp on the
+  XLA path; on the Pallas path op B's fused forward kernel (A's and C's forwards are jnp)."""
+  return jax.jit(lambda primals, w, rng: step.loss(primals, w, impl, rng, interpret))
 
 
 def temp_mb(compiled) -> float:
@@ -132,9 +133,10 @@ def measure(step: Step, calls: int) -> dict:
   row = {"op": step.op, "step": step.label, "listed": step.listed}
   for impl, fn in fns.items():
     row[f"{impl or 'pallas'}_temp_mb"] = temp_mb(fn)
-  times = device_times_us([*fns.values(), forward_fn(step)], sets, calls=calls)
+  times = device_times_us([*fns.values(), forward_fn(step), forward_fn(step, None)], sets,
+                          calls=calls)
   row["xla_us"], row["pallas_us"] = times[0]["median_us"], times[1]["median_us"]
-  row["forward_us"] = times[2]["median_us"]
+  row["forward_us"], row["pallas_forward_us"] = times[2]["median_us"], times[3]["median_us"]
   row["split_ok"] = all(t["split_ok"] for t in times)
   row["speedup"] = row["xla_us"] / row["pallas_us"]
   return row
@@ -146,18 +148,24 @@ def markdown(meta, rows) -> str:
            f"- commit: {meta['commit']}",
            f"- times: median device time (JAX profiler, all kernels of a call), {meta['calls']} "
            "calls, two input sets rotated; memory: the compiled step's temporary buffers",
-           "- dropout rate 0.1 (A, B); the forwards are jnp in both paths, the backward is "
-           "XLA's or the Pallas kernels'", "",
-           "- forward: the loss alone, no gradient (the same on both paths); a step's backward "
-           "is about its time minus the forward's", "",
-           "| step | XLA path us | Pallas path us | speedup | forward us | "
+           "- dropout rate 0.1 (A, B), the keep mask of `jax_ops.dropout_keep_mask` on both "
+           "paths; the XLA path is jnp throughout; the Pallas path runs the Pallas backward "
+           "kernels, and for op B also its fused forward kernel (A's and C's forwards are "
+           "jnp on both paths)", "",
+           "- forward: the loss alone, no gradient, on each path; a step's backward is about "
+           "its time minus its forward's", "",
+           "| step | XLA path us | Pallas path us | speedup | forward us, XLA / Pallas | "
            "temp memory, XLA / Pallas MB |",
            "|---|---|---|---|---|---|"]
   for r in rows:
     extra = "" if r["listed"] else " (not in the table)"
     if not r.get("split_ok", True):
       extra += " (calls not told apart in the trace: mean, not median)"
-    forward = f"{r['forward_us']:.0f}" if "forward_us" in r else "-"
+    forward = "-"
+    if "forward_us" in r:
+      forward = f"{r['forward_us']:.0f}"
+      if "pallas_forward_us" in r:
+        forward += f" / {r['pallas_forward_us']:.0f}"
     lines.append(f"| {r['step']}{extra} | {r['xla_us']:.0f} | {r['pallas_us']:.0f} | "
                  f"{r['speedup']:.2f}x | {forward} | "
                  f"{r['xla_temp_mb']:.0f} / {r['pallas_temp_mb']:.0f} |")

@@ -115,6 +115,42 @@ def check_rng(rng) -> None:
                   f"key from jax.random.PRNGKey) or None, got {what}")
 
 
+def _checked_dropout(rng, rate):
+  """``(p_static, rate)`` of an op's dropout, checked: ``p_static`` the rate as a float
+  (``None`` when traced), ``rate`` the rate as an fp32 array (NaN for an invalid traced
+  one), neither rounded yet; ``rng`` checked where a rate may be > 0."""
+  p_static = validation.check_dropout_rate("dropout_rate", rate)
+  if p_static == 0.0:
+    return 0.0, jnp.zeros((), f32)
+  if rng is None:
+    what = f"dropout_rate={p_static}" if p_static is not None else "a traced dropout_rate"
+    raise ValueError(f"dropout_rng: {what} needs a PRNG key (jax.random.key(seed)); pass "
+                     f"dropout_rate=0 for no dropout")
+  check_rng(rng)
+  # The ops are not differentiable with respect to the rate: it is a constant to autodiff.
+  rate = jax.lax.stop_gradient(jnp.asarray(rate, f32))
+  if p_static is None:  # traced: an invalid rate makes the outputs NaN, not mis-scaled
+    rate = validation.nan_unless_rate_valid(rate, rate)
+  return p_static, rate
+
+
+def _effective(p_static, rate):
+  """The checked rates of :func:`_checked_dropout`, rounded as the mask draws them."""
+  if p_static is not None:
+    p_static = effective_dropout_rate(p_static)
+    return p_static, jnp.asarray(p_static, f32)
+  return None, effective_dropout_rate(rate)
+
+
+def op_dropout_rate(rng, rate):
+  """``(rate_static, rate_array)`` of an op's dropout, checked as :func:`op_dropout` checks
+  them (the same errors), without drawing the mask: for a backend that draws it itself from
+  ``rng`` (op B's residual policy ``"key"``). The rates are the effective ones (rounding one
+  again changes nothing: ``effective_dropout_rate`` is idempotent); ``rate_static`` is 0.0
+  when no dropout applies, where ``rng`` may be ``None``."""
+  return _effective(*_checked_dropout(rng, rate))
+
+
 def op_dropout(rng, rate, shape):
   """``(keep, rate_static, rate_array)`` of an op's dropout; ``keep`` is ``None`` when no
   dropout applies (``dropout_rate == 0``). The rates returned are the effective ones
@@ -125,30 +161,24 @@ def op_dropout(rng, rate, shape):
   applying no dropout. A traced rate outside [0, 1) makes the outputs NaN (nothing can
   raise when the computation runs).
   """
-  p_static = validation.check_dropout_rate("dropout_rate", rate)
+  p_static, rate = _checked_dropout(rng, rate)
   if p_static == 0.0:
-    return None, 0.0, jnp.zeros((), f32)
-  if rng is None:
-    what = f"dropout_rate={p_static}" if p_static is not None else "a traced dropout_rate"
-    raise ValueError(f"dropout_rng: {what} needs a PRNG key (jax.random.key(seed)); pass "
-                     f"dropout_rate=0 for no dropout")
-  check_rng(rng)
-  # The ops are not differentiable with respect to the rate: it is a constant to autodiff.
-  rate = jax.lax.stop_gradient(jnp.asarray(rate, f32))
-  if p_static is None:  # traced: an invalid rate makes the outputs NaN, not mis-scaled
-    rate = validation.nan_unless_rate_valid(rate, rate)
+    return None, 0.0, rate
   keep = dropout_keep_mask(rng, rate, shape)
   # Everything downstream (the forward's scale, the backward) uses the rate the mask drew.
-  if p_static is not None:
-    p_static = effective_dropout_rate(p_static)
-    return keep, p_static, jnp.asarray(p_static, f32)
-  return keep, None, effective_dropout_rate(rate)
+  return (keep, *_effective(p_static, rate))
 
 
 def rate_for_backward(keep, p_static, rate):
   """What a backward implementation gets as its dropout rate: a float when known."""
   if keep is None:
     return 0.0
+  return known_rate(p_static, rate)
+
+
+def known_rate(p_static, rate):
+  """The rate as a kernel takes it: the float ``p_static`` when known (0.0: no dropout),
+  else the traced ``rate``."""
   return rate if p_static is None else p_static
 
 

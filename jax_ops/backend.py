@@ -1,7 +1,8 @@
 """The backend interface: one object per implementation of an op's backward pass.
 
 An op (``jax_ops.attention_softmax_dropout_value`` and the others) is a ``jax.custom_vjp``
-whose forward is plain jnp and whose backward comes from a :class:`Backend` that the
+whose forward is plain jnp (except under a residual policy whose backend brings its own
+forward: op B's ``"key"``) and whose backward comes from a :class:`Backend` that the
 registry (:mod:`jax_ops.registry`) picks by name, device and problem. A backend says:
 
 * ``name``: what ``implementation=`` takes (``"xla"``, ``"triton"``, ``"mosaic_gpu"``);
@@ -19,7 +20,8 @@ registry (:mod:`jax_ops.registry`) picks by name, device and problem. A backend 
   device, from the tuned table of that device kind or the heuristic;
 * ``backward(*args, causal=False, interpret=False)``: the backward with the reference
   backward's positional arguments; ops with other residual policies call the backend's
-  method of that policy (for example ``backward_from_output``).
+  methods of that policy (for example ``backward_from_output``; op B's ``"key"`` policy:
+  ``forward_from_key`` and ``backward_from_key``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ from pallas_kernels._util import is_hopper
 
 INPUTS = "inputs"  # the residual policy of the reference backward: its own arguments
 OUTPUT = "output"  # op A: P, V, keep and the forward's fp32 output (delta = rowsum(dO * O))
+# Op B: the backend's forward draws the keep mask itself and saves P, the attention mask and
+# the dropout key (no keep mask); its backward redraws the mask from the key.
+KEY = "key"
 
 
 @dataclasses.dataclass(frozen=True)

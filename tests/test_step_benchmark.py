@@ -35,6 +35,8 @@ def test_step_fn_same_on_both_paths(make):
   np.testing.assert_allclose(float(compiled(primals, w, rng)[0]), float(loss_x))
   np.testing.assert_allclose(float(step.forward_fn(s)(primals, w, rng)), float(loss_x),
                              rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(float(step.forward_fn(s, impl, not on_gpu)(primals, w, rng)),
+                             float(loss_p), rtol=1e-5, atol=1e-5)
 
 
 def test_report_and_chart(tmp_path):
@@ -50,6 +52,8 @@ def test_report_and_chart(tmp_path):
   assert "| A, B=2 S=2048 (H=80, KVH=8, D=128) | 6000 | 3000 | 2.00x | - | 4480 / 2112 |" in text
   rows[0]["forward_us"] = 2500.0
   assert "| 2.00x | 2500 | 4480 / 2112 |" in step.markdown(meta, rows)
+  rows[0]["pallas_forward_us"] = 1200.0
+  assert "| 2.00x | 2500 / 1200 | 4480 / 2112 |" in step.markdown(meta, rows)
   assert "(not in the table)" in text
   png = step.write_chart(rows, str(tmp_path / "step.png"))
   if png is not None:

@@ -1,8 +1,18 @@
 """The differentiable op B: ``dropout(softmax(scores.masked_fill(~mask, -1e4)))``.
 
-The forward is plain jnp (:mod:`jax_ops.masked_softmax.reference`); the backward is the
-backend that :func:`jax_ops.registry.resolve` picks. Residuals: P, the attention mask and
-the keep mask (the reference backward's arguments).
+The backward is the backend that :func:`jax_ops.registry.resolve` picks, and that backend's
+residual policy says what the forward is and what it saves:
+
+* ``"inputs"`` (the ``"xla"`` backend, registered functions): the forward is plain jnp
+  (:mod:`jax_ops.masked_softmax.reference`), the keep mask drawn by
+  :func:`jax_ops.dropout_keep_mask`; residuals: P, the attention mask and the keep mask (the
+  reference backward's arguments).
+* ``"key"`` (the ``"triton"`` backend): the forward is the backend's ``forward_from_key``
+  (the fused Pallas kernel, which draws the same keep mask bit for bit and does not store
+  it); residuals: P, the attention mask and the dropout key, from which the backend's
+  ``backward_from_key`` redraws the mask. No ``[B, H, Sq, Sk]`` keep mask is saved.
+
+Both scale by ``1 / (1 - effective rate)`` (the rate rounded to a multiple of ``2**-16``).
 """
 
 from __future__ import annotations
@@ -13,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_ops import _common
-from jax_ops.backend import INPUTS
+from jax_ops.backend import INPUTS, KEY
 from jax_ops.masked_softmax import reference
 from pallas_kernels import validation
 
@@ -30,35 +40,60 @@ def masked_softmax_dropout(scores, mask, *, dropout_rate=0.0, dropout_rng=None,
     dropout_rate: in [0, 1); 0 means no dropout. A Python float or a traced scalar.
     dropout_rng: a PRNG key; needed when ``dropout_rate`` may be > 0.
     implementation: ``None`` (the fastest backend for the device), ``"pallas"``,
-      ``"triton"``, ``"xla"`` or a registered name: the backward pass.
+      ``"triton"``, ``"xla"`` or a registered name: the backward pass (and, for the
+      ``"triton"`` backend, the forward: its fused kernel).
     interpret: run Pallas kernels in the interpreter (for CPU).
 
   Returns:
     ``[B, H, Sq, Sk]`` in the dtype of ``scores`` (softmax computed in fp32).
   """
   validation.check_scores_and_mask(scores, mask, dtypes=_common.FLOATS)
-  keep, p_static, rate = _common.op_dropout(dropout_rng, dropout_rate, scores.shape)
-  backend, _ = _common.backend_for(OP, implementation, interpret, (INPUTS,), scores=scores,
-                                   mask=mask)
-  return _op(scores, mask, keep, rate, p_static, backend, bool(interpret))
+  # The rate and the key are checked before the backend is picked (the same errors on
+  # every path); the rates are the effective ones, which the mask draws.
+  p_static, rate = _common.op_dropout_rate(dropout_rng, dropout_rate)
+  backend, policy = _common.backend_for(OP, implementation, interpret, (INPUTS, KEY),
+                                        scores=scores, mask=mask)
+  keep = rng = None
+  if p_static != 0.0 and policy == KEY:
+    rng = dropout_rng      # the backend draws the mask itself, in its forward and backward
+  elif p_static != 0.0:    # the same mask as from the rate given: the rounding is idempotent
+    keep = _common.dropout_keep_mask(dropout_rng, _common.known_rate(p_static, rate),
+                                     scores.shape)
+  return _op(scores, mask, keep, rng, rate, p_static, backend, policy, bool(interpret))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _op(scores, mask, keep, rate, p_static, backend, interpret):
-  return reference.masked_softmax_dropout_forward(scores, mask, keep, rate)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _op(scores, mask, keep, rng, rate, p_static, backend, policy, interpret):
+  return _forward(scores, mask, keep, rng, rate, p_static, backend, policy, interpret)[0]
 
 
-def _fwd(scores, mask, keep, rate, p_static, backend, interpret):
-  out, probs = reference.masked_softmax_dropout_forward(scores, mask, keep, rate)
-  return out, (probs, mask, keep, rate)
+def _forward(scores, mask, keep, rng, rate, p_static, backend, policy, interpret):
+  """``(y, P)``: the backend's fused forward under the ``"key"`` policy, else jnp."""
+  if policy == KEY:
+    return backend.forward_from_key(scores, mask, rng, _common.known_rate(p_static, rate),
+                                    interpret=interpret)
+  return reference.masked_softmax_dropout_forward(scores, mask, keep, rate)
 
 
-def _bwd(p_static, backend, interpret, res, grad_out):
-  probs, mask, keep, rate = res
-  d_scores = backend.backward(grad_out, probs, mask, keep,
-                              _common.rate_for_backward(keep, p_static, rate),
-                              causal=False, interpret=interpret)
-  return d_scores, None, None, jnp.zeros_like(rate)
+def _fwd(scores, mask, keep, rng, rate, p_static, backend, policy, interpret):
+  out, probs = _forward(scores, mask, keep, rng, rate, p_static, backend, policy, interpret)
+  # One of keep (policy "inputs") and rng (policy "key") is saved; both are None without
+  # dropout.
+  return out, (probs, mask, keep, rng, rate)
+
+
+def _bwd(p_static, backend, policy, interpret, res, grad_out):
+  probs, mask, keep, rng, rate = res
+  if policy == KEY:
+    d_scores = backend.backward_from_key(grad_out, probs, mask, rng,
+                                         _common.known_rate(p_static, rate),
+                                         causal=False, interpret=interpret)
+  else:
+    d_scores = backend.backward(grad_out, probs, mask, keep,
+                                _common.rate_for_backward(keep, p_static, rate),
+                                causal=False, interpret=interpret)
+  # mask, keep and the key are not differentiable (None: no cotangent); the rate's is zero.
+  return d_scores, None, None, None, jnp.zeros_like(rate)
 
 
 _op.defvjp(_fwd, _bwd)

@@ -7,10 +7,13 @@ draws, bit for bit, and ``p`` the rate it draws, rounded to a multiple of ``2**-
 program owns ``block_rows`` whole rows (padded to a power of two) of one head: it reads the
 scores and the attention mask once and writes ``y``, ``P`` and ``keep`` once (4 + 1 bytes in,
 4 + 4 + 1 out per fp32 element; the mask is shared by the heads). One 32-bit hash draws two
-elements of ``keep``.
+elements of ``keep``. With ``store_keep=False`` it writes no ``keep`` (1 byte per element
+less): a backward that redraws the mask from the key
+(``masked_softmax_dropout_backward_from_key``) does not need it.
 
-Not yet used by the op (its forward is jnp): an internal entry point, to be timed against
-the jnp forward on a GPU before the op's Pallas path takes it.
+The forward of op B's Triton path (``jax_ops.masked_softmax_dropout``, residual policy
+``"key"``), with ``store_keep=False``. Measured on an H200 storing keep
+(``benchmarks/b_forward.py``): 1.68-1.74x faster than the jnp forward.
 """
 
 from __future__ import annotations
@@ -31,8 +34,9 @@ _F32 = jnp.float32
 _U32 = jnp.uint32
 
 
-def _kernel(seeds_ref, scale_ref, s_ref, mask_ref, y_ref, p_ref, keep_ref, *, num_heads,
+def _kernel(seeds_ref, scale_ref, s_ref, mask_ref, y_ref, p_ref, *keep_ref, num_heads,
             seq_q, seq_k, block_rows, width, dropout):
+  """``keep_ref``: the keep mask's output, absent when it is not stored."""
   bh = pl.program_id(0)
   r0 = pl.program_id(1) * block_rows
   b = bh // num_heads
@@ -56,7 +60,8 @@ def _kernel(seeds_ref, scale_ref, s_ref, mask_ref, y_ref, p_ref, keep_ref, *, nu
   keep = u >= seeds_ref[2]
   # As the reference: (P * keep) * scale, so an invalid traced rate (a NaN scale) gives NaN.
   y = (probs.astype(_F32) * keep.astype(_F32) * scale_ref[0]).astype(y_ref.dtype)
-  pltriton.store(keep_ref.at[tile], keep, mask=valid)
+  if keep_ref:
+    pltriton.store(keep_ref[0].at[tile], keep, mask=valid)
   pltriton.store(y_ref.at[tile], y, mask=valid)
 
 
@@ -65,30 +70,35 @@ def default_block_rows(seq_k: int) -> int:
   return max(1, min(16, 4096 // next_power_of_2(seq_k)))
 
 
-@functools.partial(jax.jit, static_argnames=("dropout", "block_rows", "num_warps",
-                                             "interpret"))
-def _call(scores, mask, seeds, scale, *, dropout, block_rows, num_warps, interpret):
+@functools.partial(jax.jit, static_argnames=("dropout", "store_keep", "block_rows",
+                                             "num_warps", "interpret"))
+def _call(scores, mask, seeds, scale, *, dropout, store_keep, block_rows, num_warps,
+          interpret):
   b, h, seq_q, seq_k = scores.shape
   width = next_power_of_2(seq_k)
   kernel = functools.partial(_kernel, num_heads=h, seq_q=seq_q, seq_k=seq_k,
                              block_rows=block_rows, width=width, dropout=dropout)
   flat = (b * h, seq_q, seq_k)
   args = (seeds, scale, scores.reshape(flat), mask.reshape(b, seq_q, seq_k))
-  y, p, keep = pallas_call(
+  keep_out = dropout and store_keep   # no keep output without dropout either
+  out_shape = (out_struct(flat, scores.dtype, *args), out_struct(flat, scores.dtype, *args))
+  if keep_out:
+    out_shape += (out_struct(flat, jnp.bool_, *args),)
+  y, p, *keep = pallas_call(
       kernel,
-      out_shape=(out_struct(flat, scores.dtype, *args), out_struct(flat, scores.dtype, *args),
-                 out_struct(flat, jnp.bool_, *args)),
+      out_shape=out_shape,
       grid=(b * h, pl.cdiv(seq_q, block_rows)),
       compiler_params=compiler_params(num_warps, 1),
       interpret=interpret,
       name=_NAME,
   )(*args)
   shape = scores.shape
-  return y.reshape(shape), p.reshape(shape), (keep.reshape(shape) if dropout else None)
+  return y.reshape(shape), p.reshape(shape), (keep[0].reshape(shape) if keep_out else None)
 
 
 def masked_softmax_dropout_forward(scores, mask, dropout_rate, dropout_rng=None, *,
-                                   block_rows=None, num_warps=None, interpret=False):
+                                   store_keep: bool = True, block_rows=None, num_warps=None,
+                                   interpret=False):
   """``(y, P, keep)`` of ``y = dropout(softmax(scores.masked_fill(~mask, -1e4)))``.
 
   Args:
@@ -98,13 +108,17 @@ def masked_softmax_dropout_forward(scores, mask, dropout_rate, dropout_rng=None,
       ``2**-16`` (``pallas_kernels._dropout.effective_rate``), which scales the kept values.
     dropout_rng: a PRNG key (needed for a rate that may be > 0); the mask is
       ``jax_ops.dropout_keep_mask(dropout_rng, dropout_rate, scores.shape)``.
+    store_keep: whether the kernel writes ``keep`` (a Python bool). ``False``: it is not
+      written and ``None`` is returned for it (``y`` and ``P`` are the same).
     block_rows, num_warps: launch overrides (default: about 4096 elements per program).
     interpret: run the kernel in the Pallas interpreter (any backend).
 
   Returns:
     ``y`` and ``P`` in the scores' dtype, ``keep`` ``[B, H, Sq, Sk]`` bool (``None`` for a
-    concrete rate of 0).
+    concrete rate of 0, or with ``store_keep=False``).
   """
+  if not isinstance(store_keep, (bool, np.bool_)):
+    raise TypeError(f"store_keep: expected a Python bool, got {type(store_keep).__name__}")
   _util.check_can_compile(_NAME, interpret, scores, mask)
   validation.check_scores_and_mask(scores, mask)
   p_static = validation.check_dropout_rate("dropout_rate", dropout_rate)
@@ -123,5 +137,5 @@ def masked_softmax_dropout_forward(scores, mask, dropout_rate, dropout_rng=None,
   seq_k = scores.shape[3]
   block_rows = block_rows or default_block_rows(seq_k)
   num_warps = num_warps or (8 if next_power_of_2(seq_k) * block_rows >= 4096 else 4)
-  return _call(scores, mask, seeds, scale, dropout=dropout, block_rows=block_rows,
-               num_warps=num_warps, interpret=bool(interpret))
+  return _call(scores, mask, seeds, scale, dropout=dropout, store_keep=bool(store_keep),
+               block_rows=block_rows, num_warps=num_warps, interpret=bool(interpret))

@@ -61,6 +61,26 @@ def test_block_rows_do_not_change_the_result():
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+@pytest.mark.parametrize("rate", [0.1, "traced", 0.0])
+def test_without_storing_keep(rate):
+  """``store_keep=False``: no keep mask comes back (nor is written), ``y`` and ``P`` are
+  those of the call that stores it, bit for bit."""
+  scores, mask, rng = _inputs(1, 3, 7, 33, seed=3)
+  call = lambda r, store: masked_softmax_dropout_forward(scores, mask, r, rng,
+                                                         store_keep=store, interpret=INTERPRET)
+  if rate == "traced":
+    fn = jax.jit(call, static_argnums=1)
+    stored, bare = fn(jnp.float32(0.25), True), fn(jnp.float32(0.25), False)
+  else:
+    stored, bare = call(rate, True), call(rate, False)
+  assert bare[2] is None and (stored[2] is None) == (rate == 0.0)
+  for x, y in zip(stored[:2], bare[:2]):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  # The kernel has one output less (y, P): the keep mask is not allocated.
+  jaxpr = str(jax.make_jaxpr(lambda s: call(0.1, False))(scores))
+  assert "bool[3,7,33]" not in jaxpr and "bool[1,3,7,33]" not in jaxpr
+
+
 def test_argument_errors():
   scores, mask, rng = _inputs(1, 2, 4, 8)
   with pytest.raises(ValueError, match="mask"):
@@ -69,6 +89,8 @@ def test_argument_errors():
     masked_softmax_dropout_forward(scores, mask, 0.1, interpret=True)
   with pytest.raises(ValueError, match="dropout_rate"):
     masked_softmax_dropout_forward(scores, mask, 1.0, rng, interpret=True)
+  with pytest.raises(TypeError, match="store_keep"):
+    masked_softmax_dropout_forward(scores, mask, 0.1, rng, store_keep=None, interpret=True)
 
 
 @pytest.fixture
@@ -86,4 +108,15 @@ def test_lowers_to_triton(pretend_gpu, rate):
             jax.ShapeDtypeStruct((2, 1, 131, 131), jnp.bool_)]
   rng = jax.random.key(0)
   fn = lambda s, m, r: masked_softmax_dropout_forward(s, m, r, rng)
+  assert triton_calls_in_gpu_lowering(fn, shapes, rate) == 1
+
+
+@pytest.mark.parametrize("rate", [0.1, None])
+def test_lowers_to_triton_without_storing_keep(pretend_gpu, rate):
+  """``store_keep=False`` (the op's forward) lowers too, static and traced rates."""
+  from conftest import triton_calls_in_gpu_lowering
+  shapes = [jax.ShapeDtypeStruct((2, 3, 131, 131), jnp.float32),
+            jax.ShapeDtypeStruct((2, 1, 131, 131), jnp.bool_)]
+  rng = jax.random.key(0)
+  fn = lambda s, m, r: masked_softmax_dropout_forward(s, m, r, rng, store_keep=False)
   assert triton_calls_in_gpu_lowering(fn, shapes, rate) == 1
