@@ -54,11 +54,14 @@ def test_bf16_and_a_traced_rate():
 
 
 def test_block_rows_do_not_change_the_result():
+  """The mask is bit for bit the same; y and P agree to rounding (compiled, another block
+  shape reduces the row in another order: 1-2 ulp apart, found on the H200)."""
   scores, mask, rng = _inputs(1, 2, 19, 24, seed=2)
   a = masked_softmax_dropout_forward(scores, mask, 0.1, rng, interpret=INTERPRET)
   b = masked_softmax_dropout_forward(scores, mask, 0.1, rng, block_rows=4, interpret=INTERPRET)
-  for x, y in zip(a, b):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  np.testing.assert_array_equal(np.asarray(a[2]), np.asarray(b[2]))
+  for x, y in zip(a[:2], b[:2]):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("rate", [0.1, "traced", 0.0])

@@ -1,0 +1,310 @@
+"""The forward of op A in one Pallas Triton kernel, drawing the dropout mask itself:
+``O = transpose(dropout(softmax(scores)) @ V)`` with GQA value heads.
+
+As the jnp forward (``jax_ops.attention_value.reference.attention_softmax_dropout_value_forward``)
+computes it::
+
+    P  = softmax(scores) in fp32, rounded to the input dtype     # [B, H, Sq, Skv]
+    Pd = (P * keep) * (1 / (1 - p)) in fp32, rounded              # [B, H, Sq, Skv]
+    O  = Pd @ V[h // G] in fp32 (input-dtype operands)            # stored [B, Sq, H, D]
+
+with ``keep`` the counter-based mask of :mod:`pallas_kernels._dropout` (the one
+``jax_ops.dropout_keep_mask`` draws, bit for bit) and ``p`` the rate it draws (rounded to a
+multiple of ``2**-16``).
+
+One program owns ``block_q`` query rows of one (batch, query head). Pass 1 walks the row
+block's key tiles (``block_k`` keys each) and keeps the running row max and the running sum
+of ``exp(s - max)`` in fp32 (rescaled when the max grows). Pass 2 walks them again: ``P =
+exp(s - m) * (1 / l)`` (``jax.nn.softmax``'s ``exp(s - max) / sum`` as XLA compiles it, on
+CPU and GPU: its simplifier makes a division by a broadcast a product with the reciprocal),
+rounded and stored; the tile's ``keep`` is hashed, ``Pd`` made from the rounded ``P`` (stored
+if asked), and ``acc += Pd @ V_tile`` (fp32 accumulation, tensor cores for bf16 / fp16).
+``O`` (input dtype) and the unrounded fp32 ``O`` are stored straight into the
+``[B, Sq, H, D]`` layout (no transpose pass). Padded rows, keys and head-dim columns are
+masked (``-inf`` for the max, 0 for ``P`` and ``V``). Traffic per attention element in bf16:
+read the scores twice (the second read partly from L2), write P (2 B), keep (1 B, optional)
+and Pd (2 B, optional).
+
+``P`` matches the jnp softmax to within its rounding, not bit for bit: the row sum is
+accumulated in another order (and online, rescaled), so the fp32 ``P`` differs by a few fp32
+ulps (up to 6 seen) and the rounded bf16 ``P`` by one ulp in about 1e-5 of the elements (those
+whose fp32 value lies next to a rounding boundary; H200, random normal scores: 99.9986% to
+99.9991% equal, never more than 1 ulp; the same in the interpreter). ``Pd`` is made from the
+kernel's own ``P`` exactly as the reference makes it from its ``P`` (so it can be 2 ulps from
+the reference's where ``P`` is 1 off); ``keep`` is the jnp mask bit for bit.
+
+The defaults (:func:`default_blocks`; block_q 32, block_k 64, 4 warps, 3 stages, the tiles
+capped at the padded sequence lengths, at least 16) are not tuned: the best of a dozen
+configs at one shape (B=4, S=1024, H=80, KVH=8, D=128, bf16; block_q 64 was 1.3x slower).
+Measured on an H200 (``benchmarks/a_forward.py``, dropout 0.1, those heads, S = 512 to
+2048): 1.21-1.34x faster than the jnp forward writing ``(O, P, keep, O_f32)``, 0.83-0.94x
+when it also writes Pd (the jnp forward writes all five). The dropout hash costs about a
+fifth of the kernel's time (rate 0: 944 us, 0.1: 1196 us there, 2 stages); one hash per pair
+of elements, as the mask's design allows, would halve it.
+
+An internal entry point, not yet used by op A (whose forward is jnp).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels import _dropout, _tuning, _util, validation
+from pallas_kernels._util import compiler_params, dot, next_power_of_2, out_struct, pallas_call
+
+_NAME = "attention_softmax_dropout_value_forward"
+_F32 = jnp.float32
+_U32 = jnp.uint32
+_I32 = np.int32  # index constants: int32 under x64 too (the kernel indexes with int32)
+_FLOATS = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+# Untuned (see the module docstring).
+DEFAULT_BLOCK_Q = 32
+DEFAULT_BLOCK_K = 64
+DEFAULT_NUM_WARPS = 4
+DEFAULT_NUM_STAGES = 3
+
+
+def _tail(start, size: int, n: int):
+  """``start + [0, size) < n``, or ``None`` when every tile of ``size`` is full."""
+  return None if n % size == 0 else (start + jnp.arange(size, dtype=jnp.int32)) < n
+
+
+def _outer(rows, cols):
+  """A 2D mask from optional row / column masks (``None``: all valid)."""
+  r = None if rows is None else rows[:, None]
+  c = None if cols is None else cols[None, :]
+  if r is None:
+    return c
+  return r if c is None else r & c
+
+
+def _load(ref, mask, other):
+  return pltriton.load(ref) if mask is None else pltriton.load(ref, mask=mask, other=other)
+
+
+def _store(ref, val, mask):
+  if mask is None:
+    pltriton.store(ref, val)
+  else:
+    pltriton.store(ref, val, mask=mask)
+
+
+def _fori_loop(lower, upper, body, init):
+  """``lax.fori_loop`` with an int32 index (under x64 a static-bound loop counts in int64)."""
+  def int32_body(j, carry):
+    return body(j if j.dtype == jnp.int32 else j.astype(jnp.int32), carry)
+  return lax.fori_loop(lower, upper, int32_body, init)
+
+
+def _reciprocal(l):
+  """``1 / l`` (fp32; Triton divides with ``div.full.f32``)."""
+  return 1.0 / l
+
+
+def _kernel(seeds_ref, scale_ref, s_ref, v_ref, out_ref, out32_ref, p_ref, *opt_refs,
+            num_heads, num_kv_heads, seq_q, seq_k, head_dim, d_pad, block_q, block_k,
+            dropout, store_dropped, store_keep):
+  """Refs: seeds [3] uint32 (k0, k1, threshold), scale [1] fp32, scores [B*H, Sq, Skv],
+  V [B*KVH, Skv, D]; outputs O [B, Sq, H, D], fp32 O [B, Sq, H, D], P [B*H, Sq, Skv] and,
+  in ``opt_refs``, Pd (if ``store_dropped`` and ``dropout``) and keep (if ``store_keep``
+  and ``dropout``), both [B*H, Sq, Skv]."""
+  opt_refs = list(opt_refs)
+  pd_ref = opt_refs.pop(0) if dropout and store_dropped else None
+  keep_ref = opt_refs.pop(0) if dropout and store_keep else None
+  groups = num_heads // num_kv_heads
+  q0 = pl.program_id(0) * block_q   # row block: the fastest grid axis (programs share V)
+  bh = pl.program_id(1)             # b * H + h
+  b = lax.div(bh, _I32(num_heads))
+  h = lax.rem(bh, _I32(num_heads))
+  bk = b * num_kv_heads + lax.div(h, _I32(groups))
+  rows = q0 + jnp.arange(block_q, dtype=jnp.int32)
+  q_mask = _tail(q0, block_q, seq_q)
+  d_mask = None if d_pad == head_dim else jnp.arange(d_pad, dtype=jnp.int32) < head_dim
+  head_dims = pl.ds(_I32(0), d_pad)
+  n_k = pl.cdiv(seq_k, block_k)
+  ragged_k = seq_k % block_k != 0
+
+  def tile(j):
+    """``(cols, key mask, tile mask, index)`` of key tile ``j``."""
+    k0 = j * block_k
+    cols = k0 + jnp.arange(block_k, dtype=jnp.int32)
+    k_mask = cols < seq_k if ragged_k else None
+    return cols, k_mask, _outer(q_mask, k_mask), (bh, pl.ds(q0, block_q), pl.ds(k0, block_k))
+
+  def scores(j):
+    """Key tile ``j`` of the scores in fp32; keys past ``seq_k`` are ``-inf`` (padded rows
+    load 0: finite, never stored)."""
+    cols, k_mask, mask, idx = tile(j)
+    s = _load(s_ref.at[idx], mask, 0.0).astype(_F32)
+    if k_mask is not None:
+      s = jnp.where(k_mask[None, :], s, -jnp.inf)
+    return s
+
+  # Pass 1: the row max m and the row sum l of exp(s - m), online.
+  def stats(j, carry):
+    m, l = carry
+    s = scores(j)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    l = l * jnp.exp(m - m_new) + jnp.sum(jnp.exp(s - m_new[:, None]), axis=1)
+    return m_new, l
+
+  m, l = _fori_loop(0, n_k, stats, (jnp.full((block_q,), -jnp.inf, _F32),
+                                    jnp.zeros((block_q,), _F32)))
+  # jax.nn.softmax's exp(s - max) / sum, as XLA compiles it on CPU and GPU (its simplifier
+  # turns a division by a broadcast into a product with the reciprocal): exp(s - m) * (1 / l).
+  inv_l = _reciprocal(l)[:, None]
+  if dropout:
+    k0s, k1s, threshold = seeds_ref[0], seeds_ref[1], seeds_ref[2]
+    scale = scale_ref[0]
+
+  # Pass 2: P, keep, Pd, and acc += Pd @ V.
+  def value(j, acc):
+    cols, k_mask, mask, idx = tile(j)
+    e = jnp.exp(scores(j) - m[:, None])
+    probs = (e * inv_l).astype(p_ref.dtype)
+    _store(p_ref.at[idx], probs, mask)
+    if dropout:
+      u = _dropout.bits16(k0s, k1s, bh.astype(_U32), rows.astype(_U32)[:, None],
+                          cols.astype(_U32)[None, :], seq_k)
+      keep = u >= threshold
+      # As the reference's apply_dropout: (P * keep) * scale in fp32, rounded once; an
+      # invalid traced rate (a NaN scale) gives NaN.
+      dropped = (probs.astype(_F32) * keep.astype(_F32) * scale).astype(p_ref.dtype)
+      if pd_ref is not None:
+        _store(pd_ref.at[idx], dropped, mask)
+      if keep_ref is not None:
+        _store(keep_ref.at[idx], keep, mask)
+    else:
+      dropped = probs
+    v = _load(v_ref.at[bk, pl.ds(j * block_k, block_k), head_dims], _outer(k_mask, d_mask),
+              0.0)
+    # Padded keys: P = 0 (exp(-inf)) and V = 0.
+    return acc + dot(dropped, v)
+
+  acc = _fori_loop(0, n_k, value, jnp.zeros((block_q, d_pad), _F32))
+  o_idx = (b, pl.ds(q0, block_q), h, head_dims)
+  o_mask = _outer(q_mask, d_mask)
+  _store(out32_ref.at[o_idx], acc, o_mask)
+  _store(out_ref.at[o_idx], acc.astype(out_ref.dtype), o_mask)
+
+
+def default_blocks(seq_q: int, seq_k: int) -> tuple[int, int]:
+  """``(block_q, block_k)``: the untuned defaults capped at the padded lengths (>= 16)."""
+  return (min(DEFAULT_BLOCK_Q, max(16, next_power_of_2(seq_q))),
+          min(DEFAULT_BLOCK_K, max(16, next_power_of_2(seq_k))))
+
+
+@functools.partial(jax.jit, static_argnames=("dropout", "store_dropped", "store_keep",
+                                             "block_q", "block_k", "num_warps", "num_stages",
+                                             "interpret"))
+def _call(scores, value_states, seeds, scale, *, dropout, store_dropped, store_keep, block_q,
+          block_k, num_warps, num_stages, interpret):
+  b, h, seq_q, seq_k = scores.shape
+  kvh, d = value_states.shape[1], value_states.shape[3]
+  kernel = functools.partial(
+      _kernel, num_heads=h, num_kv_heads=kvh, seq_q=seq_q, seq_k=seq_k, head_dim=d,
+      d_pad=next_power_of_2(max(d, 16)), block_q=block_q, block_k=block_k, dropout=dropout,
+      store_dropped=store_dropped, store_keep=store_keep)
+  flat = (b * h, seq_q, seq_k)
+  args = (seeds, scale, scores.reshape(flat), value_states.reshape(b * kvh, seq_k, d))
+  o_shape = (b, seq_q, h, d)
+  out_shape = [out_struct(o_shape, scores.dtype, *args), out_struct(o_shape, _F32, *args),
+               out_struct(flat, scores.dtype, *args)]
+  pd_out, keep_out = dropout and store_dropped, dropout and store_keep
+  if pd_out:
+    out_shape.append(out_struct(flat, scores.dtype, *args))
+  if keep_out:
+    out_shape.append(out_struct(flat, jnp.bool_, *args))
+  out, out32, probs, *rest = pallas_call(
+      kernel,
+      out_shape=tuple(out_shape),
+      grid=(pl.cdiv(seq_q, block_q), b * h),
+      compiler_params=compiler_params(num_warps, num_stages),
+      interpret=interpret,
+      name=_NAME,
+  )(*args)
+  shape = scores.shape
+  probs = probs.reshape(shape)
+  dropped = rest.pop(0).reshape(shape) if pd_out else None
+  keep = rest.pop(0).reshape(shape) if keep_out else None
+  return out, probs, dropped, keep, out32
+
+
+def attention_softmax_dropout_value_forward(scores, value_states, dropout_rate, dropout_rng=None,
+                                            *, store_dropped: bool = False,
+                                            store_keep: bool = True, block_q=None, block_k=None,
+                                            num_warps=None, num_stages=None, interpret=False):
+  """``(O, P, Pd, keep, O_f32)`` of ``O = transpose(dropout(softmax(scores)) @ V)``.
+
+  Args:
+    scores: ``[B, H, Sq, Skv]`` float (bf16 in the usual case; fp16, fp32).
+    value_states: ``[B, KVH, Skv, D]``, the scores' dtype, ``H % KVH == 0``: query head
+      ``h`` reads value head ``h // (H // KVH)``. Any ``D`` (padded to a power of two).
+    dropout_rate: in [0, 1), a Python float or a traced scalar; rounded to a multiple of
+      ``2**-16`` (``pallas_kernels._dropout.effective_rate``), which scales the kept values.
+      A traced rate outside [0, 1) gives NaN outputs.
+    dropout_rng: a PRNG key (needed for a rate that may be > 0); the mask is
+      ``jax_ops.dropout_keep_mask(dropout_rng, dropout_rate, scores.shape)``.
+    store_dropped: whether ``Pd`` is returned (a Python bool; the kernel writes it only
+      with dropout: for a concrete rate of 0 it is ``P`` itself).
+    store_keep: whether the kernel writes ``keep`` (a Python bool).
+    block_q, block_k: tiles (powers of two >= 16; default :func:`default_blocks`, untuned).
+    num_warps, num_stages: Triton launch parameters (default 4 and 3, untuned).
+    interpret: run the kernel in the Pallas interpreter (any backend).
+
+  Returns:
+    ``O`` ``[B, Sq, H, D]`` in the scores' dtype; ``P`` ``[B, H, Sq, Skv]`` in the scores'
+    dtype; ``Pd`` likewise, or ``None`` unless ``store_dropped``; ``keep``
+    ``[B, H, Sq, Skv]`` bool, or ``None`` for a concrete rate of 0 or with
+    ``store_keep=False``; ``O_f32`` ``[B, Sq, H, D]`` fp32, ``O`` before its rounding.
+  """
+  for name, flag in (("store_dropped", store_dropped), ("store_keep", store_keep)):
+    if not isinstance(flag, (bool, np.bool_)):
+      raise TypeError(f"{name}: expected a Python bool, got {type(flag).__name__}")
+  _util.check_can_compile(_NAME, interpret, scores, value_states)
+  validation.check_array("scores", scores, ("B", "H", "Sq", "Skv"), dtypes=_FLOATS)
+  validation.check_positive("scores", scores, ("B", "H", "Sq", "Skv"))
+  b, h, seq_q, seq_k = scores.shape
+  validation.check_array("value_states", value_states, ("B", "KVH", "Skv", "D"),
+                         (b, None, seq_k, None), dtypes=(scores.dtype,))
+  validation.check_positive("value_states", value_states, ("B", "KVH", "Skv", "D"))
+  validation.check_divisible(h, value_states.shape[1])
+  if max(scores.size, value_states.size, b * seq_q * h * value_states.shape[3]) >= 2**31:
+    raise ValueError(f"scores: at most 2**31 - 1 elements per array (int32 offsets), got "
+                     f"scores {list(scores.shape)}, value_states {list(value_states.shape)}")
+  p_static = validation.check_dropout_rate("dropout_rate", dropout_rate)
+  dropout = p_static != 0.0
+  if dropout and dropout_rng is None:
+    raise ValueError("dropout_rng: a dropout_rate that may be > 0 needs a PRNG key")
+  if dropout:
+    rate = jnp.asarray(dropout_rate, _F32)
+    seeds = _dropout.seeds(dropout_rng, rate)
+    # The reference's scale, 1 / (1 - p) in fp32, of the rate drawn; NaN for an invalid
+    # traced rate.
+    p = _dropout.effective_rate(rate)
+    scale = validation.nan_unless_rate_valid(rate, 1.0 / (1.0 - p)).reshape(1)
+  else:
+    seeds, scale = jnp.zeros((3,), _U32), jnp.ones((1,), _F32)
+  dq, dk = default_blocks(seq_q, seq_k)
+  # Validates the launch parameters (ValueError naming the field).
+  cfg = _tuning.TritonPassConfig(
+      block_q=dq if block_q is None else block_q, block_k=dk if block_k is None else block_k,
+      num_warps=DEFAULT_NUM_WARPS if num_warps is None else num_warps,
+      num_stages=DEFAULT_NUM_STAGES if num_stages is None else num_stages)
+  # Without dropout the kernel stores neither Pd nor keep: one compiled kernel for the flags.
+  out, probs, dropped, keep, out32 = _call(
+      scores, value_states, seeds, scale, dropout=dropout,
+      store_dropped=dropout and bool(store_dropped), store_keep=dropout and bool(store_keep),
+      block_q=cfg.block_q, block_k=cfg.block_k, num_warps=cfg.num_warps,
+      num_stages=cfg.num_stages, interpret=bool(interpret))
+  if store_dropped and not dropout:
+    dropped = probs
+  return out, probs, dropped, keep, out32
