@@ -123,17 +123,33 @@ def temp_mb(compiled) -> float:
   return compiled.memory_analysis().temp_size_in_bytes / 2 ** 20
 
 
-def measure(step: Step, calls: int) -> dict:
+B_SCORES = "triton_scores"  # op B's Triton backend with the "scores" residual policy
+
+
+def register_b_scores():
+  """Registers op B's Triton backend that saves the scores instead of P (P recomputed in
+  the backward) as ``implementation="triton_scores"``."""
+  from jax_ops import registry
+  from jax_ops.masked_softmax.pallas_triton import MaskedSoftmaxTriton
+  registry.register("masked_softmax_dropout", B_SCORES,
+                    MaskedSoftmaxTriton(B_SCORES, residuals="scores"))
+
+
+def measure(step: Step, calls: int, pallas=None) -> dict:
+  """``pallas``: the Pallas path's implementation (``None``: the default one)."""
   sets = []
   for i in range(2):
     primals, w = step.make(jax.random.key(i))
     sets.append((primals, w, jax.random.key(100 + i)))
   # Compiled once: the executables are timed and give their memory.
-  fns = {impl: step_fn(step, impl).lower(*sets[0]).compile() for impl in ("xla", None)}
+  fns = {name: step_fn(step, impl).lower(*sets[0]).compile()
+         for name, impl in (("xla", "xla"), ("pallas", pallas))}
   row = {"op": step.op, "step": step.label, "listed": step.listed}
-  for impl, fn in fns.items():
-    row[f"{impl or 'pallas'}_temp_mb"] = temp_mb(fn)
-  times = device_times_us([*fns.values(), forward_fn(step), forward_fn(step, None)], sets,
+  if pallas is not None:
+    row["pallas_implementation"] = pallas
+  for name, fn in fns.items():
+    row[f"{name}_temp_mb"] = temp_mb(fn)
+  times = device_times_us([*fns.values(), forward_fn(step), forward_fn(step, pallas)], sets,
                           calls=calls)
   row["xla_us"], row["pallas_us"] = times[0]["median_us"], times[1]["median_us"]
   row["forward_us"], row["pallas_forward_us"] = times[2]["median_us"], times[3]["median_us"]
@@ -159,6 +175,8 @@ def markdown(meta, rows) -> str:
            "|---|---|---|---|---|---|"]
   for r in rows:
     extra = "" if r["listed"] else " (not in the table)"
+    if r.get("pallas_implementation"):
+      extra += f" (Pallas path: implementation={r['pallas_implementation']!r})"
     if not r.get("split_ok", True):
       extra += " (calls not told apart in the trace: mean, not median)"
     forward = "-"
@@ -201,6 +219,10 @@ def main(argv=None):
   parser.add_argument("--calls", type=int, default=20)
   parser.add_argument("--only", default=None, help="comma-separated ops (A, B, C)")
   parser.add_argument("--out", default=os.path.join(run.HERE, "results"))
+  parser.add_argument("--b-residuals", choices=("key", "scores"), default="key",
+                      help="op B's Pallas path: the default backend (saves P and the key) or "
+                           "the one that saves the scores and recomputes P (results go to "
+                           "step_b_scores.*)")
   args = parser.parse_args(argv)
   if jax.default_backend() != "gpu":
     print("the step benchmark needs a CUDA GPU (jax.default_backend() is "
@@ -212,11 +234,15 @@ def main(argv=None):
           "commit": run._commit(), "calls": args.calls}
   os.makedirs(args.out, exist_ok=True)
   base = os.path.join(args.out, "step")
+  b_impl = None
+  if args.b_residuals == "scores":
+    register_b_scores()
+    b_impl, base = B_SCORES, base + "_b_scores"
   rows = []
   for step in STEPS:
     if step.op not in ops:
       continue
-    row = measure(step, args.calls)
+    row = measure(step, args.calls, b_impl if step.op == "B" else None)
     rows.append(row)
     print(f"{row['step']:45s} xla {row['xla_us']:9.0f} us  pallas {row['pallas_us']:9.0f} us  "
           f"x{row['speedup']:.2f}  temp {row['xla_temp_mb']:.0f}/{row['pallas_temp_mb']:.0f} MB",

@@ -38,6 +38,10 @@ OUTPUT = "output"  # op A: P, V, keep and the forward's fp32 output (delta = row
 # Op B: the backend's forward draws the keep mask itself and saves P, the attention mask and
 # the dropout key (no keep mask); its backward redraws the mask from the key.
 KEY = "key"
+# Op B, more compact: the backend's forward writes only its output and saves the scores (an
+# input, alive anyway), the attention mask and the key; its backward recomputes P from the
+# scores and redraws the mask.
+SCORES = "scores"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,6 +39,23 @@ def test_step_fn_same_on_both_paths(make):
                              float(loss_p), rtol=1e-5, atol=1e-5)
 
 
+def test_b_scores_backend_same_on_both_paths():
+  """Op B's backend that saves the scores (``--b-residuals scores``) gives the XLA path's
+  loss and gradients."""
+  from jax_ops import registry
+  s = step._b(1, 2, 8)
+  primals, w = s.make(jax.random.key(0))
+  rng = jax.random.key(1)
+  step.register_b_scores()
+  try:
+    loss_x, grad_x = step.step_fn(s, "xla")(primals, w, rng)
+    loss_p, grad_p = step.step_fn(s, step.B_SCORES, interpret=True)(primals, w, rng)
+  finally:
+    registry.unregister("masked_softmax_dropout", step.B_SCORES)
+  np.testing.assert_allclose(float(loss_p), float(loss_x), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(grad_p), np.asarray(grad_x), rtol=1e-4, atol=1e-5)
+
+
 def test_report_and_chart(tmp_path):
   rows = [{"op": "A", "step": "A, B=2 S=2048 (H=80, KVH=8, D=128)", "listed": True,
            "xla_us": 6000.0, "pallas_us": 3000.0, "speedup": 2.0, "xla_temp_mb": 4480.0,

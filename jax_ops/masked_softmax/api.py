@@ -11,6 +11,9 @@ residual policy says what the forward is and what it saves:
   (the fused Pallas kernel, which draws the same keep mask bit for bit and does not store
   it); residuals: P, the attention mask and the dropout key, from which the backend's
   ``backward_from_key`` redraws the mask. No ``[B, H, Sq, Sk]`` keep mask is saved.
+* ``"scores"`` (a Triton backend made with ``residuals="scores"``): the forward
+  (``forward_from_scores``) writes only the output; residuals: the scores (an input), the
+  attention mask and the key; ``backward_from_scores`` recomputes P and redraws the mask.
 
 Both scale by ``1 / (1 - effective rate)`` (the rate rounded to a multiple of ``2**-16``).
 """
@@ -23,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_ops import _common
-from jax_ops.backend import INPUTS, KEY
+from jax_ops.backend import INPUTS, KEY, SCORES
 from jax_ops.masked_softmax import reference
 from pallas_kernels import validation
 
@@ -51,10 +54,10 @@ def masked_softmax_dropout(scores, mask, *, dropout_rate=0.0, dropout_rng=None,
   # The rate and the key are checked before the backend is picked (the same errors on
   # every path); the rates are the effective ones, which the mask draws.
   p_static, rate = _common.op_dropout_rate(dropout_rng, dropout_rate)
-  backend, policy = _common.backend_for(OP, implementation, interpret, (INPUTS, KEY),
+  backend, policy = _common.backend_for(OP, implementation, interpret, (INPUTS, KEY, SCORES),
                                         scores=scores, mask=mask)
   keep = rng = None
-  if p_static != 0.0 and policy == KEY:
+  if p_static != 0.0 and policy in (KEY, SCORES):
     rng = dropout_rng      # the backend draws the mask itself, in its forward and backward
   elif p_static != 0.0:    # the same mask as from the rate given: the rounding is idempotent
     keep = _common.dropout_keep_mask(dropout_rng, _common.known_rate(p_static, rate),
@@ -68,7 +71,11 @@ def _op(scores, mask, keep, rng, rate, p_static, backend, policy, interpret):
 
 
 def _forward(scores, mask, keep, rng, rate, p_static, backend, policy, interpret):
-  """``(y, P)``: the backend's fused forward under the ``"key"`` policy, else jnp."""
+  """``(y, P)``: the backend's fused forward under the ``"key"`` policy (``"scores"``:
+  ``(y, None)``), else jnp."""
+  if policy == SCORES:
+    return backend.forward_from_scores(scores, mask, rng, _common.known_rate(p_static, rate),
+                                       interpret=interpret), None
   if policy == KEY:
     return backend.forward_from_key(scores, mask, rng, _common.known_rate(p_static, rate),
                                     interpret=interpret)
@@ -77,14 +84,20 @@ def _forward(scores, mask, keep, rng, rate, p_static, backend, policy, interpret
 
 def _fwd(scores, mask, keep, rng, rate, p_static, backend, policy, interpret):
   out, probs = _forward(scores, mask, keep, rng, rate, p_static, backend, policy, interpret)
-  # One of keep (policy "inputs") and rng (policy "key") is saved; both are None without
-  # dropout.
+  # One of keep (policy "inputs") and rng (policies "key", "scores") is saved; both are None
+  # without dropout. Under "scores" the scores stand where P stands in the others.
+  if policy == SCORES:
+    probs = scores
   return out, (probs, mask, keep, rng, rate)
 
 
 def _bwd(p_static, backend, policy, interpret, res, grad_out):
   probs, mask, keep, rng, rate = res
-  if policy == KEY:
+  if policy == SCORES:   # ``probs`` holds the scores
+    d_scores = backend.backward_from_scores(grad_out, probs, mask, rng,
+                                            _common.known_rate(p_static, rate),
+                                            causal=False, interpret=interpret)
+  elif policy == KEY:
     d_scores = backend.backward_from_key(grad_out, probs, mask, rng,
                                          _common.known_rate(p_static, rate),
                                          causal=False, interpret=interpret)

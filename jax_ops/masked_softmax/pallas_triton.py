@@ -21,14 +21,25 @@ from pallas_kernels import masked_softmax_dropout as kernels
 from pallas_kernels.masked_softmax_dropout import forward as forward_kernel
 from pallas_kernels.masked_softmax_dropout import pallas_triton as backward_kernels
 from jax_ops import backend
-from jax_ops.backend import KEY
+from jax_ops.backend import KEY, SCORES
 
 
 class MaskedSoftmaxTriton(backend.TritonBackend):
-  """The op's Triton backend (name, devices and priority from the base class)."""
+  """The op's Triton backend (devices and priority from the base class).
+
+  ``residuals``: its residual policy, ``"key"`` (the default, measured) or ``"scores"``
+  (P recomputed in the backward from the scores, so the forward writes only its output;
+  not yet measured: ``MaskedSoftmaxTriton("triton_scores", residuals="scores")`` registered
+  with ``jax_ops.registry.register`` under that name runs it).
+  """
+
+  def __init__(self, name: str = "triton", residuals: str = KEY):
+    if residuals not in (KEY, SCORES):
+      raise ValueError(f"residuals: expected {KEY!r} or {SCORES!r}, got {residuals!r}")
+    self.name, self.residuals = name, residuals
 
   def residual_policy(self, problem):
-    return KEY
+    return self.residuals
 
   def config(self, problem):
     """The backward kernel's default config for this problem on its device."""
@@ -43,6 +54,21 @@ class MaskedSoftmaxTriton(backend.TritonBackend):
     y, probs, _ = forward_kernel.masked_softmax_dropout_forward(
         scores, mask, p_dropout, dropout_rng, store_keep=False, interpret=interpret)
     return y, probs
+
+  def forward_from_scores(self, scores, mask, dropout_rng, p_dropout, *, interpret=False):
+    """The op's output ``y`` alone from the fused forward kernel (neither P nor the keep
+    mask is written): the ``"scores"`` policy."""
+    y, _, _ = forward_kernel.masked_softmax_dropout_forward(
+        scores, mask, p_dropout, dropout_rng, store_keep=False, store_probs=False,
+        interpret=interpret)
+    return y
+
+  def backward_from_scores(self, grad_output, scores, mask, dropout_rng, p_dropout, *,
+                           causal=False, interpret=False):
+    """The backward recomputing P from the scores and redrawing the keep mask."""
+    del causal
+    return backward_kernels.masked_softmax_dropout_backward_from_scores(
+        grad_output, scores, mask, dropout_rng, p_dropout, interpret=interpret)
 
   def backward_from_key(self, grad_output, p_attn, mask, dropout_rng, p_dropout, *,
                         causal=False, interpret=False):

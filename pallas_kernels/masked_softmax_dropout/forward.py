@@ -34,9 +34,18 @@ _F32 = jnp.float32
 _U32 = jnp.uint32
 
 
-def _kernel(seeds_ref, scale_ref, s_ref, mask_ref, y_ref, p_ref, *keep_ref, num_heads,
-            seq_q, seq_k, block_rows, width, dropout):
-  """``keep_ref``: the keep mask's output, absent when it is not stored."""
+def masked_softmax(s, attend, valid, dtype):
+  """``softmax(s.masked_fill(~attend, -1e4))`` over the rows of a tile (fp32 inside, rounded
+  to ``dtype``); ``valid`` marks the tile's elements inside the array (the others are 0).
+  The backward that recomputes P from the scores uses this too."""
+  filled = jnp.where(valid, jnp.where(attend, s.astype(_F32), -1e4), -jnp.inf)
+  e = jnp.exp(filled - jnp.max(filled, axis=1, keepdims=True))
+  return (e / jnp.sum(e, axis=1, keepdims=True)).astype(dtype)
+
+
+def _kernel(seeds_ref, scale_ref, s_ref, mask_ref, y_ref, *out_refs, num_heads, seq_q,
+            seq_k, block_rows, width, dropout, store_probs):
+  """``out_refs``: P's output (when ``store_probs``), then the keep mask's (when stored)."""
   bh = pl.program_id(0)
   r0 = pl.program_id(1) * block_rows
   b = bh // num_heads
@@ -45,13 +54,15 @@ def _kernel(seeds_ref, scale_ref, s_ref, mask_ref, y_ref, p_ref, *keep_ref, num_
   valid = (rows[:, None] < seq_q) & (cols[None, :] < seq_k)
   c0 = bh * 0                      # a traced column start (the indexer's static bounds)
   tile = (bh, pl.ds(r0, block_rows), pl.ds(c0, width))
-  s = pltriton.load(s_ref.at[tile], mask=valid, other=0.0).astype(_F32)
+  s = pltriton.load(s_ref.at[tile], mask=valid, other=0.0)
   attend = pltriton.load(mask_ref.at[b, pl.ds(r0, block_rows), pl.ds(c0, width)],
                          mask=valid, other=False)
-  filled = jnp.where(valid, jnp.where(attend, s, -1e4), -jnp.inf)
-  e = jnp.exp(filled - jnp.max(filled, axis=1, keepdims=True))
-  probs = (e / jnp.sum(e, axis=1, keepdims=True)).astype(p_ref.dtype)
-  pltriton.store(p_ref.at[tile], probs, mask=valid)
+  probs = masked_softmax(s, attend, valid, y_ref.dtype)
+  if store_probs:
+    p_ref, *keep_ref = out_refs
+    pltriton.store(p_ref.at[tile], probs, mask=valid)
+  else:
+    keep_ref = out_refs
   if not dropout:
     pltriton.store(y_ref.at[tile], probs, mask=valid)
     return
@@ -70,21 +81,24 @@ def default_block_rows(seq_k: int) -> int:
   return max(1, min(16, 4096 // next_power_of_2(seq_k)))
 
 
-@functools.partial(jax.jit, static_argnames=("dropout", "store_keep", "block_rows",
-                                             "num_warps", "interpret"))
-def _call(scores, mask, seeds, scale, *, dropout, store_keep, block_rows, num_warps,
-          interpret):
+@functools.partial(jax.jit, static_argnames=("dropout", "store_probs", "store_keep",
+                                             "block_rows", "num_warps", "interpret"))
+def _call(scores, mask, seeds, scale, *, dropout, store_probs, store_keep, block_rows,
+          num_warps, interpret):
   b, h, seq_q, seq_k = scores.shape
   width = next_power_of_2(seq_k)
   kernel = functools.partial(_kernel, num_heads=h, seq_q=seq_q, seq_k=seq_k,
-                             block_rows=block_rows, width=width, dropout=dropout)
+                             block_rows=block_rows, width=width, dropout=dropout,
+                             store_probs=store_probs)
   flat = (b * h, seq_q, seq_k)
   args = (seeds, scale, scores.reshape(flat), mask.reshape(b, seq_q, seq_k))
   keep_out = dropout and store_keep   # no keep output without dropout either
-  out_shape = (out_struct(flat, scores.dtype, *args), out_struct(flat, scores.dtype, *args))
+  out_shape = (out_struct(flat, scores.dtype, *args),)
+  if store_probs:
+    out_shape += (out_struct(flat, scores.dtype, *args),)
   if keep_out:
     out_shape += (out_struct(flat, jnp.bool_, *args),)
-  y, p, *keep = pallas_call(
+  y, *rest = pallas_call(
       kernel,
       out_shape=out_shape,
       grid=(b * h, pl.cdiv(seq_q, block_rows)),
@@ -93,12 +107,13 @@ def _call(scores, mask, seeds, scale, *, dropout, store_keep, block_rows, num_wa
       name=_NAME,
   )(*args)
   shape = scores.shape
-  return y.reshape(shape), p.reshape(shape), (keep[0].reshape(shape) if keep_out else None)
+  p = rest.pop(0).reshape(shape) if store_probs else None
+  return y.reshape(shape), p, (rest[0].reshape(shape) if keep_out else None)
 
 
 def masked_softmax_dropout_forward(scores, mask, dropout_rate, dropout_rng=None, *,
-                                   store_keep: bool = True, block_rows=None, num_warps=None,
-                                   interpret=False):
+                                   store_keep: bool = True, store_probs: bool = True,
+                                   block_rows=None, num_warps=None, interpret=False):
   """``(y, P, keep)`` of ``y = dropout(softmax(scores.masked_fill(~mask, -1e4)))``.
 
   Args:
@@ -110,15 +125,20 @@ def masked_softmax_dropout_forward(scores, mask, dropout_rate, dropout_rng=None,
       ``jax_ops.dropout_keep_mask(dropout_rng, dropout_rate, scores.shape)``.
     store_keep: whether the kernel writes ``keep`` (a Python bool). ``False``: it is not
       written and ``None`` is returned for it (``y`` and ``P`` are the same).
+    store_probs: whether the kernel writes ``P`` (a Python bool). ``False``: ``None`` is
+      returned for it, for a backward that recomputes it from the scores
+      (``masked_softmax_dropout_backward_from_scores``).
     block_rows, num_warps: launch overrides (default: about 4096 elements per program).
     interpret: run the kernel in the Pallas interpreter (any backend).
 
   Returns:
     ``y`` and ``P`` in the scores' dtype, ``keep`` ``[B, H, Sq, Sk]`` bool (``None`` for a
-    concrete rate of 0, or with ``store_keep=False``).
+    concrete rate of 0, or with ``store_keep=False``; ``P`` is ``None`` with
+    ``store_probs=False``).
   """
-  if not isinstance(store_keep, (bool, np.bool_)):
-    raise TypeError(f"store_keep: expected a Python bool, got {type(store_keep).__name__}")
+  for name, flag in (("store_keep", store_keep), ("store_probs", store_probs)):
+    if not isinstance(flag, (bool, np.bool_)):
+      raise TypeError(f"{name}: expected a Python bool, got {type(flag).__name__}")
   _util.check_can_compile(_NAME, interpret, scores, mask)
   validation.check_scores_and_mask(scores, mask)
   p_static = validation.check_dropout_rate("dropout_rate", dropout_rate)
@@ -137,5 +157,6 @@ def masked_softmax_dropout_forward(scores, mask, dropout_rate, dropout_rng=None,
   seq_k = scores.shape[3]
   block_rows = block_rows or default_block_rows(seq_k)
   num_warps = num_warps or (8 if next_power_of_2(seq_k) * block_rows >= 4096 else 4)
-  return _call(scores, mask, seeds, scale, dropout=dropout, store_keep=bool(store_keep),
+  return _call(scores, mask, seeds, scale, dropout=dropout, store_probs=bool(store_probs),
+               store_keep=bool(store_keep),
                block_rows=block_rows, num_warps=num_warps, interpret=bool(interpret))

@@ -172,12 +172,14 @@ class _Block:
   update that reduces and writes it."""
 
   def __init__(self, refs, h, b, heads, *, seq_q, seq_k, config: Config, dropout: Dropout,
-               hashed: bool):
+               hashed: bool, from_scores: bool = False):
     (self.scale_ref, self.g_ref, self.p_ref, self.mask_ref, self.keep_ref,
      self.o_ref) = refs
     self.h, self.b, self.heads = h, b, heads
     self.seq_q, self.seq_k, self.config, self.dropout = seq_q, seq_k, config, dropout
     self.hashed = hashed
+    # ``p_ref`` holds the scores, from which the update recomputes P.
+    self.from_scores = from_scores
 
   def _chunks(self, r0, live=None):
     """``(c0, width, rows, cols, valid)`` per column chunk of the block at row ``r0``;
@@ -214,11 +216,29 @@ class _Block:
                                                    head_valid, self.dropout, stream)
         per_head.append((g, probs, keep))
       # By default the attention mask is loaded with the others (not after the row sum),
-      # so a program waits for one round trip to memory, not two.
-      attend = None if c.mask_after_sum else _load_mask(self.mask_ref, self.b, r0, c0,
-                                                        c.block_rows, width, valid, c)
+      # so a program waits for one round trip to memory, not two; P from the scores needs it
+      # first.
+      after = c.mask_after_sum and not self.from_scores
+      attend = None if after else _load_mask(self.mask_ref, self.b, r0, c0, c.block_rows,
+                                             width, valid, c)
       out.append((attend, per_head))
     return out
+
+  def _softmax(self, chunks, loaded):
+    """P of the loaded block from its scores, per chunk and head (fp32, rounded to the
+    output dtype first): the forward kernel's ``masked_softmax`` over the whole row."""
+    filled = [[jnp.where(self._head_valid(valid, in_range),
+                         jnp.where(attend, s.astype(jnp.float32), -1e4), -jnp.inf)
+               for (_, in_range), (_, s, _) in zip(self.heads, per_head)]
+              for (_, _, _, _, valid), (attend, per_head) in zip(chunks, loaded)]
+    heads = range(len(self.heads))
+    top = [functools.reduce(jnp.maximum, [jnp.max(f[i], axis=1, keepdims=True)
+                                          for f in filled]) for i in heads]
+    exps = [[jnp.exp(f[i] - top[i]) for i in heads] for f in filled]
+    total = [sum(jnp.sum(e[i], axis=1, keepdims=True) for e in exps) for i in heads]
+    dtype = self.o_ref.dtype
+    return [[(e[i] / total[i]).astype(dtype).astype(jnp.float32) for i in heads]
+            for e in exps]
 
   def update(self, r0, loaded):
     """Reduces the row sums of the loaded block and writes its gradient."""
@@ -226,11 +246,16 @@ class _Block:
     chunks = list(self._chunks(r0))
     sums = [jnp.zeros((c.block_rows, 1), jnp.float32) for _ in self.heads]
     dropped = []
-    for (_, _, rows, cols, _), (_, per_head) in zip(chunks, loaded):
+    if self.from_scores:
+      probs_of = self._softmax(chunks, loaded)
+    else:
+      probs_of = [[probs.astype(jnp.float32) for _, probs, _ in per_head]
+                  for _, per_head in loaded]
+    for (_, _, rows, cols, _), (_, per_head), chunk_probs in zip(chunks, loaded, probs_of):
       gds = []
-      for (bh, _), (g, probs, keep) in zip(self.heads, per_head):
+      for (bh, _), (g, _, keep), probs in zip(self.heads, per_head, chunk_probs):
         draw = (bh, rows, cols, self.seq_k) if self.hashed else None
-        gds.append((probs.astype(jnp.float32),
+        gds.append((probs,
                     _dropped_grad(g, keep, self.keep_ref, self.scale_ref, self.dropout, draw)))
       sums = [s + jnp.sum(probs * gd, axis=1, keepdims=True)
               for s, (probs, gd) in zip(sums, gds)]
@@ -301,7 +326,7 @@ def _two_pass(block: _Block, r0):
 
 
 def _kernel(*refs, num_heads, seq_q, seq_k, config: Config, dropout: Dropout,
-            hashed: bool = False):
+            hashed: bool = False, from_scores: bool = False):
   """One program: ``blocks_per_program`` blocks of ``block_rows`` rows of
   ``heads_per_program`` heads of one batch entry (:func:`_program_tile`); every row whole,
   in power-of-two column chunks, every byte read once. The mask tile is loaded once and
@@ -310,7 +335,8 @@ def _kernel(*refs, num_heads, seq_q, seq_k, config: Config, dropout: Dropout,
   h, b, r0 = _program_tile(num_heads, seq_q, config)
   block = _Block(_unpack_refs(refs, dropout), h, b,
                  _program_heads(h, b, num_heads, config.heads_per_program), seq_q=seq_q,
-                 seq_k=seq_k, config=config, dropout=dropout, hashed=hashed)
+                 seq_k=seq_k, config=config, dropout=dropout, hashed=hashed,
+                 from_scores=from_scores)
   if config.chunk:
     _two_pass(block, r0)
     return
@@ -336,16 +362,18 @@ def _kernel(*refs, num_heads, seq_q, seq_k, config: Config, dropout: Dropout,
 
 
 @functools.partial(jax.jit, static_argnames=("dropout", "config", "num_stages", "interpret",
-                                             "hashed"))
+                                             "hashed", "from_scores"))
 def _call(grad_output, p_attn, mask, dropout_mask, p_dropout, *, dropout: Dropout,
-          config: Config, num_stages: int, interpret: bool, hashed: bool = False):
-  """``hashed``: ``dropout_mask`` is the key's ``[k0, k1, threshold]`` (uint32), not a mask."""
+          config: Config, num_stages: int, interpret: bool, hashed: bool = False,
+          from_scores: bool = False):
+  """``hashed``: ``dropout_mask`` is the key's ``[k0, k1, threshold]`` (uint32), not a mask;
+  ``from_scores``: ``p_attn`` holds the scores, from which the kernel recomputes P."""
   b, h, seq_q, seq_k = p_attn.shape
   config = dataclasses.replace(config, heads_per_program=min(config.heads_per_program, h))
   if config.uses_cache_modifiers:
     _enable_load_cache_modifiers()
   kernel = functools.partial(_kernel, num_heads=h, seq_q=seq_q, seq_k=seq_k, config=config,
-                             dropout=dropout, hashed=hashed)
+                             dropout=dropout, hashed=hashed, from_scores=from_scores)
   args = [grad_output.reshape(b * h, seq_q, seq_k), p_attn.reshape(b * h, seq_q, seq_k),
           mask.reshape(b, seq_q, seq_k)]
   if dropout.mode == "traced":
@@ -419,6 +447,32 @@ def masked_softmax_dropout_backward_from_key(grad_output, p_attn, mask, dropout_
   (``pallas_kernels._dropout.effective_rate``). The op's ``"triton"`` backend uses it
   (the ``"key"`` residual policy of ``jax_ops.masked_softmax``).
   """
+  return _from_key(grad_output, p_attn, mask, dropout_rng, p_dropout, config=config,
+                   interpret=interpret, from_scores=False)
+
+
+def masked_softmax_dropout_backward_from_scores(grad_output, scores, mask, dropout_rng,
+                                                p_dropout, *, config: Config | None = None,
+                                                interpret: bool = False):
+  """:func:`masked_softmax_dropout_backward_from_key` given the scores instead of P: the
+  kernel recomputes ``P = softmax(scores.masked_fill(~mask, -1e4))`` (in fp32, rounded to
+  the scores' dtype) from the row it holds, so the forward need store neither P nor the
+  keep mask (``masked_softmax_dropout_forward(..., store_probs=False, store_keep=False)``)
+  and a training step keeps no ``[B, H, Sq, Sk]`` residual but its input. The same bytes
+  as reading P. P agrees with the forward kernel's to rounding (the row sums may be reduced
+  in another order). ``scores [B, H, Sq, Sk]``; the other arguments as there; the config
+  must not be two-pass (``chunk``). Not yet used by the op, not yet measured.
+  """
+  validation.check_scores_and_mask(scores, mask)   # errors that name the scores
+  if config is not None and isinstance(config, Config) and config.chunk:
+    raise ValueError(f"config.chunk={config.chunk}: the backward from the scores needs each "
+                     "row whole (use chunk=0)")
+  return _from_key(grad_output, scores, mask, dropout_rng, p_dropout, config=config,
+                   interpret=interpret, from_scores=True)
+
+
+def _from_key(grad_output, p_attn, mask, dropout_rng, p_dropout, *, config, interpret,
+              from_scores):
   _util.check_can_compile(_NAME, interpret, grad_output, p_attn, mask)
   # The mask is not an argument: its shape stands in for the check.
   p = validation.check_problem_b(grad_output, p_attn, mask,
@@ -426,11 +480,13 @@ def masked_softmax_dropout_backward_from_key(grad_output, p_attn, mask, dropout_
   if config is None:
     device_kind = _tuning.device_kind_of(p_attn, grad_output, interpret=interpret)
     config = default_config(p_attn.shape[2], p_attn.shape[3], device_kind)
+    if from_scores and config.chunk:
+      config = dataclasses.replace(config, chunk=0)
   elif not isinstance(config, Config):
     raise TypeError(f"config: expected a masked_softmax_dropout.Config, got {config!r}")
   if p == 0.0:
     return _call(grad_output, p_attn, mask, None, 0.0, dropout=Dropout.of(0.0), config=config,
-                 num_stages=config.num_stages, interpret=interpret)
+                 num_stages=config.num_stages, interpret=interpret, from_scores=from_scores)
   if dropout_rng is None:
     raise ValueError("dropout_rng: a p_dropout that may be > 0 needs a PRNG key")
   given = p if p is not None else jnp.asarray(p_dropout, jnp.float32)
@@ -440,4 +496,4 @@ def masked_softmax_dropout_backward_from_key(grad_output, p_attn, mask, dropout_
   dropout = Dropout.of(rate if p is not None else None)
   return _call(grad_output, p_attn, mask, _dropout.seeds(dropout_rng, given), rate,
                dropout=dropout, config=config, num_stages=config.num_stages,
-               interpret=interpret, hashed=True)
+               interpret=interpret, hashed=True, from_scores=from_scores)

@@ -95,6 +95,14 @@ def _eqn_outputs(jaxpr):
       yield from _eqn_outputs(sub)
 
 
+def _eqns(jaxpr):
+  """Every equation, sub-jaxprs included."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      yield from _eqns(sub)
+
+
 def test_saves_the_key_not_a_keep_mask():
   """The Triton path's residuals: P, the attention mask, the key and the rate; no bool
   ``[B, H, S, S]``, and its forward computes none (no jnp mask drawing). The XLA path
@@ -165,3 +173,44 @@ def test_errors_on_the_triton_path():
   with pytest.raises(TypeError, match="mask: expected dtype bool"):
     jax_ops.masked_softmax_dropout(scores, mask.astype(F32), implementation="triton",
                                    interpret=INTERPRET)
+
+
+# --- The "scores" policy: P recomputed in the backward (a backend registered for it) -----
+
+@pytest.fixture
+def scores_backend():
+  from jax_ops.masked_softmax.pallas_triton import MaskedSoftmaxTriton
+  registry.register(OP, "triton_scores", MaskedSoftmaxTriton("triton_scores",
+                                                             residuals="scores"))
+  yield "triton_scores"
+  registry.unregister(OP, "triton_scores")
+
+
+@pytest.mark.parametrize("b,h,s,rate", [(2, 3, 7, 0.1), (1, 2, 131, 0.1), (2, 1, 7, 0.0)])
+def test_scores_policy_equals_the_xla_path(scores_backend, b, h, s, rate):
+  """Values and gradients of the backend that saves the scores instead of P: the same as
+  the XLA path's, to rounding (P is recomputed, its row sums maybe in another order)."""
+  scores, mask, ct, rng = _inputs(b, h, s, seed=5)
+  got = _value_and_grad(scores_backend, scores, mask, rng, rate, ct)
+  want = _value_and_grad("xla", scores, mask, rng, rate, ct)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+  traced = _value_and_grad(scores_backend, scores, mask, rng, rate, ct, jit_rate=True)
+  for g, w in zip(traced, want):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+
+
+def test_scores_policy_saves_only_the_inputs_and_the_key(scores_backend):
+  """Its residuals are the scores themselves (no P, no keep mask), the attention mask, the
+  key and the rate; its forward computes no other ``[B, H, S, S]`` array than the output."""
+  scores, mask, _, rng = _inputs(2, 3, 7, seed=6)
+  res = _residuals(scores_backend, scores, mask, rng, 0.1)
+  assert [r.shape for r in res] == [(2, 3, 7, 7), (2, 1, 7, 7), (), ()]
+  assert res[0] is scores or np.array_equal(np.asarray(res[0]), np.asarray(scores))
+  op = _op(scores_backend, mask, rng)
+  fwd = jax.make_jaxpr(lambda s: jax.vjp(lambda s: op(s, 0.1), s)[0])(scores)
+  kernels = [e for e in _eqns(fwd.jaxpr) if e.primitive.name == "pallas_call"]
+  assert [len(e.outvars) for e in kernels] == [1]   # the forward kernel writes y alone
+  with pytest.raises(ValueError, match="residuals"):
+    from jax_ops.masked_softmax.pallas_triton import MaskedSoftmaxTriton
+    MaskedSoftmaxTriton(residuals="p")
