@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import validation
+
 RATE_BITS = 16                     # the rate is rounded to a multiple of 2**-16
 RATE_STEPS = 1 << RATE_BITS
 GOLDEN = np.uint32(0x9E3779B9)
@@ -66,3 +68,19 @@ def seeds(rng, rate):
   """``[k0, k1, threshold]`` (uint32): what a kernel that draws the mask reads."""
   k0, k1 = key_words(rng)
   return jnp.stack([k0, k1, jnp.asarray(rate_threshold(rate), jnp.uint32)])
+
+
+def kernel_args(dropout_rate, dropout_rng):
+  """``(dropout, seeds, scale)`` for a forward kernel that draws the mask: whether a mask is
+  drawn (a rate that may be > 0), the key's ``[k0, k1, threshold]`` (:func:`seeds`) and
+  ``[1 / (1 - p)]`` in fp32 of the rate drawn (NaN for an invalid traced rate). Checks the
+  rate (``ValueError`` naming ``dropout_rate``) and that a key comes with a rate > 0."""
+  p_static = validation.check_dropout_rate("dropout_rate", dropout_rate)
+  if p_static == 0.0:
+    return False, jnp.zeros((3,), jnp.uint32), jnp.ones((1,), jnp.float32)
+  if dropout_rng is None:
+    raise ValueError("dropout_rng: a dropout_rate that may be > 0 needs a PRNG key")
+  rate = jnp.asarray(dropout_rate, jnp.float32)
+  p = effective_rate(rate)
+  scale = validation.nan_unless_rate_valid(rate, 1.0 / (1.0 - p)).reshape(1)
+  return True, seeds(dropout_rng, rate), scale

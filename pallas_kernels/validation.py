@@ -174,6 +174,19 @@ def check_scores_and_mask(scores, mask, *, dtypes=_LOW) -> None:
   check_array("mask", mask, ("B", "1", "Sq", "Sk"), (b, 1, sq, sk), dtypes=(jnp.bool_,))
 
 
+def check_scores_and_value(scores, value_states, *, dtypes=_LOW) -> None:
+  """Checks the inputs of the attention softmax-dropout-value forward (problem A): ``scores``
+  ``[B, H, Sq, Skv]`` float, ``value_states`` ``[B, KVH, Skv, D]`` of its dtype, ``H``
+  a multiple of ``KVH``."""
+  check_array("scores", scores, ("B", "H", "Sq", "Skv"), dtypes=dtypes)
+  check_positive("scores", scores, ("B", "H", "Sq", "Skv"))
+  b, h, _, skv = scores.shape
+  check_array("value_states", value_states, ("B", "KVH", "Skv", "D"), (b, None, skv, None),
+              dtypes=(scores.dtype,))
+  check_positive("value_states", value_states, ("B", "KVH", "Skv", "D"))
+  check_divisible(h, value_states.shape[1])
+
+
 def check_problem_b(grad_output, p_attn, mask, dropout_mask, p_dropout, *,
                     dtypes=_LOW) -> float | None:
   """Checks the arguments of the masked softmax-dropout backward (problem B)."""

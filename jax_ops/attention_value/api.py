@@ -41,13 +41,7 @@ def attention_softmax_dropout_value(scores, value_states, *, dropout_rate=0.0, d
     ``[B, Sq, H, D]`` in the dtype of ``scores``. The softmax runs in fp32 and is
     rounded to the input dtype before dropout and the value matmul (fp32 accumulate).
   """
-  validation.check_array("scores", scores, ("B", "H", "Sq", "Skv"), dtypes=_common.FLOATS)
-  validation.check_positive("scores", scores, ("B", "H", "Sq", "Skv"))
-  b, h, _, skv = scores.shape
-  validation.check_array("value_states", value_states, ("B", "KVH", "Skv", "D"),
-                         (b, None, skv, None), dtypes=(scores.dtype,))
-  validation.check_positive("value_states", value_states, ("B", "KVH", "Skv", "D"))
-  validation.check_divisible(h, value_states.shape[1])
+  validation.check_scores_and_value(scores, value_states, dtypes=_common.FLOATS)
   keep, p_static, rate = _common.op_dropout(dropout_rng, dropout_rate, scores.shape)
   backend, policy = _common.backend_for(OP, implementation, interpret, (INPUTS, OUTPUT),
                                         scores=scores, value_states=value_states)

@@ -270,29 +270,14 @@ def attention_softmax_dropout_value_forward(scores, value_states, dropout_rate, 
     if not isinstance(flag, (bool, np.bool_)):
       raise TypeError(f"{name}: expected a Python bool, got {type(flag).__name__}")
   _util.check_can_compile(_NAME, interpret, scores, value_states)
-  validation.check_array("scores", scores, ("B", "H", "Sq", "Skv"), dtypes=_FLOATS)
-  validation.check_positive("scores", scores, ("B", "H", "Sq", "Skv"))
+  validation.check_scores_and_value(scores, value_states, dtypes=_FLOATS)
   b, h, seq_q, seq_k = scores.shape
-  validation.check_array("value_states", value_states, ("B", "KVH", "Skv", "D"),
-                         (b, None, seq_k, None), dtypes=(scores.dtype,))
-  validation.check_positive("value_states", value_states, ("B", "KVH", "Skv", "D"))
-  validation.check_divisible(h, value_states.shape[1])
   if max(scores.size, value_states.size, b * seq_q * h * value_states.shape[3]) >= 2**31:
     raise ValueError(f"scores: at most 2**31 - 1 elements per array (int32 offsets), got "
                      f"scores {list(scores.shape)}, value_states {list(value_states.shape)}")
-  p_static = validation.check_dropout_rate("dropout_rate", dropout_rate)
-  dropout = p_static != 0.0
-  if dropout and dropout_rng is None:
-    raise ValueError("dropout_rng: a dropout_rate that may be > 0 needs a PRNG key")
-  if dropout:
-    rate = jnp.asarray(dropout_rate, _F32)
-    seeds = _dropout.seeds(dropout_rng, rate)
-    # The reference's scale, 1 / (1 - p) in fp32, of the rate drawn; NaN for an invalid
-    # traced rate.
-    p = _dropout.effective_rate(rate)
-    scale = validation.nan_unless_rate_valid(rate, 1.0 / (1.0 - p)).reshape(1)
-  else:
-    seeds, scale = jnp.zeros((3,), _U32), jnp.ones((1,), _F32)
+  # The reference's scale, 1 / (1 - p) in fp32, of the rate drawn; NaN for an invalid
+  # traced rate.
+  dropout, seeds, scale = _dropout.kernel_args(dropout_rate, dropout_rng)
   dq, dk = default_blocks(seq_q, seq_k)
   # Validates the launch parameters (ValueError naming the field).
   cfg = _tuning.TritonPassConfig(

@@ -112,21 +112,15 @@ class Config:
         # ptxas refuses the pair ("Modifier '.evict_first' cannot be combined with '.cg'").
         raise ValueError(f"config.{cache}={getattr(self, cache)!r} cannot be combined with "
                          f"config.{evict}={getattr(self, evict)!r}: set {evict}=None")
-    n = self.heads_per_program
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-      raise ValueError(f"config.heads_per_program: expected an int >= 1, got {n!r}")
-    k = self.row_group
-    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
-      raise ValueError(f"config.row_group: expected an int >= 0, got {k!r}")
-    n = self.blocks_per_program
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-      raise ValueError(f"config.blocks_per_program: expected an int >= 1, got {n!r}")
+    for name, least in (("heads_per_program", 1), ("row_group", 0), ("blocks_per_program", 1),
+                        ("num_stages", 1)):
+      v = getattr(self, name)
+      if not isinstance(v, int) or isinstance(v, bool) or v < least:
+        raise ValueError(f"config.{name}: expected an int >= {least}, got {v!r}")
+    n, k = self.blocks_per_program, self.row_group
     if n > 1 and k:
       raise ValueError(f"config.blocks_per_program={n} needs config.row_group=0 (the default "
                        f"order), got row_group={k}")
-    st = self.num_stages
-    if not isinstance(st, int) or isinstance(st, bool) or st < 1:
-      raise ValueError(f"config.num_stages: expected an int >= 1, got {st!r}")
     w = self.chunk
     if not isinstance(w, int) or isinstance(w, bool) or w < 0 or w & (w - 1):
       raise ValueError(f"config.chunk: expected 0 or a power of two, got {w!r}")

@@ -141,19 +141,9 @@ def masked_softmax_dropout_forward(scores, mask, dropout_rate, dropout_rng=None,
       raise TypeError(f"{name}: expected a Python bool, got {type(flag).__name__}")
   _util.check_can_compile(_NAME, interpret, scores, mask)
   validation.check_scores_and_mask(scores, mask)
-  p_static = validation.check_dropout_rate("dropout_rate", dropout_rate)
-  dropout = p_static != 0.0
-  if dropout and dropout_rng is None:
-    raise ValueError("dropout_rng: a dropout_rate that may be > 0 needs a PRNG key")
-  if dropout:
-    rate = jnp.asarray(dropout_rate, _F32)
-    seeds = _dropout.seeds(dropout_rng, rate)
-    # The reference's scale, 1 / (1 - p) in fp32, of the rate drawn; NaN for an invalid
-    # traced rate.
-    p = _dropout.effective_rate(rate)
-    scale = validation.nan_unless_rate_valid(rate, 1.0 / (1.0 - p)).reshape(1)
-  else:
-    seeds, scale = jnp.zeros((3,), _U32), jnp.ones((1,), _F32)
+  # The reference's scale, 1 / (1 - p) in fp32, of the rate drawn; NaN for an invalid
+  # traced rate.
+  dropout, seeds, scale = _dropout.kernel_args(dropout_rate, dropout_rng)
   seq_k = scores.shape[3]
   block_rows = block_rows or default_block_rows(seq_k)
   num_warps = num_warps or (8 if next_power_of_2(seq_k) * block_rows >= 4096 else 4)

@@ -199,6 +199,15 @@ class _Block:
   def _head_valid(self, valid, in_range):
     return valid if in_range is None else valid & in_range
 
+  def load_tile(self, bh, head_valid, r0, c0, width, stream):
+    """``(g, P, keep)`` of one head's tile as read (``keep`` ``None`` when not read)."""
+    tile = (bh, pl.ds(r0, self.config.block_rows), pl.ds(c0, width))
+    g = pltriton.load(self.g_ref.at[tile], mask=head_valid, other=0.0, **stream)
+    probs = pltriton.load(self.p_ref.at[tile], mask=head_valid, other=0.0, **stream)
+    keep = None if self.hashed else _load_keep(self.keep_ref, self.scale_ref, tile,
+                                               head_valid, self.dropout, stream)
+    return g, probs, keep
+
   def load(self, r0, live=None):
     """The block's loads as read, per chunk ``(mask tile or None, [(g, P, keep)] per
     head)``; the mask tile is ``None`` when it is loaded after the row sums."""
@@ -206,15 +215,9 @@ class _Block:
     stream = dict(cache_modifier=c.stream_cache, eviction_policy=c.stream_eviction)
     out = []
     for c0, width, _, _, valid in self._chunks(r0, live):
-      per_head = []
-      for bh, in_range in self.heads:
-        head_valid = self._head_valid(valid, in_range)
-        tile = (bh, pl.ds(r0, c.block_rows), pl.ds(c0, width))
-        g = pltriton.load(self.g_ref.at[tile], mask=head_valid, other=0.0, **stream)
-        probs = pltriton.load(self.p_ref.at[tile], mask=head_valid, other=0.0, **stream)
-        keep = None if self.hashed else _load_keep(self.keep_ref, self.scale_ref, tile,
-                                                   head_valid, self.dropout, stream)
-        per_head.append((g, probs, keep))
+      per_head = [self.load_tile(bh, self._head_valid(valid, in_range), r0, c0, width,
+                                 stream)
+                  for bh, in_range in self.heads]
       # By default the attention mask is loaded with the others (not after the row sum),
       # so a program waits for one round trip to memory, not two; P from the scores needs it
       # first.
@@ -260,17 +263,22 @@ class _Block:
       sums = [s + jnp.sum(probs * gd, axis=1, keepdims=True)
               for s, (probs, gd) in zip(sums, gds)]
       dropped.append(gds)
-    # Masked elements are 0; with a traced rate, 0 * (1 / (1 - p)): NaN for an invalid
-    # rate, so that then every element is NaN, as in the reference.
-    fill = 0.0 if self.dropout.mode != "traced" else 0.0 * self.scale_ref[0]
     for (c0, width, _, _, valid), (attend, _), gds in zip(chunks, loaded, dropped):
       if attend is None:
         attend = _load_mask(self.mask_ref, self.b, r0, c0, c.block_rows, width, valid, c)
-      for s, (bh, in_range), (probs, gd) in zip(sums, self.heads, gds):
-        out = jnp.where(attend, probs * (gd - s), fill)
-        pltriton.store(self.o_ref.at[bh, pl.ds(r0, c.block_rows), pl.ds(c0, width)],
-                       out.astype(self.o_ref.dtype), mask=self._head_valid(valid, in_range),
-                       eviction_policy=c.store_eviction)
+      self.store(r0, c0, width, valid, attend, sums, gds)
+
+  def store(self, r0, c0, width, valid, attend, sums, gds):
+    """Writes ``dS = where(mask, P * (gd - s), 0)`` of one chunk, per head."""
+    # Masked elements are 0; with a traced rate, 0 * (1 / (1 - p)): NaN for an invalid
+    # rate, so that then every element is NaN, as in the reference.
+    fill = 0.0 if self.dropout.mode != "traced" else 0.0 * self.scale_ref[0]
+    rows = self.config.block_rows
+    for s, (bh, in_range), (probs, gd) in zip(sums, self.heads, gds):
+      out = jnp.where(attend, probs * (gd - s), fill)
+      pltriton.store(self.o_ref.at[bh, pl.ds(r0, rows), pl.ds(c0, width)],
+                     out.astype(self.o_ref.dtype), mask=self._head_valid(valid, in_range),
+                     eviction_policy=self.config.store_eviction)
 
 
 def _two_pass(block: _Block, r0):
@@ -288,12 +296,8 @@ def _two_pass(block: _Block, r0):
     valid = (rows[:, None] < block.seq_q) & (cols[None, :] < block.seq_k)
     per_head = []
     for bh, in_range in block.heads:
-      head_valid = block._head_valid(valid, in_range)
-      tile = (bh, pl.ds(r0, c.block_rows), pl.ds(c0, width))
-      g = pltriton.load(block.g_ref.at[tile], mask=head_valid, other=0.0, **stream)
-      probs = pltriton.load(block.p_ref.at[tile], mask=head_valid, other=0.0, **stream)
-      keep = None if block.hashed else _load_keep(block.keep_ref, block.scale_ref, tile,
-                                                  head_valid, block.dropout, stream)
+      g, probs, keep = block.load_tile(bh, block._head_valid(valid, in_range), r0, c0, width,
+                                       stream)
       draw = (bh, rows, cols, block.seq_k) if block.hashed else None
       per_head.append((probs.astype(jnp.float32),
                        _dropped_grad(g, keep, block.keep_ref, block.scale_ref, block.dropout,
@@ -310,16 +314,10 @@ def _two_pass(block: _Block, r0):
   zeros = tuple(jnp.zeros((c.block_rows, width), jnp.float32) for _ in block.heads)
   accs = jax.lax.fori_loop(0, n_chunks, accumulate, zeros)
   sums = [jnp.sum(a, axis=1, keepdims=True) for a in accs]
-  fill = 0.0 if block.dropout.mode != "traced" else 0.0 * block.scale_ref[0]
-
   def write(j, carry):
     c0, valid, per_head = chunk(j, again)
     attend = _load_mask(block.mask_ref, block.b, r0, c0, c.block_rows, width, valid, c)
-    for s, (bh, in_range), (probs, gd) in zip(sums, block.heads, per_head):
-      out = jnp.where(attend, probs * (gd - s), fill)
-      pltriton.store(block.o_ref.at[bh, pl.ds(r0, c.block_rows), pl.ds(c0, width)],
-                     out.astype(block.o_ref.dtype), mask=block._head_valid(valid, in_range),
-                     eviction_policy=c.store_eviction)
+    block.store(r0, c0, width, valid, attend, sums, per_head)
     return carry
 
   jax.lax.fori_loop(0, n_chunks, write, 0)

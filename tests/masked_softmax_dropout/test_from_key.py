@@ -63,10 +63,13 @@ def pretend_gpu(pretend_h200, monkeypatch):
   monkeypatch.setattr(kernels._util, "check_can_compile", lambda *a, **k: None)
 
 
+@pytest.mark.parametrize("entry", ["from_key", "from_scores"])
 @pytest.mark.parametrize("rate", [0.1, None])
-def test_lowers_to_triton(pretend_gpu, rate):
+def test_lowers_to_triton(pretend_gpu, rate, entry):
+  """This entry point and the one given the scores (test_from_scores.py)."""
   shapes = [jax.ShapeDtypeStruct((2, 3, 131, 131), jnp.float32)] * 2 + [
       jax.ShapeDtypeStruct((2, 1, 131, 131), jnp.bool_)]
   rng = jax.random.key(0)
-  fn = lambda g, p, m, r: kernels.masked_softmax_dropout_backward_from_key(g, p, m, rng, r)
+  backward = getattr(kernels, f"masked_softmax_dropout_backward_{entry}")
+  fn = lambda g, p, m, r: backward(g, p, m, rng, r)
   assert triton_calls_in_gpu_lowering(fn, shapes, rate) == 1

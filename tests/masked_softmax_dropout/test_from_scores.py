@@ -2,14 +2,14 @@
 (``masked_softmax_dropout_backward_from_scores``): it recomputes P in the kernel, as the
 fused forward computes it, and draws the keep mask from the key; against the key-drawn
 backward fed the forward kernel's P, and against the reference, on odd shapes and configs,
-static and traced rates, fp32 and bf16."""
+static and traced rates, fp32 and bf16. Its Triton lowering is tested in test_from_key.py."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import INTERPRET, triton_calls_in_gpu_lowering
+from conftest import INTERPRET
 from jax_ops import reference
 from pallas_kernels.masked_softmax_dropout import Config
 from pallas_kernels.masked_softmax_dropout import pallas_triton as kernels
@@ -99,17 +99,3 @@ def test_forward_without_p():
   np.testing.assert_array_equal(np.asarray(y), np.asarray(full[0]))
   with pytest.raises(TypeError, match="store_probs"):
     masked_softmax_dropout_forward(scores, mask, 0.1, rng, store_probs=1, interpret=True)
-
-
-@pytest.fixture
-def pretend_gpu(pretend_h200, monkeypatch):
-  monkeypatch.setattr(kernels._util, "check_can_compile", lambda *a, **k: None)
-
-
-@pytest.mark.parametrize("rate", [0.1, None])
-def test_lowers_to_triton(pretend_gpu, rate):
-  shapes = [jax.ShapeDtypeStruct((2, 3, 131, 131), jnp.float32)] * 2 + [
-      jax.ShapeDtypeStruct((2, 1, 131, 131), jnp.bool_)]
-  rng = jax.random.key(0)
-  fn = lambda g, s, m, r: kernels.masked_softmax_dropout_backward_from_scores(g, s, m, rng, r)
-  assert triton_calls_in_gpu_lowering(fn, shapes, rate) == 1
