@@ -252,27 +252,29 @@ class _Block:
     if self.from_scores:
       probs_of = self._softmax(chunks, loaded)
     else:
-      probs_of = [[probs.astype(jnp.float32) for _, probs, _ in per_head]
-                  for _, per_head in loaded]
+      probs_of = [[probs for _, probs, _ in per_head] for _, per_head in loaded]
     for (_, _, rows, cols, _), (_, per_head), chunk_probs in zip(chunks, loaded, probs_of):
       gds = []
       for (bh, _), (g, _, keep), probs in zip(self.heads, per_head, chunk_probs):
         draw = (bh, rows, cols, self.seq_k) if self.hashed else None
-        gds.append((probs,
+        gds.append((probs.astype(jnp.float32),
                     _dropped_grad(g, keep, self.keep_ref, self.scale_ref, self.dropout, draw)))
       sums = [s + jnp.sum(probs * gd, axis=1, keepdims=True)
               for s, (probs, gd) in zip(sums, gds)]
       dropped.append(gds)
+    fill = self.fill()
     for (c0, width, _, _, valid), (attend, _), gds in zip(chunks, loaded, dropped):
       if attend is None:
         attend = _load_mask(self.mask_ref, self.b, r0, c0, c.block_rows, width, valid, c)
-      self.store(r0, c0, width, valid, attend, sums, gds)
+      self.store(r0, c0, width, valid, attend, sums, gds, fill)
 
-  def store(self, r0, c0, width, valid, attend, sums, gds):
-    """Writes ``dS = where(mask, P * (gd - s), 0)`` of one chunk, per head."""
-    # Masked elements are 0; with a traced rate, 0 * (1 / (1 - p)): NaN for an invalid
-    # rate, so that then every element is NaN, as in the reference.
-    fill = 0.0 if self.dropout.mode != "traced" else 0.0 * self.scale_ref[0]
+  def fill(self):
+    """The value of masked elements: 0; with a traced rate, 0 * (1 / (1 - p)): NaN for an
+    invalid rate, so that then every element is NaN, as in the reference."""
+    return 0.0 if self.dropout.mode != "traced" else 0.0 * self.scale_ref[0]
+
+  def store(self, r0, c0, width, valid, attend, sums, gds, fill):
+    """Writes ``dS = where(mask, P * (gd - s), fill)`` of one chunk, per head."""
     rows = self.config.block_rows
     for s, (bh, in_range), (probs, gd) in zip(sums, self.heads, gds):
       out = jnp.where(attend, probs * (gd - s), fill)
@@ -314,10 +316,12 @@ def _two_pass(block: _Block, r0):
   zeros = tuple(jnp.zeros((c.block_rows, width), jnp.float32) for _ in block.heads)
   accs = jax.lax.fori_loop(0, n_chunks, accumulate, zeros)
   sums = [jnp.sum(a, axis=1, keepdims=True) for a in accs]
+  fill = block.fill()
+
   def write(j, carry):
     c0, valid, per_head = chunk(j, again)
     attend = _load_mask(block.mask_ref, block.b, r0, c0, c.block_rows, width, valid, c)
-    block.store(r0, c0, width, valid, attend, sums, per_head)
+    block.store(r0, c0, width, valid, attend, sums, per_head, fill)
     return carry
 
   jax.lax.fori_loop(0, n_chunks, write, 0)
