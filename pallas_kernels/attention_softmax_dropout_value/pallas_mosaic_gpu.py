@@ -98,8 +98,16 @@ def _keep_words(pd, block_k):
           for q in range(block_k // 32)]
 
 
+def _fence(proxy_fence: bool):
+  """With ``proxy_fence``: ``fence.proxy.async`` (``plgpu.commit_smem``) after a consumer's
+  generic loads from a ring slot, before it hands the slot back to the TMA producer
+  (:attr:`Config.proxy_fence`)."""
+  if proxy_fence:
+    plgpu.commit_smem()
+
+
 def _delta_kernel(do_ref, pd_ref, v_ref, delta_ref, *refs, kvh_count, g, sq, skv, d, rows,
-                  block_k, stages, write_keep):
+                  block_k, stages, write_keep, proxy_fence=False):
   if write_keep:
     keep_ref, do_smem, delta_smem, barrier, keep_smem = refs
   else:
@@ -134,6 +142,7 @@ def _delta_kernel(do_ref, pd_ref, v_ref, delta_ref, *refs, kvh_count, g, sq, skv
     dpd = pl.run_scoped(mm, plgpu.ACC((rows, block_k), f32))
     plgpu.barrier_arrive(v_consumed)
     pd = plgpu.load(pd_smem.at[pl.ds(wg * rows, rows)], layout=plgpu.Layout.WGMMA)
+    _fence(proxy_fence)
     plgpu.barrier_arrive(pd_consumed)
     if write_keep:   # keep bits of this tile -> [B, KVH, seq_k / 32, G * seq_q]
       slot = lax.rem(j, i32(2))
@@ -159,7 +168,7 @@ def _delta_kernel(do_ref, pd_ref, v_ref, delta_ref, *refs, kvh_count, g, sq, skv
 
 
 def delta_pass(do, pd_groups, v, *, rows=64, block_k=64, stages=4, write_keep=False,
-               interpret=False):
+               proxy_fence=False, interpret=False):
   """``delta [B, KVH, G * seq_q]`` (fp32) of the rows of ``pd_groups [B, KVH, G * seq_q, seq_k]``;
   with ``write_keep``, ``(delta, keep_bits [B, KVH, seq_k / 32, G * seq_q] int32)``: bit
   ``k % 32`` of word ``k // 32`` of a row is ``Pd[row, k] != 0``.
@@ -171,7 +180,8 @@ def delta_pass(do, pd_groups, v, *, rows=64, block_k=64, stages=4, write_keep=Fa
   _, kvh, n_rows, skv = pd_groups.shape
   g = h // kvh
   kernel = functools.partial(_delta_kernel, kvh_count=kvh, g=g, sq=sq, skv=skv, d=d,
-                             rows=rows, block_k=block_k, stages=stages, write_keep=write_keep)
+                             rows=rows, block_k=block_k, stages=stages, write_keep=write_keep,
+                             proxy_fence=proxy_fence)
   like = (do, pd_groups, v)   # outputs vary over the inputs' shard_map axes (check_vma)
   out_type = out_struct((b, kvh, n_rows), f32, *like)
   scratch = [
@@ -198,7 +208,7 @@ def delta_pass(do, pd_groups, v, *, rows=64, block_k=64, stages=4, write_keep=Fa
 # Kernel 2: dS and dV.
 # --------------------------------------------------------------------------------------
 def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale, stages,
-                  split, fused_delta, keep_bits):
+                  split, fused_delta, keep_bits, proxy_fence=False):
   if fused_delta:   # rows of one key block: delta from the two warpgroups' halves
     v_ref, ds_ref, dv_ref, v_smem, ds_smem, barrier, xchg_smem, xchg_barrier = refs
     delta_ref = None
@@ -279,6 +289,7 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
       else:
         pd = plgpu.load(pd_smem.at[:, wg_keys], layout=plgpu.Layout.WGMMA)
         dw = jnp.where(pd != 0, dpd * keep_scale, 0.0)
+    _fence(proxy_fence)
     plgpu.barrier_arrive(p_consumed)
     slot = lax.rem(t, i32(2))
     if fused_delta:
@@ -291,6 +302,7 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
                + plgpu.load(xchg_smem.at[slot, 1], layout=row_layout))
     else:
       delta = plgpu.load(delta_smem, layout=row_layout)
+      _fence(proxy_fence)
       plgpu.barrier_arrive(delta_consumed)
     ds = p * (dw - lax.broadcast_in_dim(delta, (ROWS, KEYS), [0]))
     plgpu.wgmma_wait(0)                                               # dV read Pd and dO
@@ -325,7 +337,7 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
 
 
 def ds_dv_pass(do, p_groups, pd_groups, delta, v, *, rate, stages=3, split=1,
-               keep_bits=None, interpret=False):
+               keep_bits=None, proxy_fence=False, interpret=False):
   """``(dS [B, KVH, G * seq_q, seq_k], dV [B, KVH, seq_k, D])`` from the group slabs of P
   and Pd, ``delta [B, KVH, G * seq_q]`` and V.
 
@@ -349,6 +361,7 @@ def ds_dv_pass(do, p_groups, pd_groups, delta, v, *, rate, stages=3, split=1,
   keep_scale = None if rate == 0 else dropout_scale(rate)   # the forward's fp32 factor
   kernel = functools.partial(_ds_dv_kernel, kvh_count=kvh, g=g, sq=sq, d=d,
                              keep_scale=keep_scale, stages=stages, split=split,
+                             proxy_fence=proxy_fence,
                              fused_delta=fused_delta, keep_bits=keep_bits is not None)
   dtype = p_groups.dtype
   like = tuple(x for x in (do, p_groups, pd_groups, delta, keep_bits, v) if x is not None)
@@ -401,6 +414,13 @@ class Config:
   ``keep_bits``: the delta kernel writes keep as bits and the dS-dV kernel rebuilds Pd from P
   and them instead of reading Pd (rates > 0, ``seq_k > 128``): 6.25 B per element, not 8;
   measured slower on the H200 (``benchmarks/results/attention_softmax_dropout_value_mosaic_gpu.md``).
+  ``proxy_fence``: a ``fence.proxy.async`` (``plgpu.commit_smem``) after each consumer step's
+  generic loads from its ring slots (P, Pd, delta), before it hands them back to the TMA
+  producer, which overwrites them through the async proxy. Without it the Mosaic GPU
+  interpreter's race detector reports those loads racing with the refill (its TMA writes
+  are ordered after generic reads only through such a fence); CUTLASS-style pipelines
+  release the slot with the mbarrier arrival alone, and the compiled kernels have matched
+  the reference on every H200 run. Off until its cost is measured.
   """
   delta_rows: int = 128
   delta_block_k: int = 64
@@ -408,6 +428,7 @@ class Config:
   stages: int = 2
   split: int | str = "auto"
   keep_bits: bool = False
+  proxy_fence: bool = False
 
   def __post_init__(self):
     for name, allowed in (("delta_rows", (64, 128)), ("delta_block_k", (64, 128))):
@@ -422,8 +443,9 @@ class Config:
     if self.split != "auto" and (isinstance(self.split, bool) or not isinstance(self.split, int)
                                  or self.split < 1):
       raise ValueError(f"config.split: expected 'auto' or an int >= 1, got {self.split!r}")
-    if not isinstance(self.keep_bits, bool):
-      raise ValueError(f"config.keep_bits: expected a bool, got {self.keep_bits!r}")
+    for name in ("keep_bits", "proxy_fence"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"config.{name}: expected a bool, got {getattr(self, name)!r}")
 
 
 def default_config(b, h, kvh, sq, skv, d) -> Config:
@@ -501,11 +523,12 @@ def _backward(grad_attn_output, attn_weights, attn_weights_dropped, value_states
     write_keep = config.keep_bits and rate != 0
     delta = delta_pass(grad_attn_output, pd_groups, value_states, rows=rows,
                        block_k=config.delta_block_k, stages=config.delta_stages,
-                       write_keep=write_keep, interpret=interpret)
+                       write_keep=write_keep, proxy_fence=config.proxy_fence,
+                       interpret=interpret)
     if write_keep:
       delta, keep_bits = delta
   split = resolve_split(config.split, b, kvh, skv, g * sq // ROWS)
   ds, dv = ds_dv_pass(grad_attn_output, groups(attn_weights), pd_groups, delta, value_states,
                       rate=rate, stages=config.stages, split=split, keep_bits=keep_bits,
-                      interpret=interpret)
+                      proxy_fence=config.proxy_fence, interpret=interpret)
   return ds.reshape(b, h, sq, skv), dv
