@@ -35,6 +35,7 @@ VARIANTS = {
     "stages3": mg.Config(stages=3),
     "bits": mg.Config(keep_bits=True),
     "bits_dk128": mg.Config(keep_bits=True, delta_rows=64, delta_block_k=128, delta_stages=2),
+    "fence": mg.Config(proxy_fence=True),   # fence.proxy.async before each slot release
 }
 
 
@@ -55,7 +56,8 @@ def parts_fns(variant, rate):
   @jax.jit
   def delta_only(d_o, probs, dropped, value, keep):
     return mg.delta_pass(d_o, groups(dropped, value), value, rows=config.delta_rows,
-                         block_k=config.delta_block_k, stages=config.delta_stages)
+                         block_k=config.delta_block_k, stages=config.delta_stages,
+                         proxy_fence=config.proxy_fence)
 
   @jax.jit
   def ds_dv_only(d_o, probs, dropped, value, keep):
@@ -65,7 +67,8 @@ def parts_fns(variant, rate):
              else jnp.zeros((b, kvh, (h // kvh) * sq), jnp.float32))
     split = mg.resolve_split(config.split, b, kvh, skv, (h // kvh) * sq // mg.ROWS)
     return mg.ds_dv_pass(d_o, groups(probs, value), groups(dropped, value), delta, value,
-                         rate=rate, stages=config.stages, split=split)
+                         rate=rate, stages=config.stages, split=split,
+                         proxy_fence=config.proxy_fence)
   return delta_only, ds_dv_only
 
 
