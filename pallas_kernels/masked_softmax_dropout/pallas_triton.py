@@ -283,6 +283,12 @@ class _Block:
                      eviction_policy=self.config.store_eviction)
 
 
+def _loop(n: int, body, init):
+  """``fori_loop(0, n, body, init)`` with an int32 index, under x64 too (the kernel's other
+  indices are int32)."""
+  return jax.lax.fori_loop(jnp.int32(0), jnp.int32(n), body, init)
+
+
 def _two_pass(block: _Block, r0):
   """The rows of ``block`` at ``r0`` in column chunks of ``config.chunk``, twice: the first
   pass reduces the row sums, the second reads the chunks again (from the caches: the
@@ -314,7 +320,7 @@ def _two_pass(block: _Block, r0):
     return tuple(a + probs * gd for a, (probs, gd) in zip(accs, per_head))
 
   zeros = tuple(jnp.zeros((c.block_rows, width), jnp.float32) for _ in block.heads)
-  accs = jax.lax.fori_loop(0, n_chunks, accumulate, zeros)
+  accs = _loop(n_chunks, accumulate, zeros)
   sums = [jnp.sum(a, axis=1, keepdims=True) for a in accs]
   fill = block.fill()
 
@@ -324,7 +330,7 @@ def _two_pass(block: _Block, r0):
     block.store(r0, c0, width, valid, attend, sums, per_head, fill)
     return carry
 
-  jax.lax.fori_loop(0, n_chunks, write, 0)
+  _loop(n_chunks, write, 0)
 
 
 def _kernel(*refs, num_heads, seq_q, seq_k, config: Config, dropout: Dropout,
@@ -352,7 +358,7 @@ def _kernel(*refs, num_heads, seq_q, seq_k, config: Config, dropout: Dropout,
       block.update(r0 + i * step, block.load(r0 + i * step))
       return carry
 
-    jax.lax.fori_loop(0, n, plain, 0)
+    _loop(n, plain, 0)
     return
 
   def body(i, loaded):
@@ -360,7 +366,7 @@ def _kernel(*refs, num_heads, seq_q, seq_k, config: Config, dropout: Dropout,
     block.update(r0 + i * step, loaded)
     return nxt
 
-  jax.lax.fori_loop(0, n, body, block.load(r0))
+  _loop(n, body, block.load(r0))
 
 
 @functools.partial(jax.jit, static_argnames=("dropout", "config", "num_stages", "interpret",

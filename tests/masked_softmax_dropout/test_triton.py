@@ -323,3 +323,14 @@ def test_heads_per_program_loads_the_mask_once(triton_ir, heads):
   assert len([l for l in lines if "cacheModifier = ca" in l]) == 1  # one chunk, one mask load
   assert len(_loads(lines, "i8")) == 3  # + keep of each head
   assert len([l for l in lines if l.startswith("tt.store")]) == 2
+
+
+@pytest.mark.parametrize("config", [Config(1, 2, False, chunk=8),
+                                    Config(2, 4, True, blocks_per_program=3),
+                                    Config(2, 4, True, row_group=3, heads_per_program=2)])
+def test_program_orders_and_loops_under_x64(config):
+  """The loops (two passes, row blocks) and the 1-D grid keep int32 indices with x64 on."""
+  with jax.enable_x64(True):
+    args = make_inputs(1, 3, 7, 13, seed=2)
+    out = kernel(*args, 0.1, config=config, interpret=INTERPRET)
+    assert_close(out, reference(*args, 0.1), atol=1e-5, rtol=1e-5)
