@@ -114,7 +114,8 @@ def step_fn(step: Step, impl, interpret=False):
 
 def forward_fn(step: Step, impl="xla", interpret=False):
   """The step's forward alone (the loss, no gradient) on the path of ``impl``: jnp on the
-  XLA path; on the Pallas path op B's fused forward kernel (A's and C's forwards are jnp)."""
+  XLA path; on the Pallas path op B's fused forward kernel, and op A's where its Triton
+  backend runs on rows of >= 512 keys (C's forward is jnp)."""
   return jax.jit(lambda primals, w, rng: step.loss(primals, w, impl, rng, interpret))
 
 
@@ -166,8 +167,9 @@ def markdown(meta, rows) -> str:
            "calls, two input sets rotated; memory: the compiled step's temporary buffers",
            "- dropout rate 0.1 (A, B), the keep mask of `jax_ops.dropout_keep_mask` on both "
            "paths; the XLA path is jnp throughout; the Pallas path runs the Pallas backward "
-           "kernels, and for op B also its fused forward kernel (A's and C's forwards are "
-           "jnp on both paths)", "",
+           "kernels, and for op B also its fused forward kernel (op A's where its Triton "
+           "backend runs, on rows of >= 512 keys; on the H200 the Mosaic GPU backend keeps "
+           "the jnp forward; C's forward is jnp on both paths)", "",
            "- forward: the loss alone, no gradient, on each path; a step's backward is about "
            "its time minus its forward's", "",
            "| step | XLA path us | Pallas path us | speedup | forward us, XLA / Pallas | "

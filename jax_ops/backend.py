@@ -42,6 +42,9 @@ KEY = "key"
 # input, alive anyway), the attention mask and the key; its backward recomputes P from the
 # scores and redraws the mask.
 SCORES = "scores"
+# Op A: as "output", with the backend's fused forward (``forward_with_output``), which draws
+# the keep mask itself and returns (O, P, keep, O in fp32).
+FUSED_OUTPUT = "fused_output"
 
 
 @dataclasses.dataclass(frozen=True)

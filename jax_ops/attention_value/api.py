@@ -1,10 +1,13 @@
 """The differentiable op A: ``transpose(dropout(softmax(scores)) @ V)`` with GQA value heads.
 
-The forward is plain jnp (:mod:`jax_ops.attention_value.reference`); the backward is the
-backend that :func:`jax_ops.registry.resolve` picks, and that backend's residual policy
-says what the forward saves: ``"inputs"`` (P, Pd, V and the keep mask, the reference
-backward's arguments) or ``"output"`` (P, V, keep and the fp32 output O, for a backward
-that takes ``delta = rowsum(dO * O)``).
+The backward is the backend that :func:`jax_ops.registry.resolve` picks, and that backend's
+residual policy says what the forward is and what it saves: ``"inputs"`` (a jnp forward,
+:mod:`jax_ops.attention_value.reference`, the keep mask drawn by
+:func:`jax_ops.dropout_keep_mask`; P, Pd, V and the keep mask, the reference backward's
+arguments), ``"output"`` (the jnp forward; P, V, keep and the fp32 output O, for a backward
+that takes ``delta = rowsum(dO * O)``) or ``"fused_output"`` (what ``"output"`` saves, from
+the backend's fused forward kernel, ``forward_with_output``, which draws the same keep mask
+itself).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import jax.numpy as jnp
 
 from jax_ops import _common
 from jax_ops.attention_value import reference
-from jax_ops.backend import INPUTS, OUTPUT
+from jax_ops.backend import FUSED_OUTPUT, INPUTS, OUTPUT
 from pallas_kernels import validation
 
 OP = "attention_softmax_dropout_value"
@@ -42,21 +45,44 @@ def attention_softmax_dropout_value(scores, value_states, *, dropout_rate=0.0, d
     rounded to the input dtype before dropout and the value matmul (fp32 accumulate).
   """
   validation.check_scores_and_value(scores, value_states, dtypes=_common.FLOATS)
-  keep, p_static, rate = _common.op_dropout(dropout_rng, dropout_rate, scores.shape)
-  backend, policy = _common.backend_for(OP, implementation, interpret, (INPUTS, OUTPUT),
-                                        scores=scores, value_states=value_states)
-  return _op(scores, value_states, keep, rate, p_static, backend, policy, bool(interpret))
+  # The rate and the key are checked before the backend is picked (the same errors on
+  # every path); the rates are the effective ones, which the mask draws.
+  p_static, rate = _common.op_dropout_rate(dropout_rng, dropout_rate)
+  backend, policy = _common.backend_for(OP, implementation, interpret,
+                                        (INPUTS, OUTPUT, FUSED_OUTPUT), scores=scores,
+                                        value_states=value_states)
+  keep = rng = None
+  if p_static != 0.0 and policy == FUSED_OUTPUT:
+    rng = dropout_rng      # the backend's forward kernel draws the mask
+  elif p_static != 0.0:
+    keep = _common.dropout_keep_mask(dropout_rng, _common.known_rate(p_static, rate),
+                                     scores.shape)
+  return _op(scores, value_states, keep, rng, rate, p_static, backend, policy,
+             bool(interpret))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _op(scores, value_states, keep, rate, p_static, backend, policy, interpret):
-  return reference.attention_softmax_dropout_value_forward(scores, value_states, keep, rate)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _op(scores, value_states, keep, rng, rate, p_static, backend, policy, interpret):
+  return _forward(scores, value_states, keep, rng, rate, p_static, backend, policy,
+                  interpret)[0]
 
 
-def _fwd(scores, value_states, keep, rate, p_static, backend, policy, interpret):
+def _forward(scores, value_states, keep, rng, rate, p_static, backend, policy, interpret):
+  """``(O, P, Pd, keep, O_f32)``: the backend's fused forward under ``"fused_output"``
+  (no Pd), else jnp."""
+  if policy == FUSED_OUTPUT:
+    out, probs, keep, out32 = backend.forward_with_output(
+        scores, value_states, rng, _common.known_rate(p_static, rate), interpret=interpret)
+    return out, probs, None, keep, out32
   out, probs, dropped, out32 = reference.attention_softmax_dropout_value_forward(
       scores, value_states, keep, rate, with_f32_output=True)
-  if policy == OUTPUT:
+  return out, probs, dropped, keep, out32
+
+
+def _fwd(scores, value_states, keep, rng, rate, p_static, backend, policy, interpret):
+  out, probs, dropped, keep, out32 = _forward(scores, value_states, keep, rng, rate,
+                                              p_static, backend, policy, interpret)
+  if policy in (OUTPUT, FUSED_OUTPUT):
     return out, (probs, None, value_states, keep, rate, out32)
   return out, (probs, dropped, value_states, keep, rate, None)
 
@@ -64,13 +90,14 @@ def _fwd(scores, value_states, keep, rate, p_static, backend, policy, interpret)
 def _bwd(p_static, backend, policy, interpret, res, grad_out):
   probs, dropped, value_states, keep, rate, out32 = res
   p = _common.rate_for_backward(keep, p_static, rate)
-  if policy == OUTPUT:
+  if policy in (OUTPUT, FUSED_OUTPUT):
     d_scores, d_value = backend.backward_from_output(
         grad_out, probs, value_states, keep, p, out32, causal=False, interpret=interpret)
   else:
     d_scores, d_value = backend.backward(grad_out, probs, dropped, value_states, keep, p,
                                          causal=False, interpret=interpret)
-  return d_scores, d_value, None, jnp.zeros_like(rate)
+  # keep and the key are not differentiable (None: no cotangent); the rate's is zero.
+  return d_scores, d_value, None, None, jnp.zeros_like(rate)
 
 
 _op.defvjp(_fwd, _bwd)

@@ -42,7 +42,9 @@ when it also writes Pd (the jnp forward writes all five). The dropout hash costs
 fifth of the kernel's time (rate 0: 944 us, 0.1: 1196 us there, 2 stages); one hash per pair
 of elements, as the mask's design allows, would halve it.
 
-An internal entry point, not yet used by op A (whose forward is jnp).
+Op A's Triton backend runs it on rows of >= 512 keys (``jax_ops.attention_value``'s residual
+policy ``"fused_output"``); its Mosaic GPU backend, whose kernels read Pd, keeps the jnp
+forward.
 """
 
 from __future__ import annotations

@@ -68,3 +68,26 @@ def test_residual_policy_by_row_length():
     jaxpr = kernels(skv)
     assert ("attention_dropout_value_bwd_ds_dv" in jaxpr) == from_delta, skv
     assert ("attention_dropout_value_bwd_dv" in jaxpr) != from_delta, skv
+    # The policy "fused_output": the forward is the fused kernel, which draws the mask.
+    assert ("attention_softmax_dropout_value_forward" in jaxpr) == from_delta, skv
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.0])
+def test_fused_forward_equals_the_xla_path(monkeypatch, rate):
+  """On the "fused_output" path (threshold lowered) the op's output and gradients agree with
+  the XLA path's (jnp forward, the same mask) to bf16 rounding: the kernel's P can be one
+  ulp off the jnp softmax's."""
+  from jax_ops.attention_value import pallas_triton
+  monkeypatch.setattr(pallas_triton, "FROM_OUTPUT_MIN_KEYS", 8)
+  k = keys(9, 4)
+  scores = jax.random.normal(k[0], (1, 4, 7, 24), jnp.bfloat16)
+  value = jax.random.normal(k[1], (1, 2, 24, 16), jnp.bfloat16)
+  ct = jax.random.normal(k[3], (1, 7, 4, 16), jnp.bfloat16)
+  def run(impl):
+    op = lambda s, v: jax_ops.attention_softmax_dropout_value(
+        s, v, dropout_rate=rate, dropout_rng=k[2], implementation=impl, interpret=INTERPRET)
+    out, pullback = jax.vjp(op, scores, value)
+    return (out, *pullback(ct))
+  for got, want, name in zip(run("triton"), run("xla"), ("out", "d_scores", "d_value")):
+    got, want = got.astype(F32), want.astype(F32)
+    assert_close(got, want, atol=2e-2 * float(jnp.abs(want).max()), rtol=5e-2, name=name)
