@@ -136,6 +136,18 @@ def register_b_scores():
                     MaskedSoftmaxTriton(B_SCORES, residuals="scores"))
 
 
+A_FUSED = "mosaic_gpu_fused"  # op A's Mosaic GPU backend with the "fused_output" policy
+
+
+def register_a_fused():
+  """Registers op A's Mosaic GPU backend that runs the fused forward kernel (no Pd) and the
+  backward from delta and keep bits as ``implementation="mosaic_gpu_fused"``."""
+  from jax_ops import registry
+  from jax_ops.attention_value.pallas_mosaic_gpu import AttentionValueMosaicGpu
+  registry.register("attention_softmax_dropout_value", A_FUSED,
+                    AttentionValueMosaicGpu(A_FUSED, residuals="fused_output"))
+
+
 def measure(step: Step, calls: int, pallas=None) -> dict:
   """``pallas``: the Pallas path's implementation (``None``: the default one)."""
   sets = []
@@ -225,6 +237,11 @@ def main(argv=None):
                       help="op B's Pallas path: the default backend (saves P and the key) or "
                            "the one that saves the scores and recomputes P (results go to "
                            "step_b_scores.*)")
+  parser.add_argument("--a-residuals", choices=("inputs", "fused_output"), default="inputs",
+                      help="op A's Pallas path on a Hopper GPU: the default Mosaic GPU backend "
+                           "(jnp forward, Pd saved) or the one with the fused forward kernel "
+                           "and the backward from delta and keep bits (results go to "
+                           "step_a_fused.*)")
   args = parser.parse_args(argv)
   if jax.default_backend() != "gpu":
     print("the step benchmark needs a CUDA GPU (jax.default_backend() is "
@@ -236,15 +253,18 @@ def main(argv=None):
           "commit": run._commit(), "calls": args.calls}
   os.makedirs(args.out, exist_ok=True)
   base = os.path.join(args.out, "step")
-  b_impl = None
+  impls = {}
   if args.b_residuals == "scores":
     register_b_scores()
-    b_impl, base = B_SCORES, base + "_b_scores"
+    impls["B"], base = B_SCORES, base + "_b_scores"
+  if args.a_residuals == "fused_output":
+    register_a_fused()
+    impls["A"], base = A_FUSED, base + "_a_fused"
   rows = []
   for step in STEPS:
     if step.op not in ops:
       continue
-    row = measure(step, args.calls, b_impl if step.op == "B" else None)
+    row = measure(step, args.calls, impls.get(step.op))
     rows.append(row)
     print(f"{row['step']:45s} xla {row['xla_us']:9.0f} us  pallas {row['pallas_us']:9.0f} us  "
           f"x{row['speedup']:.2f}  temp {row['xla_temp_mb']:.0f}/{row['pallas_temp_mb']:.0f} MB",

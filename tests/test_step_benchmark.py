@@ -39,21 +39,32 @@ def test_step_fn_same_on_both_paths(make):
                              float(loss_p), rtol=1e-5, atol=1e-5)
 
 
-def test_b_scores_backend_same_on_both_paths():
-  """Op B's backend that saves the scores (``--b-residuals scores``) gives the XLA path's
-  loss and gradients."""
+@pytest.mark.parametrize("make,register,op", [
+    (lambda: step._b(1, 2, 8), "register_b_scores", "masked_softmax_dropout"),
+    (lambda: step._a(1, 256, h=4, kvh=2, d=64), "register_a_fused",
+     "attention_softmax_dropout_value"),
+])
+def test_opt_in_backends_same_on_both_paths(make, register, op):
+  """Op B's backend that saves the scores (``--b-residuals scores``) and op A's Mosaic GPU
+  backend with the fused forward (``--a-residuals fused_output``) give the XLA path's loss
+  and gradients (A: to bf16 rounding)."""
   from jax_ops import registry
-  s = step._b(1, 2, 8)
+  s = make()
   primals, w = s.make(jax.random.key(0))
   rng = jax.random.key(1)
-  step.register_b_scores()
+  getattr(step, register)()
+  impl = step.B_SCORES if s.op == "B" else step.A_FUSED
   try:
-    loss_x, grad_x = step.step_fn(s, "xla")(primals, w, rng)
-    loss_p, grad_p = step.step_fn(s, step.B_SCORES, interpret=True)(primals, w, rng)
+    loss_x, grads_x = step.step_fn(s, "xla")(primals, w, rng)
+    loss_p, grads_p = step.step_fn(s, impl, interpret=True)(primals, w, rng)
   finally:
-    registry.unregister("masked_softmax_dropout", step.B_SCORES)
-  np.testing.assert_allclose(float(loss_p), float(loss_x), rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(np.asarray(grad_p), np.asarray(grad_x), rtol=1e-4, atol=1e-5)
+    registry.unregister(op, impl)
+  tol = 1e-5 if s.op == "B" else 2e-2
+  np.testing.assert_allclose(float(loss_p), float(loss_x), rtol=tol, atol=tol)
+  for gx, gp in zip(jax.tree.leaves(grads_x), jax.tree.leaves(grads_p)):
+    scale = float(np.abs(np.asarray(gx, np.float32)).max()) + 1e-6
+    np.testing.assert_allclose(np.asarray(gp, np.float32), np.asarray(gx, np.float32),
+                               atol=tol * scale, rtol=5 * tol)
 
 
 def test_report_and_chart(tmp_path):

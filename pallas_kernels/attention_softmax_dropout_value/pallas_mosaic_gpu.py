@@ -532,3 +532,53 @@ def _backward(grad_attn_output, attn_weights, attn_weights_dropped, value_states
                       rate=rate, stages=config.stages, split=split, keep_bits=keep_bits,
                       proxy_fence=config.proxy_fence, interpret=interpret)
   return ds.reshape(b, h, sq, skv), dv
+
+
+def keep_bits_of(keep, num_kv_heads):
+  """The keep mask ``[B, H, seq_q, seq_k]`` (bool) as the dS-dV kernel's words,
+  ``[B, KVH, seq_k / 32, G * seq_q]`` int32: bit ``k % 32`` of word ``k // 32`` of a row
+  is ``keep[row, k]`` (the layout :func:`delta_pass` writes with ``write_keep``)."""
+  b, h, sq, skv = keep.shape
+  g = h // num_kv_heads
+  words = keep.reshape(b, num_kv_heads, g * sq, skv // 32, 32).astype(jnp.uint32)
+  packed = jnp.sum(words << jnp.arange(32, dtype=jnp.uint32), axis=-1, dtype=jnp.uint32)
+  return lax.bitcast_convert_type(jnp.swapaxes(packed, 2, 3), jnp.int32)
+
+
+def backward_from_output(grad_attn_output, attn_weights, value_states, dropout_mask,
+                         attention_dropout, attn_output_f32, *, config: Config | None = None,
+                         interpret=False):
+  """:func:`attention_softmax_dropout_value_backward` given the forward's fp32 output O
+  ``[B, seq_q, H, D]`` and the keep mask instead of Pd: ``delta = rowsum(dO * O)`` (no
+  delta kernel), keep packed to bits, and the dS-dV kernel rebuilding Pd from P and the bits
+  (``Config.keep_bits``' mode): it reads P (2 B), the bits (1/8 B) and writes dS (2 B) per
+  element, against the Pd path's 8 B over two kernels. For the forward that writes no Pd
+  (``forward.attention_softmax_dropout_value_forward``). Rows of more than 128 keys; not
+  yet measured. Returns ``(grad_attn_scores, grad_value_states)``.
+  """
+  from pallas_kernels.attention_softmax_dropout_value.pallas_triton import delta_from_output
+  p = validation.check_problem_a(grad_attn_output, attn_weights, attn_weights,
+                                 value_states, dropout_mask, attention_dropout)
+  b, h, sq, skv = attn_weights.shape
+  kvh, d = value_states.shape[1], value_states.shape[3]
+  why = unsupported_reason(b, h, kvh, sq, skv, d, attn_weights.dtype, p, False)
+  if why is None and skv == WGS * KEYS:
+    why = f"seq_k {skv} (from the output: more than {WGS * KEYS} keys only)"
+  if why:
+    raise ValueError(f"attention_softmax_dropout_value backward_from_output (mosaic_gpu): "
+                     f"{why}")
+  validation.check_array("attn_output_f32", attn_output_f32, ("B", "Sq", "H", "D"),
+                         (b, sq, h, d), dtypes=(jnp.float32,))
+  _mosaic.check_hopper("attention_softmax_dropout_value backward_from_output", interpret,
+                       grad_attn_output, attn_weights, value_states)
+  config = config or default_config(b, h, kvh, sq, skv, d)
+  g = h // kvh
+  groups = lambda x: x.reshape(b, kvh, g * sq, skv)
+  delta = delta_from_output(grad_attn_output, attn_output_f32).reshape(b, kvh, g * sq)
+  bits = keep_bits_of(dropout_mask, kvh) if p != 0 else None
+  split = resolve_split(config.split, b, kvh, skv, g * sq // ROWS)
+  p_groups = groups(attn_weights)
+  ds, dv = ds_dv_pass(grad_attn_output, p_groups, p_groups, delta, value_states, rate=p,
+                      stages=config.stages, split=split, keep_bits=bits,
+                      proxy_fence=config.proxy_fence, interpret=interpret)
+  return ds.reshape(b, h, sq, skv), dv

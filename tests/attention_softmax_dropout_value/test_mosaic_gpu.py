@@ -234,3 +234,51 @@ def test_lowers_for_a_gpu(skv, config):
   fn = jax.jit(lambda *a: mg._backward(*a, rate=0.1, config=config, interpret=False))
   text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
+
+
+def _forward_residuals(b, h, kvh, sq, skv, d, p, seed):
+  """``(dO, P, Pd, V, keep, O_f32)`` from the jnp forward with the op's mask."""
+  import jax_ops
+  from jax_ops.attention_value import reference as ref_a
+  k = jax.random.split(jax.random.key(seed), 4)
+  scores = jax.random.normal(k[0], (b, h, sq, skv), jnp.bfloat16)
+  value = jax.random.normal(k[1], (b, kvh, skv, d), jnp.bfloat16)
+  d_o = jax.random.normal(k[3], (b, sq, h, d), jnp.bfloat16)
+  keep = jax_ops.dropout_keep_mask(k[2], p, scores.shape) if p else None
+  rate = jax_ops.effective_dropout_rate(p) if p else 0.0
+  _, probs, dropped, out32 = ref_a.attention_softmax_dropout_value_forward(
+      scores, value, keep, rate, with_f32_output=True)
+  if keep is None:
+    keep = jnp.ones(scores.shape, jnp.bool_)
+  return d_o, probs, dropped, value, keep, out32, rate
+
+
+@needs_kernels
+@pytest.mark.parametrize("b,h,kvh,sq,skv,d,p", [(1, 4, 2, 64, 256, 64, 0.1),
+                                                (1, 2, 1, 128, 256, 128, 0.0)])
+def test_backward_from_output(b, h, kvh, sq, skv, d, p):
+  """delta from the saved output, keep packed to bits, Pd rebuilt from P in the kernel:
+  the reference's gradients (given the Pd the forward made)."""
+  d_o, probs, dropped, value, keep, out32, rate = _forward_residuals(b, h, kvh, sq, skv, d, p,
+                                                                     seed=12)
+  got = mg.backward_from_output(d_o, probs, value, keep, rate, out32, interpret=INTERPRET)
+  check(got, reference(d_o, probs, dropped, value, keep, rate))
+
+
+def test_keep_bits_layout():
+  keep = jax.random.bernoulli(jax.random.key(0), 0.5, (2, 4, 3, 64))
+  bits = mg.keep_bits_of(keep, 2)                      # [B, KVH, seq_k / 32, G * seq_q]
+  assert bits.shape == (2, 2, 2, 6) and bits.dtype == jnp.int32
+  words = np.asarray(bits).view(np.uint32)
+  rows = np.asarray(keep).reshape(2, 2, 6, 64)
+  for k in (0, 5, 31, 32, 63):
+    np.testing.assert_array_equal((words[:, :, k // 32, :] >> (k % 32)) & 1, rows[..., k])
+
+
+def test_backward_from_output_says_why():
+  d_o, probs, _, value, keep, out32, rate = _forward_residuals(1, 2, 1, 64, 128, 64, 0.1, 1)
+  with pytest.raises(ValueError, match="more than 128 keys"):
+    mg.backward_from_output(d_o, probs, value, keep, rate, out32, interpret=True)
+  d_o, probs, _, value, keep, out32, rate = _forward_residuals(1, 2, 1, 64, 256, 64, 0.1, 1)
+  with pytest.raises(ValueError, match="attn_output_f32"):
+    mg.backward_from_output(d_o, probs, value, keep, rate, out32[:, :32], interpret=True)

@@ -3,6 +3,7 @@ Hopper GPU), on the aligned shapes it takes, and how the op picks it."""
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from conftest import INTERPRET, FakeBlackwell, FakeHopper, keys
@@ -90,3 +91,41 @@ def test_gradient_types_under_shard_map(monkeypatch):
                        out_specs=(P("b"), P("b")), check_vma=True)
   g_s, g_v = jax.eval_shape(grad, scores, value)
   assert g_s.shape == scores.shape and g_v.shape == value.shape
+
+
+@pytest.fixture
+def fused_backend():
+  from jax_ops import registry
+  from jax_ops.attention_value.pallas_mosaic_gpu import AttentionValueMosaicGpu
+  registry.register("attention_softmax_dropout_value", "mosaic_gpu_fused",
+                    AttentionValueMosaicGpu("mosaic_gpu_fused", residuals="fused_output"))
+  yield "mosaic_gpu_fused"
+  registry.unregister("attention_softmax_dropout_value", "mosaic_gpu_fused")
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.0, "traced"])
+def test_fused_output_policy_equals_the_xla_path(fused_backend, rate):
+  """The opt-in "fused_output" Mosaic GPU backend (fused forward kernel, no Pd; the backward
+  from delta and keep bits; a traced rate: the Triton kernel from delta) against the XLA
+  path, to bf16 rounding (the kernel's P can be one ulp off the jnp softmax's)."""
+  import jax_ops
+  k = jax.random.split(jax.random.key(4), 4)
+  scores = jax.random.normal(k[0], (1, 4, 64, 256), jnp.bfloat16)
+  value = jax.random.normal(k[1], (1, 2, 256, 64), jnp.bfloat16)
+  ct = jax.random.normal(k[3], (1, 64, 4, 64), jnp.bfloat16)
+  p = 0.1 if rate == "traced" else rate
+
+  def run(impl):
+    def f(s, v, r):
+      op = lambda s, v: jax_ops.attention_softmax_dropout_value(
+          s, v, dropout_rate=r, dropout_rng=k[2], implementation=impl, interpret=INTERPRET)
+      out, pullback = jax.vjp(op, s, v)
+      return (out, *pullback(ct))
+    if rate == "traced":
+      return jax.jit(f)(scores, value, jnp.float32(p))
+    return jax.jit(f, static_argnums=2)(scores, value, p)
+  got, want = run(fused_backend), run("xla")
+  for g, w, name in zip(got, want, ("out", "d_scores", "d_value")):
+    g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+    np.testing.assert_allclose(g, w, atol=2e-2 * float(np.abs(w).max()), rtol=5e-2,
+                               err_msg=name)
