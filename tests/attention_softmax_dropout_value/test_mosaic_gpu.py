@@ -282,3 +282,17 @@ def test_backward_from_output_says_why():
   d_o, probs, _, value, keep, out32, rate = _forward_residuals(1, 2, 1, 64, 256, 64, 0.1, 1)
   with pytest.raises(ValueError, match="attn_output_f32"):
     mg.backward_from_output(d_o, probs, value, keep, rate, out32[:, :32], interpret=True)
+
+
+def test_backward_from_output_lowers_for_a_gpu():
+  s = jax.ShapeDtypeStruct
+  b, h, kvh, sq, skv, d = 1, 4, 2, 128, 256, 64
+  args = [s((b, sq, h, d), jnp.bfloat16), s((b, h, sq, skv), jnp.bfloat16),
+          s((b, kvh, skv, d), jnp.bfloat16), s((b, h, sq, skv), jnp.bool_)]
+  out32 = s((b, sq, h, d), jnp.float32)
+  fn = jax.jit(lambda do, p, v, keep, o: mg.backward_from_output(do, p, v, keep, 0.1, o,
+                                                                 interpret=False))
+  with pytest.MonkeyPatch.context() as m:
+    m.setattr(mg._mosaic, "check_hopper", lambda *a, **k: None)
+    text = fn.trace(*args, out32).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
