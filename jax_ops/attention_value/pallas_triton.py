@@ -20,7 +20,7 @@ from __future__ import annotations
 import pallas_kernels
 from pallas_kernels import attention_softmax_dropout_value as kernels
 from jax_ops import backend
-from jax_ops.backend import FUSED_OUTPUT, INPUTS
+from jax_ops.backend import FUSED_OUTPUT, INPUTS, OUTPUT
 from pallas_kernels.attention_softmax_dropout_value import forward as forward_kernel
 
 FROM_OUTPUT_MIN_KEYS = 512
@@ -34,7 +34,9 @@ class AttentionValueTriton(backend.TritonBackend):
     d = problem.shape("value_states")[3]
     if (skv >= FROM_OUTPUT_MIN_KEYS and skv % 8 == 0 and d <= 128
         and b * sq * h * d < 2**31):  # int32 offsets
-      return FUSED_OUTPUT
+      # The fused forward kernel indexes the scores with int32 offsets too; larger ones
+      # keep the jnp forward.
+      return FUSED_OUTPUT if b * h * sq * skv < 2**31 else OUTPUT
     return INPUTS
 
   def forward_with_output(self, scores, value_states, dropout_rng, p_dropout, *,

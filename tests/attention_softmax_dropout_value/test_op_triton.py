@@ -91,3 +91,17 @@ def test_fused_forward_equals_the_xla_path(monkeypatch, rate):
   for got, want, name in zip(run("triton"), run("xla"), ("out", "d_scores", "d_value")):
     got, want = got.astype(F32), want.astype(F32)
     assert_close(got, want, atol=2e-2 * float(jnp.abs(want).max()), rtol=5e-2, name=name)
+
+
+def test_residual_policy_of_the_largest_problems():
+  """Scores of 2**31 elements or more keep the jnp forward (the fused kernel's offsets are
+  int32): policy "output"; below, "fused_output"."""
+  from jax_ops.attention_value.pallas_triton import BACKEND
+  from jax_ops.backend import Problem
+  def policy(b, h, s):
+    return BACKEND.residual_policy(Problem(
+        op="attention_softmax_dropout_value",
+        shapes=(("scores", (b, h, s, s)), ("value_states", (b, 8, s, 128))),
+        dtype="bfloat16", interpret=True))
+  assert policy(2, 80, 2048) == "fused_output"     # 671M elements
+  assert policy(8, 80, 2048) == "output"           # 2.7G elements
