@@ -469,7 +469,8 @@ def masked_softmax_dropout_backward_from_scores(grad_output, scores, mask, dropo
   and a training step keeps no ``[B, H, Sq, Sk]`` residual but its input. The same bytes
   as reading P. P agrees with the forward kernel's to rounding (the row sums may be reduced
   in another order). ``scores [B, H, Sq, Sk]``; the other arguments as there; the config
-  must not be two-pass (``chunk``). Not yet used by the op, not yet measured.
+  must not be two-pass (``chunk``). The op runs it under the opt-in ``"scores"`` residual
+  policy; not yet measured.
   """
   validation.check_scores_and_mask(scores, mask)   # errors that name the scores
   if config is not None and isinstance(config, Config) and config.chunk:
