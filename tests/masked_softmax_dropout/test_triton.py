@@ -224,10 +224,16 @@ def _run(args, p, config):
   return kernel(*args, p, config=config, interpret=INTERPRET), reference(*args, p)
 
 
-@pytest.mark.parametrize("s", [1, 7, 131, 293])
-@pytest.mark.parametrize("name", list(VARIANTS))
+# The program orders and loops (measured, not in the table) on two of the rows: 7 (a last
+# group or block past the end) and 131 (split columns); the other variants on all four.
+_ROWS = {name: (7, 131) if name.startswith(("row_group", "rows_", "loop", "two_pass"))
+         else (1, 7, 131, 293) for name in VARIANTS}
+
+
+@pytest.mark.parametrize("name,s", [(n, s) for n in VARIANTS for s in _ROWS[n]])
 def test_variant_matches_reference(name, s):
-  """Every variant on odd rows; over the rows, each variant meets all three dropout modes."""
+  """Every variant on odd rows; over the rows, a variant on four meets all three dropout
+  modes, one on two meets two of them."""
   p = RATES[(list(VARIANTS).index(name) + [1, 7, 131, 293].index(s)) % 3]
   b = 1 if s > 256 else 2  # (fewer interpreted programs on the long rows)
   args = make_inputs(b, 3, s, s, seed=s)
