@@ -134,27 +134,12 @@ def _checked_dropout(rng, rate):
   return p_static, rate
 
 
-def _effective(p_static, rate):
-  """The checked rates of :func:`_checked_dropout`, rounded as the mask draws them."""
-  if p_static is not None:
-    p_static = effective_dropout_rate(p_static)
-    return p_static, jnp.asarray(p_static, f32)
-  return None, effective_dropout_rate(rate)
-
-
 def op_dropout_rate(rng, rate):
-  """``(rate_static, rate_array)`` of an op's dropout, checked as :func:`op_dropout` checks
-  them (the same errors), without drawing the mask: for a backend that draws it itself from
-  ``rng`` (op B's residual policy ``"key"``). The rates are the effective ones (rounding one
-  again changes nothing: ``effective_dropout_rate`` is idempotent); ``rate_static`` is 0.0
-  when no dropout applies, where ``rng`` may be ``None``."""
-  return _effective(*_checked_dropout(rng, rate))
-
-
-def op_dropout(rng, rate, shape):
-  """``(keep, rate_static, rate_array)`` of an op's dropout; ``keep`` is ``None`` when no
-  dropout applies (``dropout_rate == 0``). The rates returned are the effective ones
-  (:func:`effective_dropout_rate`: rounded to a multiple of ``2**-16``), which the mask draws.
+  """``(rate_static, rate_array)`` of an op's dropout, checked: ``rate_static`` is 0.0 when
+  no dropout applies (``rng`` may then be ``None``), ``None`` for a traced rate. The rates
+  are the effective ones (:func:`effective_dropout_rate`: rounded to a multiple of
+  ``2**-16``), which the mask draws; everything downstream (the forward's scale, the
+  backward) uses them.
 
   A rate that may be > 0 (a Python number > 0, or a traced one) needs a key:
   ``dropout_rng=None`` then raises, as ``flax.nnx.Dropout`` does, instead of silently
@@ -162,11 +147,22 @@ def op_dropout(rng, rate, shape):
   raise when the computation runs).
   """
   p_static, rate = _checked_dropout(rng, rate)
+  if p_static is not None:
+    p_static = effective_dropout_rate(p_static)
+    return p_static, jnp.asarray(p_static, f32)
+  return None, effective_dropout_rate(rate)
+
+
+def op_keep_or_key(rng, p_static, rate, shape, *, backend_draws: bool):
+  """``(keep, key)`` that an op's forward takes, from :func:`op_dropout_rate`'s rates:
+  ``(None, None)`` without dropout; ``(None, rng)`` for a backend whose kernels draw the
+  mask themselves (``backend_draws``); else ``(the jnp mask, None)``. The mask of the
+  effective rate is the mask of the rate given (the rounding is idempotent)."""
   if p_static == 0.0:
-    return None, 0.0, rate
-  keep = dropout_keep_mask(rng, rate, shape)
-  # Everything downstream (the forward's scale, the backward) uses the rate the mask drew.
-  return (keep, *_effective(p_static, rate))
+    return None, None
+  if backend_draws:
+    return None, rng
+  return dropout_keep_mask(rng, known_rate(p_static, rate), shape), None
 
 
 def rate_for_backward(keep, p_static, rate):

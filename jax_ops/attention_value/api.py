@@ -51,12 +51,9 @@ def attention_softmax_dropout_value(scores, value_states, *, dropout_rate=0.0, d
   backend, policy = _common.backend_for(OP, implementation, interpret,
                                         (INPUTS, OUTPUT, FUSED_OUTPUT), scores=scores,
                                         value_states=value_states)
-  keep = rng = None
-  if p_static != 0.0 and policy == FUSED_OUTPUT:
-    rng = dropout_rng      # the backend's forward kernel draws the mask
-  elif p_static != 0.0:
-    keep = _common.dropout_keep_mask(dropout_rng, _common.known_rate(p_static, rate),
-                                     scores.shape)
+  # Under "fused_output" the backend's forward kernel draws the mask.
+  keep, rng = _common.op_keep_or_key(dropout_rng, p_static, rate, scores.shape,
+                                     backend_draws=policy == FUSED_OUTPUT)
   return _op(scores, value_states, keep, rng, rate, p_static, backend, policy,
              bool(interpret))
 

@@ -56,12 +56,9 @@ def masked_softmax_dropout(scores, mask, *, dropout_rate=0.0, dropout_rng=None,
   p_static, rate = _common.op_dropout_rate(dropout_rng, dropout_rate)
   backend, policy = _common.backend_for(OP, implementation, interpret, (INPUTS, KEY, SCORES),
                                         scores=scores, mask=mask)
-  keep = rng = None
-  if p_static != 0.0 and policy in (KEY, SCORES):
-    rng = dropout_rng      # the backend draws the mask itself, in its forward and backward
-  elif p_static != 0.0:    # the same mask as from the rate given: the rounding is idempotent
-    keep = _common.dropout_keep_mask(dropout_rng, _common.known_rate(p_static, rate),
-                                     scores.shape)
+  # Under "key" and "scores" the backend draws the mask itself, in its forward and backward.
+  keep, rng = _common.op_keep_or_key(dropout_rng, p_static, rate, scores.shape,
+                                     backend_draws=policy in (KEY, SCORES))
   return _op(scores, mask, keep, rng, rate, p_static, backend, policy, bool(interpret))
 
 
