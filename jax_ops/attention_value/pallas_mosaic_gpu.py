@@ -15,16 +15,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-import pallas_kernels
 from pallas_kernels import attention_softmax_dropout_value as kernels
-from pallas_kernels.attention_softmax_dropout_value import forward as forward_kernel
 from pallas_kernels import validation
 from pallas_kernels.attention_softmax_dropout_value import pallas_mosaic_gpu as mosaic
 from jax_ops import backend
+from jax_ops.attention_value import pallas_triton as triton
 from jax_ops.backend import FUSED_OUTPUT, INPUTS
 
 
-class AttentionValueMosaicGpu(backend.MosaicGpuBackend):
+class AttentionValueMosaicGpu(backend.ResidualChoice, backend.MosaicGpuBackend):
   """The op's Mosaic GPU backend (devices, priority and the support checks from the base
   class; :meth:`reason` says what of a problem the kernels do not take).
 
@@ -36,37 +35,29 @@ class AttentionValueMosaicGpu(backend.MosaicGpuBackend):
   registered with ``jax_ops.registry.register`` under that name, runs it.
   """
 
-  def __init__(self, name: str = "mosaic_gpu", residuals: str = INPUTS):
-    if residuals not in (INPUTS, FUSED_OUTPUT):
-      raise ValueError(f"residuals: expected {INPUTS!r} or {FUSED_OUTPUT!r}, got "
-                       f"{residuals!r}")
-    self.name, self.residuals = name, residuals
+  POLICIES = (INPUTS, FUSED_OUTPUT)
 
   def residual_policy(self, problem):
     if self.residuals == FUSED_OUTPUT and problem.shape("scores")[3] > mosaic.WGS * mosaic.KEYS:
       return FUSED_OUTPUT
     return INPUTS
 
-  def forward_with_output(self, scores, value_states, dropout_rng, p_dropout, *,
-                          interpret=False):
-    """``(O, P, keep, O_f32)`` from the fused (Triton) forward kernel, no Pd."""
-    out, probs, _, keep, out32 = forward_kernel.attention_softmax_dropout_value_forward(
-        scores, value_states, p_dropout, dropout_rng, interpret=interpret)
-    return out, probs, keep, out32
+  def forward_with_output(self, *args, interpret=False):
+    """``(O, P, keep, O_f32)`` from the fused (Triton) forward kernel, no Pd: the Triton
+    backend's."""
+    return triton.BACKEND.forward_with_output(*args, interpret=interpret)
 
   def backward_from_output(self, grad_attn_output, attn_weights, value_states, dropout_mask,
                            attention_dropout, attn_output_f32, *, causal=False,
                            interpret=False):
     """The Mosaic GPU dS-dV kernel from delta and keep bits (a traced rate: the Triton
-    kernel from delta)."""
-    del causal
+    backend's kernel from delta)."""
+    args = (grad_attn_output, attn_weights, value_states, dropout_mask, attention_dropout,
+            attn_output_f32)
+    if validation.concrete_float("attention_dropout", attention_dropout) is None:
+      return triton.BACKEND.backward_from_output(*args, causal=causal, interpret=interpret)
     if dropout_mask is None:   # no dropout (a rate of 0): not read, its shape is checked
       dropout_mask = jax.ShapeDtypeStruct(attn_weights.shape, jnp.bool_)
-    if validation.concrete_float("attention_dropout", attention_dropout) is None:
-      delta = kernels.delta_from_output(grad_attn_output, attn_output_f32)
-      return pallas_kernels.attention_softmax_dropout_value_backward_from_delta(
-          grad_attn_output, attn_weights, value_states, dropout_mask, attention_dropout,
-          delta, interpret=interpret)
     return mosaic.backward_from_output(grad_attn_output, attn_weights, value_states,
                                        dropout_mask, attention_dropout, attn_output_f32,
                                        interpret=interpret)

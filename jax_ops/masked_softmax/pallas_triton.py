@@ -24,7 +24,7 @@ from jax_ops import backend
 from jax_ops.backend import KEY, SCORES
 
 
-class MaskedSoftmaxTriton(backend.TritonBackend):
+class MaskedSoftmaxTriton(backend.ResidualChoice, backend.TritonBackend):
   """The op's Triton backend (devices and priority from the base class).
 
   ``residuals``: its residual policy, ``"key"`` (the default, measured) or ``"scores"``
@@ -33,10 +33,7 @@ class MaskedSoftmaxTriton(backend.TritonBackend):
   with ``jax_ops.registry.register`` under that name runs it).
   """
 
-  def __init__(self, name: str = "triton", residuals: str = KEY):
-    if residuals not in (KEY, SCORES):
-      raise ValueError(f"residuals: expected {KEY!r} or {SCORES!r}, got {residuals!r}")
-    self.name, self.residuals = name, residuals
+  POLICIES = (KEY, SCORES)
 
   def residual_policy(self, problem):
     return self.residuals
