@@ -34,11 +34,16 @@ _F32 = jnp.float32
 _U32 = jnp.uint32
 
 
+def masked_fill(s, attend, valid):
+  """``s.masked_fill(~attend, -1e4)`` in fp32, ``-inf`` outside the array (``valid``
+  false): the softmax's input, here and in the backward that recomputes P."""
+  return jnp.where(valid, jnp.where(attend, s.astype(_F32), -1e4), -jnp.inf)
+
+
 def masked_softmax(s, attend, valid, dtype):
   """``softmax(s.masked_fill(~attend, -1e4))`` over the rows of a tile (fp32 inside, rounded
-  to ``dtype``); ``valid`` marks the tile's elements inside the array (the others are 0).
-  The backward that recomputes P from the scores uses this too."""
-  filled = jnp.where(valid, jnp.where(attend, s.astype(_F32), -1e4), -jnp.inf)
+  to ``dtype``); ``valid`` marks the tile's elements inside the array (the others are 0)."""
+  filled = masked_fill(s, attend, valid)
   e = jnp.exp(filled - jnp.max(filled, axis=1, keepdims=True))
   return (e / jnp.sum(e, axis=1, keepdims=True)).astype(dtype)
 

@@ -42,6 +42,7 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels import _dropout, _tuning, _util, validation
 from pallas_kernels._util import Dropout, compiler_params, out_struct, pallas_call
 from pallas_kernels.masked_softmax_dropout.config import Config, column_chunks, default_config
+from pallas_kernels.masked_softmax_dropout.forward import masked_fill
 
 _NAME = "masked_softmax_dropout_backward"
 
@@ -230,8 +231,7 @@ class _Block:
   def _softmax(self, chunks, loaded):
     """P of the loaded block from its scores, per chunk and head (fp32, rounded to the
     output dtype first): the forward kernel's ``masked_softmax`` over the whole row."""
-    filled = [[jnp.where(self._head_valid(valid, in_range),
-                         jnp.where(attend, s.astype(jnp.float32), -1e4), -jnp.inf)
+    filled = [[masked_fill(s, attend, self._head_valid(valid, in_range))
                for (_, in_range), (_, s, _) in zip(self.heads, per_head)]
               for (_, _, _, _, valid), (attend, per_head) in zip(chunks, loaded)]
     heads = range(len(self.heads))
