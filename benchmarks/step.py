@@ -124,28 +124,26 @@ def temp_mb(compiled) -> float:
   return compiled.memory_analysis().temp_size_in_bytes / 2 ** 20
 
 
-B_SCORES = "triton_scores"  # op B's Triton backend with the "scores" residual policy
+# The opt-in backends a step can time, per op: (registry op, implementation name, backend
+# module, residual policy). B: the Triton backend that saves the scores (P recomputed in
+# the backward); A: the Mosaic GPU backend with the fused forward kernel (no Pd) and the
+# backward from delta and keep bits.
+OPT_IN = {
+    "B": ("masked_softmax_dropout", "triton_scores", "jax_ops.masked_softmax.pallas_triton",
+          "scores"),
+    "A": ("attention_softmax_dropout_value", "mosaic_gpu_fused",
+          "jax_ops.attention_value.pallas_mosaic_gpu", "fused_output"),
+}
 
 
-def register_b_scores():
-  """Registers op B's Triton backend that saves the scores instead of P (P recomputed in
-  the backward) as ``implementation="triton_scores"``."""
+def register_opt_in(op: str) -> str:
+  """Registers the opt-in backend of ``op`` ("A" or "B") and returns its name."""
+  import importlib
   from jax_ops import registry
-  from jax_ops.masked_softmax.pallas_triton import MaskedSoftmaxTriton
-  registry.register("masked_softmax_dropout", B_SCORES,
-                    MaskedSoftmaxTriton(B_SCORES, residuals="scores"))
-
-
-A_FUSED = "mosaic_gpu_fused"  # op A's Mosaic GPU backend with the "fused_output" policy
-
-
-def register_a_fused():
-  """Registers op A's Mosaic GPU backend that runs the fused forward kernel (no Pd) and the
-  backward from delta and keep bits as ``implementation="mosaic_gpu_fused"``."""
-  from jax_ops import registry
-  from jax_ops.attention_value.pallas_mosaic_gpu import AttentionValueMosaicGpu
-  registry.register("attention_softmax_dropout_value", A_FUSED,
-                    AttentionValueMosaicGpu(A_FUSED, residuals="fused_output"))
+  registry_op, name, module, residuals = OPT_IN[op]
+  backend = type(importlib.import_module(module).BACKEND)(name, residuals=residuals)
+  registry.register(registry_op, name, backend)
+  return name
 
 
 def measure(step: Step, calls: int, pallas=None) -> dict:
@@ -255,11 +253,9 @@ def main(argv=None):
   base = os.path.join(args.out, "step")
   impls = {}
   if args.b_residuals == "scores":
-    register_b_scores()
-    impls["B"], base = B_SCORES, base + "_b_scores"
+    impls["B"], base = register_opt_in("B"), base + "_b_scores"
   if args.a_residuals == "fused_output":
-    register_a_fused()
-    impls["A"], base = A_FUSED, base + "_a_fused"
+    impls["A"], base = register_opt_in("A"), base + "_a_fused"
   rows = []
   for step in STEPS:
     if step.op not in ops:
