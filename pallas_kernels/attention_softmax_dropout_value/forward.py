@@ -56,15 +56,18 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import _dropout, _tuning, _util, validation
 from pallas_kernels._util import compiler_params, dot, next_power_of_2, out_struct, pallas_call
+# The tile helpers of the backward's Triton kernels (masks, masked loads and stores, int32
+# loops and indices).
+from pallas_kernels.attention_softmax_dropout_value.pallas_triton import (
+    _dim_mask, _fori_loop, _head_dims, _load, _outer, _padded_head_dim, _store, _tail_mask,
+    i32 as _I32)
 
 _NAME = "attention_softmax_dropout_value_forward"
 _F32 = jnp.float32
 _U32 = jnp.uint32
-_I32 = np.int32  # index constants: int32 under x64 too (the kernel indexes with int32)
 _FLOATS = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 # Untuned (see the module docstring).
@@ -72,43 +75,6 @@ DEFAULT_BLOCK_Q = 32
 DEFAULT_BLOCK_K = 64
 DEFAULT_NUM_WARPS = 4
 DEFAULT_NUM_STAGES = 3
-
-
-def _tail(start, size: int, n: int):
-  """``start + [0, size) < n``, or ``None`` when every tile of ``size`` is full."""
-  return None if n % size == 0 else (start + jnp.arange(size, dtype=jnp.int32)) < n
-
-
-def _outer(rows, cols):
-  """A 2D mask from optional row / column masks (``None``: all valid)."""
-  r = None if rows is None else rows[:, None]
-  c = None if cols is None else cols[None, :]
-  if r is None:
-    return c
-  return r if c is None else r & c
-
-
-def _load(ref, mask, other):
-  return pltriton.load(ref) if mask is None else pltriton.load(ref, mask=mask, other=other)
-
-
-def _store(ref, val, mask):
-  if mask is None:
-    pltriton.store(ref, val)
-  else:
-    pltriton.store(ref, val, mask=mask)
-
-
-def _fori_loop(lower, upper, body, init):
-  """``lax.fori_loop`` with an int32 index (under x64 a static-bound loop counts in int64)."""
-  def int32_body(j, carry):
-    return body(j if j.dtype == jnp.int32 else j.astype(jnp.int32), carry)
-  return lax.fori_loop(lower, upper, int32_body, init)
-
-
-def _reciprocal(l):
-  """``1 / l`` (fp32; Triton divides with ``div.full.f32``)."""
-  return 1.0 / l
 
 
 def _kernel(seeds_ref, scale_ref, s_ref, v_ref, out_ref, out32_ref, p_ref, *opt_refs,
@@ -128,9 +94,9 @@ def _kernel(seeds_ref, scale_ref, s_ref, v_ref, out_ref, out32_ref, p_ref, *opt_
   h = lax.rem(bh, _I32(num_heads))
   bk = b * num_kv_heads + lax.div(h, _I32(groups))
   rows = q0 + jnp.arange(block_q, dtype=jnp.int32)
-  q_mask = _tail(q0, block_q, seq_q)
-  d_mask = None if d_pad == head_dim else jnp.arange(d_pad, dtype=jnp.int32) < head_dim
-  head_dims = pl.ds(_I32(0), d_pad)
+  q_mask = _tail_mask(q0, block_q, seq_q)
+  d_mask = _dim_mask(d_pad, head_dim)
+  head_dims = _head_dims(d_pad)
   n_k = pl.cdiv(seq_k, block_k)
   ragged_k = seq_k % block_k != 0
 
@@ -162,7 +128,7 @@ def _kernel(seeds_ref, scale_ref, s_ref, v_ref, out_ref, out32_ref, p_ref, *opt_
                                     jnp.zeros((block_q,), _F32)))
   # jax.nn.softmax's exp(s - max) / sum, as XLA compiles it on CPU and GPU (its simplifier
   # turns a division by a broadcast into a product with the reciprocal): exp(s - m) * (1 / l).
-  inv_l = _reciprocal(l)[:, None]
+  inv_l = (1.0 / l)[:, None]
   if dropout:
     k0s, k1s, threshold = seeds_ref[0], seeds_ref[1], seeds_ref[2]
     scale = scale_ref[0]
@@ -213,7 +179,7 @@ def _call(scores, value_states, seeds, scale, *, dropout, store_dropped, store_k
   kvh, d = value_states.shape[1], value_states.shape[3]
   kernel = functools.partial(
       _kernel, num_heads=h, num_kv_heads=kvh, seq_q=seq_q, seq_k=seq_k, head_dim=d,
-      d_pad=next_power_of_2(max(d, 16)), block_q=block_q, block_k=block_k, dropout=dropout,
+      d_pad=_padded_head_dim(d), block_q=block_q, block_k=block_k, dropout=dropout,
       store_dropped=store_dropped, store_keep=store_keep)
   flat = (b * h, seq_q, seq_k)
   args = (seeds, scale, scores.reshape(flat), value_states.reshape(b * kvh, seq_k, d))
