@@ -125,12 +125,12 @@ def temp_mb(compiled) -> float:
 
 
 # The opt-in backends a step can time, per op: (registry op, implementation name, backend
-# module, residual policy). B: the Triton backend that saves the scores (P recomputed in
-# the backward); A: the Mosaic GPU backend with the fused forward kernel (no Pd) and the
+# module, residual policy). B: the Triton backend that saves P and the key (the default
+# saves the scores and recomputes P in the backward); A: the Mosaic GPU backend with the fused forward kernel (no Pd) and the
 # backward from delta and keep bits.
 OPT_IN = {
-    "B": ("masked_softmax_dropout", "triton_scores", "jax_ops.masked_softmax.pallas_triton",
-          "scores"),
+    "B": ("masked_softmax_dropout", "triton_key", "jax_ops.masked_softmax.pallas_triton",
+          "key"),
     "A": ("attention_softmax_dropout_value", "mosaic_gpu_fused",
           "jax_ops.attention_value.pallas_mosaic_gpu", "fused_output"),
 }
@@ -231,10 +231,10 @@ def main(argv=None):
   parser.add_argument("--calls", type=int, default=20)
   parser.add_argument("--only", default=None, help="comma-separated ops (A, B, C)")
   parser.add_argument("--out", default=os.path.join(run.HERE, "results"))
-  parser.add_argument("--b-residuals", choices=("key", "scores"), default="key",
-                      help="op B's Pallas path: the default backend (saves P and the key) or "
-                           "the one that saves the scores and recomputes P (results go to "
-                           "step_b_scores.*)")
+  parser.add_argument("--b-residuals", choices=("scores", "key"), default="scores",
+                      help="op B's Pallas path: the default backend (saves the scores and "
+                           "recomputes P in the backward) or the one that saves P and the key "
+                           "(results go to step_b_key.*)")
   parser.add_argument("--a-residuals", choices=("inputs", "fused_output"), default="inputs",
                       help="op A's Pallas path on a Hopper GPU: the default Mosaic GPU backend "
                            "(jnp forward, Pd saved) or the one with the fused forward kernel "
@@ -252,8 +252,8 @@ def main(argv=None):
   os.makedirs(args.out, exist_ok=True)
   base = os.path.join(args.out, "step")
   impls = {}
-  if args.b_residuals == "scores":
-    impls["B"], base = register_opt_in("B"), base + "_b_scores"
+  if args.b_residuals == "key":
+    impls["B"], base = register_opt_in("B"), base + "_b_key"
   if args.a_residuals == "fused_output":
     impls["A"], base = register_opt_in("A"), base + "_a_fused"
   rows = []

@@ -42,7 +42,7 @@ def test_step_fn_same_on_both_paths(make):
 @pytest.mark.parametrize("make", [lambda: step._b(1, 2, 8),
                                   lambda: step._a(1, 256, h=4, kvh=2, d=64)])
 def test_opt_in_backends_same_on_both_paths(make):
-  """Op B's backend that saves the scores (``--b-residuals scores``) and op A's Mosaic GPU
+  """Op B's backend that saves P and the key (``--b-residuals key``) and op A's Mosaic GPU
   backend with the fused forward (``--a-residuals fused_output``) give the XLA path's loss
   and gradients (A: to bf16 rounding)."""
   from jax_ops import registry

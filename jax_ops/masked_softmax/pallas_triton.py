@@ -3,15 +3,23 @@
 Config and heuristic: ``pallas_kernels.masked_softmax_dropout.default_config`` (tuned
 tables per device kind, a heuristic elsewhere).
 
-Residual policy ``"key"``: the op's forward is the fused forward kernel
-(``pallas_kernels.masked_softmax_dropout.forward``: masked fill, softmax and dropout in one
-pass, the keep mask drawn in the kernel and not stored), and it saves P, the attention mask
-and the dropout key; the backward (``masked_softmax_dropout_backward_from_key``) redraws the
-mask from the key, bit for bit the one the forward drew and ``jax_ops.dropout_keep_mask``
-draws. No ``[B, H, Sq, Sk]`` keep mask is written, saved or read. Measured on an H200
-(``benchmarks/b_forward.py``): the fused forward 1.68-1.74x faster than the jnp forward, the
-key-drawn backward 5-14% faster than the keep-reading one. ``backward`` (the keep-reading
-kernel, the reference backward's arguments) stays for callers that hold a keep mask.
+The op's forward is the fused forward kernel (``pallas_kernels.masked_softmax_dropout.forward``:
+masked fill, softmax and dropout in one pass, the keep mask drawn in the kernel and not
+stored), and the backward redraws the mask from the dropout key, bit for bit the one the
+forward drew and ``jax_ops.dropout_keep_mask`` draws. No ``[B, H, Sq, Sk]`` keep mask is
+written, saved or read. Two residual policies:
+
+* ``"scores"`` (the default): the forward kernel writes only the output and the op saves
+  the scores (an input), the attention mask and the key; the backward
+  (``masked_softmax_dropout_backward_from_scores``) recomputes P from the scores. Measured
+  on an H200 in a training step (``benchmarks/results/step.md``): 1057 us against 1291 us for
+  ``"key"`` at B=8 H=16 S=1024, 3968 against 4236 us at B=16 H=8 S=2048, and no temporary
+  ``[B, H, S, S]`` buffer (``"key"``: 512 MB and 2048 MB).
+* ``"key"``: the forward kernel also writes P, and the op saves P instead of the scores;
+  the backward is ``masked_softmax_dropout_backward_from_key``.
+
+``backward`` (the keep-reading kernel, the reference backward's arguments) stays for
+callers that hold a keep mask.
 """
 
 from __future__ import annotations
@@ -27,13 +35,13 @@ from jax_ops.backend import KEY, SCORES
 class MaskedSoftmaxTriton(backend.ResidualChoice, backend.TritonBackend):
   """The op's Triton backend (devices and priority from the base class).
 
-  ``residuals``: its residual policy, ``"key"`` (the default, measured) or ``"scores"``
-  (P recomputed in the backward from the scores, so the forward writes only its output;
-  not yet measured: ``MaskedSoftmaxTriton("triton_scores", residuals="scores")`` registered
-  with ``jax_ops.registry.register`` under that name runs it).
+  ``residuals``: its residual policy, ``"scores"`` (the default: P recomputed in the
+  backward from the scores, so the forward writes only its output) or ``"key"`` (P saved:
+  ``MaskedSoftmaxTriton("triton_key", residuals="key")`` registered with
+  ``jax_ops.registry.register`` under that name runs it).
   """
 
-  POLICIES = (KEY, SCORES)
+  POLICIES = (SCORES, KEY)
 
   def residual_policy(self, problem):
     return self.residuals

@@ -4,6 +4,8 @@ compiled on one), their configs, the entry point's dispatch and its errors."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -155,21 +157,23 @@ def test_off_hopper_without_interpret_says_why():
 
 @pytest.mark.skipif(ON_GPU, reason="the Mosaic GPU interpreter's race detector")
 @pytest.mark.parametrize("skv,config", [
-    (256, mg.Config(proxy_fence=True)),
-    (128, mg.Config(proxy_fence=True)),                      # delta in the dS-dV kernel
-    (256, mg.Config(proxy_fence=True, keep_bits=True, delta_rows=64)),
+    (256, mg.Config()),
+    (128, mg.Config()),                                      # delta in the dS-dV kernel
+    (256, mg.Config(keep_bits=True, delta_rows=64)),
 ])
 def test_proxy_fence_makes_the_rings_race_free(skv, config, capsys):
-  """With ``proxy_fence`` the interpreter's race detector finds no race in either kernel
-  (it reports every kernel's races on stdout), and the numbers are the unfenced ones."""
+  """With ``proxy_fence`` (the default) the interpreter's race detector finds no race in
+  either kernel (it reports every kernel's races on stdout), and the numbers are the
+  unfenced ones."""
+  assert config.proxy_fence
   from jax.experimental.pallas import mosaic_gpu as plgpu
   p = 0.1
   args = make_inputs(1, 2, 1, 128, skv, 64, p, seed=11)
   fenced = mg._backward(*args[:4], rate=p, config=config,
                         interpret=plgpu.InterpretGPUParams(detect_races=True))
   assert "RACE DETECTED" not in capsys.readouterr().out
-  plain = mg._backward(*args[:4], rate=p, config=mg.Config(
-      keep_bits=config.keep_bits, delta_rows=config.delta_rows), interpret=True)
+  plain = mg._backward(*args[:4], rate=p, config=dataclasses.replace(config, proxy_fence=False),
+                       interpret=True)
   for x, y in zip(fenced, plain):
     np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
 
@@ -223,7 +227,7 @@ def test_dispatch(monkeypatch):
 
 @pytest.mark.parametrize("skv,config", [(256, mg.Config()), (128, mg.Config()),
                                         (256, mg.Config(keep_bits=True, delta_rows=64)),
-                                        (256, mg.Config(proxy_fence=True))])
+                                        (256, mg.Config(proxy_fence=False))])
 def test_lowers_for_a_gpu(skv, config):
   """The kernels go through the Mosaic GPU lowering rules for CUDA on any host (catches an
   unsupported op before a GPU sees it; the Mosaic passes and ptxas still need one)."""
