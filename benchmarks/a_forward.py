@@ -6,11 +6,13 @@ Usage::
 
     PYTHONPATH=. python3 -m benchmarks.a_forward [--calls 20] [--out DIR]
         [--block-q 32] [--block-k 64] [--num-warps 4] [--num-stages 3]
+        [--configs 32/64/4/3,64/64/8/2]   # several launch configs, each timed (a sweep)
 
 Shapes: ``(B, S)`` in :data:`SHAPES` with H=80, KVH=8, D=128, bf16, dropout 0.1. The jnp
 forward returns ``(O, P, Pd, keep, O_f32)``; the kernel is timed writing ``(O, P, keep,
 O_f32)`` (``kernel``: what op A's residual policy ``"output"`` saves) and also ``Pd``
-(``kernel_pd``: policy ``"inputs"``). Checks: keep bit for bit; ``P`` equal, or the share of
+(``kernel_pd``: policy ``"inputs"``), and writing ``(O, P, Pd, O_f32)`` without keep
+(``kernel_pd_nokeep``: what the Mosaic GPU backward reads). Checks: keep bit for bit; ``P`` equal, or the share of
 elements one bf16 ulp apart (no more is allowed); ``O`` and the fp32 ``O`` within 1e-2 of
 the largest |O| (an element of ``P`` one ulp off moves ``O`` by about 1e-3 of it). Median
 device time (JAX profiler), two input sets rotated. Writes ``<out>/a_forward.json``.
@@ -82,19 +84,47 @@ def main(argv=None):
   parser.add_argument("--block-k", type=int, default=None)
   parser.add_argument("--num-warps", type=int, default=None)
   parser.add_argument("--num-stages", type=int, default=None)
+  parser.add_argument("--configs", default=None,
+                      help="comma-separated block_q/block_k/num_warps/num_stages launch "
+                           "configs, each timed (the other launch flags are then ignored)")
   args = parser.parse_args(argv)
   if jax.default_backend() != "gpu":
     print("needs a CUDA GPU (this host's JAX backend is "
           f"{jax.default_backend()!r}); nothing timed", file=sys.stderr)
     return 2
-  launch = dict(block_q=args.block_q, block_k=args.block_k, num_warps=args.num_warps,
-                num_stages=args.num_stages)
+  fields = ("block_q", "block_k", "num_warps", "num_stages")
+  if args.configs:
+    launches = [dict(zip(fields, map(int, c.split("/")))) for c in args.configs.split(",")]
+  else:
+    launches = [dict(block_q=args.block_q, block_k=args.block_k, num_warps=args.num_warps,
+                     num_stages=args.num_stages)]
+  rows = []
+  for launch in launches:
+    rows += _time_launch(launch, args.calls)
+  with open(os.path.join(args.out, "a_forward.json"), "w") as f:
+    json.dump({"device": jax.devices()[0].device_kind, "launches": launches, "rows": rows}, f,
+              indent=1)
+  print("| launch | shape | jnp us | P, keep | P, Pd, keep | P, Pd |")
+  print("|---|---|---|---|---|---|")
+  for r in rows:
+    print(f"| {r['launch']} | B={r['shape'][0]} S={r['shape'][3]} | {r['jnp_us']:.0f} | "
+          + " | ".join(f"{r[k + '_us']:.0f} (x{r['jnp_us'] / r[k + '_us']:.2f})"
+                       for k in ("kernel", "kernel_pd", "kernel_pd_nokeep")) + " |")
+  ok = all(r["same_keep"] and r["p_max_ulps"] <= 1 and r["max_out_err"] < 1e-2
+           and r["max_out32_err"] < 1e-2 for r in rows)
+  return 0 if ok else 1
 
-  def kernel(store_dropped):
+
+def _time_launch(launch, calls):
+  """The checked and timed rows of one launch config, one per shape."""
+  def kernel(store_dropped, store_keep=True):
     return jax.jit(lambda s, v, r: attention_softmax_dropout_value_forward(
-        s, v, RATE, r, store_dropped=store_dropped, **launch))
+        s, v, RATE, r, store_dropped=store_dropped, store_keep=store_keep, **launch))
 
-  fns = {"jnp": jax.jit(jnp_forward), "kernel": kernel(False), "kernel_pd": kernel(True)}
+  fns = {"jnp": jax.jit(jnp_forward), "kernel": kernel(False), "kernel_pd": kernel(True),
+         "kernel_pd_nokeep": kernel(True, False)}
+  label = "/".join("-" if launch[k] is None else str(launch[k])
+                   for k in ("block_q", "block_k", "num_warps", "num_stages"))
   rows = []
   for b, s in SHAPES:
     sets = []
@@ -105,23 +135,18 @@ def main(argv=None):
     ref, out = fns["jnp"](*sets[0]), fns["kernel_pd"](*sets[0])
     checks = {k: v.item() for k, v in _compare(ref, out).items()}
     del ref, out
-    times = device_times_us(list(fns.values()), sets, calls=args.calls)
-    row = {"shape": [b, H, KVH, s, D], **{f"{name}_us": t["median_us"]
-                                          for name, t in zip(fns, times)}, **checks}
+    times = device_times_us(list(fns.values()), sets, calls=calls)
+    row = {"launch": label, "shape": [b, H, KVH, s, D],
+           **{f"{name}_us": t["median_us"] for name, t in zip(fns, times)}, **checks}
     rows.append(row)
-    print(f"B={b} S={s} H={H} KVH={KVH} D={D}: jnp {row['jnp_us']:.0f} us, kernel "
+    print(f"[{label}] B={b} S={s} H={H} KVH={KVH} D={D}: jnp {row['jnp_us']:.0f} us, kernel "
           f"{row['kernel_us']:.0f} us (x{row['jnp_us'] / row['kernel_us']:.2f}), with Pd "
           f"{row['kernel_pd_us']:.0f} us (x{row['jnp_us'] / row['kernel_pd_us']:.2f}); "
           f"keep equal {row['same_keep']}, P equal {row['p_equal_frac']:.6%} (max "
           f"{row['p_max_ulps']} ulp), Pd max {row['pd_max_ulps']} ulp; max |O err| "
           f"{row['max_out_err']:.2g}, max |O_f32 err| {row['max_out32_err']:.2g} (of max |O|)",
           flush=True)
-  with open(os.path.join(args.out, "a_forward.json"), "w") as f:
-    json.dump({"device": jax.devices()[0].device_kind, "launch": launch, "rows": rows}, f,
-              indent=1)
-  ok = all(r["same_keep"] and r["p_max_ulps"] <= 1 and r["max_out_err"] < 1e-2
-           and r["max_out32_err"] < 1e-2 for r in rows)
-  return 0 if ok else 1
+  return rows
 
 
 if __name__ == "__main__":

@@ -114,8 +114,9 @@ def step_fn(step: Step, impl, interpret=False):
 
 def forward_fn(step: Step, impl="xla", interpret=False):
   """The step's forward alone (the loss, no gradient) on the path of ``impl``: jnp on the
-  XLA path; on the Pallas path op B's fused forward kernel, and op A's where its Triton
-  backend runs on rows of >= 512 keys (C's forward is jnp)."""
+  XLA path; on the Pallas path the fused forward kernels of op B, and of op A where its
+  Mosaic GPU backend runs or its Triton backend on rows of >= 512 keys (C's forward is
+  jnp)."""
   return jax.jit(lambda primals, w, rng: step.loss(primals, w, impl, rng, interpret))
 
 
@@ -124,23 +125,28 @@ def temp_mb(compiled) -> float:
   return compiled.memory_analysis().temp_size_in_bytes / 2 ** 20
 
 
-# The opt-in backends a step can time, per op: (registry op, implementation name, backend
-# module, residual policy). B: the Triton backend that saves P and the key (the default
-# saves the scores and recomputes P in the backward); A: the Mosaic GPU backend with the fused forward kernel (no Pd) and the
-# backward from delta and keep bits.
+# The opt-in backends a step can time, per (op, residual policy): (registry op,
+# implementation name, backend module). B "key": the Triton backend that saves P and the key
+# (the default saves the scores and recomputes P in the backward). A: the Mosaic GPU backend
+# with the jnp forward ("inputs": P, Pd and keep saved), or with the fused forward writing
+# no Pd and the backward from delta and keep bits ("fused_output"); the default is the
+# fused forward writing P and Pd ("fused_inputs").
 OPT_IN = {
-    "B": ("masked_softmax_dropout", "triton_key", "jax_ops.masked_softmax.pallas_triton",
-          "key"),
-    "A": ("attention_softmax_dropout_value", "mosaic_gpu_fused",
-          "jax_ops.attention_value.pallas_mosaic_gpu", "fused_output"),
+    ("B", "key"): ("masked_softmax_dropout", "triton_key",
+                   "jax_ops.masked_softmax.pallas_triton"),
+    ("A", "inputs"): ("attention_softmax_dropout_value", "mosaic_gpu_jnp",
+                      "jax_ops.attention_value.pallas_mosaic_gpu"),
+    ("A", "fused_output"): ("attention_softmax_dropout_value", "mosaic_gpu_fused",
+                            "jax_ops.attention_value.pallas_mosaic_gpu"),
 }
 
 
-def register_opt_in(op: str) -> str:
-  """Registers the opt-in backend of ``op`` ("A" or "B") and returns its name."""
+def register_opt_in(op: str, residuals: str) -> str:
+  """Registers the opt-in backend of ``op`` ("A" or "B") with that residual policy and
+  returns its name."""
   import importlib
   from jax_ops import registry
-  registry_op, name, module, residuals = OPT_IN[op]
+  registry_op, name, module = OPT_IN[op, residuals]
   backend = type(importlib.import_module(module).BACKEND)(name, residuals=residuals)
   registry.register(registry_op, name, backend)
   return name
@@ -177,9 +183,9 @@ def markdown(meta, rows) -> str:
            "calls, two input sets rotated; memory: the compiled step's temporary buffers",
            "- dropout rate 0.1 (A, B), the keep mask of `jax_ops.dropout_keep_mask` on both "
            "paths; the XLA path is jnp throughout; the Pallas path runs the Pallas backward "
-           "kernels, and for op B also its fused forward kernel (op A's where its Triton "
-           "backend runs, on rows of >= 512 keys; on the H200 the Mosaic GPU backend keeps "
-           "the jnp forward; C's forward is jnp on both paths)", "",
+           "kernels, and for ops A and B also their fused forward kernels (op A's where its "
+           "Mosaic GPU backend runs, or its Triton backend on rows of >= 512 keys; C's "
+           "forward is jnp on both paths)", "",
            "- forward: the loss alone, no gradient, on each path; a step's backward is about "
            "its time minus its forward's", "",
            "| step | XLA path us | Pallas path us | speedup | forward us, XLA / Pallas | "
@@ -235,11 +241,13 @@ def main(argv=None):
                       help="op B's Pallas path: the default backend (saves the scores and "
                            "recomputes P in the backward) or the one that saves P and the key "
                            "(results go to step_b_key.*)")
-  parser.add_argument("--a-residuals", choices=("inputs", "fused_output"), default="inputs",
+  parser.add_argument("--a-residuals", choices=("fused_inputs", "inputs", "fused_output"),
+                      default="fused_inputs",
                       help="op A's Pallas path on a Hopper GPU: the default Mosaic GPU backend "
-                           "(jnp forward, Pd saved) or the one with the fused forward kernel "
-                           "and the backward from delta and keep bits (results go to "
-                           "step_a_fused.*)")
+                           "(the fused forward kernel writing P and Pd), the one with the jnp "
+                           "forward (results go to step_a_inputs.*) or the one with the fused "
+                           "forward writing no Pd and the backward from delta and keep bits "
+                           "(step_a_fused.*)")
   args = parser.parse_args(argv)
   if jax.default_backend() != "gpu":
     print("the step benchmark needs a CUDA GPU (jax.default_backend() is "
@@ -253,9 +261,10 @@ def main(argv=None):
   base = os.path.join(args.out, "step")
   impls = {}
   if args.b_residuals == "key":
-    impls["B"], base = register_opt_in("B"), base + "_b_key"
-  if args.a_residuals == "fused_output":
-    impls["A"], base = register_opt_in("A"), base + "_a_fused"
+    impls["B"], base = register_opt_in("B", "key"), base + "_b_key"
+  if args.a_residuals != "fused_inputs":
+    impls["A"] = register_opt_in("A", args.a_residuals)
+    base += {"inputs": "_a_inputs", "fused_output": "_a_fused"}[args.a_residuals]
   rows = []
   for step in STEPS:
     if step.op not in ops:

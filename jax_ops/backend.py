@@ -45,6 +45,10 @@ SCORES = "scores"
 # Op A: as "output", with the backend's fused forward (``forward_with_output``), which draws
 # the keep mask itself and returns (O, P, keep, O in fp32).
 FUSED_OUTPUT = "fused_output"
+# Op A: the reference backward's P and Pd, from the backend's fused forward
+# (``forward_with_dropped``), which draws the keep mask itself and does not store it; for a
+# traced rate the jnp forward and "inputs" (keep saved).
+FUSED_INPUTS = "fused_inputs"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,22 +39,22 @@ def test_step_fn_same_on_both_paths(make):
                              float(loss_p), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("make", [lambda: step._b(1, 2, 8),
-                                  lambda: step._a(1, 256, h=4, kvh=2, d=64)])
-def test_opt_in_backends_same_on_both_paths(make):
+@pytest.mark.parametrize("op,residuals", list(step.OPT_IN))
+def test_opt_in_backends_same_on_both_paths(op, residuals):
   """Op B's backend that saves P and the key (``--b-residuals key``) and op A's Mosaic GPU
-  backend with the fused forward (``--a-residuals fused_output``) give the XLA path's loss
-  and gradients (A: to bf16 rounding)."""
+  backends with the jnp forward (``--a-residuals inputs``) and with the fused forward
+  writing no Pd (``fused_output``) give the XLA path's loss and gradients (A: to bf16
+  rounding)."""
   from jax_ops import registry
-  s = make()
+  s = step._b(1, 2, 8) if op == "B" else step._a(1, 256, h=4, kvh=2, d=64)
   primals, w = s.make(jax.random.key(0))
   rng = jax.random.key(1)
-  impl = step.register_opt_in(s.op)
+  impl = step.register_opt_in(op, residuals)
   try:
     loss_x, grads_x = step.step_fn(s, "xla")(primals, w, rng)
     loss_p, grads_p = step.step_fn(s, impl, interpret=True)(primals, w, rng)
   finally:
-    registry.unregister(step.OPT_IN[s.op][0], impl)
+    registry.unregister(step.OPT_IN[op, residuals][0], impl)
   tol = 1e-5 if s.op == "B" else 2e-2
   np.testing.assert_allclose(float(loss_p), float(loss_x), rtol=tol, atol=tol)
   for gx, gp in zip(jax.tree.leaves(grads_x), jax.tree.leaves(grads_p)):

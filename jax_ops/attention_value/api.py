@@ -4,9 +4,12 @@ The backward is the backend that :func:`jax_ops.registry.resolve` picks, and tha
 residual policy says what the forward is and what it saves: ``"inputs"`` (a jnp forward,
 :mod:`jax_ops.attention_value.reference`, the keep mask drawn by
 :func:`jax_ops.dropout_keep_mask`; P, Pd, V and the keep mask, the reference backward's
-arguments), ``"output"`` (the jnp forward; P, V, keep and the fp32 output O, for a backward
-that takes ``delta = rowsum(dO * O)``) or ``"fused_output"`` (what ``"output"`` saves, from
-the backend's fused forward kernel, ``forward_with_output``, which draws the same keep mask
+arguments), ``"fused_inputs"`` (P, Pd and V from the backend's fused forward kernel,
+``forward_with_dropped``, which draws the same keep mask itself and does not store it: for
+kernels that do not read keep; a traced rate runs ``"inputs"``), ``"output"`` (the jnp
+forward; P, V, keep and the fp32 output O, for a backward that takes
+``delta = rowsum(dO * O)``) or ``"fused_output"`` (what ``"output"`` saves, from the
+backend's fused forward kernel, ``forward_with_output``, which draws the same keep mask
 itself).
 """
 
@@ -19,7 +22,7 @@ import jax.numpy as jnp
 
 from jax_ops import _common
 from jax_ops.attention_value import reference
-from jax_ops.backend import FUSED_OUTPUT, INPUTS, OUTPUT
+from jax_ops.backend import FUSED_INPUTS, FUSED_OUTPUT, INPUTS, OUTPUT
 from pallas_kernels import validation
 
 OP = "attention_softmax_dropout_value"
@@ -49,11 +52,13 @@ def attention_softmax_dropout_value(scores, value_states, *, dropout_rate=0.0, d
   # every path); the rates are the effective ones, which the mask draws.
   p_static, rate = _common.op_dropout_rate(dropout_rng, dropout_rate)
   backend, policy = _common.backend_for(OP, implementation, interpret,
-                                        (INPUTS, OUTPUT, FUSED_OUTPUT), scores=scores,
-                                        value_states=value_states)
-  # Under "fused_output" the backend's forward kernel draws the mask.
+                                        (INPUTS, FUSED_INPUTS, OUTPUT, FUSED_OUTPUT),
+                                        scores=scores, value_states=value_states)
+  if policy == FUSED_INPUTS and p_static is None:
+    policy = INPUTS   # a traced rate: the kernels that read keep, which jnp draws
+  # Under "fused_inputs" and "fused_output" the backend's forward kernel draws the mask.
   keep, rng = _common.op_keep_or_key(dropout_rng, p_static, rate, scores.shape,
-                                     backend_draws=policy == FUSED_OUTPUT)
+                                     backend_draws=policy in (FUSED_INPUTS, FUSED_OUTPUT))
   return _op(scores, value_states, keep, rng, rate, p_static, backend, policy,
              bool(interpret))
 
@@ -65,8 +70,12 @@ def _op(scores, value_states, keep, rng, rate, p_static, backend, policy, interp
 
 
 def _forward(scores, value_states, keep, rng, rate, p_static, backend, policy, interpret):
-  """``(O, P, Pd, keep, O_f32)``: the backend's fused forward under ``"fused_output"``
-  (no Pd), else jnp."""
+  """``(O, P, Pd, keep, O_f32)``: the backend's fused forward under ``"fused_inputs"`` (no
+  keep, no O_f32) and ``"fused_output"`` (no Pd), else jnp."""
+  if policy == FUSED_INPUTS:
+    out, probs, dropped = backend.forward_with_dropped(scores, value_states, rng, p_static,
+                                                       interpret=interpret)
+    return out, probs, dropped, None, None
   if policy == FUSED_OUTPUT:
     out, probs, keep, out32 = backend.forward_with_output(
         scores, value_states, rng, _common.known_rate(p_static, rate), interpret=interpret)
@@ -86,7 +95,8 @@ def _fwd(scores, value_states, keep, rng, rate, p_static, backend, policy, inter
 
 def _bwd(p_static, backend, policy, interpret, res, grad_out):
   probs, dropped, value_states, keep, rate, out32 = res
-  p = _common.rate_for_backward(keep, p_static, rate)
+  # "fused_inputs" saves no keep (the rate is concrete there); else no keep: no dropout.
+  p = p_static if policy == FUSED_INPUTS else _common.rate_for_backward(keep, p_static, rate)
   if policy in (OUTPUT, FUSED_OUTPUT):
     d_scores, d_value = backend.backward_from_output(
         grad_out, probs, value_states, keep, p, out32, causal=False, interpret=interpret)

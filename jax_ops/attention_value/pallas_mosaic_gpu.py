@@ -5,9 +5,12 @@ streams, wgmma, one producer and two consumer warpgroups). They take bf16/fp16 p
 with ``D`` of 64 or 128, ``seq_q % 64 == 0``, ``seq_k % 128 == 0`` and ``G * seq_q`` a
 multiple of 128 unless ``seq_k == 128`` (:meth:`supports`); a forced ``implementation="mosaic_gpu"`` on another
 shape or device raises saying why. A traced dropout rate, which the kernels cannot take
-as a constant, runs the Triton kernels. Residuals: the reference backward's arguments
-(P, Pd, V, keep); the kernels read P and Pd, not keep (a backend made with
-``residuals="fused_output"`` saves P, keep and the fp32 output instead; see the class).
+as a constant, runs the Triton kernels. Residuals (policy ``"fused_inputs"``): P, Pd and V
+from the fused forward kernel (:mod:`pallas_kernels.attention_softmax_dropout_value.forward`,
+softmax, the keep mask drawn in the kernel, GQA P·V), which writes no keep mask: the
+kernels read P and Pd, not keep. A traced rate saves the jnp forward's P, Pd, V and keep
+for the Triton kernels. Backends made with ``residuals="inputs"`` (the jnp forward) or
+``"fused_output"`` (P, keep and the fp32 output) save the others; see the class.
 """
 
 from __future__ import annotations
@@ -20,27 +23,45 @@ from pallas_kernels import validation
 from pallas_kernels.attention_softmax_dropout_value import pallas_mosaic_gpu as mosaic
 from jax_ops import backend
 from jax_ops.attention_value import pallas_triton as triton
-from jax_ops.backend import FUSED_OUTPUT, INPUTS
+from jax_ops.backend import FUSED_INPUTS, FUSED_OUTPUT, INPUTS
+from pallas_kernels.attention_softmax_dropout_value import forward as forward_kernel
 
 
 class AttentionValueMosaicGpu(backend.ResidualChoice, backend.MosaicGpuBackend):
   """The op's Mosaic GPU backend (devices, priority and the support checks from the base
   class; :meth:`reason` says what of a problem the kernels do not take).
 
-  ``residuals``: ``"inputs"`` (the default, measured: the jnp forward; the kernels read P and
-  Pd) or ``"fused_output"`` on rows of more than 128 keys (the fused Triton forward kernel,
-  which writes no Pd; P, keep and the fp32 output saved; the backward takes delta from the
-  output and rebuilds Pd from P and keep bits, :func:`mosaic.backward_from_output`). Not
-  yet measured: ``AttentionValueMosaicGpu("mosaic_gpu_fused", residuals="fused_output")``,
-  registered with ``jax_ops.registry.register`` under that name, runs it.
+  ``residuals``: ``"fused_inputs"`` (the default: P and Pd from the fused Triton forward
+  kernel, no keep mask written; ``"inputs"`` where the kernel's int32 offsets do not reach),
+  ``"inputs"`` (the jnp forward: P, Pd and keep) or ``"fused_output"`` on rows of more than
+  128 keys (the fused forward writing no Pd; P, keep and the fp32 output saved; the
+  backward takes delta from the output and rebuilds Pd from P and keep bits,
+  :func:`mosaic.backward_from_output`). Measured in a training step on the H200
+  (``benchmarks/results/step.md``, ``step_a_inputs.md``, ``step_a_fused.md``).
+  ``AttentionValueMosaicGpu("mosaic_gpu_fused", residuals="fused_output")``, registered
+  with ``jax_ops.registry.register`` under that name, runs one of the others.
   """
 
-  POLICIES = (INPUTS, FUSED_OUTPUT)
+  POLICIES = (FUSED_INPUTS, INPUTS, FUSED_OUTPUT)
 
   def residual_policy(self, problem):
-    if self.residuals == FUSED_OUTPUT and problem.shape("scores")[3] > mosaic.WGS * mosaic.KEYS:
+    b, h, sq, skv = problem.shape("scores")
+    _, kvh, _, d = problem.shape("value_states")
+    if self.residuals == FUSED_OUTPUT and skv > mosaic.WGS * mosaic.KEYS:
       return FUSED_OUTPUT
+    if self.residuals == FUSED_INPUTS and forward_kernel.takes(b, h, kvh, sq, skv, d):
+      return FUSED_INPUTS
     return INPUTS
+
+  def forward_with_dropped(self, scores, value_states, dropout_rng, p_dropout, *,
+                           interpret=False):
+    """``(O, P, Pd)`` from the fused forward kernel, the keep mask drawn in the kernel and
+    not stored: the ``"fused_inputs"`` policy. ``p_dropout``: a float (0.0: no dropout,
+    ``dropout_rng`` may be ``None``; ``Pd`` is then ``P``)."""
+    out, probs, dropped, _, _ = forward_kernel.attention_softmax_dropout_value_forward(
+        scores, value_states, p_dropout, dropout_rng, store_dropped=True, store_keep=False,
+        interpret=interpret)
+    return out, probs, dropped
 
   def forward_with_output(self, *args, interpret=False):
     """``(O, P, keep, O_f32)`` from the fused (Triton) forward kernel, no Pd: the Triton
@@ -80,6 +101,9 @@ class AttentionValueMosaicGpu(backend.ResidualChoice, backend.MosaicGpuBackend):
   def backward(self, grad_attn_output, attn_weights, attn_weights_dropped, value_states,
                dropout_mask, attention_dropout, *, causal=False, interpret=False):
     traced = validation.concrete_float("attention_dropout", attention_dropout) is None
+    if dropout_mask is None and not traced:
+      # "fused_inputs" saves no keep mask: the kernels check its shape but never read it.
+      dropout_mask = jax.ShapeDtypeStruct(attn_weights.shape, jnp.bool_)
     return kernels.attention_softmax_dropout_value_backward(
         grad_attn_output, attn_weights, attn_weights_dropped, value_states, dropout_mask,
         attention_dropout, implementation="triton" if traced else "mosaic_gpu",

@@ -36,7 +36,8 @@ class AttentionValueTriton(backend.TritonBackend):
         and b * sq * h * d < 2**31):  # int32 offsets
       # The fused forward kernel indexes the scores with int32 offsets too; larger ones
       # keep the jnp forward.
-      return FUSED_OUTPUT if b * h * sq * skv < 2**31 else OUTPUT
+      kvh = problem.shape("value_states")[1]
+      return FUSED_OUTPUT if forward_kernel.takes(b, h, kvh, sq, skv, d) else OUTPUT
     return INPUTS
 
   def forward_with_output(self, scores, value_states, dropout_rng, p_dropout, *,

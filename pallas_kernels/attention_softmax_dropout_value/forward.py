@@ -164,6 +164,12 @@ def _kernel(seeds_ref, scale_ref, s_ref, v_ref, out_ref, out32_ref, p_ref, *opt_
   _store(out_ref.at[o_idx], acc.astype(out_ref.dtype), o_mask)
 
 
+def takes(b, h, kvh, seq_q, seq_k, head_dim) -> bool:
+  """Whether the kernel takes a problem of these sizes: its int32 offsets reach every element
+  of the scores, V and O (fewer than ``2**31`` each)."""
+  return max(b * h * seq_q * seq_k, b * kvh * seq_k * head_dim, b * seq_q * h * head_dim) < 2**31
+
+
 def default_blocks(seq_q: int, seq_k: int) -> tuple[int, int]:
   """``(block_q, block_k)``: the untuned defaults capped at the padded lengths (>= 16)."""
   return (min(DEFAULT_BLOCK_Q, max(16, next_power_of_2(seq_q))),
@@ -240,7 +246,7 @@ def attention_softmax_dropout_value_forward(scores, value_states, dropout_rate, 
   _util.check_can_compile(_NAME, interpret, scores, value_states)
   validation.check_scores_and_value(scores, value_states, dtypes=_FLOATS)
   b, h, seq_q, seq_k = scores.shape
-  if max(scores.size, value_states.size, b * seq_q * h * value_states.shape[3]) >= 2**31:
+  if not takes(b, h, value_states.shape[1], seq_q, seq_k, value_states.shape[3]):
     raise ValueError(f"scores: at most 2**31 - 1 elements per array (int32 offsets), got "
                      f"scores {list(scores.shape)}, value_states {list(value_states.shape)}")
   # The reference's scale, 1 / (1 - p) in fp32, of the rate drawn; NaN for an invalid

@@ -74,9 +74,11 @@ def test_gradient_types_under_shard_map(monkeypatch):
   axes, as the custom VJP needs (traced only: the types, not a run)."""
   from jax.sharding import PartitionSpec as P
   from jax_ops import backend
-  from pallas_kernels import _mosaic
+  from pallas_kernels import _mosaic, _util
   monkeypatch.setattr(backend, "is_hopper", lambda device: True)
   monkeypatch.setattr(_mosaic, "is_hopper", lambda device: True)
+  # The fused (Triton) forward kernel: traced for a GPU on this host too.
+  monkeypatch.setattr(_util, "check_can_compile", lambda *a, **k: None)
   mesh = jax.make_mesh((1,), ("b",))
   k = keys(3, 3)
   sharded = jax.sharding.NamedSharding(mesh, P("b"))
@@ -129,3 +131,28 @@ def test_fused_output_policy_equals_the_xla_path(fused_backend, rate):
     g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
     np.testing.assert_allclose(g, w, atol=2e-2 * float(np.abs(w).max()), rtol=5e-2,
                                err_msg=name)
+
+
+def test_fused_inputs_policy_saves_no_keep_mask():
+  """The default policy ``"fused_inputs"``: P, Pd and V from the fused forward kernel, no
+  keep mask saved; a traced rate saves the jnp forward's keep mask too (the Triton kernels
+  it runs read it); problems past the kernel's int32 offsets keep ``"inputs"``."""
+  from jax_ops.backend import FUSED_INPUTS, INPUTS
+  k = keys(5, 3)
+  scores = jax.random.normal(k[0], (1, 4, 64, 256), jnp.bfloat16)
+  value = jax.random.normal(k[1], (1, 2, 256, 64), jnp.bfloat16)
+
+  def full_residuals(rate):
+    op = lambda s, v: jax_ops.attention_softmax_dropout_value(
+        s, v, dropout_rate=rate, dropout_rng=k[2], implementation="mosaic_gpu",
+        interpret=INTERPRET)
+    _, pullback = jax.vjp(op, scores, value)
+    return [r for r in jax.tree.leaves(pullback) if r.shape == scores.shape]
+
+  assert [r.dtype for r in full_residuals(0.1)] == [jnp.bfloat16] * 2      # P, Pd
+  traced = jax.jit(full_residuals)(jnp.float32(0.1))
+  assert sorted(str(r.dtype) for r in traced) == ["bfloat16", "bfloat16", "bool"]
+  backend = registry.get("attention_softmax_dropout_value", "mosaic_gpu")
+  assert backend.residual_policy(_problem((2, 80, 256, 512), (2, 8, 512, 128))) == FUSED_INPUTS
+  huge = _problem((64, 64, 1024, 1024), (64, 8, 1024, 128))   # 2**32 scores
+  assert backend.residual_policy(huge) == INPUTS
