@@ -60,7 +60,7 @@ class AttentionValueMosaicGpu(backend.ResidualChoice, backend.MosaicGpuBackend):
     ``dropout_rng`` may be ``None``; ``Pd`` is then ``P``)."""
     out, probs, dropped, _, _ = forward_kernel.attention_softmax_dropout_value_forward(
         scores, value_states, p_dropout, dropout_rng, store_dropped=True, store_keep=False,
-        interpret=interpret)
+        store_f32=False, interpret=interpret)
     return out, probs, dropped
 
   def forward_with_output(self, *args, interpret=False):

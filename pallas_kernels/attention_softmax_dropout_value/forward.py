@@ -77,14 +77,15 @@ DEFAULT_NUM_WARPS = 4
 DEFAULT_NUM_STAGES = 3
 
 
-def _kernel(seeds_ref, scale_ref, s_ref, v_ref, out_ref, out32_ref, p_ref, *opt_refs,
+def _kernel(seeds_ref, scale_ref, s_ref, v_ref, out_ref, p_ref, *opt_refs,
             num_heads, num_kv_heads, seq_q, seq_k, head_dim, d_pad, block_q, block_k,
-            dropout, store_dropped, store_keep):
+            dropout, store_dropped, store_keep, store_f32):
   """Refs: seeds [3] uint32 (k0, k1, threshold), scale [1] fp32, scores [B*H, Sq, Skv],
-  V [B*KVH, Skv, D]; outputs O [B, Sq, H, D], fp32 O [B, Sq, H, D], P [B*H, Sq, Skv] and,
-  in ``opt_refs``, Pd (if ``store_dropped`` and ``dropout``) and keep (if ``store_keep``
-  and ``dropout``), both [B*H, Sq, Skv]."""
+  V [B*KVH, Skv, D]; outputs O [B, Sq, H, D], P [B*H, Sq, Skv] and, in ``opt_refs``, the
+  fp32 O [B, Sq, H, D] (if ``store_f32``), Pd (if ``store_dropped`` and ``dropout``) and
+  keep (if ``store_keep`` and ``dropout``), both [B*H, Sq, Skv]."""
   opt_refs = list(opt_refs)
+  out32_ref = opt_refs.pop(0) if store_f32 else None
   pd_ref = opt_refs.pop(0) if dropout and store_dropped else None
   keep_ref = opt_refs.pop(0) if dropout and store_keep else None
   groups = num_heads // num_kv_heads
@@ -160,7 +161,8 @@ def _kernel(seeds_ref, scale_ref, s_ref, v_ref, out_ref, out32_ref, p_ref, *opt_
   acc = _fori_loop(0, n_k, value, jnp.zeros((block_q, d_pad), _F32))
   o_idx = (b, pl.ds(q0, block_q), h, head_dims)
   o_mask = _outer(q_mask, d_mask)
-  _store(out32_ref.at[o_idx], acc, o_mask)
+  if out32_ref is not None:
+    _store(out32_ref.at[o_idx], acc, o_mask)
   _store(out_ref.at[o_idx], acc.astype(out_ref.dtype), o_mask)
 
 
@@ -176,28 +178,30 @@ def default_blocks(seq_q: int, seq_k: int) -> tuple[int, int]:
           min(DEFAULT_BLOCK_K, max(16, next_power_of_2(seq_k))))
 
 
-@functools.partial(jax.jit, static_argnames=("dropout", "store_dropped", "store_keep",
+@functools.partial(jax.jit, static_argnames=("dropout", "store_dropped", "store_keep", "store_f32",
                                              "block_q", "block_k", "num_warps", "num_stages",
                                              "interpret"))
-def _call(scores, value_states, seeds, scale, *, dropout, store_dropped, store_keep, block_q,
+def _call(scores, value_states, seeds, scale, *, dropout, store_dropped, store_keep, store_f32,
+          block_q,
           block_k, num_warps, num_stages, interpret):
   b, h, seq_q, seq_k = scores.shape
   kvh, d = value_states.shape[1], value_states.shape[3]
   kernel = functools.partial(
       _kernel, num_heads=h, num_kv_heads=kvh, seq_q=seq_q, seq_k=seq_k, head_dim=d,
       d_pad=_padded_head_dim(d), block_q=block_q, block_k=block_k, dropout=dropout,
-      store_dropped=store_dropped, store_keep=store_keep)
+      store_dropped=store_dropped, store_keep=store_keep, store_f32=store_f32)
   flat = (b * h, seq_q, seq_k)
   args = (seeds, scale, scores.reshape(flat), value_states.reshape(b * kvh, seq_k, d))
   o_shape = (b, seq_q, h, d)
-  out_shape = [out_struct(o_shape, scores.dtype, *args), out_struct(o_shape, _F32, *args),
-               out_struct(flat, scores.dtype, *args)]
+  out_shape = [out_struct(o_shape, scores.dtype, *args), out_struct(flat, scores.dtype, *args)]
+  if store_f32:
+    out_shape.append(out_struct(o_shape, _F32, *args))
   pd_out, keep_out = dropout and store_dropped, dropout and store_keep
   if pd_out:
     out_shape.append(out_struct(flat, scores.dtype, *args))
   if keep_out:
     out_shape.append(out_struct(flat, jnp.bool_, *args))
-  out, out32, probs, *rest = pallas_call(
+  out, probs, *rest = pallas_call(
       kernel,
       out_shape=tuple(out_shape),
       grid=(pl.cdiv(seq_q, block_q), b * h),
@@ -207,6 +211,7 @@ def _call(scores, value_states, seeds, scale, *, dropout, store_dropped, store_k
   )(*args)
   shape = scores.shape
   probs = probs.reshape(shape)
+  out32 = rest.pop(0) if store_f32 else None
   dropped = rest.pop(0).reshape(shape) if pd_out else None
   keep = rest.pop(0).reshape(shape) if keep_out else None
   return out, probs, dropped, keep, out32
@@ -214,7 +219,8 @@ def _call(scores, value_states, seeds, scale, *, dropout, store_dropped, store_k
 
 def attention_softmax_dropout_value_forward(scores, value_states, dropout_rate, dropout_rng=None,
                                             *, store_dropped: bool = False,
-                                            store_keep: bool = True, block_q=None, block_k=None,
+                                            store_keep: bool = True, store_f32: bool = True,
+                                            block_q=None, block_k=None,
                                             num_warps=None, num_stages=None, interpret=False):
   """``(O, P, Pd, keep, O_f32)`` of ``O = transpose(dropout(softmax(scores)) @ V)``.
 
@@ -230,6 +236,8 @@ def attention_softmax_dropout_value_forward(scores, value_states, dropout_rate, 
     store_dropped: whether ``Pd`` is returned (a Python bool; the kernel writes it only
       with dropout: for a concrete rate of 0 it is ``P`` itself).
     store_keep: whether the kernel writes ``keep`` (a Python bool).
+    store_f32: whether the kernel writes ``O_f32`` (a Python bool; ``[B, Sq, H, D]`` fp32 is
+      ``2 * D / Skv`` of the bf16 scores' bytes: half of them at ``Skv = 512``).
     block_q, block_k: tiles (powers of two >= 16; default :func:`default_blocks`, untuned).
     num_warps, num_stages: Triton launch parameters (default 4 and 3, untuned).
     interpret: run the kernel in the Pallas interpreter (any backend).
@@ -238,9 +246,11 @@ def attention_softmax_dropout_value_forward(scores, value_states, dropout_rate, 
     ``O`` ``[B, Sq, H, D]`` in the scores' dtype; ``P`` ``[B, H, Sq, Skv]`` in the scores'
     dtype; ``Pd`` likewise, or ``None`` unless ``store_dropped``; ``keep``
     ``[B, H, Sq, Skv]`` bool, or ``None`` for a concrete rate of 0 or with
-    ``store_keep=False``; ``O_f32`` ``[B, Sq, H, D]`` fp32, ``O`` before its rounding.
+    ``store_keep=False``; ``O_f32`` ``[B, Sq, H, D]`` fp32, ``O`` before its rounding, or
+    ``None`` with ``store_f32=False``.
   """
-  for name, flag in (("store_dropped", store_dropped), ("store_keep", store_keep)):
+  for name, flag in (("store_dropped", store_dropped), ("store_keep", store_keep),
+                     ("store_f32", store_f32)):
     if not isinstance(flag, (bool, np.bool_)):
       raise TypeError(f"{name}: expected a Python bool, got {type(flag).__name__}")
   _util.check_can_compile(_NAME, interpret, scores, value_states)
@@ -262,6 +272,7 @@ def attention_softmax_dropout_value_forward(scores, value_states, dropout_rate, 
   out, probs, dropped, keep, out32 = _call(
       scores, value_states, seeds, scale, dropout=dropout,
       store_dropped=dropout and bool(store_dropped), store_keep=dropout and bool(store_keep),
+      store_f32=bool(store_f32),
       block_q=cfg.block_q, block_k=cfg.block_k, num_warps=cfg.num_warps,
       num_stages=cfg.num_stages, interpret=bool(interpret))
   if store_dropped and not dropout:
