@@ -42,9 +42,13 @@ when it also writes Pd (the jnp forward writes all five). The dropout hash costs
 fifth of the kernel's time (rate 0: 944 us, 0.1: 1196 us there, 2 stages); one hash per pair
 of elements, as the mask's design allows, would halve it.
 
+Writing ``(O, P, Pd)`` alone (no keep, no fp32 O): 1.22-1.40x faster than the jnp forward
+(``benchmarks/results/runs/a_forward_8ad47f9.log``); writing keep as a third
+``[B, H, Sq, Skv]`` output costs about 45% more time, more than its bytes.
+
 Op A's Triton backend runs it on rows of >= 512 keys (``jax_ops.attention_value``'s residual
-policy ``"fused_output"``); its Mosaic GPU backend, whose kernels read Pd, keeps the jnp
-forward.
+policy ``"fused_output"``); its Mosaic GPU backend, whose kernels read P and Pd, runs it
+writing those alone (policy ``"fused_inputs"``).
 """
 
 from __future__ import annotations
