@@ -13,7 +13,7 @@ forward returns ``(O, P, Pd, keep, O_f32)``; the kernel is timed writing ``(O, P
 O_f32)`` (``kernel``: what op A's residual policy ``"output"`` saves) and also ``Pd``
 (``kernel_pd``: policy ``"inputs"``), and writing ``(O, P, Pd, O_f32)`` without keep
 (``kernel_pd_nokeep``), and without keep and the fp32 O (``kernel_p_pd``: what op A's Mosaic
-GPU backend saves). Checks: keep bit for bit; ``P`` equal, or the share of
+GPU backend saves), that with one hash per pair of columns (``kernel_p_pd_pairs``). Checks: keep bit for bit; ``P`` equal, or the share of
 elements one bf16 ulp apart (no more is allowed); ``O`` and the fp32 ``O`` within 1e-2 of
 the largest |O| (an element of ``P`` one ulp off moves ``O`` by about 1e-3 of it). Median
 device time (JAX profiler), two input sets rotated. Writes ``<out>/a_forward.json``.
@@ -105,12 +105,14 @@ def main(argv=None):
   with open(os.path.join(args.out, "a_forward.json"), "w") as f:
     json.dump({"device": jax.devices()[0].device_kind, "launches": launches, "rows": rows}, f,
               indent=1)
-  print("| launch | shape | jnp us | P, keep | P, Pd, keep | P, Pd | P, Pd, no O_f32 |")
-  print("|---|---|---|---|---|---|---|")
+  print("| launch | shape | jnp us | P, keep | P, Pd, keep | P, Pd | P, Pd, no O_f32 | "
+        "the same, a hash per pair |")
+  print("|---|---|---|---|---|---|---|---|")
   for r in rows:
     print(f"| {r['launch']} | B={r['shape'][0]} S={r['shape'][3]} | {r['jnp_us']:.0f} | "
           + " | ".join(f"{r[k + '_us']:.0f} (x{r['jnp_us'] / r[k + '_us']:.2f})"
-                       for k in ("kernel", "kernel_pd", "kernel_pd_nokeep", "kernel_p_pd"))
+                       for k in ("kernel", "kernel_pd", "kernel_pd_nokeep", "kernel_p_pd",
+                                 "kernel_p_pd_pairs"))
           + " |")
   ok = all(r["same_keep"] and r["p_max_ulps"] <= 1 and r["max_out_err"] < 1e-2
            and r["max_out32_err"] < 1e-2 for r in rows)
@@ -119,13 +121,14 @@ def main(argv=None):
 
 def _time_launch(launch, calls):
   """The checked and timed rows of one launch config, one per shape."""
-  def kernel(store_dropped, store_keep=True, store_f32=True):
+  def kernel(store_dropped, store_keep=True, store_f32=True, pair_hash=False):
     return jax.jit(lambda s, v, r: attention_softmax_dropout_value_forward(
         s, v, RATE, r, store_dropped=store_dropped, store_keep=store_keep,
-        store_f32=store_f32, **launch))
+        store_f32=store_f32, pair_hash=pair_hash, **launch))
 
   fns = {"jnp": jax.jit(jnp_forward), "kernel": kernel(False), "kernel_pd": kernel(True),
-         "kernel_pd_nokeep": kernel(True, False), "kernel_p_pd": kernel(True, False, False)}
+         "kernel_pd_nokeep": kernel(True, False), "kernel_p_pd": kernel(True, False, False),
+         "kernel_p_pd_pairs": kernel(True, False, False, True)}
   label = "/".join("-" if launch[k] is None else str(launch[k])
                    for k in ("block_q", "block_k", "num_warps", "num_stages"))
   rows = []

@@ -32,11 +32,28 @@ def mix32(x):
   return x ^ (x >> np.uint32(16))
 
 
+def pair_hash(k0, k1, n, r, pair, cols: int):
+  """The hash ``h`` of the element pairs ``(n, r, pair)``: columns ``2 * pair`` and
+  ``2 * pair + 1``, whose 16 bits ``u`` are its low and high halves (uint32 values that
+  broadcast together)."""
+  pairs = np.uint32((cols + 1) // 2)
+  return mix32(mix32((r * pairs + pair) ^ k0) ^ (n * GOLDEN + k1))
+
+
 def bits16(k0, k1, n, r, c, cols: int):
   """The 16 bits ``u`` of elements ``(n, r, c)`` (uint32 values that broadcast together)."""
-  pairs = np.uint32((cols + 1) // 2)
-  h = mix32(mix32((r * pairs + (c >> np.uint32(1))) ^ k0) ^ (n * GOLDEN + k1))
+  h = pair_hash(k0, k1, n, r, c >> np.uint32(1), cols)
   return (h >> ((c & np.uint32(1)) * np.uint32(16))) & np.uint32(0xFFFF)
+
+
+def bits16_tile(k0, k1, n, r, c0, width: int, cols: int):
+  """:func:`bits16` of columns ``c0 .. c0 + width`` (``c0`` even, ``width`` even) of rows
+  ``r`` (``[R, 1]``): ``[R, width]``, one hash per pair of columns, its two halves
+  interleaved (in a Triton kernel a join and a reshape)."""
+  pair = (c0 >> np.uint32(1)) + jnp.arange(width // 2, dtype=jnp.uint32)[None, :]
+  h = pair_hash(k0, k1, n, r, pair, cols)
+  halves = jnp.stack([h & np.uint32(0xFFFF), h >> np.uint32(16)], axis=-1)
+  return halves.reshape(h.shape[0], width)
 
 
 def rate_threshold(rate):

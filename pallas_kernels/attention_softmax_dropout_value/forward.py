@@ -79,11 +79,12 @@ DEFAULT_BLOCK_Q = 32
 DEFAULT_BLOCK_K = 64
 DEFAULT_NUM_WARPS = 4
 DEFAULT_NUM_STAGES = 3
+PAIR_HASH = False   # one hash per pair of columns: not yet timed
 
 
 def _kernel(seeds_ref, scale_ref, s_ref, v_ref, out_ref, p_ref, *opt_refs,
             num_heads, num_kv_heads, seq_q, seq_k, head_dim, d_pad, block_q, block_k,
-            dropout, store_dropped, store_keep, store_f32):
+            dropout, store_dropped, store_keep, store_f32, pair_hash):
   """Refs: seeds [3] uint32 (k0, k1, threshold), scale [1] fp32, scores [B*H, Sq, Skv],
   V [B*KVH, Skv, D]; outputs O [B, Sq, H, D], P [B*H, Sq, Skv] and, in ``opt_refs``, the
   fp32 O [B, Sq, H, D] (if ``store_f32``), Pd (if ``store_dropped`` and ``dropout``) and
@@ -145,8 +146,12 @@ def _kernel(seeds_ref, scale_ref, s_ref, v_ref, out_ref, p_ref, *opt_refs,
     probs = (e * inv_l).astype(p_ref.dtype)
     _store(p_ref.at[idx], probs, mask)
     if dropout:
-      u = _dropout.bits16(k0s, k1s, bh.astype(_U32), rows.astype(_U32)[:, None],
-                          cols.astype(_U32)[None, :], seq_k)
+      if pair_hash:   # one hash per two columns (block_k and the tile's start are even)
+        u = _dropout.bits16_tile(k0s, k1s, bh.astype(_U32), rows.astype(_U32)[:, None],
+                                 (j * block_k).astype(_U32), block_k, seq_k)
+      else:
+        u = _dropout.bits16(k0s, k1s, bh.astype(_U32), rows.astype(_U32)[:, None],
+                            cols.astype(_U32)[None, :], seq_k)
       keep = u >= threshold
       # As the reference's apply_dropout: (P * keep) * scale in fp32, rounded once; an
       # invalid traced rate (a NaN scale) gives NaN.
@@ -183,17 +188,19 @@ def default_blocks(seq_q: int, seq_k: int) -> tuple[int, int]:
 
 
 @functools.partial(jax.jit, static_argnames=("dropout", "store_dropped", "store_keep", "store_f32",
+                                             "pair_hash",
                                              "block_q", "block_k", "num_warps", "num_stages",
                                              "interpret"))
 def _call(scores, value_states, seeds, scale, *, dropout, store_dropped, store_keep, store_f32,
-          block_q,
+          pair_hash, block_q,
           block_k, num_warps, num_stages, interpret):
   b, h, seq_q, seq_k = scores.shape
   kvh, d = value_states.shape[1], value_states.shape[3]
   kernel = functools.partial(
       _kernel, num_heads=h, num_kv_heads=kvh, seq_q=seq_q, seq_k=seq_k, head_dim=d,
       d_pad=_padded_head_dim(d), block_q=block_q, block_k=block_k, dropout=dropout,
-      store_dropped=store_dropped, store_keep=store_keep, store_f32=store_f32)
+      store_dropped=store_dropped, store_keep=store_keep, store_f32=store_f32,
+      pair_hash=pair_hash)
   flat = (b * h, seq_q, seq_k)
   args = (seeds, scale, scores.reshape(flat), value_states.reshape(b * kvh, seq_k, d))
   o_shape = (b, seq_q, h, d)
@@ -224,7 +231,8 @@ def _call(scores, value_states, seeds, scale, *, dropout, store_dropped, store_k
 def attention_softmax_dropout_value_forward(scores, value_states, dropout_rate, dropout_rng=None,
                                             *, store_dropped: bool = False,
                                             store_keep: bool = True, store_f32: bool = True,
-                                            block_q=None, block_k=None,
+                                            pair_hash: bool = PAIR_HASH, block_q=None,
+                                            block_k=None,
                                             num_warps=None, num_stages=None, interpret=False):
   """``(O, P, Pd, keep, O_f32)`` of ``O = transpose(dropout(softmax(scores)) @ V)``.
 
@@ -242,6 +250,8 @@ def attention_softmax_dropout_value_forward(scores, value_states, dropout_rate, 
     store_keep: whether the kernel writes ``keep`` (a Python bool).
     store_f32: whether the kernel writes ``O_f32`` (a Python bool; ``[B, Sq, H, D]`` fp32 is
       ``2 * D / Skv`` of the bf16 scores' bytes: half of them at ``Skv = 512``).
+    pair_hash: whether the kernel hashes once per pair of columns (the mask's design: both
+      16-bit halves of a hash used) rather than once per element; the same mask either way.
     block_q, block_k: tiles (powers of two >= 16; default :func:`default_blocks`, untuned).
     num_warps, num_stages: Triton launch parameters (default 4 and 3, untuned).
     interpret: run the kernel in the Pallas interpreter (any backend).
@@ -254,7 +264,7 @@ def attention_softmax_dropout_value_forward(scores, value_states, dropout_rate, 
     ``None`` with ``store_f32=False``.
   """
   for name, flag in (("store_dropped", store_dropped), ("store_keep", store_keep),
-                     ("store_f32", store_f32)):
+                     ("store_f32", store_f32), ("pair_hash", pair_hash)):
     if not isinstance(flag, (bool, np.bool_)):
       raise TypeError(f"{name}: expected a Python bool, got {type(flag).__name__}")
   _util.check_can_compile(_NAME, interpret, scores, value_states)
@@ -276,7 +286,7 @@ def attention_softmax_dropout_value_forward(scores, value_states, dropout_rate, 
   out, probs, dropped, keep, out32 = _call(
       scores, value_states, seeds, scale, dropout=dropout,
       store_dropped=dropout and bool(store_dropped), store_keep=dropout and bool(store_keep),
-      store_f32=bool(store_f32),
+      store_f32=bool(store_f32), pair_hash=bool(pair_hash),
       block_q=cfg.block_q, block_k=cfg.block_k, num_warps=cfg.num_warps,
       num_stages=cfg.num_stages, interpret=bool(interpret))
   if store_dropped and not dropout:

@@ -132,6 +132,18 @@ def test_small_tiles_without_stored_pd_or_keep():
     np.testing.assert_array_equal(_f32(lean[i]), _f32(out[i]))
 
 
+@pytest.mark.parametrize("sq,sk,block_k", [(9, 131, 64), (5, 7, 16), (19, 37, 16)])
+def test_pair_hash_draws_the_same_mask(sq, sk, block_k):
+  """One hash per pair of columns (odd and ragged rows, one and several key tiles): the
+  jnp mask bit for bit, and every output equal to the per-element hash's."""
+  scores, value, rng = _inputs(1, 4, 2, sq, sk, 64, jnp.bfloat16, seed=4)
+  outs = [forward(scores, value, 0.3, rng, store_dropped=True, pair_hash=pair_hash,
+                  block_k=block_k, interpret=INTERPRET) for pair_hash in (True, False)]
+  _check(scores, value, rng, 0.3, outs[0])
+  for x, y in zip(*outs):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
 def test_bf16_and_a_traced_rate():
   scores, value, rng = _inputs(1, 4, 1, 6, 40, 64, jnp.bfloat16, seed=1)
   fn = jax.jit(lambda s, v, r: forward(s, v, r, rng, store_dropped=True,
@@ -181,6 +193,8 @@ def test_argument_errors():
     forward(scores, value, 0.1, rng, store_dropped=1, interpret=True)
   with pytest.raises(TypeError, match="store_keep"):
     forward(scores, value, 0.1, rng, store_keep=None, interpret=True)
+  with pytest.raises(TypeError, match="pair_hash"):
+    forward(scores, value, 0.1, rng, pair_hash=None, interpret=True)
   with pytest.raises(TypeError, match="store_f32"):
     forward(scores, value, 0.1, rng, store_f32="no", interpret=True)
   for kwargs, field in ((dict(block_q=24), "block_q"), (dict(block_k=8), "block_k"),
@@ -203,14 +217,16 @@ def pretend_gpu(pretend_h200, monkeypatch):
   monkeypatch.setattr(module._util, "check_can_compile", lambda *a, **k: None)
 
 
-@pytest.mark.parametrize("dtype,d,rate", [(jnp.bfloat16, 128, 0.1), (jnp.float32, 80, 0.0),
-                                          (jnp.bfloat16, 64, None)])
-def test_lowers_to_triton(pretend_gpu, dtype, d, rate):
-  """The kernel (hash, dot and the inline-PTX division included) lowers to Triton IR for a
-  GPU, as one kernel (no GPU needed). ``rate=None``: a traced rate."""
+@pytest.mark.parametrize("dtype,d,rate,pair_hash", [
+    (jnp.bfloat16, 128, 0.1, False), (jnp.float32, 80, 0.0, False),
+    (jnp.bfloat16, 64, None, False), (jnp.bfloat16, 128, 0.1, True)])
+def test_lowers_to_triton(pretend_gpu, dtype, d, rate, pair_hash):
+  """The kernel (hash, dot and the inline-PTX division included; the pair hash's join and
+  reshape) lowers to Triton IR for a GPU, as one kernel (no GPU needed). ``rate=None``: a
+  traced rate."""
   from conftest import triton_calls_in_gpu_lowering
   shapes = [jax.ShapeDtypeStruct((2, 8, 131, 131), dtype),
             jax.ShapeDtypeStruct((2, 2, 131, d), dtype)]
   rng = jax.random.key(0)
-  fn = lambda s, v, r: forward(s, v, r, rng, store_dropped=True)
+  fn = lambda s, v, r: forward(s, v, r, rng, store_dropped=True, pair_hash=pair_hash)
   assert triton_calls_in_gpu_lowering(fn, shapes, rate) == 1
