@@ -18,8 +18,10 @@ elements one bf16 ulp apart (no more is allowed); ``O`` and the fp32 ``O`` withi
 the largest |O| (an element of ``P`` one ulp off moves ``O`` by about 1e-3 of it). Median
 device time (JAX profiler), two input sets rotated. Writes ``<out>/a_forward.json``.
 
-Measured on an H200 (defaults 32/64/4/3): 1.21-1.34x faster than the jnp forward without Pd,
-0.83-0.94x with it; bf16 ``P`` 99.9986-99.9991% equal, the rest 1 ulp apart.
+Measured on an H200 (defaults 32/64/4/3, one hash per element): 1.21-1.34x faster than the
+jnp forward without Pd, 0.83-0.94x with it; bf16 ``P`` 99.9986-99.9991% equal, the rest 1 ulp
+apart. ``(O, P, Pd)`` alone: 1.22-1.40x, and with one hash per pair of columns (the default
+since) 1.38-1.58x (``benchmarks/results/runs/a_forward_pairs_17ee78a.log``).
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ Usage::
     PYTHONPATH=. python3 -m benchmarks.b_forward [--calls 20] [--out DIR]
 
 Both forwards produce ``(y, P, keep)``; the keep masks must agree bit for bit and ``y``
-within 1e-6; the two backwards must agree bit for bit.
+within 1e-6. The kernel is also timed writing ``y`` alone (the op's forward), with one hash
+per element and with one per pair of columns (``pair_hash``; their ``y`` equal bit for bit).
+The two backwards must agree bit for bit.
 Median device time (JAX profiler), two input sets rotated. Writes ``<out>/b_forward.json``.
 """
 
@@ -48,7 +50,13 @@ def main(argv=None):
     print("needs a CUDA GPU", file=sys.stderr)
     return 2
   fns = {"jnp": jax.jit(jnp_forward),
-         "kernel": jax.jit(lambda s, m, r: masked_softmax_dropout_forward(s, m, RATE, r))}
+         "kernel": jax.jit(lambda s, m, r: masked_softmax_dropout_forward(
+             s, m, RATE, r, pair_hash=False)),
+         # The op's forward (y alone), one hash per element and per pair of columns.
+         "kernel_y": jax.jit(lambda s, m, r: masked_softmax_dropout_forward(
+             s, m, RATE, r, store_keep=False, store_probs=False, pair_hash=False)),
+         "kernel_y_pairs": jax.jit(lambda s, m, r: masked_softmax_dropout_forward(
+             s, m, RATE, r, store_keep=False, store_probs=False, pair_hash=True))}
   rows = []
   for b, h, s in SHAPES:
     sets = []
@@ -60,8 +68,12 @@ def main(argv=None):
     same_keep = bool(jnp.all(ref[2] == out[2]))
     y_err = float(jnp.max(jnp.abs(ref[0] - out[0])))
     times = device_times_us(list(fns.values()), sets, calls=args.calls)
+    pairs_y = fns["kernel_y_pairs"](*sets[0])[0]
+    same_pairs = bool(jnp.all(pairs_y == fns["kernel_y"](*sets[0])[0]))
     row = {"shape": [b, h, s], "jnp_us": times[0]["median_us"],
-           "kernel_us": times[1]["median_us"], "same_keep": same_keep, "max_y_err": y_err}
+           "kernel_us": times[1]["median_us"], "kernel_y_us": times[2]["median_us"],
+           "kernel_y_pairs_us": times[3]["median_us"], "same_pairs": same_pairs,
+           "same_keep": same_keep, "max_y_err": y_err}
     # The backwards: keep read (1 B per element) or drawn from the key.
     rate = jax_ops.effective_dropout_rate(RATE)
     bwd = [jax.jit(lambda g, p, m, keep, r: pallas_triton.masked_softmax_dropout_backward(
@@ -77,12 +89,15 @@ def main(argv=None):
     row["bwd_keep_us"], row["bwd_key_us"] = bt[0]["median_us"], bt[1]["median_us"]
     rows.append(row)
     print(f"B={b} H={h} S={s}: jnp {row['jnp_us']:.0f} us, kernel {row['kernel_us']:.0f} us "
-          f"(x{row['jnp_us'] / row['kernel_us']:.2f}); keep equal {same_keep}, "
+          f"(x{row['jnp_us'] / row['kernel_us']:.2f}); y alone {row['kernel_y_us']:.0f} us, "
+          f"a hash per pair {row['kernel_y_pairs_us']:.0f} us (equal {same_pairs}); "
+          f"keep equal {same_keep}, "
           f"max |y err| {y_err:.2g}; backward: keep read {row['bwd_keep_us']:.0f} us, drawn "
           f"{row['bwd_key_us']:.0f} us, equal {row['same_grad']}", flush=True)
   with open(os.path.join(args.out, "b_forward.json"), "w") as f:
     json.dump({"device": jax.devices()[0].device_kind, "rows": rows}, f, indent=1)
-  ok = all(r["same_keep"] and r["same_grad"] and r["max_y_err"] < 1e-6 for r in rows)
+  ok = all(r["same_keep"] and r["same_grad"] and r["same_pairs"] and r["max_y_err"] < 1e-6
+           for r in rows)
   return 0 if ok else 1
 
 

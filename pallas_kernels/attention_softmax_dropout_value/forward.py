@@ -38,12 +38,14 @@ capped at the padded sequence lengths, at least 16) are not tuned: the best of a
 configs at one shape (B=4, S=1024, H=80, KVH=8, D=128, bf16; block_q 64 was 1.3x slower).
 Measured on an H200 (``benchmarks/a_forward.py``, dropout 0.1, those heads, S = 512 to
 2048): 1.21-1.34x faster than the jnp forward writing ``(O, P, keep, O_f32)``, 0.83-0.94x
-when it also writes Pd (the jnp forward writes all five). The dropout hash costs about a
-fifth of the kernel's time (rate 0: 944 us, 0.1: 1196 us there, 2 stages); one hash per pair
-of elements, as the mask's design allows, would halve it.
+when it also writes Pd (the jnp forward writes all five). The dropout hash cost about a
+fifth of the kernel's time (rate 0: 944 us, 0.1: 1196 us there, 2 stages); hashing once per
+pair of columns (``pair_hash``, the default: both 16-bit halves of each hash, interleaved by
+a join and a reshape) made the kernel 11.4-11.7% faster at the ``(O, P, Pd)`` outputs
+(``benchmarks/results/runs/a_forward_pairs_17ee78a.log``: 1.38-1.58x the jnp forward).
 
-Writing ``(O, P, Pd)`` alone (no keep, no fp32 O): 1.22-1.40x faster than the jnp forward
-(``benchmarks/results/runs/a_forward_8ad47f9.log``); writing keep as a third
+Writing ``(O, P, Pd)`` alone (no keep, no fp32 O), one hash per element: 1.22-1.40x faster
+than the jnp forward (``benchmarks/results/runs/a_forward_8ad47f9.log``); writing keep as a third
 ``[B, H, Sq, Skv]`` output costs about 45% more time, more than its bytes.
 
 Op A's Triton backend runs it on rows of >= 512 keys (``jax_ops.attention_value``'s residual

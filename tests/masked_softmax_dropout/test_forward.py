@@ -84,6 +84,19 @@ def test_without_storing_keep(rate):
   assert "bool[3,7,33]" not in jaxpr and "bool[1,3,7,33]" not in jaxpr
 
 
+@pytest.mark.parametrize("sq,sk,block_rows", [(5, 1, None), (7, 33, None), (9, 293, 2)])
+def test_pair_hash_draws_the_same_mask(sq, sk, block_rows):
+  """One hash per pair of columns (one column, odd rows, several row blocks): the jnp mask
+  bit for bit, and every output equal to the per-element hash's."""
+  scores, mask, rng = _inputs(1, 2, sq, sk, seed=4)
+  outs = [masked_softmax_dropout_forward(scores, mask, 0.3, rng, pair_hash=pair_hash,
+                                         block_rows=block_rows, interpret=INTERPRET)
+          for pair_hash in (True, False)]
+  _check(scores, mask, rng, 0.3, *outs[0], tol=1e-6)
+  for x, y in zip(*outs):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
 def test_argument_errors():
   scores, mask, rng = _inputs(1, 2, 4, 8)
   with pytest.raises(ValueError, match="mask"):
@@ -94,6 +107,8 @@ def test_argument_errors():
     masked_softmax_dropout_forward(scores, mask, 1.0, rng, interpret=True)
   with pytest.raises(TypeError, match="store_keep"):
     masked_softmax_dropout_forward(scores, mask, 0.1, rng, store_keep=None, interpret=True)
+  with pytest.raises(TypeError, match="pair_hash"):
+    masked_softmax_dropout_forward(scores, mask, 0.1, rng, pair_hash=1, interpret=True)
 
 
 @pytest.fixture
@@ -114,12 +129,14 @@ def test_lowers_to_triton(pretend_gpu, rate):
   assert triton_calls_in_gpu_lowering(fn, shapes, rate) == 1
 
 
-@pytest.mark.parametrize("rate", [0.1, None])
-def test_lowers_to_triton_without_storing_keep(pretend_gpu, rate):
-  """``store_keep=False`` (the op's forward) lowers too, static and traced rates."""
+@pytest.mark.parametrize("rate,pair_hash", [(0.1, False), (None, False), (0.1, True)])
+def test_lowers_to_triton_without_storing_keep(pretend_gpu, rate, pair_hash):
+  """``store_keep=False`` (the op's forward) lowers too, static and traced rates, and with
+  the pair hash (its join and reshape)."""
   from conftest import triton_calls_in_gpu_lowering
   shapes = [jax.ShapeDtypeStruct((2, 3, 131, 131), jnp.float32),
             jax.ShapeDtypeStruct((2, 1, 131, 131), jnp.bool_)]
   rng = jax.random.key(0)
-  fn = lambda s, m, r: masked_softmax_dropout_forward(s, m, r, rng, store_keep=False)
+  fn = lambda s, m, r: masked_softmax_dropout_forward(s, m, r, rng, store_keep=False,
+                                                      pair_hash=pair_hash)
   assert triton_calls_in_gpu_lowering(fn, shapes, rate) == 1
