@@ -82,12 +82,30 @@ def _enable_load_cache_modifiers():
       names[name] = names[name[1:]]
 
 
-def _hashed_keep(seeds_ref, bh, rows, cols, seq_k):
+# The default configs of the kernels that draw the mask hash once per pair of columns
+# (Config.pair_hash): not yet timed on these kernels.
+PAIR_HASH = False
+
+
+def _hashed_keep(seeds_ref, bh, rows, cols, seq_k, pair_c0=None):
   """The keep mask of a tile drawn from the key (``pallas_kernels._dropout``): ``seeds_ref``
-  holds ``[k0, k1, threshold]`` (uint32)."""
-  u = _dropout.bits16(seeds_ref[0], seeds_ref[1], bh.astype(jnp.uint32),
-                      rows.astype(jnp.uint32)[:, None], cols.astype(jnp.uint32)[None, :], seq_k)
+  holds ``[k0, k1, threshold]`` (uint32). ``pair_c0``: the tile's first column (even, the
+  tile an even width), for one hash per pair of columns (:attr:`Config.pair_hash`)."""
+  u32 = jnp.uint32
+  if pair_c0 is not None:
+    u = _dropout.bits16_tile(seeds_ref[0], seeds_ref[1], bh.astype(u32),
+                             rows.astype(u32)[:, None], pair_c0.astype(u32), cols.shape[0],
+                             seq_k)
+  else:
+    u = _dropout.bits16(seeds_ref[0], seeds_ref[1], bh.astype(u32), rows.astype(u32)[:, None],
+                        cols.astype(u32)[None, :], seq_k)
   return u >= seeds_ref[2]
+
+
+def _draw(config, bh, rows, cols, c0, seq_k):
+  """``_dropped_grad``'s ``hashed`` argument for a tile from column ``c0``."""
+  pair = config.pair_hash and cols.shape[0] % 2 == 0
+  return (bh, rows, cols, seq_k, jnp.asarray(c0) if pair else None)
 
 
 def _load_keep(keep_ref, scale_ref, tile, valid, dropout: Dropout, stream: dict):
@@ -104,8 +122,9 @@ def _load_keep(keep_ref, scale_ref, tile, valid, dropout: Dropout, stream: dict)
 
 def _dropped_grad(g, keep, keep_ref, scale_ref, dropout: Dropout, hashed=None):
   """``gd = g * keep / (1 - p)`` for one tile (``g`` when the rate is a concrete 0), fp32.
-  ``keep``: the tile's mask as read; ``hashed``: ``(bh, rows, cols, seq_k)`` when
-  ``keep_ref`` holds the key's seeds and the mask is drawn here instead."""
+  ``keep``: the tile's mask as read; ``hashed``: ``_hashed_keep``'s arguments
+  (:func:`_draw`) when ``keep_ref`` holds the key's seeds and the mask is drawn here
+  instead."""
   g = g.astype(jnp.float32)
   if dropout.mode == "none":
     return g
@@ -253,10 +272,10 @@ class _Block:
       probs_of = self._softmax(chunks, loaded)
     else:
       probs_of = [[probs for _, probs, _ in per_head] for _, per_head in loaded]
-    for (_, _, rows, cols, _), (_, per_head), chunk_probs in zip(chunks, loaded, probs_of):
+    for (c0, _, rows, cols, _), (_, per_head), chunk_probs in zip(chunks, loaded, probs_of):
       gds = []
       for (bh, _), (g, _, keep), probs in zip(self.heads, per_head, chunk_probs):
-        draw = (bh, rows, cols, self.seq_k) if self.hashed else None
+        draw = _draw(self.config, bh, rows, cols, c0, self.seq_k) if self.hashed else None
         gds.append((probs.astype(jnp.float32),
                     _dropped_grad(g, keep, self.keep_ref, self.scale_ref, self.dropout, draw)))
       sums = [s + jnp.sum(probs * gd, axis=1, keepdims=True)
@@ -306,7 +325,7 @@ def _two_pass(block: _Block, r0):
     for bh, in_range in block.heads:
       g, probs, keep = block.load_tile(bh, block._head_valid(valid, in_range), r0, c0, width,
                                        stream)
-      draw = (bh, rows, cols, block.seq_k) if block.hashed else None
+      draw = _draw(block.config, bh, rows, cols, c0, block.seq_k) if block.hashed else None
       per_head.append((probs.astype(jnp.float32),
                        _dropped_grad(g, keep, block.keep_ref, block.scale_ref, block.dropout,
                                      draw)))
@@ -469,8 +488,9 @@ def masked_softmax_dropout_backward_from_scores(grad_output, scores, mask, dropo
   and a training step keeps no ``[B, H, Sq, Sk]`` residual but its input. The same bytes
   as reading P. P agrees with the forward kernel's to rounding (the row sums may be reduced
   in another order). ``scores [B, H, Sq, Sk]``; the other arguments as there; the config
-  must not be two-pass (``chunk``). The op runs it under the opt-in ``"scores"`` residual
-  policy; not yet measured.
+  must not be two-pass (``chunk``). The op's Triton backend runs it (its default residual
+  policy, ``"scores"``: measured in a training step on the H200,
+  ``benchmarks/results/step.md``).
   """
   validation.check_scores_and_mask(scores, mask)   # errors that name the scores
   if config is not None and isinstance(config, Config) and config.chunk:
@@ -491,6 +511,8 @@ def _from_key(grad_output, p_attn, mask, dropout_rng, p_dropout, *, config, inte
     config = default_config(p_attn.shape[2], p_attn.shape[3], device_kind)
     if from_scores and config.chunk:
       config = dataclasses.replace(config, chunk=0)
+    if PAIR_HASH:
+      config = dataclasses.replace(config, pair_hash=True)
   elif not isinstance(config, Config):
     raise TypeError(f"config: expected a masked_softmax_dropout.Config, got {config!r}")
   if p == 0.0:

@@ -40,6 +40,24 @@ def test_equals_the_keep_reading_kernel(b, h, sq, sk, rate, config):
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+@pytest.mark.parametrize("entry,config", [
+    ("from_key", Config(2, 4, True)), ("from_key", Config(1, 4, False, chunk=32)),
+    ("from_key", Config(1, 4, True, heads_per_program=2)), ("from_scores", Config(2, 4, True)),
+    ("from_scores", Config(1, 4, True, heads_per_program=2))])   # from_scores: no chunk
+def test_pair_hash_draws_the_same_mask(entry, config):
+  """One hash per pair of columns (``Config.pair_hash``; split rows 131 = 128 + 3, two-pass
+  column chunks, two heads per program, and a one-column row, which hashes per element):
+  bit for bit the per-element hash's gradient."""
+  import dataclasses
+  backward = getattr(kernels, f"masked_softmax_dropout_backward_{entry}")
+  for shape in ((1, 2, 5, 131), (1, 2, 3, 1)):
+    g, p, mask, rng = _inputs(*shape, seed=2)
+    got, want = (backward(g, p, mask, rng, 0.3, interpret=INTERPRET,
+                          config=dataclasses.replace(config, pair_hash=pair))
+                 for pair in (True, False))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_traced_rate():
   g, p, mask, rng = _inputs(1, 2, 6, 40, seed=1)
   fn = jax.jit(lambda r: kernels.masked_softmax_dropout_backward_from_key(
@@ -64,12 +82,14 @@ def pretend_gpu(pretend_h200, monkeypatch):
 
 
 @pytest.mark.parametrize("entry", ["from_key", "from_scores"])
-@pytest.mark.parametrize("rate", [0.1, None])
-def test_lowers_to_triton(pretend_gpu, rate, entry):
-  """This entry point and the one given the scores (test_from_scores.py)."""
+@pytest.mark.parametrize("rate,config", [(0.1, None), (None, None),
+                                         (0.1, Config(2, 4, True, pair_hash=True))])
+def test_lowers_to_triton(pretend_gpu, rate, config, entry):
+  """This entry point and the one given the scores (test_from_scores.py), the pair hash's
+  join and reshape too."""
   shapes = [jax.ShapeDtypeStruct((2, 3, 131, 131), jnp.float32)] * 2 + [
       jax.ShapeDtypeStruct((2, 1, 131, 131), jnp.bool_)]
   rng = jax.random.key(0)
   backward = getattr(kernels, f"masked_softmax_dropout_backward_{entry}")
-  fn = lambda g, p, m, r: backward(g, p, m, rng, r)
+  fn = lambda g, p, m, r: backward(g, p, m, rng, r, config=config)
   assert triton_calls_in_gpu_lowering(fn, shapes, rate) == 1
