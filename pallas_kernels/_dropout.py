@@ -32,7 +32,7 @@ def mix32(x):
   return x ^ (x >> np.uint32(16))
 
 
-def pair_hash(k0, k1, n, r, pair, cols: int):
+def pair_hash32(k0, k1, n, r, pair, cols: int):
   """The hash ``h`` of the element pairs ``(n, r, pair)``: columns ``2 * pair`` and
   ``2 * pair + 1``, whose 16 bits ``u`` are its low and high halves (uint32 values that
   broadcast together)."""
@@ -42,18 +42,28 @@ def pair_hash(k0, k1, n, r, pair, cols: int):
 
 def bits16(k0, k1, n, r, c, cols: int):
   """The 16 bits ``u`` of elements ``(n, r, c)`` (uint32 values that broadcast together)."""
-  h = pair_hash(k0, k1, n, r, c >> np.uint32(1), cols)
+  h = pair_hash32(k0, k1, n, r, c >> np.uint32(1), cols)
   return (h >> ((c & np.uint32(1)) * np.uint32(16))) & np.uint32(0xFFFF)
 
 
-def bits16_tile(k0, k1, n, r, c0, width: int, cols: int):
-  """:func:`bits16` of columns ``c0 .. c0 + width`` (``c0`` even, ``width`` even) of rows
-  ``r`` (``[R, 1]``): ``[R, width]``, one hash per pair of columns, its two halves
-  interleaved (in a Triton kernel a join and a reshape)."""
-  pair = (c0 >> np.uint32(1)) + jnp.arange(width // 2, dtype=jnp.uint32)[None, :]
-  h = pair_hash(k0, k1, n, r, pair, cols)
-  halves = jnp.stack([h & np.uint32(0xFFFF), h >> np.uint32(16)], axis=-1)
-  return halves.reshape(h.shape[0], width)
+def tile_bits16(k0, k1, n, r, c0, width: int, cols: int, *, pairs: bool):
+  """:func:`bits16` of the ``width`` columns ``c0, ..., c0 + width - 1`` of rows ``r``
+  (uint32 ``[R, 1]``): ``[R, width]`` uint32. ``c0``: a uint32 scalar, traced or not.
+
+  ``pairs``: one hash per pair of columns, its two 16-bit halves interleaved (in a Triton
+  kernel a join and a reshape) instead of one hash per element; the same bits. It needs an
+  even ``c0`` (checked when ``c0`` is concrete; a kernel whose tiles start at multiples of
+  their even width has one) and applies to even widths only: an odd ``width`` hashes per
+  element."""
+  if pairs and width % 2 == 0:
+    if isinstance(c0, (int, np.integer)) and int(c0) % 2:
+      raise ValueError(f"c0: a tile hashed by pairs of columns starts at an even column, "
+                       f"got {int(c0)}")
+    pair = (c0 >> np.uint32(1)) + jnp.arange(width // 2, dtype=jnp.uint32)[None, :]
+    h = pair_hash32(k0, k1, n, r, pair, cols)
+    halves = jnp.stack([h & np.uint32(0xFFFF), h >> np.uint32(16)], axis=-1)
+    return halves.reshape(h.shape[0], width)
+  return bits16(k0, k1, n, r, c0 + jnp.arange(width, dtype=jnp.uint32)[None, :], cols)
 
 
 def rate_threshold(rate):

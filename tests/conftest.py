@@ -70,6 +70,20 @@ def triton_calls_in_gpu_lowering(kernel, shapes, last=None, **kwargs):
   return fn.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text().count("xla.gpu.triton")
 
 
+def pallas_call_outputs(fn, *args):
+  """How many outputs each ``pallas_call`` in ``fn``'s jaxpr on ``args`` has (sub-jaxprs
+  included, in order)."""
+  import jax.extend
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "pallas_call":
+        yield len(eqn.outvars)
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        yield from walk(sub)
+  return list(walk(jax.make_jaxpr(fn)(*args).jaxpr))
+
+
 def assert_configs_fit(config, rows, cols):
   """Every pass of a kernel config (``(block_q, block_k, num_warps, num_stages, ...)``):
   tiles are powers of two >= 16 capped by the padded lengths; sane launch parameters."""

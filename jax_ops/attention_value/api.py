@@ -65,6 +65,10 @@ def attention_softmax_dropout_value(scores, value_states, *, dropout_rate=0.0, d
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
 def _op(scores, value_states, keep, rng, rate, p_static, backend, policy, interpret):
+  if policy in (FUSED_INPUTS, FUSED_OUTPUT):
+    # No gradient taken: the backend's fused kernel writes O alone, none of the residuals.
+    return backend.forward_output(scores, value_states, rng,
+                                  _common.known_rate(p_static, rate), interpret=interpret)
   return _forward(scores, value_states, keep, rng, rate, p_static, backend, policy,
                   interpret)[0]
 

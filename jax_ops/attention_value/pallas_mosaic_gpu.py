@@ -63,6 +63,10 @@ class AttentionValueMosaicGpu(backend.ResidualChoice, backend.MosaicGpuBackend):
         store_f32=False, interpret=interpret)
     return out, probs, dropped
 
+  def forward_output(self, *args, interpret=False):
+    """``O`` alone from the fused (Triton) forward kernel: the Triton backend's."""
+    return triton.BACKEND.forward_output(*args, interpret=interpret)
+
   def forward_with_output(self, *args, interpret=False):
     """``(O, P, keep, O_f32)`` from the fused (Triton) forward kernel, no Pd: the Triton
     backend's."""

@@ -50,6 +50,13 @@ class AttentionValueTriton(backend.TritonBackend):
         scores, value_states, p_dropout, dropout_rng, interpret=interpret)
     return out, probs, keep, out32
 
+  def forward_output(self, scores, value_states, dropout_rng, p_dropout, *, interpret=False):
+    """``O`` alone from the fused forward kernel (no P, Pd, keep or fp32 O written): the
+    op's value where no gradient is taken, under the policies with a fused forward."""
+    return forward_kernel.attention_softmax_dropout_value_forward(
+        scores, value_states, p_dropout, dropout_rng, store_probs=False, store_keep=False,
+        store_f32=False, interpret=interpret)[0]
+
   def config(self, problem):
     """The kernels' default config for this problem on its device."""
     b, h, sq, skv = problem.shape("scores")

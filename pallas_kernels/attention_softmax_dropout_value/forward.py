@@ -17,13 +17,13 @@ block's key tiles (``block_k`` keys each) and keeps the running row max and the 
 of ``exp(s - max)`` in fp32 (rescaled when the max grows). Pass 2 walks them again: ``P =
 exp(s - m) * (1 / l)`` (``jax.nn.softmax``'s ``exp(s - max) / sum`` as XLA compiles it, on
 CPU and GPU: its simplifier makes a division by a broadcast a product with the reciprocal),
-rounded and stored; the tile's ``keep`` is hashed, ``Pd`` made from the rounded ``P`` (stored
-if asked), and ``acc += Pd @ V_tile`` (fp32 accumulation, tensor cores for bf16 / fp16).
-``O`` (input dtype) and the unrounded fp32 ``O`` are stored straight into the
-``[B, Sq, H, D]`` layout (no transpose pass). Padded rows, keys and head-dim columns are
-masked (``-inf`` for the max, 0 for ``P`` and ``V``). Traffic per attention element in bf16:
-read the scores twice (the second read partly from L2), write P (2 B), keep (1 B, optional)
-and Pd (2 B, optional).
+rounded and stored (if asked); the tile's ``keep`` is hashed, ``Pd`` made from the rounded
+``P`` (stored if asked), and ``acc += Pd @ V_tile`` (fp32 accumulation, tensor cores for
+bf16 / fp16). ``O`` (input dtype) and, if asked, the unrounded fp32 ``O`` are stored straight
+into the ``[B, Sq, H, D]`` layout (no transpose pass). Padded rows, keys and head-dim columns
+are masked (``-inf`` for the max, 0 for ``P`` and ``V``). Traffic per attention element in
+bf16: read the scores twice (the second read partly from L2), write P (2 B, optional), keep
+(1 B, optional) and Pd (2 B, optional).
 
 ``P`` matches the jnp softmax to within its rounding, not bit for bit: the row sum is
 accumulated in another order (and online, rescaled), so the fp32 ``P`` differs by a few fp32
@@ -84,14 +84,15 @@ DEFAULT_NUM_STAGES = 3
 PAIR_HASH = True   # one hash per pair of columns: measured 11-12% faster (H200)
 
 
-def _kernel(seeds_ref, scale_ref, s_ref, v_ref, out_ref, p_ref, *opt_refs,
+def _kernel(seeds_ref, scale_ref, s_ref, v_ref, out_ref, *opt_refs,
             num_heads, num_kv_heads, seq_q, seq_k, head_dim, d_pad, block_q, block_k,
-            dropout, store_dropped, store_keep, store_f32, pair_hash):
+            dropout, store_probs, store_dropped, store_keep, store_f32, pair_hash):
   """Refs: seeds [3] uint32 (k0, k1, threshold), scale [1] fp32, scores [B*H, Sq, Skv],
-  V [B*KVH, Skv, D]; outputs O [B, Sq, H, D], P [B*H, Sq, Skv] and, in ``opt_refs``, the
-  fp32 O [B, Sq, H, D] (if ``store_f32``), Pd (if ``store_dropped`` and ``dropout``) and
-  keep (if ``store_keep`` and ``dropout``), both [B*H, Sq, Skv]."""
+  V [B*KVH, Skv, D]; outputs O [B, Sq, H, D] and, in ``opt_refs``, P [B*H, Sq, Skv] (if
+  ``store_probs``), the fp32 O [B, Sq, H, D] (if ``store_f32``), Pd (if ``store_dropped``
+  and ``dropout``) and keep (if ``store_keep`` and ``dropout``), both [B*H, Sq, Skv]."""
   opt_refs = list(opt_refs)
+  p_ref = opt_refs.pop(0) if store_probs else None
   out32_ref = opt_refs.pop(0) if store_f32 else None
   pd_ref = opt_refs.pop(0) if dropout and store_dropped else None
   keep_ref = opt_refs.pop(0) if dropout and store_keep else None
@@ -145,19 +146,17 @@ def _kernel(seeds_ref, scale_ref, s_ref, v_ref, out_ref, p_ref, *opt_refs,
   def value(j, acc):
     cols, k_mask, mask, idx = tile(j)
     e = jnp.exp(scores(j) - m[:, None])
-    probs = (e * inv_l).astype(p_ref.dtype)
-    _store(p_ref.at[idx], probs, mask)
+    probs = (e * inv_l).astype(out_ref.dtype)
+    if p_ref is not None:
+      _store(p_ref.at[idx], probs, mask)
     if dropout:
-      if pair_hash:   # one hash per two columns (block_k and the tile's start are even)
-        u = _dropout.bits16_tile(k0s, k1s, bh.astype(_U32), rows.astype(_U32)[:, None],
-                                 (j * block_k).astype(_U32), block_k, seq_k)
-      else:
-        u = _dropout.bits16(k0s, k1s, bh.astype(_U32), rows.astype(_U32)[:, None],
-                            cols.astype(_U32)[None, :], seq_k)
+      # block_k is even, so is the tile's start: a hash per two columns with pair_hash.
+      u = _dropout.tile_bits16(k0s, k1s, bh.astype(_U32), rows.astype(_U32)[:, None],
+                               (j * block_k).astype(_U32), block_k, seq_k, pairs=pair_hash)
       keep = u >= threshold
       # As the reference's apply_dropout: (P * keep) * scale in fp32, rounded once; an
       # invalid traced rate (a NaN scale) gives NaN.
-      dropped = (probs.astype(_F32) * keep.astype(_F32) * scale).astype(p_ref.dtype)
+      dropped = (probs.astype(_F32) * keep.astype(_F32) * scale).astype(out_ref.dtype)
       if pd_ref is not None:
         _store(pd_ref.at[idx], dropped, mask)
       if keep_ref is not None:
@@ -189,24 +188,24 @@ def default_blocks(seq_q: int, seq_k: int) -> tuple[int, int]:
           min(DEFAULT_BLOCK_K, max(16, next_power_of_2(seq_k))))
 
 
-@functools.partial(jax.jit, static_argnames=("dropout", "store_dropped", "store_keep", "store_f32",
-                                             "pair_hash",
-                                             "block_q", "block_k", "num_warps", "num_stages",
-                                             "interpret"))
-def _call(scores, value_states, seeds, scale, *, dropout, store_dropped, store_keep, store_f32,
-          pair_hash, block_q,
-          block_k, num_warps, num_stages, interpret):
+@functools.partial(jax.jit, static_argnames=("dropout", "store_probs", "store_dropped",
+                                             "store_keep", "store_f32", "pair_hash", "block_q",
+                                             "block_k", "num_warps", "num_stages", "interpret"))
+def _call(scores, value_states, seeds, scale, *, dropout, store_probs, store_dropped,
+          store_keep, store_f32, pair_hash, block_q, block_k, num_warps, num_stages, interpret):
   b, h, seq_q, seq_k = scores.shape
   kvh, d = value_states.shape[1], value_states.shape[3]
   kernel = functools.partial(
       _kernel, num_heads=h, num_kv_heads=kvh, seq_q=seq_q, seq_k=seq_k, head_dim=d,
       d_pad=_padded_head_dim(d), block_q=block_q, block_k=block_k, dropout=dropout,
-      store_dropped=store_dropped, store_keep=store_keep, store_f32=store_f32,
+      store_probs=store_probs, store_dropped=store_dropped, store_keep=store_keep, store_f32=store_f32,
       pair_hash=pair_hash)
   flat = (b * h, seq_q, seq_k)
   args = (seeds, scale, scores.reshape(flat), value_states.reshape(b * kvh, seq_k, d))
   o_shape = (b, seq_q, h, d)
-  out_shape = [out_struct(o_shape, scores.dtype, *args), out_struct(flat, scores.dtype, *args)]
+  out_shape = [out_struct(o_shape, scores.dtype, *args)]
+  if store_probs:
+    out_shape.append(out_struct(flat, scores.dtype, *args))
   if store_f32:
     out_shape.append(out_struct(o_shape, _F32, *args))
   pd_out, keep_out = dropout and store_dropped, dropout and store_keep
@@ -214,7 +213,7 @@ def _call(scores, value_states, seeds, scale, *, dropout, store_dropped, store_k
     out_shape.append(out_struct(flat, scores.dtype, *args))
   if keep_out:
     out_shape.append(out_struct(flat, jnp.bool_, *args))
-  out, probs, *rest = pallas_call(
+  out, *rest = pallas_call(
       kernel,
       out_shape=tuple(out_shape),
       grid=(pl.cdiv(seq_q, block_q), b * h),
@@ -223,7 +222,7 @@ def _call(scores, value_states, seeds, scale, *, dropout, store_dropped, store_k
       name=_NAME,
   )(*args)
   shape = scores.shape
-  probs = probs.reshape(shape)
+  probs = rest.pop(0).reshape(shape) if store_probs else None
   out32 = rest.pop(0) if store_f32 else None
   dropped = rest.pop(0).reshape(shape) if pd_out else None
   keep = rest.pop(0).reshape(shape) if keep_out else None
@@ -231,7 +230,8 @@ def _call(scores, value_states, seeds, scale, *, dropout, store_dropped, store_k
 
 
 def attention_softmax_dropout_value_forward(scores, value_states, dropout_rate, dropout_rng=None,
-                                            *, store_dropped: bool = False,
+                                            *, store_probs: bool = True,
+                                            store_dropped: bool = False,
                                             store_keep: bool = True, store_f32: bool = True,
                                             pair_hash: bool = PAIR_HASH, block_q=None,
                                             block_k=None,
@@ -247,6 +247,8 @@ def attention_softmax_dropout_value_forward(scores, value_states, dropout_rate, 
       A traced rate outside [0, 1) gives NaN outputs.
     dropout_rng: a PRNG key (needed for a rate that may be > 0); the mask is
       ``jax_ops.dropout_keep_mask(dropout_rng, dropout_rate, scores.shape)``.
+    store_probs: whether the kernel writes ``P`` (a Python bool; ``False``, for a call that
+      needs only ``O``: ``None`` is returned for it).
     store_dropped: whether ``Pd`` is returned (a Python bool; the kernel writes it only
       with dropout: for a concrete rate of 0 it is ``P`` itself).
     store_keep: whether the kernel writes ``keep`` (a Python bool).
@@ -260,12 +262,13 @@ def attention_softmax_dropout_value_forward(scores, value_states, dropout_rate, 
 
   Returns:
     ``O`` ``[B, Sq, H, D]`` in the scores' dtype; ``P`` ``[B, H, Sq, Skv]`` in the scores'
-    dtype; ``Pd`` likewise, or ``None`` unless ``store_dropped``; ``keep``
+    dtype, or ``None`` with ``store_probs=False``; ``Pd`` likewise, or ``None`` unless ``store_dropped``; ``keep``
     ``[B, H, Sq, Skv]`` bool, or ``None`` for a concrete rate of 0 or with
     ``store_keep=False``; ``O_f32`` ``[B, Sq, H, D]`` fp32, ``O`` before its rounding, or
     ``None`` with ``store_f32=False``.
   """
-  for name, flag in (("store_dropped", store_dropped), ("store_keep", store_keep),
+  for name, flag in (("store_probs", store_probs), ("store_dropped", store_dropped),
+                     ("store_keep", store_keep),
                      ("store_f32", store_f32), ("pair_hash", pair_hash)):
     if not isinstance(flag, (bool, np.bool_)):
       raise TypeError(f"{name}: expected a Python bool, got {type(flag).__name__}")
@@ -284,13 +287,15 @@ def attention_softmax_dropout_value_forward(scores, value_states, dropout_rate, 
       block_q=dq if block_q is None else block_q, block_k=dk if block_k is None else block_k,
       num_warps=DEFAULT_NUM_WARPS if num_warps is None else num_warps,
       num_stages=DEFAULT_NUM_STAGES if num_stages is None else num_stages)
-  # Without dropout the kernel stores neither Pd nor keep: one compiled kernel for the flags.
+  # Without dropout the kernel stores neither Pd nor keep: one compiled kernel for the flags
+  # (P, which is Pd then, is written for a Pd asked for).
   out, probs, dropped, keep, out32 = _call(
       scores, value_states, seeds, scale, dropout=dropout,
+      store_probs=bool(store_probs) or (bool(store_dropped) and not dropout),
       store_dropped=dropout and bool(store_dropped), store_keep=dropout and bool(store_keep),
       store_f32=bool(store_f32), pair_hash=bool(pair_hash),
       block_q=cfg.block_q, block_k=cfg.block_k, num_warps=cfg.num_warps,
       num_stages=cfg.num_stages, interpret=bool(interpret))
   if store_dropped and not dropout:
     dropped = probs
-  return out, probs, dropped, keep, out32
+  return out, probs if store_probs else None, dropped, keep, out32

@@ -72,12 +72,9 @@ def _kernel(seeds_ref, scale_ref, s_ref, mask_ref, y_ref, *out_refs, num_heads, 
   if not dropout:
     pltriton.store(y_ref.at[tile], probs, mask=valid)
     return
-  if pair_hash and width >= 2:   # one hash per two columns, its halves interleaved
-    u = _dropout.bits16_tile(seeds_ref[0], seeds_ref[1], bh.astype(_U32),
-                             rows.astype(_U32)[:, None], np.uint32(0), width, seq_k)
-  else:
-    u = _dropout.bits16(seeds_ref[0], seeds_ref[1], bh.astype(_U32),
-                        rows.astype(_U32)[:, None], cols.astype(_U32)[None, :], seq_k)
+  u = _dropout.tile_bits16(seeds_ref[0], seeds_ref[1], bh.astype(_U32),
+                           rows.astype(_U32)[:, None], np.uint32(0), width, seq_k,
+                           pairs=pair_hash)
   keep = u >= seeds_ref[2]
   # As the reference: (P * keep) * scale, so an invalid traced rate (a NaN scale) gives NaN.
   y = (probs.astype(_F32) * keep.astype(_F32) * scale_ref[0]).astype(y_ref.dtype)

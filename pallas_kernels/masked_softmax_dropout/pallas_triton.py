@@ -87,25 +87,21 @@ def _enable_load_cache_modifiers():
 PAIR_HASH = False
 
 
-def _hashed_keep(seeds_ref, bh, rows, cols, seq_k, pair_c0=None):
-  """The keep mask of a tile drawn from the key (``pallas_kernels._dropout``): ``seeds_ref``
-  holds ``[k0, k1, threshold]`` (uint32). ``pair_c0``: the tile's first column (even, the
-  tile an even width), for one hash per pair of columns (:attr:`Config.pair_hash`)."""
+def _hashed_keep(seeds_ref, bh, rows, c0, width, seq_k, pairs):
+  """The keep mask of the tile of ``width`` columns from ``c0`` drawn from the key
+  (``pallas_kernels._dropout``): ``seeds_ref`` holds ``[k0, k1, threshold]`` (uint32).
+  ``pairs``: one hash per pair of columns (:attr:`Config.pair_hash`; the tiles are column
+  chunks of a power-of-two width at multiples of it, so even ones start at even columns)."""
   u32 = jnp.uint32
-  if pair_c0 is not None:
-    u = _dropout.bits16_tile(seeds_ref[0], seeds_ref[1], bh.astype(u32),
-                             rows.astype(u32)[:, None], pair_c0.astype(u32), cols.shape[0],
-                             seq_k)
-  else:
-    u = _dropout.bits16(seeds_ref[0], seeds_ref[1], bh.astype(u32), rows.astype(u32)[:, None],
-                        cols.astype(u32)[None, :], seq_k)
+  u = _dropout.tile_bits16(seeds_ref[0], seeds_ref[1], bh.astype(u32),
+                           rows.astype(u32)[:, None], jnp.asarray(c0).astype(u32), width,
+                           seq_k, pairs=pairs)
   return u >= seeds_ref[2]
 
 
-def _draw(config, bh, rows, cols, c0, seq_k):
-  """``_dropped_grad``'s ``hashed`` argument for a tile from column ``c0``."""
-  pair = config.pair_hash and cols.shape[0] % 2 == 0
-  return (bh, rows, cols, seq_k, jnp.asarray(c0) if pair else None)
+def _draw(config, bh, rows, c0, width, seq_k):
+  """``_dropped_grad``'s ``hashed`` argument (:func:`_hashed_keep`'s) for a tile."""
+  return (bh, rows, c0, width, seq_k, config.pair_hash)
 
 
 def _load_keep(keep_ref, scale_ref, tile, valid, dropout: Dropout, stream: dict):
@@ -272,10 +268,10 @@ class _Block:
       probs_of = self._softmax(chunks, loaded)
     else:
       probs_of = [[probs for _, probs, _ in per_head] for _, per_head in loaded]
-    for (c0, _, rows, cols, _), (_, per_head), chunk_probs in zip(chunks, loaded, probs_of):
+    for (c0, width, rows, _, _), (_, per_head), chunk_probs in zip(chunks, loaded, probs_of):
       gds = []
       for (bh, _), (g, _, keep), probs in zip(self.heads, per_head, chunk_probs):
-        draw = _draw(self.config, bh, rows, cols, c0, self.seq_k) if self.hashed else None
+        draw = _draw(self.config, bh, rows, c0, width, self.seq_k) if self.hashed else None
         gds.append((probs.astype(jnp.float32),
                     _dropped_grad(g, keep, self.keep_ref, self.scale_ref, self.dropout, draw)))
       sums = [s + jnp.sum(probs * gd, axis=1, keepdims=True)
@@ -325,7 +321,7 @@ def _two_pass(block: _Block, r0):
     for bh, in_range in block.heads:
       g, probs, keep = block.load_tile(bh, block._head_valid(valid, in_range), r0, c0, width,
                                        stream)
-      draw = _draw(block.config, bh, rows, cols, c0, block.seq_k) if block.hashed else None
+      draw = _draw(block.config, bh, rows, c0, width, block.seq_k) if block.hashed else None
       per_head.append((probs.astype(jnp.float32),
                        _dropped_grad(g, keep, block.keep_ref, block.scale_ref, block.dropout,
                                      draw)))

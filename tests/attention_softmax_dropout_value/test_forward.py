@@ -54,7 +54,8 @@ def _dropped(p, keep, rate):
   return apply_dropout(p, keep, rate)
 
 
-def _check(scores, value, rng, rate, out, *, store_dropped=True, store_keep=True):
+def _check(scores, value, rng, rate, out, *, store_dropped=True, store_keep=True,
+           store_f32=True):
   """``out`` (the kernel's five outputs) against the jnp forward at the static ``rate``."""
   o, p, pd, keep, o32 = out
   dtype = scores.dtype
@@ -86,7 +87,8 @@ def _check(scores, value, rng, rate, out, *, store_dropped=True, store_keep=True
     assert pd is None
   # O: the kernel's fp32 O is Pd @ V up to the order of the fp32 sums.
   assert o.dtype == dtype and o.shape == (b, sq, h, d)
-  if o32 is None:   # store_f32=False
+  assert (o32 is None) == (not store_f32)
+  if o32 is None:
     np.testing.assert_allclose(_f32(o), _f32(ref_o), rtol=1e-2, atol=1e-2)
     return
   assert o32.dtype == jnp.float32 and o32.shape == (b, sq, h, d)
@@ -112,6 +114,11 @@ def test_matches_the_jnp_forward(b, kvh, group, sq, sk, d, dtype, rate):
   if rate == 0.0:  # no dropout: no key needed, keep is None, Pd is P or None
     bare = forward(scores, value, 0.0, interpret=INTERPRET)
     assert bare[2] is None and bare[3] is None
+    # Pd asked for without P: Pd is P, which the kernel writes for it.
+    pd_only = forward(scores, value, 0.0, store_probs=False, store_dropped=True,
+                      interpret=INTERPRET)
+    assert pd_only[1] is None
+    np.testing.assert_array_equal(_f32(pd_only[2]), _f32(out[1]))
     for i in (0, 1, 4):
       np.testing.assert_array_equal(_f32(bare[i]), _f32(out[i]))
 
@@ -127,9 +134,14 @@ def test_small_tiles_without_stored_pd_or_keep():
   lean = forward(scores, value, 0.2, rng, store_dropped=True, store_keep=False,
                  store_f32=False, block_q=16, block_k=16, interpret=INTERPRET)
   assert lean[3] is None and lean[4] is None
-  _check(scores, value, rng, 0.2, lean, store_keep=False)
+  _check(scores, value, rng, 0.2, lean, store_keep=False, store_f32=False)
   for i in (0, 1):
     np.testing.assert_array_equal(_f32(lean[i]), _f32(out[i]))
+  # O alone (the op's value without a gradient): the same O.
+  bare = forward(scores, value, 0.2, rng, store_probs=False, store_keep=False,
+                 store_f32=False, block_q=16, block_k=16, interpret=INTERPRET)
+  assert bare[1:] == (None, None, None, None)
+  np.testing.assert_array_equal(_f32(bare[0]), _f32(out[0]))
 
 
 @pytest.mark.parametrize("sq,sk,block_k", [(9, 131, 64), (5, 7, 16), (19, 37, 16)])
@@ -193,6 +205,8 @@ def test_argument_errors():
     forward(scores, value, 0.1, rng, store_dropped=1, interpret=True)
   with pytest.raises(TypeError, match="store_keep"):
     forward(scores, value, 0.1, rng, store_keep=None, interpret=True)
+  with pytest.raises(TypeError, match="store_probs"):
+    forward(scores, value, 0.1, rng, store_probs=0, interpret=True)
   with pytest.raises(TypeError, match="pair_hash"):
     forward(scores, value, 0.1, rng, pair_hash=None, interpret=True)
   with pytest.raises(TypeError, match="store_f32"):

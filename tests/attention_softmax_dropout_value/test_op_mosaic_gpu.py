@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import INTERPRET, FakeBlackwell, FakeHopper, keys
+from conftest import INTERPRET, FakeBlackwell, FakeHopper, keys, pallas_call_outputs
 import jax_ops
 from jax_ops import registry
 from jax_ops.backend import Problem
@@ -150,6 +150,15 @@ def test_fused_inputs_policy_saves_no_keep_mask():
     return [r for r in jax.tree.leaves(pullback) if r.shape == scores.shape]
 
   assert [r.dtype for r in full_residuals(0.1)] == [jnp.bfloat16] * 2      # P, Pd
+  # What the fused kernel writes: O, P and Pd under a gradient, O alone without one (the
+  # same O).
+  op = lambda s, v: jax_ops.attention_softmax_dropout_value(
+      s, v, dropout_rate=0.1, dropout_rng=k[2], implementation="mosaic_gpu",
+      interpret=INTERPRET)
+  assert pallas_call_outputs(op, scores, value) == [1]
+  assert pallas_call_outputs(lambda s, v: jax.vjp(op, s, v)[0], scores, value) == [3]
+  np.testing.assert_array_equal(np.asarray(op(scores, value), np.float32),
+                                np.asarray(jax.vjp(op, scores, value)[0], np.float32))
   traced = jax.jit(full_residuals)(jnp.float32(0.1))
   assert sorted(str(r.dtype) for r in traced) == ["bfloat16", "bfloat16", "bool"]
   backend = registry.get("attention_softmax_dropout_value", "mosaic_gpu")

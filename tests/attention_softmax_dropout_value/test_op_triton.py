@@ -2,9 +2,10 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from conftest import INTERPRET, assert_close, keys
+from conftest import INTERPRET, assert_close, keys, pallas_call_outputs
 import jax_ops
 from jax_ops import reference
 
@@ -88,9 +89,19 @@ def test_fused_forward_equals_the_xla_path(monkeypatch, rate):
         s, v, dropout_rate=rate, dropout_rng=k[2], implementation=impl, interpret=INTERPRET)
     out, pullback = jax.vjp(op, scores, value)
     return (out, *pullback(ct))
-  for got, want, name in zip(run("triton"), run("xla"), ("out", "d_scores", "d_value")):
+  got_all = run("triton")
+  for got, want, name in zip(got_all, run("xla"), ("out", "d_scores", "d_value")):
     got, want = got.astype(F32), want.astype(F32)
     assert_close(got, want, atol=2e-2 * float(jnp.abs(want).max()), rtol=5e-2, name=name)
+  # Without a gradient the kernel writes O alone, the same O (checks that can fail: the
+  # pullback's forward writes O, P, keep and the fp32 O).
+  op = lambda s, v: jax_ops.attention_softmax_dropout_value(
+      s, v, dropout_rate=rate, dropout_rng=k[2], implementation="triton", interpret=INTERPRET)
+  np.testing.assert_array_equal(np.asarray(op(scores, value).astype(F32)),
+                                np.asarray(got_all[0].astype(F32)))
+  assert pallas_call_outputs(op, scores, value) == [1]
+  assert pallas_call_outputs(lambda s, v: jax.vjp(op, s, v)[0], scores, value) == [
+      4 if rate else 3]
 
 
 def test_residual_policy_of_the_largest_problems():
