@@ -117,7 +117,7 @@ def main(argv=None):
                                  "kernel_p_pd_pairs"))
           + " |")
   ok = all(r["same_keep"] and r["p_max_ulps"] <= 1 and r["max_out_err"] < 1e-2
-           and r["max_out32_err"] < 1e-2 for r in rows)
+           and r["max_out32_err"] < 1e-2 and r["pairs_equal"] for r in rows)
   return 0 if ok else 1
 
 
@@ -143,6 +143,9 @@ def _time_launch(launch, calls):
     ref, out = fns["jnp"](*sets[0]), fns["kernel_pd"](*sets[0])
     checks = {k: v.item() for k, v in _compare(ref, out).items()}
     del ref, out
+    per_element, pairs = fns["kernel_p_pd"](*sets[0]), fns["kernel_p_pd_pairs"](*sets[0])
+    checks["pairs_equal"] = all(bool(jnp.all(x == y)) for x, y in zip(per_element[:3], pairs[:3]))
+    del per_element, pairs
     times = device_times_us(list(fns.values()), sets, calls=calls)
     row = {"launch": label, "shape": [b, H, KVH, s, D],
            **{f"{name}_us": t["median_us"] for name, t in zip(fns, times)}, **checks}

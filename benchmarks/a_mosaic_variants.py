@@ -35,7 +35,7 @@ VARIANTS = {
     "stages3": mg.Config(stages=3),
     "bits": mg.Config(keep_bits=True),
     "bits_dk128": mg.Config(keep_bits=True, delta_rows=64, delta_block_k=128, delta_stages=2),
-    "fence": mg.Config(proxy_fence=True),   # fence.proxy.async before each slot release
+    "nofence": mg.Config(proxy_fence=False),   # no fence.proxy.async before slot releases
 }
 
 

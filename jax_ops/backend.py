@@ -2,7 +2,8 @@
 
 An op (``jax_ops.attention_softmax_dropout_value`` and the others) is a ``jax.custom_vjp``
 whose forward is plain jnp (except under a residual policy whose backend brings its own
-forward: op B's ``"key"``) and whose backward comes from a :class:`Backend` that the
+forward kernel: op B's ``"scores"`` and ``"key"``, op A's ``"fused_inputs"`` and
+``"fused_output"``) and whose backward comes from a :class:`Backend` that the
 registry (:mod:`jax_ops.registry`) picks by name, device and problem. A backend says:
 
 * ``name``: what ``implementation=`` takes (``"xla"``, ``"triton"``, ``"mosaic_gpu"``);
@@ -21,7 +22,10 @@ registry (:mod:`jax_ops.registry`) picks by name, device and problem. A backend 
 * ``backward(*args, causal=False, interpret=False)``: the backward with the reference
   backward's positional arguments; ops with other residual policies call the backend's
   methods of that policy (for example ``backward_from_output``; op B's ``"key"`` policy:
-  ``forward_from_key`` and ``backward_from_key``).
+  ``forward_from_key`` and ``backward_from_key``; its ``"scores"``: ``forward_from_scores``
+  and ``backward_from_scores``; op A's ``"fused_inputs"``: ``forward_with_dropped`` and
+  ``backward``, its ``"fused_output"``: ``forward_with_output`` and ``backward_from_output``,
+  both ``forward_output`` for a value without a gradient).
 """
 
 from __future__ import annotations

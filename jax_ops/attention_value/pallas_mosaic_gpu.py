@@ -47,9 +47,11 @@ class AttentionValueMosaicGpu(backend.ResidualChoice, backend.MosaicGpuBackend):
   def residual_policy(self, problem):
     b, h, sq, skv = problem.shape("scores")
     _, kvh, _, d = problem.shape("value_states")
+    if not forward_kernel.takes(b, h, kvh, sq, skv, d):
+      return INPUTS   # past the fused kernel's int32 offsets: the jnp forward
     if self.residuals == FUSED_OUTPUT and skv > mosaic.WGS * mosaic.KEYS:
       return FUSED_OUTPUT
-    if self.residuals == FUSED_INPUTS and forward_kernel.takes(b, h, kvh, sq, skv, d):
+    if self.residuals == FUSED_INPUTS:
       return FUSED_INPUTS
     return INPUTS
 
@@ -81,11 +83,10 @@ class AttentionValueMosaicGpu(backend.ResidualChoice, backend.MosaicGpuBackend):
             attn_output_f32)
     if validation.concrete_float("attention_dropout", attention_dropout) is None:
       return triton.BACKEND.backward_from_output(*args, causal=causal, interpret=interpret)
-    if dropout_mask is None:   # no dropout (a rate of 0): not read, its shape is checked
-      dropout_mask = jax.ShapeDtypeStruct(attn_weights.shape, jnp.bool_)
+    # No dropout (a rate of 0): no mask, and none read.
     return mosaic.backward_from_output(grad_attn_output, attn_weights, value_states,
-                                       dropout_mask, attention_dropout, attn_output_f32,
-                                       interpret=interpret)
+                                       _unread_mask(dropout_mask, attn_weights),
+                                       attention_dropout, attn_output_f32, interpret=interpret)
 
   def reason(self, problem):
     shapes = dict(problem.shapes)
@@ -105,13 +106,20 @@ class AttentionValueMosaicGpu(backend.ResidualChoice, backend.MosaicGpuBackend):
   def backward(self, grad_attn_output, attn_weights, attn_weights_dropped, value_states,
                dropout_mask, attention_dropout, *, causal=False, interpret=False):
     traced = validation.concrete_float("attention_dropout", attention_dropout) is None
-    if dropout_mask is None and not traced:
-      # "fused_inputs" saves no keep mask: the kernels check its shape but never read it.
-      dropout_mask = jax.ShapeDtypeStruct(attn_weights.shape, jnp.bool_)
+    if not traced:   # "fused_inputs" saves no keep mask: the Mosaic kernels never read it
+      dropout_mask = _unread_mask(dropout_mask, attn_weights)
     return kernels.attention_softmax_dropout_value_backward(
         grad_attn_output, attn_weights, attn_weights_dropped, value_states, dropout_mask,
         attention_dropout, implementation="triton" if traced else "mosaic_gpu",
         causal=causal, interpret=interpret)
+
+
+def _unread_mask(dropout_mask, attn_weights):
+  """The keep mask for kernels that check its shape and dtype but never read it: a
+  ``ShapeDtypeStruct`` of the scores' shape where none was saved."""
+  if dropout_mask is None:
+    return jax.ShapeDtypeStruct(attn_weights.shape, jnp.bool_)
+  return dropout_mask
 
 
 BACKEND = AttentionValueMosaicGpu()

@@ -34,7 +34,7 @@ class AttentionValueTriton(backend.TritonBackend):
     b, h, sq, skv = problem.shape("scores")
     d = problem.shape("value_states")[3]
     if (skv >= FROM_OUTPUT_MIN_KEYS and skv % 8 == 0 and d <= 128
-        and b * sq * h * d < 2**31):  # int32 offsets
+        and b * sq * h * d < 2**31):  # the from-delta kernel's int32 offsets into dO
       # The fused forward kernel indexes the scores with int32 offsets too; larger ones
       # keep the jnp forward.
       kvh = problem.shape("value_states")[1]

@@ -12,9 +12,11 @@ written, saved or read. Two residual policies:
 * ``"scores"`` (the default): the forward kernel writes only the output and the op saves
   the scores (an input), the attention mask and the key; the backward
   (``masked_softmax_dropout_backward_from_scores``) recomputes P from the scores. Measured
-  on an H200 in a training step (``benchmarks/results/step.md``): 1057 us against 1291 us for
-  ``"key"`` at B=8 H=16 S=1024, 3968 against 4236 us at B=16 H=8 S=2048, and no temporary
-  ``[B, H, S, S]`` buffer (``"key"``: 512 MB and 2048 MB).
+  on an H200 in a training step, the two policies one after the other in one run at
+  9ca4af2 (``benchmarks/results/runs/step_b_scores_9ca4af2.md`` and
+  ``step_b_key_9ca4af2.log``): 1057 us against 1291 us for ``"key"`` at B=8 H=16 S=1024,
+  3968 against 4236 us at B=16 H=8 S=2048, and no temporary ``[B, H, S, S]`` buffer
+  (``"key"``: 512 MB and 2048 MB).
 * ``"key"``: the forward kernel also writes P, and the op saves P instead of the scores;
   the backward is ``masked_softmax_dropout_backward_from_key``.
 

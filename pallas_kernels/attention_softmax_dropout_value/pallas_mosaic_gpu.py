@@ -107,7 +107,7 @@ def _fence(proxy_fence: bool):
 
 
 def _delta_kernel(do_ref, pd_ref, v_ref, delta_ref, *refs, kvh_count, g, sq, skv, d, rows,
-                  block_k, stages, write_keep, proxy_fence=False):
+                  block_k, stages, write_keep, proxy_fence=True):
   if write_keep:
     keep_ref, do_smem, delta_smem, barrier, keep_smem = refs
   else:
@@ -168,7 +168,7 @@ def _delta_kernel(do_ref, pd_ref, v_ref, delta_ref, *refs, kvh_count, g, sq, skv
 
 
 def delta_pass(do, pd_groups, v, *, rows=64, block_k=64, stages=4, write_keep=False,
-               proxy_fence=False, interpret=False):
+               proxy_fence=True, interpret=False):
   """``delta [B, KVH, G * seq_q]`` (fp32) of the rows of ``pd_groups [B, KVH, G * seq_q, seq_k]``;
   with ``write_keep``, ``(delta, keep_bits [B, KVH, seq_k / 32, G * seq_q] int32)``: bit
   ``k % 32`` of word ``k // 32`` of a row is ``Pd[row, k] != 0``.
@@ -208,7 +208,7 @@ def delta_pass(do, pd_groups, v, *, rows=64, block_k=64, stages=4, write_keep=Fa
 # Kernel 2: dS and dV.
 # --------------------------------------------------------------------------------------
 def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale, stages,
-                  split, fused_delta, keep_bits, proxy_fence=False):
+                  split, fused_delta, keep_bits, proxy_fence=True):
   if fused_delta:   # rows of one key block: delta from the two warpgroups' halves
     v_ref, ds_ref, dv_ref, v_smem, ds_smem, barrier, xchg_smem, xchg_barrier = refs
     delta_ref = None
@@ -337,7 +337,7 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
 
 
 def ds_dv_pass(do, p_groups, pd_groups, delta, v, *, rate, stages=3, split=1,
-               keep_bits=None, proxy_fence=False, interpret=False):
+               keep_bits=None, proxy_fence=True, interpret=False):
   """``(dS [B, KVH, G * seq_q, seq_k], dV [B, KVH, seq_k, D])`` from the group slabs of P
   and Pd, ``delta [B, KVH, G * seq_q]`` and V.
 

@@ -3,8 +3,10 @@
 ``masked_softmax_dropout_backward`` is the entry point (``pallas_triton.py``); its launch
 configuration, the tuned table's entries and the default for a device are in ``config.py``.
 ``forward.py`` has the fused forward (masked fill, softmax and dropout in one kernel, the mask
-drawn in the kernel); it and ``pallas_triton.masked_softmax_dropout_backward_from_key`` (the
-mask redrawn from the key) are op B's Triton path (``jax_ops.masked_softmax``).
+drawn in the kernel); it and ``pallas_triton.masked_softmax_dropout_backward_from_scores`` (P
+recomputed from the scores, the mask redrawn from the key) are op B's Triton path
+(``jax_ops.masked_softmax``), and ``masked_softmax_dropout_backward_from_key`` (P read) its
+``"key"`` residual policy's.
 """
 
 from pallas_kernels.masked_softmax_dropout.config import (

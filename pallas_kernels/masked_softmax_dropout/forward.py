@@ -9,11 +9,14 @@ scores and the attention mask once and writes ``y``, ``P`` and ``keep`` once (4 
 4 + 4 + 1 out per fp32 element; the mask is shared by the heads). One 32-bit hash draws two
 elements of ``keep``. With ``store_keep=False`` it writes no ``keep`` (1 byte per element
 less): a backward that redraws the mask from the key
-(``masked_softmax_dropout_backward_from_key``) does not need it.
+(``masked_softmax_dropout_backward_from_key``) does not need it; with ``store_probs=False``
+no ``P`` either, for the backward that recomputes it from the scores
+(``masked_softmax_dropout_backward_from_scores``).
 
-The forward of op B's Triton path (``jax_ops.masked_softmax_dropout``, residual policy
-``"key"``), with ``store_keep=False``. Measured on an H200 storing keep
-(``benchmarks/b_forward.py``): 1.68-1.74x faster than the jnp forward.
+The forward of op B's Triton path (``jax_ops.masked_softmax_dropout``): residual policy
+``"scores"`` (the default) with ``store_keep=False, store_probs=False``, ``"key"`` with
+``store_keep=False``. Measured on an H200 storing keep (``benchmarks/b_forward.py``):
+1.68-1.74x faster than the jnp forward.
 """
 
 from __future__ import annotations

@@ -46,8 +46,8 @@ def test_equals_the_keep_reading_kernel(b, h, sq, sk, rate, config):
     ("from_scores", Config(1, 4, True, heads_per_program=2))])   # from_scores: no chunk
 def test_pair_hash_draws_the_same_mask(entry, config):
   """One hash per pair of columns (``Config.pair_hash``; split rows 131 = 128 + 3, two-pass
-  column chunks, two heads per program, and a one-column row, which hashes per element):
-  bit for bit the per-element hash's gradient."""
+  column chunks, two heads per program, and a one-column row, whose one-column tiles hash
+  per element): bit for bit the per-element hash's gradient."""
   import dataclasses
   backward = getattr(kernels, f"masked_softmax_dropout_backward_{entry}")
   for shape in ((1, 2, 5, 131), (1, 2, 3, 1)):
