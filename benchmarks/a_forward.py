@@ -12,11 +12,12 @@ Shapes: ``(B, S)`` in :data:`SHAPES` with H=80, KVH=8, D=128, bf16, dropout 0.1.
 forward returns ``(O, P, Pd, keep, O_f32)``; the kernel is timed writing ``(O, P, keep,
 O_f32)`` (``kernel``: what op A's residual policy ``"output"`` saves) and also ``Pd``
 (``kernel_pd``: policy ``"inputs"``), and writing ``(O, P, Pd, O_f32)`` without keep
-(``kernel_pd_nokeep``), and without keep and the fp32 O (``kernel_p_pd``: what op A's Mosaic
-GPU backend saves), that with one hash per pair of columns (``kernel_p_pd_pairs``). Checks: keep bit for bit; ``P`` equal, or the share of
-elements one bf16 ulp apart (no more is allowed); ``O`` and the fp32 ``O`` within 1e-2 of
-the largest |O| (an element of ``P`` one ulp off moves ``O`` by about 1e-3 of it). Median
-device time (JAX profiler), two input sets rotated. Writes ``<out>/a_forward.json``.
+(``kernel_pd_nokeep``), and without keep and the fp32 O (``kernel_p_pd``: what op A's
+Mosaic GPU backend saves), that with one hash per pair of columns (``kernel_p_pd_pairs``,
+its outputs checked equal to ``kernel_p_pd``'s). Checks: keep bit for bit; ``P`` equal, or
+the share of elements one bf16 ulp apart (no more is allowed); ``O`` and the fp32 ``O``
+within 1e-2 of the largest |O| (an element of ``P`` one ulp off moves ``O`` by about 1e-3
+of it). Median device time (JAX profiler), two input sets rotated. Writes ``<out>/a_forward.json``.
 
 Measured on an H200 (defaults 32/64/4/3, one hash per element): 1.21-1.34x faster than the
 jnp forward without Pd, 0.83-0.94x with it; bf16 ``P`` 99.9986-99.9991% equal, the rest 1 ulp
@@ -36,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_ops
-from benchmarks.timing import device_times_us
+from benchmarks.timing import device_times_us, no_gpu
 from jax_ops.attention_value import reference
 from pallas_kernels.attention_softmax_dropout_value.forward import (
     attention_softmax_dropout_value_forward)
@@ -91,9 +92,7 @@ def main(argv=None):
                       help="comma-separated block_q/block_k/num_warps/num_stages launch "
                            "configs, each timed (the other launch flags are then ignored)")
   args = parser.parse_args(argv)
-  if jax.default_backend() != "gpu":
-    print("needs a CUDA GPU (this host's JAX backend is "
-          f"{jax.default_backend()!r}); nothing timed", file=sys.stderr)
+  if no_gpu("timing op A's forward", "nothing timed"):
     return 2
   fields = ("block_q", "block_k", "num_warps", "num_stages")
   if args.configs:

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_ops
-from benchmarks.timing import device_times_us
+from benchmarks.timing import device_times_us, no_gpu
 from jax_ops import reference
 from pallas_kernels.masked_softmax_dropout import default_config, pallas_triton
 from pallas_kernels.masked_softmax_dropout.forward import masked_softmax_dropout_forward
@@ -54,8 +54,7 @@ def main(argv=None):
                            "(y alone, a hash per pair of columns), each timed besides the "
                            "default launch")
   args = parser.parse_args(argv)
-  if jax.default_backend() != "gpu":
-    print("needs a CUDA GPU", file=sys.stderr)
+  if no_gpu("timing op B's forward and backward", "nothing timed"):
     return 2
   launches = ([tuple(map(int, c.split("/"))) for c in args.configs.split(",")]
               if args.configs else [])

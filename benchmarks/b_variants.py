@@ -41,7 +41,7 @@ import time
 import jax
 
 from benchmarks import run as bench
-from benchmarks.timing import compile_all, copy_ceiling, device_times_us
+from benchmarks.timing import compile_all, copy_ceiling, device_times_us, no_gpu
 from jax_ops import reference
 from pallas_kernels import masked_softmax_dropout as msd
 from pallas_kernels._util import next_power_of_2
@@ -342,8 +342,7 @@ def main(argv=None):
   make, order = SETS[args.set]
   if args.dry_run:
     return dry_run(make, order)
-  if jax.default_backend() != "gpu":
-    print("timing needs a CUDA GPU; use --dry-run here", file=sys.stderr)
+  if no_gpu("timing", "use --dry-run here"):
     return 2
   start = time.time()
   with open(os.path.join(bench.HERE, "workloads.json")) as f:

@@ -28,7 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from benchmarks.timing import device_times_us
+from benchmarks.timing import device_times_us, no_gpu
 from pallas_kernels import _phase
 from pallas_kernels._util import compiler_params, pallas_call
 
@@ -85,8 +85,7 @@ def copy_fn(kind, n, row_len, block_q, block_k, num_warps, num_stages, align=8,
 
 
 def main() -> int:
-  if jax.default_backend() != "gpu":
-    print("this measurement needs a CUDA GPU", file=sys.stderr)
+  if no_gpu("this measurement"):
     return 2
   elements = 8 * 80 * 373 * 449  # the P of A's (8, 373, 449) workload
   for row_len in (512, 449, 773, 293):

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
-from benchmarks.timing import copy_ceiling, device_times_us
+from benchmarks.timing import copy_ceiling, device_times_us, no_gpu
 from jax_ops import reference, registry
 from pallas_kernels import attention_softmax_dropout_value as asdv
 from pallas_kernels import qk_scale_softmax as qks
@@ -405,9 +405,7 @@ def main(argv=None):
                       help="comma-separated indices into the op's 16 workloads (default: all; "
                            "the causal op keeps the square ones); results go to <op>_subset.*")
   args = parser.parse_args(argv)
-  if jax.default_backend() != "gpu":
-    print("benchmarks need a CUDA GPU (jax.default_backend() is "
-          f"{jax.default_backend()!r}); the tests run the kernels on CPU instead.", file=sys.stderr)
+  if no_gpu("timing the kernels", "the tests run them on CPU instead"):
     return 2
   with open(os.path.join(HERE, "workloads.json")) as f:
     spec = json.load(f)

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 import jax_ops
 from benchmarks import run
-from benchmarks.timing import device_times_us
+from benchmarks.timing import device_times_us, no_gpu
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 RATE = 0.1
@@ -249,9 +249,7 @@ def main(argv=None):
                            "forward writing no Pd and the backward from delta and keep bits "
                            "(step_a_fused.*)")
   args = parser.parse_args(argv)
-  if jax.default_backend() != "gpu":
-    print("the step benchmark needs a CUDA GPU (jax.default_backend() is "
-          f"{jax.default_backend()!r})", file=sys.stderr)
+  if no_gpu("the step benchmark"):
     return 2
   ops = set(args.only.split(",")) if args.only else {"A", "B", "C"}
   meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -13,6 +13,7 @@ import concurrent.futures
 import glob
 import os
 import statistics
+import sys
 import tempfile
 import time
 
@@ -22,6 +23,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels._util import compiler_params, pallas_call
+
+def no_gpu(what: str, hint: str | None = None) -> bool:
+  """Whether this host lacks the CUDA GPU that ``what`` needs; if so, says it on stderr
+  (with ``hint``, what to do instead). A script's ``main`` then returns 2."""
+  backend = jax.default_backend()
+  if backend == "gpu":
+    return False
+  print(f"{what} needs a CUDA GPU (jax.default_backend() is {backend!r})"
+        + (f"; {hint}" if hint else ""), file=sys.stderr)
+  return True
+
 
 def compile_all(fns, args, *, workers: int = 8):
   """Ahead-of-time compiles of ``jax.jit(fn)`` for ``args``, several at once (compiling

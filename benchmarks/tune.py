@@ -33,7 +33,7 @@ import sys
 import jax
 
 from benchmarks import run as bench
-from benchmarks.timing import compile_all, device_times_us
+from benchmarks.timing import compile_all, device_times_us, no_gpu
 from pallas_kernels import _tuning
 from pallas_kernels import masked_softmax_dropout as msd
 from pallas_kernels.masked_softmax_dropout.config import KERNEL
@@ -159,8 +159,7 @@ def main(argv=None):
                       help="default: pallas_kernels/tuned/<this device>/masked_softmax_dropout.json")
   parser.add_argument("--calls", type=int, default=10)
   args = parser.parse_args(argv)
-  if jax.default_backend() != "gpu":
-    print("tuning needs a CUDA GPU", file=sys.stderr)
+  if no_gpu("tuning"):
     return 2
   device_kind = jax.devices()[0].device_kind
   out = args.out or _tuning.table_path(KERNEL, device_kind)

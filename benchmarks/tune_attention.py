@@ -52,7 +52,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from benchmarks import run as bench
-from benchmarks.timing import compile_all, device_times_us
+from benchmarks.timing import compile_all, device_times_us, no_gpu
 from benchmarks.tune import best_by_geomean, write_table
 from pallas_kernels import _tuning
 from pallas_kernels import attention_softmax_dropout_value as asdv
@@ -472,8 +472,7 @@ def main(argv=None):
   if args.cands:
     cands.update(parse_cands(args.op, args.cands))
   check_candidates(args.op, cands)
-  if jax.default_backend() != "gpu":
-    print("tuning needs a CUDA GPU", file=sys.stderr)
+  if no_gpu("tuning"):
     return 2
   problem, indices, passes_fn = OPS[args.op]
   device_kind = jax.devices()[0].device_kind

@@ -145,13 +145,8 @@ def check_problem_a(grad_attn_output, attn_weights, attn_weights_dropped, value_
 
   Returns the dropout rate as a float, or ``None`` when it is traced.
   """
-  check_array("attn_weights", attn_weights, ("B", "H", "Sq", "Skv"), dtypes=dtypes)
-  check_positive("attn_weights", attn_weights, ("B", "H", "Sq", "Skv"))
+  _check_rows_and_value("attn_weights", attn_weights, value_states, dtypes)
   b, h, sq, skv = attn_weights.shape
-  check_array("value_states", value_states, ("B", "KVH", "Skv", "D"), (b, None, skv, None),
-              dtypes=(attn_weights.dtype,))
-  check_positive("value_states", value_states, ("B", "KVH", "Skv", "D"))
-  check_divisible(h, value_states.shape[1])
   d = value_states.shape[3]
   check_array("grad_attn_output", grad_attn_output, ("B", "Sq", "H", "D"), (b, sq, h, d),
               dtypes=(attn_weights.dtype,))
@@ -178,11 +173,17 @@ def check_scores_and_value(scores, value_states, *, dtypes=_LOW) -> None:
   """Checks the inputs of the attention softmax-dropout-value forward (problem A): ``scores``
   ``[B, H, Sq, Skv]`` float, ``value_states`` ``[B, KVH, Skv, D]`` of its dtype, ``H``
   a multiple of ``KVH``."""
-  check_array("scores", scores, ("B", "H", "Sq", "Skv"), dtypes=dtypes)
-  check_positive("scores", scores, ("B", "H", "Sq", "Skv"))
-  b, h, _, skv = scores.shape
+  _check_rows_and_value("scores", scores, value_states, dtypes)
+
+
+def _check_rows_and_value(name, rows, value_states, dtypes) -> None:
+  """``rows`` (named ``name``) ``[B, H, Sq, Skv]`` of a float dtype in ``dtypes``, and
+  ``value_states`` ``[B, KVH, Skv, D]`` of its dtype with ``H`` a multiple of ``KVH``."""
+  check_array(name, rows, ("B", "H", "Sq", "Skv"), dtypes=dtypes)
+  check_positive(name, rows, ("B", "H", "Sq", "Skv"))
+  b, h, _, skv = rows.shape
   check_array("value_states", value_states, ("B", "KVH", "Skv", "D"), (b, None, skv, None),
-              dtypes=(scores.dtype,))
+              dtypes=(rows.dtype,))
   check_positive("value_states", value_states, ("B", "KVH", "Skv", "D"))
   check_divisible(h, value_states.shape[1])
 

@@ -8,9 +8,9 @@ Residual policy: on rows of at least ``FROM_OUTPUT_MIN_KEYS`` keys that are a mu
 fused forward kernel (``pallas_kernels.attention_softmax_dropout_value.forward``: softmax,
 the keep mask drawn in the kernel, GQA P·V; measured 1.21-1.34x faster than the jnp forward
 on the H200 at these outputs with one hash per element; a hash per pair of columns, the
-default since, measured 11-12% faster at other outputs), it saves P, keep and its fp32 output O instead of Pd, and
-the backward runs the one kernel that takes ``delta = rowsum(dO * O)`` (5 B per attention
-element instead of 7). Shorter rows, where
+default since, measured 11-12% faster at other outputs), it saves P, keep and its fp32
+output O instead of Pd, and the backward runs the one kernel that takes
+``delta = rowsum(dO * O)`` (5 B per attention element instead of 7). Shorter rows, where
 delta's ``O(Sq * D)`` pass costs what the dropped Pd saves, and unaligned rows, which that
 kernel loads element by element, save Pd and run the two-kernel backward. The choice and
 its measurements: ``benchmarks/results/attention_softmax_dropout_value_from_delta.md``.

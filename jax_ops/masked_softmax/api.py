@@ -9,8 +9,8 @@ residual policy says what the forward is and what it saves:
   reference backward's arguments).
 * ``"key"`` (a Triton backend made with ``residuals="key"``): the forward is the backend's
   ``forward_from_key`` (the fused Pallas kernel, which draws the same keep mask bit for bit
-  and does not store it); residuals: P, the attention mask and the dropout key, from which the backend's
-  ``backward_from_key`` redraws the mask. No ``[B, H, Sq, Sk]`` keep mask is saved.
+  and does not store it); residuals: P, the attention mask and the dropout key, from which
+  the backend's ``backward_from_key`` redraws the mask. No ``[B, H, Sq, Sk]`` keep mask is saved.
 * ``"scores"`` (the ``"triton"`` backend, its default policy): the forward
   (``forward_from_scores``) writes only the output; residuals: the scores (an input), the
   attention mask and the key; ``backward_from_scores`` recomputes P and redraws the mask.

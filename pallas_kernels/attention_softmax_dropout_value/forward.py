@@ -45,8 +45,8 @@ a join and a reshape) made the kernel 11.4-11.7% faster at the ``(O, P, Pd)`` ou
 (``benchmarks/results/runs/a_forward_pairs_17ee78a.log``: 1.38-1.58x the jnp forward).
 
 Writing ``(O, P, Pd)`` alone (no keep, no fp32 O), one hash per element: 1.22-1.40x faster
-than the jnp forward (``benchmarks/results/runs/a_forward_8ad47f9.log``); writing keep as a third
-``[B, H, Sq, Skv]`` output costs about 45% more time, more than its bytes.
+than the jnp forward (``benchmarks/results/runs/a_forward_8ad47f9.log``); writing keep as a
+third ``[B, H, Sq, Skv]`` output costs about 45% more time, more than its bytes.
 
 Op A's Triton backend runs it on rows of >= 512 keys (``jax_ops.attention_value``'s residual
 policy ``"fused_output"``); its Mosaic GPU backend, whose kernels read P and Pd, runs it
@@ -198,8 +198,8 @@ def _call(scores, value_states, seeds, scale, *, dropout, store_probs, store_dro
   kernel = functools.partial(
       _kernel, num_heads=h, num_kv_heads=kvh, seq_q=seq_q, seq_k=seq_k, head_dim=d,
       d_pad=_padded_head_dim(d), block_q=block_q, block_k=block_k, dropout=dropout,
-      store_probs=store_probs, store_dropped=store_dropped, store_keep=store_keep, store_f32=store_f32,
-      pair_hash=pair_hash)
+      store_probs=store_probs, store_dropped=store_dropped, store_keep=store_keep,
+      store_f32=store_f32, pair_hash=pair_hash)
   flat = (b * h, seq_q, seq_k)
   args = (seeds, scale, scores.reshape(flat), value_states.reshape(b * kvh, seq_k, d))
   o_shape = (b, seq_q, h, d)
@@ -234,8 +234,8 @@ def attention_softmax_dropout_value_forward(scores, value_states, dropout_rate, 
                                             store_dropped: bool = False,
                                             store_keep: bool = True, store_f32: bool = True,
                                             pair_hash: bool = PAIR_HASH, block_q=None,
-                                            block_k=None,
-                                            num_warps=None, num_stages=None, interpret=False):
+                                            block_k=None, num_warps=None, num_stages=None,
+                                            interpret=False):
   """``(O, P, Pd, keep, O_f32)`` of ``O = transpose(dropout(softmax(scores)) @ V)``.
 
   Args:
@@ -262,14 +262,14 @@ def attention_softmax_dropout_value_forward(scores, value_states, dropout_rate, 
 
   Returns:
     ``O`` ``[B, Sq, H, D]`` in the scores' dtype; ``P`` ``[B, H, Sq, Skv]`` in the scores'
-    dtype, or ``None`` with ``store_probs=False``; ``Pd`` likewise, or ``None`` unless ``store_dropped``; ``keep``
-    ``[B, H, Sq, Skv]`` bool, or ``None`` for a concrete rate of 0 or with
-    ``store_keep=False``; ``O_f32`` ``[B, Sq, H, D]`` fp32, ``O`` before its rounding, or
+    dtype, or ``None`` with ``store_probs=False``; ``Pd`` likewise, or ``None`` unless
+    ``store_dropped``; ``keep`` ``[B, H, Sq, Skv]`` bool, or ``None`` for a concrete rate of
+    0 or with ``store_keep=False``; ``O_f32`` ``[B, Sq, H, D]`` fp32, ``O`` before its rounding, or
     ``None`` with ``store_f32=False``.
   """
   for name, flag in (("store_probs", store_probs), ("store_dropped", store_dropped),
-                     ("store_keep", store_keep),
-                     ("store_f32", store_f32), ("pair_hash", pair_hash)):
+                     ("store_keep", store_keep), ("store_f32", store_f32),
+                     ("pair_hash", pair_hash)):
     if not isinstance(flag, (bool, np.bool_)):
       raise TypeError(f"{name}: expected a Python bool, got {type(flag).__name__}")
   _util.check_can_compile(_NAME, interpret, scores, value_states)
