@@ -74,8 +74,9 @@ class Config:
       ``num_stages`` overrides it when given).
     pair_hash: where the kernel draws the keep mask from the key (``_from_key``,
       ``_from_scores``), one hash per pair of columns (both 16-bit halves, interleaved by a
-      join and a reshape) instead of one per element: the same mask bit for bit. Measured
-      11-12% faster in op A's forward kernel; off here until timed on these kernels.
+      join and a reshape) instead of one per element: the same mask bit for bit. Off by
+      default: on the H200 it made the backward from the scores 9% slower at S=1024 and 4%
+      faster at S=4096 (``benchmarks/results/runs/b_forward_b44b81d.log``).
   """
   block_rows: int
   num_warps: int

@@ -33,7 +33,7 @@ from pallas_kernels import _dropout, _util, validation
 from pallas_kernels._util import compiler_params, next_power_of_2, out_struct, pallas_call
 
 _NAME = "masked_softmax_dropout_forward"
-PAIR_HASH = False   # one hash per pair of columns: not yet timed on this kernel
+PAIR_HASH = True   # one hash per pair of columns: 1-3% faster (H200, y alone)
 _F32 = jnp.float32
 _U32 = jnp.uint32
 
@@ -86,9 +86,15 @@ def _kernel(seeds_ref, scale_ref, s_ref, mask_ref, y_ref, *out_refs, num_heads, 
   pltriton.store(y_ref.at[tile], y, mask=valid)
 
 
-def default_block_rows(seq_k: int) -> int:
-  """About 4096 elements per program (whole rows)."""
-  return max(1, min(16, 4096 // next_power_of_2(seq_k)))
+def default_launch(seq_k: int) -> tuple[int, int]:
+  """``(block_rows, num_warps)``: whole rows, about 1024 elements per program, 4 warps
+  (8 on rows longer than 2048). Measured on the H200 writing y alone, against the earlier
+  4096 elements on 8 warps and five other launches
+  (``benchmarks/results/runs/b_forward_b44b81d.log``): 304 vs 322 us at B=8 H=16 S=1024,
+  43 vs 46 us at (32, 8, 256), 1247 vs 1272 us at (16, 8, 2048); rows of 4096 keep 8 warps
+  (643 us; 673 on 4)."""
+  width = next_power_of_2(seq_k)
+  return max(1, min(16, 1024 // width)), (4 if width <= 2048 else 8)
 
 
 @functools.partial(jax.jit, static_argnames=("dropout", "store_probs", "store_keep",
@@ -142,8 +148,8 @@ def masked_softmax_dropout_forward(scores, mask, dropout_rate, dropout_rng=None,
       (``masked_softmax_dropout_backward_from_scores``).
     pair_hash: whether the kernel hashes once per pair of columns (both 16-bit halves of each
       hash, interleaved by a join and a reshape) instead of once per element: the same mask.
-      Measured 11-12% faster in op A's forward kernel; off here until timed on this one.
-    block_rows, num_warps: launch overrides (default: about 4096 elements per program).
+      Default on: 1-3% faster on the H200 (``benchmarks/results/runs/b_forward_b44b81d.log``).
+    block_rows, num_warps: launch overrides (default: :func:`default_launch`).
     interpret: run the kernel in the Pallas interpreter (any backend).
 
   Returns:
@@ -161,8 +167,8 @@ def masked_softmax_dropout_forward(scores, mask, dropout_rate, dropout_rng=None,
   # traced rate.
   dropout, seeds, scale = _dropout.kernel_args(dropout_rate, dropout_rng)
   seq_k = scores.shape[3]
-  block_rows = block_rows or default_block_rows(seq_k)
-  num_warps = num_warps or (8 if next_power_of_2(seq_k) * block_rows >= 4096 else 4)
+  rows, warps = default_launch(seq_k)
+  block_rows, num_warps = block_rows or rows, num_warps or warps
   return _call(scores, mask, seeds, scale, dropout=dropout, store_probs=bool(store_probs),
                store_keep=bool(store_keep), pair_hash=bool(pair_hash),
                block_rows=block_rows, num_warps=num_warps, interpret=bool(interpret))
