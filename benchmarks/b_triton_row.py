@@ -227,7 +227,7 @@ def run_workload(index, w, ceiling_tbps, args, warp_labels):
     t = device_times_us([exe], sets, calls=args.calls, warmup=WARMUP)[0]
     row["pallas"].update(us=t["median_us"], frac_floor=floor_us / t["median_us"],
                          split_ok=t["split_ok"], kernels_per_call=t["kernels_per_call"])
-    ref = exe(*sets[0])
+    ref = jax.block_until_ready(exe(*sets[0]))
   else:
     row["pallas"].update(us=None, frac_floor=None)
 
