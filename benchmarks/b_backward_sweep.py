@@ -11,7 +11,8 @@ Usage::
 A launch is ``block_rows/num_warps`` with an optional design: ``ef`` (evict-first store),
 ``cg`` (g, P/scores and keep loaded ``.cg`` without an eviction hint, evict-first store),
 ``pub`` (``cg`` with the mask loaded ``.ca`` after the row sums; the backward from the
-scores needs the mask first and loads it with the others). Every launch's gradient must
+scores needs the mask first and loads it with the others); ``r`` or ``<design>+r``: the rows
+of a head fastest, on a 1-D grid (``Config.row_group``). Every launch's gradient must
 equal the default's to 1e-6. Median device time (JAX profiler), two input sets rotated; the
 floor is the minimum bytes over the copy ceiling measured in the same run. Writes
 ``<out>/b_backward_sweep.json``.
@@ -42,6 +43,8 @@ DESIGNS = {
     "pub": dict(stream_cache=".cg", stream_eviction=None, store_eviction="evict_first",
                 mask_cache=".ca", mask_after_sum=True),
 }
+# ``<design>+r``: the same with the rows of a head fastest on a 1-D grid (Config.row_group).
+DESIGNS.update({f"{k}+r" if k else "r": dict(v, row_group=1 << 16) for k, v in list(DESIGNS.items())})
 
 
 def parse_launch(text: str) -> Config:

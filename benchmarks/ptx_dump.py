@@ -67,22 +67,24 @@ def main(argv=None):
     tag = name.replace("/", "_")
     dump = os.path.join(args.out, tag)
     os.makedirs(dump, exist_ok=True)
-    env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={dump}")
+    env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={dump} --xla_gpu_dump_llvmir=true")
     run = subprocess.run([sys.executable, "-c", _CHILD, args.shape, str(args.p), name],
                          env=env, capture_output=True, text=True)
     print(f"== {name}: {run.stdout.strip()} rc={run.returncode}")
     if run.returncode:
       print(run.stderr[-2000:])
       continue
-    for path in sorted(glob.glob(os.path.join(dump, "*.ptx"))):
+    # The kernel's module is jit__call's (XLA names the kernel after the HLO instruction).
+    paths = [p for ext in ("ptx", "ll")
+             for p in glob.glob(os.path.join(dump, "**", f"*.{ext}"), recursive=True)]
+    print("  dumped:", sorted(os.path.basename(p) for p in paths))
+    for path in sorted(p for p in paths if "jit__call" in p):
       text = open(path).read()
-      if "masked_softmax_dropout_backward" not in text:
-        continue
       forms = collections.Counter(re.findall(r"(?:ld|st)\.global[\w.:]*", text))
       print(f"  {os.path.basename(path)}:")
       for form, n in sorted(forms.items()):
         print(f"    {n:3d}  {form}")
-      if ptxas:
+      if ptxas and path.endswith(".ptx"):
         arch = re.search(r"\.target\s+(\S+)", text)
         sm = arch.group(1).rstrip(",") if arch else "sm_90a"
         res = subprocess.run([ptxas, "-v", f"-arch={sm}", path, "-o", os.devnull],
