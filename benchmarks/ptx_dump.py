@@ -67,7 +67,8 @@ def main(argv=None):
     tag = name.replace("/", "_")
     dump = os.path.join(args.out, tag)
     os.makedirs(dump, exist_ok=True)
-    env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={dump} --xla_gpu_dump_llvmir=true")
+    env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={dump} --xla_gpu_dump_llvmir=true "
+               "--xla_gpu_experimental_dump_gpu_executable=true")
     run = subprocess.run([sys.executable, "-c", _CHILD, args.shape, str(args.p), name],
                          env=env, capture_output=True, text=True)
     print(f"== {name}: {run.stdout.strip()} rc={run.returncode}")
@@ -78,6 +79,24 @@ def main(argv=None):
     paths = [p for ext in ("ptx", "ll")
              for p in glob.glob(os.path.join(dump, "**", f"*.{ext}"), recursive=True)]
     print("  dumped:", sorted(os.path.basename(p) for p in paths))
+    # The executable's proto (--xla_gpu_experimental_dump_gpu_executable) holds the PTX text.
+    calls = glob.glob(os.path.join(dump, "**", "*jit__call*"), recursive=True)
+    print("  jit__call files:", sorted(os.path.basename(p) for p in calls if os.path.isfile(p)))
+    for path in calls:
+      if os.path.isfile(path) and not path.endswith(".txt"):
+        blob = open(path, "rb").read()
+        at = blob.find(b".version")
+        if at >= 0:
+          end = at
+          while end < len(blob) and (32 <= blob[end] < 127 or blob[end] in (9, 10, 13)):
+            end += 1
+          ptx = blob[at:end]
+          out = os.path.join(dump, "kernel.ptx")
+          with open(out, "wb") as f:
+            f.write(b"//\n" + ptx)
+          print("  PTX from", os.path.basename(path), len(ptx), "bytes")
+          paths.append(out.replace(".ptx", "_jit__call.ptx"))
+          os.rename(out, paths[-1])
     for path in sorted(p for p in paths if "jit__call" in p):
       text = open(path).read()
       forms = collections.Counter(re.findall(r"(?:ld|st)\.global[\w.:]*", text))
