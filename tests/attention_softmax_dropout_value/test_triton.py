@@ -104,8 +104,12 @@ PHASED_CASES = [
 ]
 
 
-@pytest.mark.parametrize("row_align", [-1, 8, 16, 64])
-@pytest.mark.parametrize("b,h,kvh,sq,skv,d", PHASED_CASES)
+_ALIGNS = (-1, 8, 16, 64)
+
+
+# Each case at two of the alignments, each alignment on two cases.
+@pytest.mark.parametrize("b,h,kvh,sq,skv,d,row_align", [
+    (*case, _ALIGNS[(i + j) % 4]) for i, case in enumerate(PHASED_CASES) for j in (0, 1)])
 def test_ds_pass_phased(b, h, kvh, sq, skv, d, row_align):
   """The dS pass on aligned tiles of every ``row_align``-th row (``_ds_kernel_phased``):
   against the reference, and against the tiles of consecutive rows (``row_align=0``)."""

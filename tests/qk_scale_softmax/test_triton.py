@@ -75,8 +75,12 @@ def test_prefetch(causal, sq, sk, bq, bk):
 PHASED_CASES = [(33, 131, 64, 32), (131, 33, 40, 16), (7, 70, 128, 16), (200, 45, 64, 16)]
 
 
-@pytest.mark.parametrize("row_align", [-1, 8, 32, 64])
-@pytest.mark.parametrize("sq, sk, d, block_k", PHASED_CASES)
+_ALIGNS = (-1, 8, 32, 64)
+
+
+# Each case at two of the alignments, each alignment on two cases.
+@pytest.mark.parametrize("sq, sk, d, block_k, row_align", [
+    (*case, _ALIGNS[(i + j) % 4]) for i, case in enumerate(PHASED_CASES) for j in (0, 1)])
 def test_row_kernel_phased(sq, sk, d, block_k, row_align):
   """The row kernel on aligned tiles of every ``row_align``-th row (``_row_kernel_phased``):
   against the reference, and against tiles of consecutive rows (``row_align=0``; the

@@ -1,0 +1,29 @@
+"""The GPU-only diagnostic scripts import on CPU, say they need a GPU and exit 2, and parse
+what they are given."""
+
+import pytest
+
+from benchmarks import b_backward_sweep, b_triton_row, ptx_dump, size_ceiling
+from pallas_kernels.masked_softmax_dropout import Config
+
+
+@pytest.mark.parametrize("script, argv", [
+    (b_backward_sweep, ["--configs", "1/8/pub"]),
+    (b_triton_row, ["--only", "4,4,4096"]),
+    (ptx_dump, ["--out", "/nonexistent"]),
+    (size_ceiling, []),
+])
+def test_scripts_exit_2_without_a_gpu(script, argv, capsys):
+  assert script.main(argv) == 2
+  assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_sweep_launch_names():
+  assert b_backward_sweep.parse_launch("2/8") == Config(2, 8, True)
+  assert b_backward_sweep.parse_launch("1/4/ef") == Config(1, 4, True,
+                                                           store_eviction="evict_first")
+  pub = b_backward_sweep.parse_launch("1/16/pub+r")
+  assert (pub.stream_cache, pub.stream_eviction, pub.mask_cache, pub.mask_after_sum,
+          pub.row_group) == (".cg", None, ".ca", True, 1 << 16)
+  with pytest.raises(KeyError):
+    b_backward_sweep.parse_launch("1/4/nope")
