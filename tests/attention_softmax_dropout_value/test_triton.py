@@ -64,8 +64,8 @@ def test_block_kv_is_an_alias_of_block_k():
     kernel(*args, 0.1, block_k=16, block_kv=32, interpret=INTERPRET)
 
 
-@pytest.mark.parametrize("heads, prefetch, p", [(2, False, 0.1), (4, False, 0.0),
-                                              (3, True, 0.1), (2, False, "traced")])
+@pytest.mark.parametrize("heads, prefetch, p", [(2, False, "traced"), (4, False, 0.0),
+                                              (3, True, 0.1)])
 def test_ds_pass_heads_per_program(heads, prefetch, p):
   """The dS pass with several query heads of a kv group per program (V tiles shared),
   ragged tiles, many delta partials (several chunks of the partials' 2D loads). Rows of

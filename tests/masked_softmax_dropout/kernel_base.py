@@ -31,7 +31,7 @@ def test_matches_reference(backward, b, h, s, p):
   assert float(jnp.abs(out - ref).max()) < 1e-5
 
 
-@pytest.mark.parametrize("sq,sk", [(5, 33), (33, 5), (3, 100)])
+@pytest.mark.parametrize("sq,sk", [(33, 5), (3, 100)])
 def test_rectangular(backward, sq, sk):
   args = make_inputs(2, 2, sq, sk, seed=1)
   out = backward(*args, 0.2, interpret=INTERPRET)
