@@ -84,7 +84,8 @@ def test_without_storing_keep(rate):
   assert "bool[3,7,33]" not in jaxpr and "bool[1,3,7,33]" not in jaxpr
 
 
-@pytest.mark.parametrize("sq,sk,block_rows", [(5, 1, None), (7, 33, None), (9, 293, 2)])
+# (The default hashes per pair: the other tests check it against the jnp forward's mask.)
+@pytest.mark.parametrize("sq,sk,block_rows", [(5, 1, None), (9, 293, 2)])
 def test_pair_hash_draws_the_same_mask(sq, sk, block_rows):
   """One hash per pair of columns (one column, odd rows, several row blocks): the jnp mask
   bit for bit, and every output equal to the per-element hash's."""

@@ -27,10 +27,14 @@ def _keep_reading(g, p, mask, rng, rate, **kw):
       g, p, mask, keep, jax_ops.effective_dropout_rate(rate), interpret=INTERPRET, **kw)
 
 
-@pytest.mark.parametrize("b,h,sq,sk,rate", [(2, 3, 7, 33, 0.1), (1, 2, 5, 131, 0.3),
-                                            (1, 1, 1, 293, 0.5), (1, 2, 4, 8, 0.0)])
-@pytest.mark.parametrize("config", [None, Config(2, 4, True),
-                                    Config(1, 4, False, heads_per_program=2)])
+_KEEP_CONFIGS = (None, Config(2, 4, True), Config(1, 4, False, heads_per_program=2))
+
+
+# Each shape with two of the configs, each config on two or three shapes.
+@pytest.mark.parametrize("b,h,sq,sk,rate,config", [
+    (*shape, _KEEP_CONFIGS[(i + j) % 3])
+    for i, shape in enumerate([(2, 3, 7, 33, 0.1), (1, 2, 5, 131, 0.3), (1, 1, 1, 293, 0.5),
+                               (1, 2, 4, 8, 0.0)]) for j in (0, 1)])
 def test_equals_the_keep_reading_kernel(b, h, sq, sk, rate, config):
   g, p, mask, rng = _inputs(b, h, sq, sk)
   kw = {} if config is None else {"config": config}
@@ -41,9 +45,9 @@ def test_equals_the_keep_reading_kernel(b, h, sq, sk, rate, config):
 
 
 @pytest.mark.parametrize("entry,config", [
-    ("from_key", Config(2, 4, True)), ("from_key", Config(1, 4, False, chunk=32)),
-    ("from_key", Config(1, 4, True, heads_per_program=2)), ("from_scores", Config(2, 4, True)),
-    ("from_scores", Config(1, 4, True, heads_per_program=2))])   # from_scores: no chunk
+    ("from_key", Config(1, 4, False, chunk=32)),
+    ("from_key", Config(1, 4, True, heads_per_program=2)),
+    ("from_scores", Config(2, 4, True))])   # from_scores: no chunk
 def test_pair_hash_draws_the_same_mask(entry, config):
   """One hash per pair of columns (``Config.pair_hash``; split rows 131 = 128 + 3, two-pass
   column chunks, two heads per program, and a one-column row, whose one-column tiles hash
