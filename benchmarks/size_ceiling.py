@@ -46,7 +46,7 @@ def copies(n: int):
 
 def main(argv=None):
   parser = argparse.ArgumentParser()
-  parser.add_argument("--op", default="masked_softmax_dropout")
+  parser.add_argument("--op", default="masked_softmax_dropout", choices=sorted(run.PROBLEMS))
   parser.add_argument("--calls", type=int, default=30)
   parser.add_argument("--out", default=".")
   args = parser.parse_args(argv)

@@ -3,10 +3,12 @@ what they are given."""
 
 import pytest
 
+from conftest import ON_GPU
 from benchmarks import b_backward_sweep, b_triton_row, ptx_dump, size_ceiling
 from pallas_kernels.masked_softmax_dropout import Config
 
 
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the scripts run")
 @pytest.mark.parametrize("script, argv", [
     (b_backward_sweep, ["--configs", "1/8/pub"]),
     (b_triton_row, ["--only", "4,4,4096"]),

@@ -76,7 +76,8 @@ class Config:
       ``_from_scores``), one hash per pair of columns (both 16-bit halves, interleaved by a
       join and a reshape) instead of one per element: the same mask bit for bit. Off by
       default: on the H200 it made the backward from the scores 9% slower at S=1024 and 4%
-      faster at S=4096 (``benchmarks/results/runs/b_forward_b44b81d.log``).
+      faster at S=4096 (``benchmarks/results/runs/b_forward_b44b81d.log``; S=1024 at the
+      heuristic launch, before the tuned table had a 1024 entry).
   """
   block_rows: int
   num_warps: int

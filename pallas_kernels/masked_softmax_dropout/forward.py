@@ -15,8 +15,8 @@ no ``P`` either, for the backward that recomputes it from the scores
 
 The forward of op B's Triton path (``jax_ops.masked_softmax_dropout``): residual policy
 ``"scores"`` (the default) with ``store_keep=False, store_probs=False``, ``"key"`` with
-``store_keep=False``. Measured on an H200 storing keep (``benchmarks/b_forward.py``):
-1.68-1.74x faster than the jnp forward.
+``store_keep=False``. Measured on an H200 storing keep (``benchmarks/b_forward.py``,
+``benchmarks/results/runs/b_forward_b44b81d.log``): 1.34-1.74x faster than the jnp forward.
 """
 
 from __future__ import annotations

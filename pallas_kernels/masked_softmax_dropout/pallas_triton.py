@@ -85,7 +85,8 @@ def _enable_load_cache_modifiers():
 # The default configs of the kernels that draw the mask hash once per pair of columns
 # (Config.pair_hash): off, timed on the H200 (the backward from the scores,
 # benchmarks/results/runs/b_forward_b44b81d.log): 540 vs 497 us at B=8 H=16 S=1024, 904 vs
-# 939 us at (4, 4, 4096), equal at (32, 8, 256) and (16, 8, 2048).
+# 939 us at (4, 4, 4096), equal at (32, 8, 256) and (16, 8, 2048); S=1024 then ran the
+# heuristic launch, which the table's 1024 entry has since replaced.
 PAIR_HASH = False
 
 

@@ -231,8 +231,8 @@ def _run(args, p, config):
 
 # The program orders and loops (measured, not in the table) on two of the rows: 7 (a last
 # group or block past the end) and 131 (split columns). The variants that only set cache
-# hints compute as their tiling does (the interpreter has no caches; their loads and stores
-# are checked in the Triton IR below): one row each. The others on two of the four.
+# hints compute as their tiling does (the interpreter has no caches; every variant is
+# lowered to Triton IR at every rate below): one row each. The others on two of the four.
 _HINTS_ONLY = ("stream_cg", "stream_ca", "stream_evict_last", "mask_ca", "mask_evict_last",
                "store_streaming")
 _ROWS = {name: (7, 131) if name.startswith(("row_group", "rows_", "loop", "two_pass"))
