@@ -29,19 +29,9 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import run
-from benchmarks.timing import _copy_kernel, copy_ceiling, device_times_us, no_gpu
-from pallas_kernels._util import compiler_params, pallas_call
+from benchmarks.timing import copy_ceiling, copy_fns, device_times_us, no_gpu
 
 _BLOCK = 4096   # fp32 elements per program of the Pallas copy
-
-
-def copies(n: int):
-  """``x * 2`` (XLA) and a Pallas copy of ``n`` fp32 elements (``n`` a multiple of _BLOCK)."""
-  pallas_copy = jax.jit(lambda x: pallas_call(
-      lambda a, o: _copy_kernel(a, o, block=_BLOCK),
-      out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(n // _BLOCK,),
-      compiler_params=compiler_params(4, 1))(x))
-  return [jax.jit(lambda x: x * 2.0), pallas_copy]
 
 
 def main(argv=None):
@@ -63,7 +53,8 @@ def main(argv=None):
     floor_us = floor_bytes / (ceiling * 1e6)
     n = max(_BLOCK, -(-floor_bytes // 8 // _BLOCK) * _BLOCK)
     sets = run.input_sets(lambda key: (jax.random.normal(key, (n,), jnp.float32),), index)
-    copy_us = min(t["median_us"] for t in device_times_us(copies(n), sets, calls=args.calls))
+    copies = list(copy_fns(n, block=_BLOCK, num_warps=4).values())
+    copy_us = min(t["median_us"] for t in device_times_us(copies, sets, calls=args.calls))
     ksets = run.input_sets(lambda key: problem.make_inputs(w, constants, key), index)
     kernel = lambda *a: problem.kernel(a, w, constants)
     kernel_us = device_times_us([kernel], ksets, calls=args.calls)[0]["median_us"]

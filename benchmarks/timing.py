@@ -134,6 +134,16 @@ def _copy_kernel(x_ref, o_ref, *, block):
   pltriton.store(o_ref.at[pl.ds(i * block, block)], v)
 
 
+def copy_fns(n: int, *, block: int, num_warps: int):
+  """Jitted copies of ``n`` fp32 elements (``n`` a multiple of ``block``): XLA's ``x * 2``
+  and a Pallas copy kernel of ``block`` elements per program."""
+  pallas_copy = jax.jit(lambda x: pallas_call(
+      lambda a, o: _copy_kernel(a, o, block=block),
+      out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(n // block,),
+      compiler_params=compiler_params(num_warps, 1))(x))
+  return {"xla_scale": jax.jit(lambda x: x * 2.0), "pallas_copy": pallas_copy}
+
+
 def copy_ceiling(nbytes: int = 2 << 30) -> dict:
   """Device-to-device copy bandwidth (bytes read + written per second), the
   fastest of: a Pallas copy kernel, XLA's copy, and PyTorch's memcpy if installed."""
@@ -143,15 +153,10 @@ def copy_ceiling(nbytes: int = 2 << 30) -> dict:
   xs = [jax.random.normal(jax.random.key(i), (n,), jnp.float32) for i in range(2)]
   moved = 2 * n * 4
   results = {}
-  pallas_copy = jax.jit(lambda x: pallas_call(
-      lambda a, o: _copy_kernel(a, o, block=block),
-      out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(n // block,),
-      compiler_params=compiler_params(8, 1))(x))
-  results["pallas_copy"] = moved / device_time_us(pallas_copy, [(x,) for x in xs],
-                                                  calls=10)["median_us"] / 1e6
-  xla_copy = jax.jit(lambda x: x * 2.0)
-  results["xla_scale"] = moved / device_time_us(xla_copy, [(x,) for x in xs],
-                                                calls=10)["median_us"] / 1e6
+  fns = copy_fns(n, block=block, num_warps=8)
+  for name in ("pallas_copy", "xla_scale"):
+    results[name] = moved / device_time_us(fns[name], [(x,) for x in xs],
+                                           calls=10)["median_us"] / 1e6
   try:
     import torch  # the GPU image has it; it is no dependency of the project
     if torch.cuda.is_available():
