@@ -114,9 +114,8 @@ def step_fn(step: Step, impl, interpret=False):
 
 def forward_fn(step: Step, impl="xla", interpret=False):
   """The step's forward alone (the loss, no gradient) on the path of ``impl``: jnp on the
-  XLA path; on the Pallas path the fused forward kernels of op B, and of op A where its
-  Mosaic GPU backend runs or its Triton backend on rows of >= 512 keys (C's forward is
-  jnp)."""
+  XLA path; on the Pallas path the fused forward kernels of ops B and C, and of op A where
+  its Mosaic GPU backend runs or its Triton backend on rows of >= 512 keys."""
   return jax.jit(lambda primals, w, rng: step.loss(primals, w, impl, rng, interpret))
 
 
@@ -183,9 +182,8 @@ def markdown(meta, rows) -> str:
            "calls, two input sets rotated; memory: the compiled step's temporary buffers",
            "- dropout rate 0.1 (A, B), the keep mask of `jax_ops.dropout_keep_mask` on both "
            "paths; the XLA path is jnp throughout; the Pallas path runs the Pallas backward "
-           "kernels, and for ops A and B also their fused forward kernels (op A's where its "
-           "Mosaic GPU backend runs, or its Triton backend on rows of >= 512 keys; C's "
-           "forward is jnp on both paths)", "",
+           "kernels and their fused forward kernels (op A's where its Mosaic GPU backend runs, "
+           "or its Triton backend on rows of >= 512 keys)", "",
            "- forward: the loss alone, no gradient, on each path; a step's backward is about "
            "its time minus its forward's", "",
            "| step | XLA path us | Pallas path us | speedup | forward us, XLA / Pallas | "

@@ -1,8 +1,10 @@
 """The differentiable op C: attention weights ``softmax((Q @ K^T) * scaling)``.
 
-The forward is plain jnp (:mod:`jax_ops.qk_softmax.reference`); the backward is the
-backend that :func:`jax_ops.registry.resolve` picks, given ``causal`` so that it may skip
-the tiles above the diagonal. Residuals: Q, K and P.
+The backward is the backend that :func:`jax_ops.registry.resolve` picks, given ``causal`` so
+that it may skip the tiles above the diagonal; the forward is that backend's ``forward``
+where it has one (the Pallas backends: the fused kernel of
+:mod:`pallas_kernels.qk_scale_softmax.forward`, the logits never in memory), else plain jnp
+(:mod:`jax_ops.qk_softmax.reference`; the ``"xla"`` backend). Residuals: Q, K and P.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ def qk_scale_softmax(query, key, *, scaling: float | None = None, causal: bool =
     causal: mask keys ``k > q + (Sk - Sq)`` (needs ``Sq <= Sk``); the Pallas
       backward then skips the tiles above the diagonal.
     implementation: ``None`` (the fastest backend for the device), ``"pallas"``,
-      ``"triton"``, ``"xla"`` or a registered name: the backward pass.
+      ``"triton"``, ``"mosaic_gpu"``, ``"xla"`` or a registered name: the backward pass,
+      and the forward (the Pallas backends run the fused forward kernel, ``"xla"`` jnp).
     interpret: run Pallas kernels in the interpreter (for CPU).
 
   Returns:
@@ -54,13 +57,21 @@ def qk_scale_softmax(query, key, *, scaling: float | None = None, causal: bool =
   return _op(query, key, scaling, causal, backend, bool(interpret))
 
 
+def _forward(query, key, scaling, causal, backend, interpret):
+  """P from the backend's forward kernel where it has one, else from the jnp forward."""
+  forward = getattr(backend, "forward", None)
+  if forward is None:
+    return reference.qk_scale_softmax_forward(query, key, scaling, causal)
+  return forward(query, key, scaling, causal=causal, interpret=interpret)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
 def _op(query, key, scaling, causal, backend, interpret):
-  return reference.qk_scale_softmax_forward(query, key, scaling, causal)
+  return _forward(query, key, scaling, causal, backend, interpret)
 
 
 def _fwd(query, key, scaling, causal, backend, interpret):
-  probs = reference.qk_scale_softmax_forward(query, key, scaling, causal)
+  probs = _forward(query, key, scaling, causal, backend, interpret)
   return probs, (query, key, probs)
 
 

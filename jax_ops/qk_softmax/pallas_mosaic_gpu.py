@@ -7,7 +7,8 @@ causal or not (it computes the tiles above the diagonal too and is still faster 
 the Triton kernels that skip them). Rows of 256 keys take the Triton kernels: the kernel
 entry point's Mosaic GPU pair kernel (``implementation="mosaic_gpu"`` there) measured
 slower. Forced with ``implementation="mosaic_gpu"`` on another problem or device it
-raises saying why. Residuals: Q, K and P.
+raises saying why. Residuals: Q, K and P. The op's forward is the fused Pallas Triton
+forward kernel, as for the Triton backend.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 from pallas_kernels import qk_scale_softmax as kernels
 from pallas_kernels.qk_scale_softmax import pallas_mosaic_gpu as mosaic
 from jax_ops import backend
+from jax_ops.qk_softmax.pallas_triton import pallas_forward
 
 
 class QKSoftmaxMosaicGpu(backend.MosaicGpuBackend):
@@ -36,6 +38,10 @@ class QKSoftmaxMosaicGpu(backend.MosaicGpuBackend):
   def config(self, problem):
     """The kernel has no config: its tiles follow from the shapes."""
     return None
+
+  def forward(self, query, key, scaling, *, causal=False, interpret=False):
+    """The op's forward: the fused Pallas Triton forward kernel."""
+    return pallas_forward(query, key, scaling, causal=causal, interpret=interpret)
 
   def backward(self, grad_output, query, key, attn_weights, scaling, *, causal=False,
                interpret=False):

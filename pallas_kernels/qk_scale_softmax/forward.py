@@ -1,0 +1,212 @@
+"""The forward of op C in one Pallas Triton kernel: ``P = softmax((Q @ K^T) * scaling)``.
+
+As the jnp forward (``jax_ops.qk_softmax.reference.qk_scale_softmax_forward``) computes it::
+
+    logits = (Q @ K^T) * scaling        # fp32 accumulation, input-dtype operands
+    logits = -inf above the diagonal     # causal: keys k > q + (Sk - Sq)
+    P      = softmax(logits) in fp32, rounded to the input dtype       # [B, H, Sq, Sk]
+
+One program owns ``block_q`` query rows of one (batch, head); its ``Q`` rows stay in
+registers. Pass 1 walks the key tiles (``block_k`` keys each): ``s = Q @ K_j^T`` on the
+tensor cores, then the running row max and the running sum of ``exp(s * scaling - max)`` in
+fp32 (rescaled when the max grows). Pass 2 computes the same tiles again and stores ``P =
+exp(s * scaling - m) * (1 / l)`` rounded to the input dtype. The logits never reach memory:
+the kernel reads ``Q`` and ``K`` and writes ``P`` once (2 B per element in bf16), at the cost
+of computing ``Q @ K^T`` twice. A causal call skips the GEMMs and the exponentials of the key
+tiles wholly above the diagonal and stores zeros there; only the tiles that cross the diagonal
+apply an element-wise mask.
+
+``P`` matches the jnp softmax to within its rounding, not bit for bit: the row sum is
+accumulated in another order (online), so the fp32 ``P`` differs by a few fp32 ulps and the
+rounded ``P`` by one ulp of the input dtype in a small fraction of the elements (the tests
+bound both).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import _tuning, _util, validation
+from pallas_kernels._util import compiler_params, dot, next_power_of_2, out_struct, pallas_call
+from pallas_kernels.attention_softmax_dropout_value.pallas_triton import (
+    _dim_mask, _fori_loop, _head_dims, _load, _outer, _padded_head_dim, _store, _tail_mask)
+from pallas_kernels.qk_scale_softmax.pallas_triton import (_row_num_full_k_tiles,
+                                                           _row_num_k_tiles)
+
+__all__ = ["qk_scale_softmax_forward", "ForwardConfig", "default_forward_config", "takes"]
+
+_NAME = "qk_scale_softmax_forward"
+_F32 = jnp.float32
+_FLOATS = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardConfig:
+  """The forward kernel's tiles and launch: ``block_q`` query rows per program, ``block_k``
+  keys per tile (powers of two >= 16), Triton's ``num_warps`` and ``num_stages``."""
+  block_q: int = 128
+  block_k: int = 64
+  num_warps: int = 8
+  num_stages: int = 2
+
+  def __post_init__(self):
+    # Validates the fields (ValueError naming the field).
+    _tuning.TritonPassConfig(block_q=self.block_q, block_k=self.block_k,
+                             num_warps=self.num_warps, num_stages=self.num_stages)
+
+
+def default_forward_config(seq_q: int, seq_k: int, head_dim: int) -> ForwardConfig:
+  """The default config, its tiles capped at the padded lengths (>= 16). fp32 inputs or a
+  head dim over 128 take smaller query tiles (register budget)."""
+  block_q = 128 if head_dim <= 128 else 64
+  return ForwardConfig(block_q=min(block_q, max(16, next_power_of_2(seq_q))),
+                       block_k=min(64, max(16, next_power_of_2(seq_k))))
+
+
+def _kernel(scale_ref, q_ref, k_ref, p_ref, *, seq_q, seq_k, head_dim, d_pad, block_q, block_k,
+            causal):
+  """Refs: scale [1] fp32 (``scaling * log2(e)``), Q [B*H, Sq, D], K [B*H, Sk, D] -> P
+  [B*H, Sq, Sk]."""
+  qi = pl.program_id(0)   # row block: the fastest grid axis (programs share a head's K in L2)
+  bh = pl.program_id(1)
+  q0 = qi * block_q
+  rows = q0 + jnp.arange(block_q, dtype=jnp.int32)
+  q_mask = _tail_mask(q0, block_q, seq_q)
+  d_mask = _dim_mask(d_pad, head_dim)
+  dims = _head_dims(d_pad)
+  scale = scale_ref[0]
+  q = _load(q_ref.at[bh, pl.ds(q0, block_q), dims], _outer(q_mask, d_mask), 0.0)
+  n_k = pl.cdiv(seq_k, block_k)
+  ragged_k = seq_k % block_k != 0
+  if causal:
+    n_tiles = _row_num_k_tiles(qi, seq_q, seq_k, block_q, block_k)
+    n_full = _row_num_full_k_tiles(qi, seq_q, seq_k, block_q, block_k)
+  else:
+    n_tiles = n_full = n_k
+
+  def tile(j):
+    k0 = j * block_k
+    cols = k0 + jnp.arange(block_k, dtype=jnp.int32)
+    k_mask = _tail_mask(k0, block_k, seq_k)
+    return cols, k_mask, (bh, pl.ds(q0, block_q), pl.ds(k0, block_k))
+
+  def logits(j, diagonal):
+    """Key tile ``j`` of ``scaling * log2(e) * Q @ K^T`` in fp32; keys past ``seq_k`` (and,
+    with ``diagonal``, above the causal diagonal) are ``-inf``."""
+    cols, k_mask, _ = tile(j)
+    k = _load(k_ref.at[bh, pl.ds(j * block_k, block_k), dims], _outer(k_mask, d_mask), 0.0)
+    s = dot(q, k, trans_b=True) * scale
+    valid = None
+    if ragged_k:
+      valid = k_mask[None, :]
+    if diagonal:
+      below = cols[None, :] <= rows[:, None] + (seq_k - seq_q)
+      valid = below if valid is None else valid & below
+    if valid is not None:
+      s = jnp.where(valid, s, -jnp.inf)
+    return s
+
+  # Pass 1: the row max m and the row sum l of exp2(s - m), online. Every row's first tile
+  # holds a key it sees (key 0), so m is finite from the first tile on.
+  def stats(j, carry, diagonal=False):
+    m, l = carry
+    s = logits(j, diagonal)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    l = l * jnp.exp2(m - m_new) + jnp.sum(jnp.exp2(s - m_new[:, None]), axis=1)
+    return m_new, l
+
+  init = (jnp.full((block_q,), -jnp.inf, _F32), jnp.zeros((block_q,), _F32))
+  m, l = _fori_loop(0, n_full, stats, init)
+  if causal:
+    m, l = _fori_loop(n_full, n_tiles, functools.partial(stats, diagonal=True), (m, l))
+  inv_l = (1.0 / l)[:, None]
+
+  # Pass 2: P = exp2(s - m) * (1 / l), rounded and stored.
+  def write(j, carry, diagonal=False):
+    _, k_mask, idx = tile(j)
+    probs = jnp.exp2(logits(j, diagonal) - m[:, None]) * inv_l
+    _store(p_ref.at[idx], probs.astype(p_ref.dtype), _outer(q_mask, k_mask))
+    return carry
+
+  _fori_loop(0, n_full, write, 0)
+  if causal:
+    _fori_loop(n_full, n_tiles, functools.partial(write, diagonal=True), 0)
+
+    def zeros(j, carry):
+      _, k_mask, idx = tile(j)
+      _store(p_ref.at[idx], jnp.zeros((block_q, block_k), p_ref.dtype), _outer(q_mask, k_mask))
+      return carry
+
+    _fori_loop(n_tiles, n_k, zeros, 0)
+
+
+def takes(b, h, seq_q, seq_k, head_dim) -> bool:
+  """Whether the kernel takes a problem of these sizes: its int32 offsets reach every element
+  of P, Q and K (fewer than ``2**31`` each)."""
+  return max(b * h * seq_q * seq_k, b * h * max(seq_q, seq_k) * head_dim) < 2**31
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "config", "interpret"))
+def _call(query, key, scale, *, causal, config, interpret):
+  b, h, seq_q, d = query.shape
+  seq_k = key.shape[2]
+  kernel = functools.partial(
+      _kernel, seq_q=seq_q, seq_k=seq_k, head_dim=d, d_pad=_padded_head_dim(d),
+      block_q=config.block_q, block_k=config.block_k, causal=causal)
+  args = (scale, query.reshape(b * h, seq_q, d), key.reshape(b * h, seq_k, d))
+  probs = pallas_call(
+      kernel,
+      out_shape=out_struct((b * h, seq_q, seq_k), query.dtype, *args),
+      grid=(pl.cdiv(seq_q, config.block_q), b * h),
+      compiler_params=compiler_params(config.num_warps, config.num_stages),
+      interpret=interpret,
+      name=_NAME,
+  )(*args)
+  return probs.reshape(b, h, seq_q, seq_k)
+
+
+def qk_scale_softmax_forward(query, key, scaling, causal: bool = False, *,
+                             config: ForwardConfig | None = None, interpret: bool = False):
+  """``P = softmax((Q @ K^T) * scaling)`` in one kernel (the logits never reach memory).
+
+  Args:
+    query: ``[B, H, Sq, D]`` float (bf16 in the usual case; fp16, fp32); any ``D`` (padded
+      to a power of two >= 16 and masked), any ``Sq``, ``Sk`` >= 1.
+    key: ``[B, H, Sk, D]``, the query's dtype.
+    scaling: the logits' scale, a finite number > 0 (a Python float or a traced scalar).
+    causal: keys ``k > q + (Sk - Sq)`` get probability exactly 0 (needs ``Sq <= Sk``); the
+      kernel skips the GEMMs of the tiles wholly above the diagonal.
+    config: tiles and launch (:class:`ForwardConfig`; default
+      :func:`default_forward_config`).
+    interpret: run the kernel in the Pallas interpreter (any backend).
+
+  Returns:
+    ``P`` ``[B, H, Sq, Sk]`` in the query's dtype (fp32 logits and softmax; matmul operands
+    in the input dtype, fp32 accumulation; fp32 inputs multiply in full fp32).
+  """
+  _util.check_can_compile(_NAME, interpret, query, key)
+  validation.check_array("query", query, ("B", "H", "Sq", "D"), dtypes=_FLOATS)
+  validation.check_positive("query", query, ("B", "H", "Sq", "D"))
+  b, h, seq_q, d = query.shape
+  validation.check_array("key", key, ("B", "H", "Sk", "D"), (b, h, None, d),
+                         dtypes=(query.dtype,))
+  validation.check_positive("key", key, ("B", "H", "Sk", "D"))
+  seq_k = key.shape[2]
+  causal = validation.check_causal(causal, seq_q, seq_k)
+  validation.check_scaling("scaling", scaling)
+  if not takes(b, h, seq_q, seq_k, d):
+    raise ValueError(f"query: at most 2**31 - 1 elements per array (int32 offsets), got "
+                     f"query {list(query.shape)}, key {list(key.shape)}")
+  if config is None:
+    config = default_forward_config(seq_q, seq_k, d)
+  elif not isinstance(config, ForwardConfig):
+    raise TypeError(f"config: expected a qk_scale_softmax ForwardConfig, got "
+                    f"{type(config).__name__}")
+  # exp(x) = exp2(x * log2(e)): the scale folds the change of base in.
+  scale = (jnp.asarray(scaling, _F32) * jnp.asarray(1.4426950408889634, _F32)).reshape(1)
+  return _call(query, key, scale, causal=causal, config=config, interpret=bool(interpret))

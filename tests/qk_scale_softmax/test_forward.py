@@ -1,0 +1,131 @@
+"""Op C's fused forward kernel (``forward.py``): ``P`` matches the jnp forward to within one
+ulp of the input dtype (bit for bit in all but a small share of the elements); causal rows
+are exactly zero above the diagonal and sum to one; odd lengths, several row and key tiles
+with ragged last tiles, D = 40, 64 and 128, fp32, bf16 and fp16; argument errors name the
+argument; the kernel lowers to one Triton kernel."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import INTERPRET, ON_GPU
+from jax_ops._common import causal_mask
+from jax_ops.qk_softmax import reference
+from pallas_kernels.qk_scale_softmax.forward import (ForwardConfig, default_forward_config,
+                                                     qk_scale_softmax_forward as forward)
+
+
+def _inputs(b, h, sq, sk, d, dtype, seed=0):
+  k = jax.random.split(jax.random.key(seed), 2)
+  return (jax.random.normal(k[0], (b, h, sq, d), jnp.float32).astype(dtype),
+          jax.random.normal(k[1], (b, h, sk, d), jnp.float32).astype(dtype))
+
+
+def _ulps(a, b):
+  a, b = np.asarray(a), np.asarray(b)
+  ints = {2: np.int16, 4: np.int32}[a.dtype.itemsize]
+  return np.abs(a.view(ints).astype(np.int64) - b.view(ints).astype(np.int64))
+
+
+def _check(query, key, probs, causal, scaling):
+  sq, sk = query.shape[2], key.shape[2]
+  ref = jax.jit(reference.qk_scale_softmax_forward, static_argnums=(2, 3))(
+      query, key, scaling, causal)
+  assert probs.dtype == query.dtype and probs.shape == ref.shape
+  ulps = _ulps(probs, ref)
+  assert ulps.max() <= (1 if query.dtype != jnp.float32 else 16), ulps.max()
+  if query.dtype != jnp.float32 and ulps.size >= 10_000:
+    assert (ulps == 0).mean() >= 0.999, (ulps == 0).mean()
+  p32 = np.asarray(probs.astype(jnp.float32))
+  np.testing.assert_allclose(p32.sum(-1), 1.0, atol=2e-2 if query.dtype != jnp.float32
+                             else 1e-5)
+  if causal:
+    assert not np.any(np.where(np.asarray(causal_mask(sq, sk)), 0.0, p32))
+
+
+@pytest.mark.parametrize("b,h,sq,sk,d,dtype,causal,config", [
+    (1, 2, 7, 131, 64, jnp.bfloat16, False, None),     # key tiles, the last ragged
+    (1, 1, 131, 293, 128, jnp.bfloat16, True, None),   # row tiles; Sq < Sk causal
+    (2, 1, 33, 33, 40, jnp.float32, True, ForwardConfig(16, 16, 4, 2)),  # D padded; diagonal tiles
+    (1, 1, 1, 5, 16, jnp.float16, False, None),        # one row, a tile mostly padding
+    (1, 1, 293, 1, 64, jnp.bfloat16, False, ForwardConfig(64, 16, 4, 1)),  # one key
+    (1, 1, 20, 100, 64, jnp.bfloat16, True, ForwardConfig(16, 32, 4, 2)),  # zero tiles stored
+])
+def test_matches_the_jnp_forward(b, h, sq, sk, d, dtype, causal, config):
+  query, key = _inputs(b, h, sq, sk, d, dtype)
+  scaling = d ** -0.5
+  probs = forward(query, key, scaling, causal, config=config, interpret=INTERPRET)
+  _check(query, key, probs, causal, scaling)
+
+
+def test_traced_scaling_and_vmap():
+  """A traced scaling (under jit) and a vmapped call give the jnp forward's P."""
+  query, key = _inputs(2, 1, 9, 24, 32, jnp.bfloat16, seed=1)
+  fn = jax.jit(lambda q, k, s: forward(q, k, s, True, interpret=INTERPRET))
+  _check(query, key, fn(query, key, jnp.float32(0.3)), True, 0.3)
+  batched = jax.vmap(lambda q, k: forward(q, k, 0.3, interpret=INTERPRET))(query[None],
+                                                                          key[None])
+  _check(query, key, batched[0], False, 0.3)
+
+
+def test_default_config_fits_the_lengths():
+  assert default_forward_config(4096, 4096, 128) == ForwardConfig(128, 64, 8, 2)
+  assert default_forward_config(7, 5, 64) == ForwardConfig(16, 16, 8, 2)
+  assert default_forward_config(4096, 4096, 256).block_q == 64
+
+
+def test_argument_errors():
+  query, key = _inputs(1, 2, 8, 16, 32, jnp.bfloat16)
+  with pytest.raises(ValueError, match="key"):
+    forward(query, key[:, :1], 0.1, interpret=True)          # heads differ
+  with pytest.raises(ValueError, match="key"):
+    forward(query, key[..., :16], 0.1, interpret=True)       # head dims differ
+  with pytest.raises(TypeError, match="key"):
+    forward(query, key.astype(jnp.float32), 0.1, interpret=True)
+  with pytest.raises(ValueError, match="query"):
+    forward(query[0], key, 0.1, interpret=True)              # rank
+  with pytest.raises(TypeError, match="query"):
+    forward(query.astype(jnp.int32), key.astype(jnp.int32), 0.1, interpret=True)
+  for bad in (0.0, -1.0, float("inf")):
+    with pytest.raises(ValueError, match="scaling"):
+      forward(query, key, bad, interpret=True)
+  with pytest.raises(ValueError, match="causal"):
+    forward(key, query, 0.1, True, interpret=True)          # Sq > Sk
+  with pytest.raises(TypeError, match="config"):
+    forward(query, key, 0.1, config=(16, 16, 4, 2), interpret=True)
+  for kwargs, field in ((dict(block_q=24), "block_q"), (dict(block_k=8), "block_k"),
+                        (dict(num_warps=3), "num_warps"), (dict(num_stages=0), "num_stages")):
+    with pytest.raises(ValueError, match=field):
+      ForwardConfig(**kwargs)
+
+
+@pytest.mark.skipif(ON_GPU, reason="off a GPU only")
+def test_off_gpu_without_interpret_says_so():
+  query, key = _inputs(1, 1, 8, 8, 16, jnp.bfloat16)
+  with pytest.raises(ValueError, match="interpret=True"):
+    forward(query, key, 0.25)
+
+
+@pytest.fixture
+def pretend_gpu(pretend_h200, monkeypatch):
+  from pallas_kernels.qk_scale_softmax import forward as module
+  monkeypatch.setattr(module._util, "check_can_compile", lambda *a, **k: None)
+
+
+@pytest.mark.parametrize("dtype,d,causal", [(jnp.bfloat16, 128, False), (jnp.float32, 40, True)])
+def test_lowers_to_triton(pretend_gpu, dtype, d, causal):
+  """The kernel lowers to Triton IR for a GPU as one kernel (no GPU needed)."""
+  from conftest import triton_calls_in_gpu_lowering
+  shapes = [jax.ShapeDtypeStruct((2, 4, 131, d), dtype),
+            jax.ShapeDtypeStruct((2, 4, 293, d), dtype)]
+  assert triton_calls_in_gpu_lowering(lambda q, k, s: forward(q, k, s, causal),
+                                      shapes) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sq,sk,causal", [(1024, 1024, False), (1000, 1537, True),
+                                          (4096, 4096, True)])
+def test_compiled_matches_the_jnp_forward(sq, sk, causal):
+  query, key = _inputs(1, 4, sq, sk, 128, jnp.bfloat16, seed=3)
+  _check(query, key, forward(query, key, 128 ** -0.5, causal), causal, 128 ** -0.5)
