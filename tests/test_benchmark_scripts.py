@@ -4,7 +4,8 @@ what they are given."""
 import pytest
 
 from conftest import ON_GPU
-from benchmarks import b_backward_sweep, b_triton_row, ptx_dump, size_ceiling
+from benchmarks import (b_backward_sweep, b_triton_row, c_backward_step, c_forward, ptx_dump,
+                        size_ceiling)
 from pallas_kernels.masked_softmax_dropout import Config
 
 
@@ -14,6 +15,8 @@ from pallas_kernels.masked_softmax_dropout import Config
     (b_triton_row, ["--only", "4,4,4096"]),
     (ptx_dump, ["--out", "/nonexistent"]),
     (size_ceiling, []),
+    (c_forward, ["--configs", "64/64/4/3", "--shapes", "1,2,256,1"]),
+    (c_backward_step, ["--shapes", "1,2,256", "--rows", "16/128/4/2"]),
 ])
 def test_scripts_exit_2_without_a_gpu(script, argv, capsys):
   assert script.main(argv) == 2
@@ -29,3 +32,12 @@ def test_sweep_launch_names():
           pub.row_group) == (".cg", None, ".ca", True, 1 << 16)
   with pytest.raises(KeyError):
     b_backward_sweep.parse_launch("1/4/nope")
+
+
+def test_c_forward_parses_configs_and_shapes():
+  from pallas_kernels.qk_scale_softmax.forward import ForwardConfig
+  assert c_forward.parse_configs("64/128/4/2,128/64/8/3") == [ForwardConfig(64, 128, 4, 2),
+                                                              ForwardConfig(128, 64, 8, 3)]
+  assert c_forward.parse_shapes("1,32,4096,1;2,4,128,0") == [(1, 32, 4096, True),
+                                                             (2, 4, 128, False)]
+  assert c_forward.parse_shapes("") == c_forward.SHAPES

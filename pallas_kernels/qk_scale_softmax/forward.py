@@ -7,7 +7,8 @@ As the jnp forward (``jax_ops.qk_softmax.reference.qk_scale_softmax_forward``) c
     P      = softmax(logits) in fp32, rounded to the input dtype       # [B, H, Sq, Sk]
 
 One program owns ``block_q`` query rows of one (batch, head); its ``Q`` rows stay in
-registers. Pass 1 walks the key tiles (``block_k`` keys each): ``s = Q @ K_j^T`` on the
+registers. Rows of one key tile (``Sk <= block_k``) take one GEMM and the softmax from
+registers. Longer rows take two passes: pass 1 walks the key tiles (``block_k`` keys each): ``s = Q @ K_j^T`` on the
 tensor cores, then the running row max and the running sum of ``exp(s * scaling - max)`` in
 fp32 (rescaled when the max grows). Pass 2 computes the same tiles again and stores ``P =
 exp(s * scaling - m) * (1 / l)`` rounded to the input dtype. The logits never reach memory:
@@ -52,7 +53,7 @@ class ForwardConfig:
   block_q: int = 128
   block_k: int = 64
   num_warps: int = 8
-  num_stages: int = 2
+  num_stages: int = 3
 
   def __post_init__(self):
     # Validates the fields (ValueError naming the field).
@@ -61,11 +62,19 @@ class ForwardConfig:
 
 
 def default_forward_config(seq_q: int, seq_k: int, head_dim: int) -> ForwardConfig:
-  """The default config, its tiles capped at the padded lengths (>= 16). fp32 inputs or a
-  head dim over 128 take smaller query tiles (register budget)."""
+  """The default config, its tiles capped at the padded lengths (>= 16).
+
+  Measured on an H200 (``benchmarks/c_forward.py``, bf16, D = 128, H = 32,
+  ``benchmarks/results/runs/c_forward_5638cb3.log``): 128 rows by 64 keys on 8 warps, 3
+  stages, was the fastest of ten configs or within 2% of it at S = 256, 1024 and 4096, dense
+  and causal; rows of at most 128 keys take them as one tile (one GEMM, no second pass) on 4
+  warps with 64 rows. A head dim over 128 halves the query tile (registers)."""
+  if seq_k <= 128:
+    return ForwardConfig(block_q=min(64, max(16, next_power_of_2(seq_q))),
+                         block_k=max(16, next_power_of_2(seq_k)), num_warps=4, num_stages=2)
   block_q = 128 if head_dim <= 128 else 64
-  return ForwardConfig(block_q=min(block_q, max(16, next_power_of_2(seq_q))),
-                       block_k=min(64, max(16, next_power_of_2(seq_k))))
+  return ForwardConfig(block_q=min(block_q, max(16, next_power_of_2(seq_q))), block_k=64,
+                       num_warps=8, num_stages=3)
 
 
 def _kernel(scale_ref, q_ref, k_ref, p_ref, *, seq_q, seq_k, head_dim, d_pad, block_q, block_k,
@@ -110,6 +119,14 @@ def _kernel(scale_ref, q_ref, k_ref, p_ref, *, seq_q, seq_k, head_dim, d_pad, bl
     if valid is not None:
       s = jnp.where(valid, s, -jnp.inf)
     return s
+
+  if n_k == 1:
+    # Rows of one key tile: one GEMM, the softmax from registers.
+    s = logits(0, causal)
+    e = jnp.exp2(s - jnp.max(s, axis=1)[:, None])
+    probs = e * (1.0 / jnp.sum(e, axis=1))[:, None]
+    _store(p_ref.at[tile(0)[2]], probs.astype(p_ref.dtype), _outer(q_mask, tile(0)[1]))
+    return
 
   # Pass 1: the row max m and the row sum l of exp2(s - m), online. Every row's first tile
   # holds a key it sees (key 0), so m is finite from the first tile on.

@@ -51,6 +51,7 @@ def _check(query, key, probs, causal, scaling):
     (1, 1, 1, 5, 16, jnp.float16, False, None),        # one row, a tile mostly padding
     (1, 1, 293, 1, 64, jnp.bfloat16, False, ForwardConfig(64, 16, 4, 1)),  # one key
     (1, 1, 20, 100, 64, jnp.bfloat16, True, ForwardConfig(16, 32, 4, 2)),  # zero tiles stored
+    (1, 2, 70, 100, 64, jnp.bfloat16, True, None),     # one key tile, causal, 2 row tiles
 ])
 def test_matches_the_jnp_forward(b, h, sq, sk, d, dtype, causal, config):
   query, key = _inputs(b, h, sq, sk, d, dtype)
@@ -70,8 +71,10 @@ def test_traced_scaling_and_vmap():
 
 
 def test_default_config_fits_the_lengths():
-  assert default_forward_config(4096, 4096, 128) == ForwardConfig(128, 64, 8, 2)
-  assert default_forward_config(7, 5, 64) == ForwardConfig(16, 16, 8, 2)
+  assert default_forward_config(4096, 4096, 128) == ForwardConfig(128, 64, 8, 3)
+  assert default_forward_config(100, 300, 64) == ForwardConfig(128, 64, 8, 3)
+  assert default_forward_config(7, 5, 64) == ForwardConfig(16, 16, 4, 2)     # one key tile
+  assert default_forward_config(512, 128, 64) == ForwardConfig(64, 128, 4, 2)
   assert default_forward_config(4096, 4096, 256).block_q == 64
 
 
