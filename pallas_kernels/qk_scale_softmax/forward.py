@@ -65,13 +65,16 @@ def default_forward_config(seq_q: int, seq_k: int, head_dim: int) -> ForwardConf
   """The default config, its tiles capped at the padded lengths (>= 16).
 
   Measured on an H200 (``benchmarks/c_forward.py``, bf16, D = 128, H = 32,
-  ``benchmarks/results/runs/c_forward_5638cb3.log``): 128 rows by 64 keys on 8 warps, 3
-  stages, was the fastest of ten configs or within 2% of it at S = 256, 1024 and 4096, dense
-  and causal; rows of at most 128 keys take them as one tile (one GEMM, no second pass) on 4
-  warps with 64 rows. A head dim over 128 halves the query tile (registers)."""
-  if seq_k <= 128:
-    return ForwardConfig(block_q=min(64, max(16, next_power_of_2(seq_q))),
-                         block_k=max(16, next_power_of_2(seq_k)), num_warps=4, num_stages=2)
+  ``benchmarks/results/runs/c_forward_{5638cb3,332addd}.log``): rows of at most 256 keys take
+  them as one tile (one GEMM, no second pass): 64 rows on 4 warps at 128 keys (35 us against
+  44 for two passes of 128 x 64 tiles at B=32 S=128), on 8 warps at 256 keys (33 against 36
+  us at B=8 S=256). Longer rows: 128 rows by 64 keys on 8 warps, 3 stages, the fastest of ten
+  configs or within 2% of it at S = 1024 and 4096, dense and causal. A head dim over 128
+  halves the query tile (registers)."""
+  if seq_k <= 256:
+    block_k = max(16, next_power_of_2(seq_k))
+    return ForwardConfig(block_q=min(64, max(16, next_power_of_2(seq_q))), block_k=block_k,
+                         num_warps=4 if block_k <= 128 else 8, num_stages=2)
   block_q = 128 if head_dim <= 128 else 64
   return ForwardConfig(block_q=min(block_q, max(16, next_power_of_2(seq_q))), block_k=64,
                        num_warps=8, num_stages=3)

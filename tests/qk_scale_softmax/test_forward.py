@@ -73,8 +73,10 @@ def test_traced_scaling_and_vmap():
 def test_default_config_fits_the_lengths():
   assert default_forward_config(4096, 4096, 128) == ForwardConfig(128, 64, 8, 3)
   assert default_forward_config(100, 300, 64) == ForwardConfig(128, 64, 8, 3)
+  assert default_forward_config(100, 257, 64) == ForwardConfig(128, 64, 8, 3)
   assert default_forward_config(7, 5, 64) == ForwardConfig(16, 16, 4, 2)     # one key tile
   assert default_forward_config(512, 128, 64) == ForwardConfig(64, 128, 4, 2)
+  assert default_forward_config(256, 256, 128) == ForwardConfig(64, 256, 8, 2)
   assert default_forward_config(4096, 4096, 256).block_q == 64
 
 
