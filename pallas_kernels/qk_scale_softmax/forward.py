@@ -49,7 +49,13 @@ _FLOATS = (jnp.bfloat16, jnp.float16, jnp.float32)
 @dataclasses.dataclass(frozen=True)
 class ForwardConfig:
   """The forward kernel's tiles and launch: ``block_q`` query rows per program, ``block_k``
-  keys per tile (powers of two >= 16), Triton's ``num_warps`` and ``num_stages``."""
+  keys per tile (powers of two >= 16), Triton's ``num_warps`` (1, 2, 4 or 8) and
+  ``num_stages``.
+
+  16 warps are refused: on an H200 a 64 x 512 tile on 16 warps compiled to a kernel whose P
+  was wrong in 99.8% of the elements (``benchmarks/results/runs/c_forward_ae8ca48.log``;
+  the same kernel on 8 warps, and 32 x 1024 tiles on 16, were right), and no 16-warp
+  config was faster."""
   block_q: int = 128
   block_k: int = 64
   num_warps: int = 8
@@ -59,6 +65,9 @@ class ForwardConfig:
     # Validates the fields (ValueError naming the field).
     _tuning.TritonPassConfig(block_q=self.block_q, block_k=self.block_k,
                              num_warps=self.num_warps, num_stages=self.num_stages)
+    if self.num_warps == 16:
+      raise ValueError("config.num_warps: expected 1, 2, 4 or 8, got 16 (16 warps were "
+                       "measured to miscompile this kernel's tiles on an H200)")
 
 
 def default_forward_config(seq_q: int, seq_k: int, head_dim: int) -> ForwardConfig:

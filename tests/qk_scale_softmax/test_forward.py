@@ -100,7 +100,8 @@ def test_argument_errors():
   with pytest.raises(TypeError, match="config"):
     forward(query, key, 0.1, config=(16, 16, 4, 2), interpret=True)
   for kwargs, field in ((dict(block_q=24), "block_q"), (dict(block_k=8), "block_k"),
-                        (dict(num_warps=3), "num_warps"), (dict(num_stages=0), "num_stages")):
+                        (dict(num_warps=3), "num_warps"), (dict(num_warps=16), "num_warps"),
+                        (dict(num_stages=0), "num_stages")):
     with pytest.raises(ValueError, match=field):
       ForwardConfig(**kwargs)
 
