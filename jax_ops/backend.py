@@ -3,7 +3,7 @@
 An op (``jax_ops.attention_softmax_dropout_value`` and the others) is a ``jax.custom_vjp``
 whose forward is plain jnp (except under a residual policy whose backend brings its own
 forward kernel: op B's ``"scores"`` and ``"key"``, op A's ``"fused_inputs"`` and
-``"fused_output"``) and whose backward comes from a :class:`Backend` that the
+``"fused_output"``; and op C, whose Pallas backends have a ``forward``) and whose backward comes from a :class:`Backend` that the
 registry (:mod:`jax_ops.registry`) picks by name, device and problem. A backend says:
 
 * ``name``: what ``implementation=`` takes (``"xla"``, ``"triton"``, ``"mosaic_gpu"``);

@@ -30,6 +30,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _tuning, _util, validation
@@ -134,10 +135,12 @@ def _kernel(scale_ref, q_ref, k_ref, p_ref, *, seq_q, seq_k, head_dim, d_pad, bl
 
   if n_k == 1:
     # Rows of one key tile: one GEMM, the softmax from registers.
-    s = logits(0, causal)
+    first = np.int32(0)   # int32 under x64 too, like the program ids beside it
+    s = logits(first, causal)
     e = jnp.exp2(s - jnp.max(s, axis=1)[:, None])
     probs = e * (1.0 / jnp.sum(e, axis=1))[:, None]
-    _store(p_ref.at[tile(0)[2]], probs.astype(p_ref.dtype), _outer(q_mask, tile(0)[1]))
+    _, k_mask, idx = tile(first)
+    _store(p_ref.at[idx], probs.astype(p_ref.dtype), _outer(q_mask, k_mask))
     return
 
   # Pass 1: the row max m and the row sum l of exp2(s - m), online. Every row's first tile

@@ -135,3 +135,13 @@ def test_lowers_to_triton(pretend_gpu, dtype, d, causal):
 def test_compiled_matches_the_jnp_forward(sq, sk, causal):
   query, key = _inputs(1, 4, sq, sk, 128, jnp.bfloat16, seed=3)
   _check(query, key, forward(query, key, 128 ** -0.5, causal), causal, 128 ** -0.5)
+
+
+@pytest.mark.parametrize("config", [None, ForwardConfig(16, 32, 4, 2)])
+def test_x64_mode(config):
+  """Under jax_enable_x64 (Python ints are int64 there) the one-tile and the two-pass
+  kernels, causal, index in int32 and match the jnp forward."""
+  with jax.enable_x64(True):
+    query, key = _inputs(1, 2, 20, 100, 32, jnp.bfloat16, seed=2)
+    _check(query, key, forward(query, key, 0.2, True, config=config, interpret=INTERPRET),
+           True, 0.2)
