@@ -42,6 +42,14 @@ def within(out, ref, rtol=0.05, atol=1e-5):
   return float((np.abs(out - ref) <= atol + rtol * np.abs(ref)).mean())
 
 
+def parse_shapes(text):
+  return [tuple(map(int, s.split(","))) for s in text.split(";")] if text else SHAPES
+
+
+def parse_rows(text):
+  return [PassConfig(*map(int, c.split("/"))) for c in text.split(",") if c]
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser()
   parser.add_argument("--calls", type=int, default=20)
@@ -49,11 +57,9 @@ def main(argv=None):
   parser.add_argument("--shapes", default="")
   parser.add_argument("--rows", default="16/128/4/2,64/128/8/2,32/64/4/3")
   args = parser.parse_args(argv)
+  shapes, rows_cfgs = parse_shapes(args.shapes), parse_rows(args.rows)
   if no_gpu("timing op C's backward", "nothing timed"):
     return 2
-  shapes = ([tuple(map(int, s.split(","))) for s in args.shapes.split(";")] if args.shapes
-            else SHAPES)
-  rows_cfgs = [PassConfig(*map(int, c.split("/"))) for c in args.rows.split(",") if c]
   scaling = D ** -0.5
   out_rows, ok = [], True
   for b, h, s in shapes:
@@ -65,13 +71,17 @@ def main(argv=None):
       p = reference.qk_scale_softmax_forward(q, kk, scaling)
       g = jax.random.normal(k[2], (b, h, s, s), jnp.bfloat16)
       sets.append((g, q, kk, p))
-    base = kernels.default_config(s, s, D, jnp.bfloat16, jax.devices()[0].device_kind)
+    kind = jax.devices()[0].device_kind
+    base = kernels.default_config(s, s, D, jnp.bfloat16, kind)
+    # The row-pass variants replace the two-pass scheme's row kernel (short rows' default
+    # may be the one-kernel per_head scheme).
+    two_pass = kernels.default_config(s, s, D, jnp.bfloat16, kind, schemes=("two_pass",))
     names = ["xla", "pallas"] + [f"row {c.block_q}/{c.block_k}/{c.num_warps}/{c.num_stages}"
                                  for c in rows_cfgs]
     fns = [lambda g, q, kk, p: reference.qk_scale_softmax_backward_reference(g, q, kk, p, scaling),
            lambda g, q, kk, p: pallas_kernels.qk_scale_softmax_backward(g, q, kk, p, scaling)]
     for c in rows_cfgs:
-      cfg = dataclasses.replace(base, row=c, scheme="two_pass")
+      cfg = dataclasses.replace(two_pass, row=c)
       fns.append(lambda g, q, kk, p, cfg=cfg: pallas_triton.qk_scale_softmax_backward(
           g, q, kk, p, scaling, config=cfg))
     compiled = compile_all(fns, sets[0])
@@ -103,8 +113,9 @@ def main(argv=None):
     out_rows.append(row)
     xla = row["results"]["xla"]["us"]
     print(f"B={b} H={h} S={s} (default {base.scheme}): "
-          + "; ".join(f"{n} {r['us']:.0f} us (xla/this {xla / r['us']:.2f}, dq {r['within_dq']:.4f}, "
-                      f"dk {r['within_dk']:.4f})" for n, r in row["results"].items())
+          + "; ".join(f"{n} {r['us']:.0f} us (xla/this {xla / r['us']:.2f}, "
+                      f"dq {r['within_dq']:.4f}, dk {r['within_dk']:.4f})"
+                      for n, r in row["results"].items())
           + (f"; row pass {row['row_pass_us']:.0f} us, col pass {row['col_pass_us']:.0f} us"
              if "row_pass_us" in row else ""), flush=True)
   with open(os.path.join(args.out, "c_backward_step.json"), "w") as f:

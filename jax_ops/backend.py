@@ -3,8 +3,9 @@
 An op (``jax_ops.attention_softmax_dropout_value`` and the others) is a ``jax.custom_vjp``
 whose forward is plain jnp (except under a residual policy whose backend brings its own
 forward kernel: op B's ``"scores"`` and ``"key"``, op A's ``"fused_inputs"`` and
-``"fused_output"``; and op C, whose Pallas backends have a ``forward``) and whose backward comes from a :class:`Backend` that the
-registry (:mod:`jax_ops.registry`) picks by name, device and problem. A backend says:
+``"fused_output"``; op C's Pallas backends have a ``forward``) and whose backward comes
+from a :class:`Backend` that the registry (:mod:`jax_ops.registry`) picks by name, device
+and problem. A backend says:
 
 * ``name``: what ``implementation=`` takes (``"xla"``, ``"triton"``, ``"mosaic_gpu"``);
 * ``pallas``: whether it is a Pallas kernel (``implementation="pallas"`` takes the best
@@ -25,7 +26,10 @@ registry (:mod:`jax_ops.registry`) picks by name, device and problem. A backend 
   ``forward_from_key`` and ``backward_from_key``; its ``"scores"``: ``forward_from_scores``
   and ``backward_from_scores``; op A's ``"fused_inputs"``: ``forward_with_dropped`` and
   ``backward``, its ``"fused_output"``: ``forward_with_output`` and ``backward_from_output``,
-  both ``forward_output`` for a value without a gradient).
+  both ``forward_output`` for a value without a gradient);
+* ``forward(query, key, scaling, *, causal=False, interpret=False)`` (op C, optional): the
+  op's forward ``P`` where the backend has its own kernel (op C's Pallas backends: the fused
+  forward); an op C backend without it gets the jnp forward.
 """
 
 from __future__ import annotations

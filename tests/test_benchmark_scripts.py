@@ -41,3 +41,12 @@ def test_c_forward_parses_configs_and_shapes():
   assert c_forward.parse_shapes("1,32,4096,1;2,4,128,0") == [(1, 32, 4096, True),
                                                              (2, 4, 128, False)]
   assert c_forward.parse_shapes("") == c_forward.SHAPES
+
+
+def test_c_backward_step_parses_shapes_and_rows():
+  from pallas_kernels.qk_scale_softmax import PassConfig
+  assert c_backward_step.parse_shapes("1,32,4096;4,2,128") == [(1, 32, 4096), (4, 2, 128)]
+  assert c_backward_step.parse_shapes("") == c_backward_step.SHAPES
+  assert c_backward_step.parse_rows("16/128/4/2") == [PassConfig(16, 128, 4, 2)]
+  with pytest.raises(ValueError):
+    c_backward_step.parse_rows("16/24/4/2")

@@ -5,8 +5,8 @@ device kind, a heuristic elsewhere). Residuals: Q, K and P (the reference backwa
 arguments). A causal call skips the key tiles above the diagonal.
 
 The op's forward is the fused forward kernel (:func:`pallas_forward`, shared with the Mosaic
-GPU backend): ``Q @ K^T``, the scale, the causal mask and the softmax in one pass, P written
-once.
+GPU backend): ``Q @ K^T``, the scale, the causal mask and the softmax in one kernel, P
+written once.
 """
 
 from __future__ import annotations

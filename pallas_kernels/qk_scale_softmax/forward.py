@@ -8,8 +8,8 @@ As the jnp forward (``jax_ops.qk_softmax.reference.qk_scale_softmax_forward``) c
 
 One program owns ``block_q`` query rows of one (batch, head); its ``Q`` rows stay in
 registers. Rows of one key tile (``Sk <= block_k``) take one GEMM and the softmax from
-registers. Longer rows take two passes: pass 1 walks the key tiles (``block_k`` keys each): ``s = Q @ K_j^T`` on the
-tensor cores, then the running row max and the running sum of ``exp(s * scaling - max)`` in
+registers. Longer rows take two passes: pass 1 walks the key tiles (``block_k`` keys each):
+``s = Q @ K_j^T`` on the tensor cores, then the running row max and the running sum of ``exp(s * scaling - max)`` in
 fp32 (rescaled when the max grows). Pass 2 computes the same tiles again and stores ``P =
 exp(s * scaling - m) * (1 / l)`` rounded to the input dtype. The logits never reach memory:
 the kernel reads ``Q`` and ``K`` and writes ``P`` once (2 B per element in bf16), at the cost
@@ -53,41 +53,52 @@ class ForwardConfig:
   keys per tile (powers of two >= 16), Triton's ``num_warps`` (1, 2, 4 or 8) and
   ``num_stages``.
 
-  16 warps are refused: on an H200 a 64 x 512 tile on 16 warps compiled to a kernel whose P
-  was wrong in 99.8% of the elements (``benchmarks/results/runs/c_forward_ae8ca48.log``;
-  the same kernel on 8 warps, and 32 x 1024 tiles on 16, were right), and no 16-warp
-  config was faster."""
+  16 warps are refused: on an H200 a 64 x 512 one-tile config on 16 warps compiled to a
+  kernel whose P was wrong in 99.8% of the elements (``benchmarks/results/runs/
+  c_forward_ae8ca48.log``), while 64 x 256 on 8 warps and 32 x 1024 on 16 were right; no
+  16-warp config came near the defaults (454 against 233 us at S = 1024)."""
   block_q: int = 128
   block_k: int = 64
   num_warps: int = 8
   num_stages: int = 3
 
   def __post_init__(self):
-    # Validates the fields (ValueError naming the field).
+    if self.num_warps not in (1, 2, 4, 8):
+      raise ValueError(f"config.num_warps: expected 1, 2, 4 or 8, got {self.num_warps!r}"
+                       + (" (16 warps were measured to miscompile this kernel's tiles on an "
+                          "H200)" if self.num_warps == 16 else ""))
+    # Validates the other fields (ValueError naming the field).
     _tuning.TritonPassConfig(block_q=self.block_q, block_k=self.block_k,
                              num_warps=self.num_warps, num_stages=self.num_stages)
-    if self.num_warps == 16:
-      raise ValueError("config.num_warps: expected 1, 2, 4 or 8, got 16 (16 warps were "
-                       "measured to miscompile this kernel's tiles on an H200)")
 
 
-def default_forward_config(seq_q: int, seq_k: int, head_dim: int) -> ForwardConfig:
+def default_forward_config(seq_q: int, seq_k: int, head_dim: int,
+                           dtype=jnp.bfloat16) -> ForwardConfig:
   """The default config, its tiles capped at the padded lengths (>= 16).
 
   Measured on an H200 (``benchmarks/c_forward.py``, bf16, D = 128, H = 32,
-  ``benchmarks/results/runs/c_forward_{5638cb3,332addd}.log``): rows of at most 256 keys take
-  them as one tile (one GEMM, no second pass): 64 rows on 4 warps at 128 keys (35 us against
-  44 for two passes of 128 x 64 tiles at B=32 S=128), on 8 warps at 256 keys (33 against 36
-  us at B=8 S=256). Longer rows: 128 rows by 64 keys on 8 warps, 3 stages, the fastest of ten
-  configs or within 2% of it at S = 1024 and 4096, dense and causal. A head dim over 128
-  halves the query tile (registers)."""
+  ``benchmarks/results/runs/c_forward_{5638cb3,332addd,ae8ca48}.log``): rows of at most 256
+  keys take them as one tile (one GEMM, no second pass): 64 rows on 4 warps at 128 keys (35 us
+  against 44 for two passes of 128 x 64 tiles at B=32 S=128), on 8 warps at 256 keys (33
+  against 36 us at B=8 S=256). Longer rows: 128 rows by 64 keys on 8 warps, 3 stages, the
+  fastest of ten configs or within 2% of it at S = 1024 and 4096 dense and S = 4096 causal.
+
+  Rows of a head wider than 256 bytes (bf16 D > 128, fp32 D > 64; untuned) take smaller
+  tiles, so that the K tiles and Q fit in shared memory and registers: two passes of 64 x 64
+  tiles on 2 stages up to 512 bytes, of 32 x 32 tiles on 1 stage beyond."""
+  width = _padded_head_dim(head_dim) * jnp.dtype(dtype).itemsize
+  rows = max(16, next_power_of_2(seq_q))
+  if width > 512:
+    return ForwardConfig(block_q=min(32, rows), block_k=min(32, max(16, next_power_of_2(seq_k))),
+                         num_warps=4, num_stages=1)
+  if width > 256:
+    return ForwardConfig(block_q=min(64, rows), block_k=min(64, max(16, next_power_of_2(seq_k))),
+                         num_warps=4, num_stages=2)
   if seq_k <= 256:
     block_k = max(16, next_power_of_2(seq_k))
-    return ForwardConfig(block_q=min(64, max(16, next_power_of_2(seq_q))), block_k=block_k,
+    return ForwardConfig(block_q=min(64, rows), block_k=block_k,
                          num_warps=4 if block_k <= 128 else 8, num_stages=2)
-  block_q = 128 if head_dim <= 128 else 64
-  return ForwardConfig(block_q=min(block_q, max(16, next_power_of_2(seq_q))), block_k=64,
-                       num_warps=8, num_stages=3)
+  return ForwardConfig(block_q=min(128, rows), block_k=64, num_warps=8, num_stages=3)
 
 
 def _kernel(scale_ref, q_ref, k_ref, p_ref, *, seq_q, seq_k, head_dim, d_pad, block_q, block_k,
@@ -232,10 +243,13 @@ def qk_scale_softmax_forward(query, key, scaling, causal: bool = False, *,
   causal = validation.check_causal(causal, seq_q, seq_k)
   validation.check_scaling("scaling", scaling)
   if not takes(b, h, seq_q, seq_k, d):
-    raise ValueError(f"query: at most 2**31 - 1 elements per array (int32 offsets), got "
-                     f"query {list(query.shape)}, key {list(key.shape)}")
+    sizes = {"the output P": b * h * seq_q * seq_k, "query": b * h * seq_q * d,
+             "key": b * h * seq_k * d}
+    name, n = max(sizes.items(), key=lambda kv: kv[1])
+    raise ValueError(f"query, key: every array at most 2**31 - 1 elements (int32 offsets), "
+                     f"got {n} in {name} (query {list(query.shape)}, key {list(key.shape)})")
   if config is None:
-    config = default_forward_config(seq_q, seq_k, d)
+    config = default_forward_config(seq_q, seq_k, d, query.dtype)
   elif not isinstance(config, ForwardConfig):
     raise TypeError(f"config: expected a qk_scale_softmax ForwardConfig, got "
                     f"{type(config).__name__}")

@@ -77,7 +77,11 @@ def test_default_config_fits_the_lengths():
   assert default_forward_config(7, 5, 64) == ForwardConfig(16, 16, 4, 2)     # one key tile
   assert default_forward_config(512, 128, 64) == ForwardConfig(64, 128, 4, 2)
   assert default_forward_config(256, 256, 128) == ForwardConfig(64, 256, 8, 2)
-  assert default_forward_config(4096, 4096, 256).block_q == 64
+  # Wider heads (bytes per K row): smaller tiles, fewer stages.
+  assert default_forward_config(4096, 4096, 256) == ForwardConfig(64, 64, 4, 2)
+  assert default_forward_config(200, 200, 128, jnp.float32) == ForwardConfig(64, 64, 4, 2)
+  assert default_forward_config(200, 200, 64, jnp.float32) == ForwardConfig(64, 256, 8, 2)
+  assert default_forward_config(4096, 4096, 256, jnp.float32) == ForwardConfig(32, 32, 4, 1)
 
 
 def test_argument_errors():
@@ -119,22 +123,60 @@ def pretend_gpu(pretend_h200, monkeypatch):
   monkeypatch.setattr(module._util, "check_can_compile", lambda *a, **k: None)
 
 
-@pytest.mark.parametrize("dtype,d,causal", [(jnp.bfloat16, 128, False), (jnp.float32, 40, True)])
-def test_lowers_to_triton(pretend_gpu, dtype, d, causal):
+@pytest.mark.parametrize("dtype,d,sk,causal", [
+    (jnp.bfloat16, 128, 293, False), (jnp.float32, 40, 293, True),
+    (jnp.bfloat16, 128, 200, True),      # one tile
+    (jnp.bfloat16, 256, 293, False), (jnp.float32, 256, 200, True)])   # wide heads
+def test_lowers_to_triton(pretend_gpu, dtype, d, sk, causal):
   """The kernel lowers to Triton IR for a GPU as one kernel (no GPU needed)."""
   from conftest import triton_calls_in_gpu_lowering
   shapes = [jax.ShapeDtypeStruct((2, 4, 131, d), dtype),
-            jax.ShapeDtypeStruct((2, 4, 293, d), dtype)]
+            jax.ShapeDtypeStruct((2, 4, sk, d), dtype)]
   assert triton_calls_in_gpu_lowering(lambda q, k, s: forward(q, k, s, causal),
                                       shapes) == 1
 
 
+@pytest.mark.parametrize("implementation,kernels", [("triton", 1), ("mosaic_gpu", 1),
+                                                    ("xla", 0)])
+def test_the_op_runs_the_fused_forward(pretend_gpu, monkeypatch, implementation, kernels):
+  """The op's forward is the fused kernel on both Pallas backends (one Triton kernel when
+  lowered for a GPU), jnp on ``"xla"``; past the kernel's int32 offsets the Pallas backends
+  fall back to jnp."""
+  import jax_ops
+  from conftest import FakeHopper, triton_calls_in_gpu_lowering
+  from jax_ops import _common
+  from jax_ops.qk_softmax import pallas_triton as backend_module
+  monkeypatch.setattr(_common, "device_of", lambda *a: FakeHopper())
+  shapes = [jax.ShapeDtypeStruct((1, 2, 128, 128), jnp.bfloat16)] * 2
+  fn = lambda q, k, _: jax_ops.qk_scale_softmax(q, k, implementation=implementation)
+  assert triton_calls_in_gpu_lowering(fn, shapes, 0.0) == kernels
+  monkeypatch.setattr(backend_module.forward_kernel, "takes", lambda *a: False)
+  assert triton_calls_in_gpu_lowering(fn, shapes, 0.0) == 0
+
+
+def test_size_error_names_the_array():
+  query = jax.ShapeDtypeStruct((1, 1, 65536, 16), jnp.bfloat16)
+  key = jax.ShapeDtypeStruct((1, 1, 65536, 16), jnp.bfloat16)
+  with pytest.raises(ValueError, match="the output P"):
+    forward(query, key, 0.25, interpret=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("sq,sk,causal", [(1024, 1024, False), (1000, 1537, True),
-                                          (4096, 4096, True)])
+                                          (4096, 4096, True), (128, 128, False),
+                                          (256, 256, True), (200, 250, False)])
 def test_compiled_matches_the_jnp_forward(sq, sk, causal):
   query, key = _inputs(1, 4, sq, sk, 128, jnp.bfloat16, seed=3)
   _check(query, key, forward(query, key, 128 ** -0.5, causal), causal, 128 ** -0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,dtype,sk", [(256, jnp.bfloat16, 200), (256, jnp.bfloat16, 700),
+                                        (128, jnp.float32, 200), (256, jnp.float32, 700)])
+def test_compiled_wide_heads(d, dtype, sk):
+  """The default tiles of wide heads fit the GPU's shared memory and registers."""
+  query, key = _inputs(1, 2, 300, sk, d, dtype, seed=4)
+  _check(query, key, forward(query, key, d ** -0.5, True), True, d ** -0.5)
 
 
 @pytest.mark.parametrize("config", [None, ForwardConfig(16, 32, 4, 2)])
