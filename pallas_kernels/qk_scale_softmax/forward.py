@@ -9,8 +9,8 @@ As the jnp forward (``jax_ops.qk_softmax.reference.qk_scale_softmax_forward``) c
 One program owns ``block_q`` query rows of one (batch, head); its ``Q`` rows stay in
 registers. Rows of one key tile (``Sk <= block_k``) take one GEMM and the softmax from
 registers. Longer rows take two passes: pass 1 walks the key tiles (``block_k`` keys each):
-``s = Q @ K_j^T`` on the tensor cores, then the running row max and the running sum of ``exp(s * scaling - max)`` in
-fp32 (rescaled when the max grows). Pass 2 computes the same tiles again and stores ``P =
+``s = Q @ K_j^T`` on the tensor cores, then the running row max and the running sum of
+``exp(s * scaling - max)`` in fp32 (rescaled when the max grows). Pass 2 computes the same tiles again and stores ``P =
 exp(s * scaling - m) * (1 / l)`` rounded to the input dtype. The logits never reach memory:
 the kernel reads ``Q`` and ``K`` and writes ``P`` once (2 B per element in bf16), at the cost
 of computing ``Q @ K^T`` twice. A causal call skips the GEMMs and the exponentials of the key
