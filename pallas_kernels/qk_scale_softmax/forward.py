@@ -50,26 +50,26 @@ _FLOATS = (jnp.bfloat16, jnp.float16, jnp.float32)
 @dataclasses.dataclass(frozen=True)
 class ForwardConfig:
   """The forward kernel's tiles and launch: ``block_q`` query rows per program, ``block_k``
-  keys per tile (powers of two >= 16), Triton's ``num_warps`` (1, 2, 4 or 8) and
+  keys per tile (powers of two >= 16), Triton's ``num_warps`` and
   ``num_stages``.
 
-  16 warps are refused: on an H200 a 64 x 512 one-tile config on 16 warps compiled to a
-  kernel whose P was wrong in 99.8% of the elements (``benchmarks/results/runs/
-  c_forward_ae8ca48.log``), while 64 x 256 on 8 warps and 32 x 1024 on 16 were right; no
-  16-warp config came near the defaults (454 against 233 us at S = 1024)."""
+  Key tiles of more than 256 keys are refused: on an H200 a 64 x 512 tile (one GEMM of
+  N = 512 on the tensor cores) compiled to a kernel whose P was wrong in 99.7% of the
+  elements, on 8 warps and on 16 (``benchmarks/results/runs/c_forward_{ae8ca48,86c8d3f}.log``),
+  while 64 x 256 and 32 x 512 (M = 32: no wgmma) were right; no such tile was faster than
+  the defaults."""
   block_q: int = 128
   block_k: int = 64
   num_warps: int = 8
   num_stages: int = 3
 
   def __post_init__(self):
-    if self.num_warps not in (1, 2, 4, 8):
-      raise ValueError(f"config.num_warps: expected 1, 2, 4 or 8, got {self.num_warps!r}"
-                       + (" (16 warps were measured to miscompile this kernel's tiles on an "
-                          "H200)" if self.num_warps == 16 else ""))
-    # Validates the other fields (ValueError naming the field).
+    # Validates the fields (ValueError naming the field).
     _tuning.TritonPassConfig(block_q=self.block_q, block_k=self.block_k,
                              num_warps=self.num_warps, num_stages=self.num_stages)
+    if self.block_k > 256:
+      raise ValueError(f"config.block_k: expected at most 256, got {self.block_k} (wider key "
+                       "tiles were measured to miscompile on an H200)")
 
 
 def default_forward_config(seq_q: int, seq_k: int, head_dim: int,
