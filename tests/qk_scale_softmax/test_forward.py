@@ -171,8 +171,7 @@ def test_compiled_matches_the_jnp_forward(sq, sk, causal):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("d,dtype,sk", [(256, jnp.bfloat16, 200), (256, jnp.bfloat16, 700),
-                                        (128, jnp.float32, 200), (256, jnp.float32, 700)])
+@pytest.mark.parametrize("d,dtype,sk", [(256, jnp.bfloat16, 200), (256, jnp.bfloat16, 700)])
 def test_compiled_wide_heads(d, dtype, sk):
   """The default tiles of wide heads fit the GPU's shared memory and registers."""
   query, key = _inputs(1, 2, 150, sk, d, dtype, seed=4)
