@@ -1,5 +1,6 @@
 """Op C's fused forward kernel (``forward.py``): ``P`` matches the jnp forward to within one
-ulp of the input dtype (bit for bit in all but a small share of the elements); causal rows
+ulp of a 16-bit input dtype (bit for bit in all but a small share of the elements; fp32:
+within 2e-5 relative); causal rows
 are exactly zero above the diagonal and sum to one; odd lengths, several row and key tiles
 with ragged last tiles, D = 40, 64 and 128, fp32, bf16 and fp16; argument errors name the
 argument; the kernel lowers to one Triton kernel."""
@@ -33,10 +34,17 @@ def _check(query, key, probs, causal, scaling):
   ref = jax.jit(reference.qk_scale_softmax_forward, static_argnums=(2, 3))(
       query, key, scaling, causal)
   assert probs.dtype == query.dtype and probs.shape == ref.shape
-  ulps = _ulps(probs, ref)
-  assert ulps.max() <= (1 if query.dtype != jnp.float32 else 16), ulps.max()
-  if query.dtype != jnp.float32 and ulps.size >= 10_000:
-    assert (ulps == 0).mean() >= 0.999, (ulps == 0).mean()
+  if query.dtype == jnp.float32:
+    # fp32 logits summed in another order: relative errors of a few 1e-6 at D = 128-256
+    # (28 and 44 ulps in the interpreter), far below a wrong result's.
+    p32, r32 = np.asarray(probs), np.asarray(ref)
+    rel = np.abs(p32 - r32) / np.maximum(np.abs(r32), np.float32(1e-30))
+    assert rel.max() <= 2e-5, rel.max()
+  else:
+    ulps = _ulps(probs, ref)
+    assert ulps.max() <= 1, ulps.max()
+    if ulps.size >= 10_000:
+      assert (ulps == 0).mean() >= 0.999, (ulps == 0).mean()
   p32 = np.asarray(probs.astype(jnp.float32))
   np.testing.assert_allclose(p32.sum(-1), 1.0, atol=2e-2 if query.dtype != jnp.float32
                              else 1e-5)
@@ -171,7 +179,8 @@ def test_compiled_matches_the_jnp_forward(sq, sk, causal):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("d,dtype,sk", [(256, jnp.bfloat16, 200), (256, jnp.bfloat16, 700)])
+@pytest.mark.parametrize("d,dtype,sk", [(256, jnp.bfloat16, 200), (256, jnp.bfloat16, 700),
+                                        (128, jnp.float32, 200), (256, jnp.float32, 700)])
 def test_compiled_wide_heads(d, dtype, sk):
   """The default tiles of wide heads fit the GPU's shared memory and registers."""
   query, key = _inputs(1, 2, 150, sk, d, dtype, seed=4)
