@@ -4,8 +4,8 @@ what they are given."""
 import pytest
 
 from conftest import ON_GPU
-from benchmarks import (b_backward_sweep, b_triton_row, c_backward_step, c_forward, ptx_dump,
-                        size_ceiling)
+from benchmarks import (b_backward_sweep, b_triton_row, c_backward_step, c_dq_atomic, c_forward,
+                        ptx_dump, size_ceiling)
 from pallas_kernels.masked_softmax_dropout import Config
 
 
@@ -17,6 +17,7 @@ from pallas_kernels.masked_softmax_dropout import Config
     (size_ceiling, []),
     (c_forward, ["--configs", "64/64/4/3", "--shapes", "1,2,256,1"]),
     (c_backward_step, ["--shapes", "1,2,256", "--rows", "16/128/4/2"]),
+    (c_dq_atomic, ["--shapes", "1,2,256", "--configs", "16/32/4/1"]),
 ])
 def test_scripts_exit_2_without_a_gpu(script, argv, capsys):
   assert script.main(argv) == 2
@@ -50,3 +51,23 @@ def test_c_backward_step_parses_shapes_and_rows():
   assert c_backward_step.parse_rows("16/128/4/2") == [PassConfig(16, 128, 4, 2)]
   with pytest.raises(ValueError):
     c_backward_step.parse_rows("16/24/4/2")
+
+
+def test_dq_atomic_variant_matches_the_reference_in_the_interpreter(capsys):
+  """The experiment's kernel (dQ by atomics) is checked before it is timed: odd lengths and
+  a padded head dim in the interpreter; its check fails on a wrong dQ."""
+  assert c_dq_atomic.main(["--interpret"]) == 0
+  assert "dq 1.0000, dk 1.0000" in capsys.readouterr().out
+
+
+def test_dq_atomic_variant_lowers_to_triton(pretend_h200, monkeypatch):
+  import jax
+  import jax.numpy as jnp
+  from conftest import triton_calls_in_gpu_lowering
+  from pallas_kernels.qk_scale_softmax import PassConfig
+  shapes = [jax.ShapeDtypeStruct((1, 2, 300, 300), jnp.bfloat16),
+            jax.ShapeDtypeStruct((1, 2, 300, 128), jnp.bfloat16),
+            jax.ShapeDtypeStruct((1, 2, 300, 128), jnp.bfloat16),
+            jax.ShapeDtypeStruct((1, 2, 300, 300), jnp.bfloat16)]
+  fn = lambda g, q, k, p, s: c_dq_atomic.backward(g, q, k, p, s, cfg=PassConfig(64, 128, 8, 2))
+  assert triton_calls_in_gpu_lowering(fn, shapes) == 1
