@@ -42,6 +42,16 @@ def within(out, ref, rtol=0.05, atol=1e-5):
   return float((np.abs(out - ref) <= atol + rtol * np.abs(ref)).mean())
 
 
+def make_inputs(b, h, s, d, seed):
+  """``(g, Q, K, P)`` of a dense problem: randn g, Q and K (bf16), P their softmax."""
+  k = jax.random.split(jax.random.key(seed), 4)
+  q = jax.random.normal(k[0], (b, h, s, d), jnp.bfloat16)
+  kk = jax.random.normal(k[1], (b, h, s, d), jnp.bfloat16)
+  p = reference.qk_scale_softmax_forward(q, kk, d ** -0.5)
+  g = jax.random.normal(k[2], (b, h, s, s), jnp.bfloat16)
+  return g, q, kk, p
+
+
 def parse_shapes(text):
   return [tuple(map(int, s.split(","))) for s in text.split(";")] if text else SHAPES
 
@@ -63,14 +73,7 @@ def main(argv=None):
   scaling = D ** -0.5
   out_rows, ok = [], True
   for b, h, s in shapes:
-    sets = []
-    for i in range(2):
-      k = jax.random.split(jax.random.key(i), 4)
-      q = jax.random.normal(k[0], (b, h, s, D), jnp.bfloat16)
-      kk = jax.random.normal(k[1], (b, h, s, D), jnp.bfloat16)
-      p = reference.qk_scale_softmax_forward(q, kk, scaling)
-      g = jax.random.normal(k[2], (b, h, s, s), jnp.bfloat16)
-      sets.append((g, q, kk, p))
+    sets = [make_inputs(b, h, s, D, i) for i in range(2)]
     kind = jax.devices()[0].device_kind
     base = kernels.default_config(s, s, D, jnp.bfloat16, kind)
     # The row-pass variants replace the two-pass scheme's row kernel (short rows' default

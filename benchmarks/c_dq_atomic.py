@@ -34,18 +34,16 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from benchmarks.c_backward_step import D, make_inputs, parse_rows, parse_shapes, within
 from benchmarks.timing import compile_all, device_times_us, no_gpu
 from jax_ops.qk_softmax import reference
 from pallas_kernels._util import compiler_params, dot, out_struct, pallas_call
 from pallas_kernels.qk_scale_softmax import PassConfig
 from pallas_kernels.qk_scale_softmax.pallas_triton import _ZERO, _ColTiles, _dl_tile, _fori_loop
 
-SHAPES = [(1, 32, 4096), (4, 32, 1024)]
-D = 128
 F32 = jnp.float32
 
 
@@ -78,6 +76,11 @@ def _kernel(scale_ref, g_ref, p_ref, q_ref, k_ref, delta_ref, dq_in_ref, dk_ref,
   c.store(dk_ref, acc)
 
 
+def row_delta(g, p):
+  """``rowsum(g * P)`` in fp32 (step 1, a jnp reduction)."""
+  return jnp.sum(g.astype(F32) * p.astype(F32), axis=-1)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
 def backward(grad_output, query, key, attn_weights, scaling, *, cfg, interpret=False):
   """``(grad_query, grad_key)`` of the variant (dense P), arrays ``[B, H, ...]``."""
@@ -88,7 +91,7 @@ def backward(grad_output, query, key, attn_weights, scaling, *, cfg, interpret=F
   p = attn_weights.reshape(bh, seq_q, seq_k)
   q = query.reshape(bh, seq_q, d)
   k = key.reshape(bh, seq_k, d)
-  delta = jnp.sum(g.astype(F32) * p.astype(F32), axis=-1)
+  delta = row_delta(g, p)
   scale = jnp.asarray(scaling, F32).reshape(1)
   d_pad = max(16, pl.next_power_of_2(d))
   dq0 = jnp.zeros((bh, pl.cdiv(seq_q, cfg.block_q) * cfg.block_q, d_pad), F32)
@@ -108,21 +111,6 @@ def backward(grad_output, query, key, attn_weights, scaling, *, cfg, interpret=F
   return dq.reshape(b, h, seq_q, d), dk.reshape(b, h, seq_k, d)
 
 
-def within(out, ref, rtol=0.05, atol=1e-5):
-  out = np.asarray(out.astype(F32))
-  ref = np.asarray(ref.astype(F32))
-  return float((np.abs(out - ref) <= atol + rtol * np.abs(ref)).mean())
-
-
-def make_inputs(b, h, s, d, seed):
-  k = jax.random.split(jax.random.key(seed), 3)
-  q = jax.random.normal(k[0], (b, h, s, d), jnp.bfloat16)
-  kk = jax.random.normal(k[1], (b, h, s, d), jnp.bfloat16)
-  p = reference.qk_scale_softmax_forward(q, kk, d ** -0.5)
-  g = jax.random.normal(k[2], (b, h, s, s), jnp.bfloat16)
-  return g, q, kk, p
-
-
 def check_interpret(b=1, h=2, s=45, d=40, cfg=PassConfig(16, 16, 4, 1)) -> bool:
   """The variant against the reference in the interpreter (odd lengths, D padded)."""
   g, q, kk, p = make_inputs(b, h, s, d, 0)
@@ -131,10 +119,6 @@ def check_interpret(b=1, h=2, s=45, d=40, cfg=PassConfig(16, 16, 4, 1)) -> bool:
   fq, fk = within(dq, rq), within(dk, rk)
   print(f"interpreter, ({b}, {h}, {s}, {s}), D={d}: dq {fq:.4f}, dk {fk:.4f} within tolerance")
   return fq >= 0.99 and fk >= 0.99
-
-
-def parse_configs(text):
-  return [PassConfig(*map(int, c.split("/"))) for c in text.split(",") if c]
 
 
 def main(argv=None):
@@ -146,9 +130,7 @@ def main(argv=None):
   parser.add_argument("--interpret", action="store_true",
                       help="check the variant in the interpreter (no GPU needed)")
   args = parser.parse_args(argv)
-  configs = parse_configs(args.configs)
-  shapes = ([tuple(map(int, s.split(","))) for s in args.shapes.split(";")] if args.shapes
-            else SHAPES)
+  configs, shapes = parse_rows(args.configs), parse_shapes(args.shapes)
   if args.interpret:
     return 0 if check_interpret() else 1
   if no_gpu("timing the dQ-atomic variant of op C's backward",
@@ -165,7 +147,7 @@ def main(argv=None):
                                                                              scaling),
            lambda g, q, kk, p: pallas_kernels.qk_scale_softmax_backward(g, q, kk, p, scaling)]
     fns += [lambda g, q, kk, p, c=c: backward(g, q, kk, p, scaling, cfg=c) for c in configs]
-    fns.append(lambda g, q, kk, p: jnp.sum(g.astype(F32) * p.astype(F32), axis=-1))
+    fns.append(lambda g, q, kk, p: row_delta(g, p))
     compiled = compile_all(fns, sets[0])
     live = [(n, f) for n, f in zip(names, compiled) if f is not None]
     for n, f in zip(names, compiled):

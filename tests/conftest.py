@@ -36,6 +36,13 @@ def assert_close(out, ref, *, atol, rtol, frac=0.99, name="output"):
     assert np.any(out != 0), f"{name}: all-zero output"
 
 
+def ulps_apart(a, b):
+  """Per element, how many ulps of ``a``'s dtype two non-negative arrays are apart."""
+  a, b = np.asarray(a), np.asarray(b)
+  ints = {2: np.int16, 4: np.int32}[a.dtype.itemsize]
+  return np.abs(a.view(ints).astype(np.int64) - b.view(ints).astype(np.int64))
+
+
 def softmax_probs(key, shape, dtype, scale=1.0):
   """A real softmax of randn logits, rounded to ``dtype``."""
   return jax.nn.softmax(jax.random.normal(key, shape) * scale, axis=-1).astype(dtype)

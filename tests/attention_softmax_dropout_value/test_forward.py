@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import INTERPRET, ON_GPU
+from conftest import INTERPRET, ON_GPU, ulps_apart
 import jax_ops
 from jax_ops._common import apply_dropout
 from jax_ops.attention_value import reference
@@ -29,13 +29,6 @@ def _inputs(b, h, kvh, sq, sk, d, dtype=jnp.float32, seed=0, scale=2.0):
 
 def _f32(x):
   return np.asarray(jnp.asarray(x, jnp.float32))
-
-
-def _ulps(a, b):
-  """Per element, how many ulps of ``a``'s dtype two non-negative arrays are apart."""
-  a, b = np.asarray(a), np.asarray(b)
-  ints = {2: np.int16, 4: np.int32}[a.dtype.itemsize]
-  return np.abs(a.view(ints).astype(np.int64) - b.view(ints).astype(np.int64))
 
 
 @functools.partial(jax.jit, static_argnames="rate")
@@ -69,7 +62,7 @@ def _check(scores, value, rng, rate, out, *, store_dropped=True, store_keep=True
     np.testing.assert_array_equal(np.asarray(keep), np.asarray(ref_keep))
   # P: at most one ulp of the dtype from the reference's (fp32: a few), most elements equal.
   assert p.dtype == dtype and p.shape == scores.shape
-  ulps = _ulps(p, ref_p)
+  ulps = ulps_apart(p, ref_p)
   assert ulps.max() <= (1 if dtype != jnp.float32 else 8), ulps.max()
   if dtype != jnp.float32:
     assert (ulps == 0).mean() >= 0.999, (ulps == 0).mean()

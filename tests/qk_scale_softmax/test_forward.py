@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import INTERPRET, ON_GPU
+from conftest import INTERPRET, ON_GPU, ulps_apart
 from jax_ops._common import causal_mask
 from jax_ops.qk_softmax import reference
 from pallas_kernels.qk_scale_softmax.forward import (ForwardConfig, default_forward_config,
@@ -21,12 +21,6 @@ def _inputs(b, h, sq, sk, d, dtype, seed=0):
   k = jax.random.split(jax.random.key(seed), 2)
   return (jax.random.normal(k[0], (b, h, sq, d), jnp.float32).astype(dtype),
           jax.random.normal(k[1], (b, h, sk, d), jnp.float32).astype(dtype))
-
-
-def _ulps(a, b):
-  a, b = np.asarray(a), np.asarray(b)
-  ints = {2: np.int16, 4: np.int32}[a.dtype.itemsize]
-  return np.abs(a.view(ints).astype(np.int64) - b.view(ints).astype(np.int64))
 
 
 def _check(query, key, probs, causal, scaling):
@@ -41,7 +35,7 @@ def _check(query, key, probs, causal, scaling):
     rel = np.abs(p32 - r32) / np.maximum(np.abs(r32), np.float32(1e-30))
     assert rel.max() <= 2e-5, rel.max()
   else:
-    ulps = _ulps(probs, ref)
+    ulps = ulps_apart(probs, ref)
     assert ulps.max() <= 1, ulps.max()
     if ulps.size >= 10_000:
       assert (ulps == 0).mean() >= 0.999, (ulps == 0).mean()
