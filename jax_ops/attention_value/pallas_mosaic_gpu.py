@@ -34,9 +34,9 @@ class AttentionValueMosaicGpu(backend.ResidualChoice, backend.MosaicGpuBackend):
   ``residuals``: ``"fused_inputs"`` (the default: P and Pd from the fused Triton forward
   kernel, no keep mask written; ``"inputs"`` where the kernel's int32 offsets do not reach),
   ``"inputs"`` (the jnp forward: P, Pd and keep) or ``"fused_output"`` on rows of more than
-  128 keys (the fused forward writing no Pd; P, keep and the fp32 output saved; the
-  backward takes delta from the output and rebuilds Pd from P and keep bits,
-  :func:`mosaic.backward_from_output`). Measured in a training step on the H200
+  128 keys (the fused forward writing no Pd and the keep mask as bits; P, the bits and the
+  fp32 output saved; the backward takes delta from the output and rebuilds Pd from P and
+  the bits, :func:`mosaic.backward_from_output`). Measured in a training step on the H200
   (``benchmarks/results/step.md``, ``step_a_inputs.md``, ``step_a_fused.md``).
   ``AttentionValueMosaicGpu("mosaic_gpu_fused", residuals="fused_output")``, registered
   with ``jax_ops.registry.register`` under that name, runs one of the others.
@@ -69,24 +69,36 @@ class AttentionValueMosaicGpu(backend.ResidualChoice, backend.MosaicGpuBackend):
     """``O`` alone from the fused (Triton) forward kernel: the Triton backend's."""
     return triton.BACKEND.forward_output(*args, interpret=interpret)
 
-  def forward_with_output(self, *args, interpret=False):
-    """``(O, P, keep, O_f32)`` from the fused (Triton) forward kernel, no Pd: the Triton
-    backend's."""
-    return triton.BACKEND.forward_with_output(*args, interpret=interpret)
+  def forward_with_output(self, scores, value_states, dropout_rng, p_dropout, *,
+                          interpret=False):
+    """``(O, P, keep, O_f32)`` from the fused forward kernel, no Pd: the ``"fused_output"``
+    policy. A concrete rate: ``keep`` as bits (``forward.forward_with_keep_bits``, 1/8 B per
+    attention element, the layout the dS-dV kernel reads); a traced one: the Triton
+    backend's (a bool mask, for its kernel)."""
+    if validation.concrete_float("p_dropout", p_dropout) is None:
+      return triton.BACKEND.forward_with_output(scores, value_states, dropout_rng, p_dropout,
+                                                interpret=interpret)
+    return forward_kernel.forward_with_keep_bits(scores, value_states, p_dropout, dropout_rng,
+                                                 interpret=interpret)
 
   def backward_from_output(self, grad_attn_output, attn_weights, value_states, dropout_mask,
                            attention_dropout, attn_output_f32, *, causal=False,
                            interpret=False):
-    """The Mosaic GPU dS-dV kernel from delta and keep bits (a traced rate: the Triton
+    """The Mosaic GPU dS-dV kernel from delta and keep bits (``dropout_mask``: the bits of
+    :meth:`forward_with_output`, or a bool mask, packed here; a traced rate: the Triton
     backend's kernel from delta)."""
     args = (grad_attn_output, attn_weights, value_states, dropout_mask, attention_dropout,
             attn_output_f32)
     if validation.concrete_float("attention_dropout", attention_dropout) is None:
       return triton.BACKEND.backward_from_output(*args, causal=causal, interpret=interpret)
+    bits = None
+    if dropout_mask is not None and jnp.dtype(dropout_mask.dtype) == jnp.int32:
+      bits, dropout_mask = dropout_mask, None
     # No dropout (a rate of 0): no mask, and none read.
     return mosaic.backward_from_output(grad_attn_output, attn_weights, value_states,
                                        _unread_mask(dropout_mask, attn_weights),
-                                       attention_dropout, attn_output_f32, interpret=interpret)
+                                       attention_dropout, attn_output_f32, keep_bits=bits,
+                                       interpret=interpret)
 
   def reason(self, problem):
     shapes = dict(problem.shapes)

@@ -86,16 +86,19 @@ PAIR_HASH = True   # one hash per pair of columns: measured 11-12% faster (H200)
 
 def _kernel(seeds_ref, scale_ref, s_ref, v_ref, out_ref, *opt_refs,
             num_heads, num_kv_heads, seq_q, seq_k, head_dim, d_pad, block_q, block_k,
-            dropout, store_probs, store_dropped, store_keep, store_f32, pair_hash):
+            dropout, store_probs, store_dropped, store_keep, store_f32, pair_hash,
+            store_bits=False):
   """Refs: seeds [3] uint32 (k0, k1, threshold), scale [1] fp32, scores [B*H, Sq, Skv],
   V [B*KVH, Skv, D]; outputs O [B, Sq, H, D] and, in ``opt_refs``, P [B*H, Sq, Skv] (if
   ``store_probs``), the fp32 O [B, Sq, H, D] (if ``store_f32``), Pd (if ``store_dropped``
-  and ``dropout``) and keep (if ``store_keep`` and ``dropout``), both [B*H, Sq, Skv]."""
+  and ``dropout``) and keep (if ``store_keep`` and ``dropout``), both [B*H, Sq, Skv], and
+  keep as bits (if ``store_bits`` and ``dropout``), [B*KVH, Skv / 32, G*Sq] int32."""
   opt_refs = list(opt_refs)
   p_ref = opt_refs.pop(0) if store_probs else None
   out32_ref = opt_refs.pop(0) if store_f32 else None
   pd_ref = opt_refs.pop(0) if dropout and store_dropped else None
   keep_ref = opt_refs.pop(0) if dropout and store_keep else None
+  bits_ref = opt_refs.pop(0) if dropout and store_bits else None
   groups = num_heads // num_kv_heads
   q0 = pl.program_id(0) * block_q   # row block: the fastest grid axis (programs share V)
   bh = pl.program_id(1)             # b * H + h
@@ -161,6 +164,9 @@ def _kernel(seeds_ref, scale_ref, s_ref, v_ref, out_ref, *opt_refs,
         _store(pd_ref.at[idx], dropped, mask)
       if keep_ref is not None:
         _store(keep_ref.at[idx], keep, mask)
+      if bits_ref is not None:
+        _store_bits(bits_ref, keep, cols, bk, lax.rem(h, _I32(groups)) * seq_q + q0, j,
+                    block_q, block_k, q_mask)
     else:
       dropped = probs
     v = _load(v_ref.at[bk, pl.ds(j * block_k, block_k), head_dims], _outer(k_mask, d_mask),
@@ -176,6 +182,28 @@ def _kernel(seeds_ref, scale_ref, s_ref, v_ref, out_ref, *opt_refs,
   _store(out_ref.at[o_idx], acc.astype(out_ref.dtype), o_mask)
 
 
+def _store_bits(bits_ref, keep, cols, bk, row0, j, block_q, block_k, q_mask):
+  """Key tile ``j`` of ``keep`` (``[block_q, block_k]`` bool, rows ``row0 ...`` of kv group
+  ``bk``) as ``block_k / 32`` int32 words per row: bit ``c % 32`` of word ``c // 32`` is
+  column ``c``. Row sums of distinct powers of two (a sum of distinct bits is their OR;
+  int32 arithmetic wraps, so bit 31 comes out as the sign bit)."""
+  one = jnp.ones(keep.shape, jnp.int32)
+  bits = jnp.where(keep, lax.shift_left(one, (cols & 31)[None, :]), 0)
+  word_of_col = lax.shift_right_logical(cols, 5)[None, :]
+  for w in range(block_k // 32):
+    word = j * (block_k // 32) + w
+    # dtype: under x64 a sum of int32 would be int64.
+    value = jnp.sum(jnp.where(word_of_col == word, bits, 0), axis=1, dtype=jnp.int32)
+    _store(bits_ref.at[bk, word, pl.ds(row0, block_q)], value, q_mask)
+
+
+def bits_shape(b, h, kvh, seq_q, seq_k):
+  """The shape of the keep bits: ``[B, KVH, seq_k / 32, G * seq_q]`` (int32): bit ``k % 32``
+  of word ``k // 32`` of row ``(h % G) * seq_q + q`` of kv group ``(b, h // G)`` is
+  ``keep[b, h, q, k]``."""
+  return (b, kvh, seq_k // 32, (h // kvh) * seq_q)
+
+
 def takes(b, h, kvh, seq_q, seq_k, head_dim) -> bool:
   """Whether the kernel takes a problem of these sizes: its int32 offsets reach every element
   of the scores, V and O (fewer than ``2**31`` each)."""
@@ -189,17 +217,19 @@ def default_blocks(seq_q: int, seq_k: int) -> tuple[int, int]:
 
 
 @functools.partial(jax.jit, static_argnames=("dropout", "store_probs", "store_dropped",
-                                             "store_keep", "store_f32", "pair_hash", "block_q",
+                                             "store_keep", "store_f32", "store_bits",
+                                             "pair_hash", "block_q",
                                              "block_k", "num_warps", "num_stages", "interpret"))
 def _call(scores, value_states, seeds, scale, *, dropout, store_probs, store_dropped,
-          store_keep, store_f32, pair_hash, block_q, block_k, num_warps, num_stages, interpret):
+          store_keep, store_f32, store_bits, pair_hash, block_q, block_k, num_warps, num_stages,
+          interpret):
   b, h, seq_q, seq_k = scores.shape
   kvh, d = value_states.shape[1], value_states.shape[3]
   kernel = functools.partial(
       _kernel, num_heads=h, num_kv_heads=kvh, seq_q=seq_q, seq_k=seq_k, head_dim=d,
       d_pad=_padded_head_dim(d), block_q=block_q, block_k=block_k, dropout=dropout,
       store_probs=store_probs, store_dropped=store_dropped, store_keep=store_keep,
-      store_f32=store_f32, pair_hash=pair_hash)
+      store_f32=store_f32, pair_hash=pair_hash, store_bits=store_bits)
   flat = (b * h, seq_q, seq_k)
   args = (seeds, scale, scores.reshape(flat), value_states.reshape(b * kvh, seq_k, d))
   o_shape = (b, seq_q, h, d)
@@ -213,6 +243,10 @@ def _call(scores, value_states, seeds, scale, *, dropout, store_probs, store_dro
     out_shape.append(out_struct(flat, scores.dtype, *args))
   if keep_out:
     out_shape.append(out_struct(flat, jnp.bool_, *args))
+  bits_out = dropout and store_bits
+  if bits_out:
+    nb, nk, nw, nr = bits_shape(b, h, kvh, seq_q, seq_k)
+    out_shape.append(out_struct((nb * nk, nw, nr), jnp.int32, *args))
   out, *rest = pallas_call(
       kernel,
       out_shape=tuple(out_shape),
@@ -226,6 +260,9 @@ def _call(scores, value_states, seeds, scale, *, dropout, store_probs, store_dro
   out32 = rest.pop(0) if store_f32 else None
   dropped = rest.pop(0).reshape(shape) if pd_out else None
   keep = rest.pop(0).reshape(shape) if keep_out else None
+  if bits_out:
+    return out, probs, dropped, keep, out32, rest.pop(0).reshape(
+        bits_shape(b, h, kvh, seq_q, seq_k))
   return out, probs, dropped, keep, out32
 
 
@@ -272,6 +309,51 @@ def attention_softmax_dropout_value_forward(scores, value_states, dropout_rate, 
                      ("pair_hash", pair_hash)):
     if not isinstance(flag, (bool, np.bool_)):
       raise TypeError(f"{name}: expected a Python bool, got {type(flag).__name__}")
+  dropout, launch = _launch_args(scores, value_states, dropout_rate, dropout_rng, block_q,
+                                 block_k, num_warps, num_stages, pair_hash, interpret)
+  # Without dropout the kernel stores neither Pd nor keep: one compiled kernel for the flags
+  # (P, which is Pd then, is written for a Pd asked for).
+  out, probs, dropped, keep, out32 = _call(
+      scores, value_states, *launch[:2], dropout=dropout,
+      store_probs=bool(store_probs) or (bool(store_dropped) and not dropout),
+      store_dropped=dropout and bool(store_dropped), store_keep=dropout and bool(store_keep),
+      store_f32=bool(store_f32), store_bits=False, **launch[2])
+  if store_dropped and not dropout:
+    dropped = probs
+  return out, probs if store_probs else None, dropped, keep, out32
+
+
+def forward_with_keep_bits(scores, value_states, dropout_rate, dropout_rng=None, *,
+                           pair_hash: bool = PAIR_HASH, block_q=None, block_k=None,
+                           num_warps=None, num_stages=None, interpret=False):
+  """``(O, P, keep_bits, O_f32)``: :func:`attention_softmax_dropout_value_forward` writing the
+  keep mask as bits (``[B, KVH, seq_k / 32, G * seq_q]`` int32, :func:`bits_shape`; 1/8 B per
+  attention element instead of the bool mask's 1 B) and no Pd: the residuals of a backward
+  that takes ``delta = rowsum(dO * O)`` and rebuilds Pd from P and the bits (the Mosaic GPU
+  kernels' ``backward_from_output``). ``keep_bits`` is ``None`` for a concrete rate of 0.
+
+  ``seq_k`` must be a multiple of 32 and the key tile at least 32 wide.
+  """
+  b, h, seq_q, seq_k = scores.shape
+  if seq_k % 32:
+    raise ValueError(f"scores: keep bits need seq_k (scores.shape[3]) a multiple of 32, got "
+                     f"{seq_k}")
+  dropout, launch = _launch_args(scores, value_states, dropout_rate, dropout_rng, block_q,
+                                 block_k, num_warps, num_stages, pair_hash, interpret)
+  if launch[2]["block_k"] < 32:
+    raise ValueError(f"block_k: keep bits need a key tile of at least 32, got "
+                     f"{launch[2]['block_k']}")
+  out, probs, _, _, out32, *bits = _call(
+      scores, value_states, *launch[:2], dropout=dropout, store_probs=True,
+      store_dropped=False, store_keep=False, store_f32=True, store_bits=dropout, **launch[2])
+  return out, probs, bits[0] if bits else None, out32
+
+
+def _launch_args(scores, value_states, dropout_rate, dropout_rng, block_q, block_k, num_warps,
+                 num_stages, pair_hash, interpret):
+  """Checks a forward call; ``(dropout, (seeds, scale, launch keywords))``."""
+  if not isinstance(pair_hash, (bool, np.bool_)):
+    raise TypeError(f"pair_hash: expected a Python bool, got {type(pair_hash).__name__}")
   _util.check_can_compile(_NAME, interpret, scores, value_states)
   validation.check_scores_and_value(scores, value_states, dtypes=_FLOATS)
   b, h, seq_q, seq_k = scores.shape
@@ -287,15 +369,6 @@ def attention_softmax_dropout_value_forward(scores, value_states, dropout_rate, 
       block_q=dq if block_q is None else block_q, block_k=dk if block_k is None else block_k,
       num_warps=DEFAULT_NUM_WARPS if num_warps is None else num_warps,
       num_stages=DEFAULT_NUM_STAGES if num_stages is None else num_stages)
-  # Without dropout the kernel stores neither Pd nor keep: one compiled kernel for the flags
-  # (P, which is Pd then, is written for a Pd asked for).
-  out, probs, dropped, keep, out32 = _call(
-      scores, value_states, seeds, scale, dropout=dropout,
-      store_probs=bool(store_probs) or (bool(store_dropped) and not dropout),
-      store_dropped=dropout and bool(store_dropped), store_keep=dropout and bool(store_keep),
-      store_f32=bool(store_f32), pair_hash=bool(pair_hash),
-      block_q=cfg.block_q, block_k=cfg.block_k, num_warps=cfg.num_warps,
-      num_stages=cfg.num_stages, interpret=bool(interpret))
-  if store_dropped and not dropout:
-    dropped = probs
-  return out, probs if store_probs else None, dropped, keep, out32
+  return dropout, (seeds, scale, dict(
+      pair_hash=bool(pair_hash), block_q=cfg.block_q, block_k=cfg.block_k,
+      num_warps=cfg.num_warps, num_stages=cfg.num_stages, interpret=bool(interpret)))

@@ -548,15 +548,19 @@ def keep_bits_of(keep, num_kv_heads):
 
 
 def backward_from_output(grad_attn_output, attn_weights, value_states, dropout_mask,
-                         attention_dropout, attn_output_f32, *, config: Config | None = None,
-                         interpret=False):
+                         attention_dropout, attn_output_f32, *, keep_bits=None,
+                         config: Config | None = None, interpret=False):
   """:func:`attention_softmax_dropout_value_backward` given the forward's fp32 output O
   ``[B, seq_q, H, D]`` and the keep mask instead of Pd: ``delta = rowsum(dO * O)`` (no
-  delta kernel), keep packed to bits, and the dS-dV kernel rebuilding Pd from P and the bits
+  delta kernel), keep as bits, and the dS-dV kernel rebuilding Pd from P and the bits
   (``Config.keep_bits``' mode): it reads P (2 B), the bits (1/8 B) and writes dS (2 B) per
   element, against the Pd path's 8 B over two kernels. For the forward that writes no Pd
-  (``forward.attention_softmax_dropout_value_forward``). Rows of more than 128 keys; not
-  yet measured. Returns ``(grad_attn_scores, grad_value_states)``.
+  (``forward.forward_with_keep_bits``). Rows of more than 128 keys.
+
+  ``keep_bits``: ``[B, KVH, seq_k / 32, G * seq_q]`` int32 (``forward.bits_shape``, the layout
+  of :func:`keep_bits_of`), as the fused forward writes them; ``dropout_mask`` is then checked
+  but not read (a ``jax.ShapeDtypeStruct`` will do). Without them the bool mask is packed
+  here (an XLA pass over it). Returns ``(grad_attn_scores, grad_value_states)``.
   """
   from pallas_kernels.attention_softmax_dropout_value.pallas_triton import delta_from_output
   p = validation.check_problem_a(grad_attn_output, attn_weights, attn_weights,
@@ -571,13 +575,19 @@ def backward_from_output(grad_attn_output, attn_weights, value_states, dropout_m
                      f"{why}")
   validation.check_array("attn_output_f32", attn_output_f32, ("B", "Sq", "H", "D"),
                          (b, sq, h, d), dtypes=(jnp.float32,))
+  g = h // kvh
+  if keep_bits is not None:
+    validation.check_array("keep_bits", keep_bits, ("B", "KVH", "Skv/32", "G*Sq"),
+                           (b, kvh, skv // 32, g * sq), dtypes=(jnp.int32,))
   _mosaic.check_hopper("attention_softmax_dropout_value backward_from_output", interpret,
                        grad_attn_output, attn_weights, value_states)
   config = config or default_config(b, h, kvh, sq, skv, d)
-  g = h // kvh
   groups = lambda x: x.reshape(b, kvh, g * sq, skv)
   delta = delta_from_output(grad_attn_output, attn_output_f32).reshape(b, kvh, g * sq)
-  bits = keep_bits_of(dropout_mask, kvh) if p != 0 else None
+  if p == 0:
+    bits = None
+  else:
+    bits = keep_bits if keep_bits is not None else keep_bits_of(dropout_mask, kvh)
   split = resolve_split(config.split, b, kvh, skv, g * sq // ROWS)
   p_groups = groups(attn_weights)
   ds, dv = ds_dv_pass(grad_attn_output, p_groups, p_groups, delta, value_states, rate=p,

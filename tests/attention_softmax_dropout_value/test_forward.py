@@ -17,7 +17,7 @@ import jax_ops
 from jax_ops._common import apply_dropout
 from jax_ops.attention_value import reference
 from pallas_kernels.attention_softmax_dropout_value.forward import (
-    attention_softmax_dropout_value_forward as forward)
+    attention_softmax_dropout_value_forward as forward, bits_shape, forward_with_keep_bits)
 
 
 def _inputs(b, h, kvh, sq, sk, d, dtype=jnp.float32, seed=0, scale=2.0):
@@ -135,6 +135,34 @@ def test_small_tiles_without_stored_pd_or_keep():
                  store_f32=False, block_q=16, block_k=16, interpret=INTERPRET)
   assert bare[1:] == (None, None, None, None)
   np.testing.assert_array_equal(_f32(bare[0]), _f32(out[0]))
+
+
+@pytest.mark.parametrize("b,h,kvh,sq,sk,block_q,block_k", [
+    (2, 6, 2, 33, 96, None, 32),       # ragged row blocks across the heads of a group
+    (1, 4, 4, 7, 128, 16, 64),         # G = 1, one row tile
+])
+def test_keep_bits(b, h, kvh, sq, sk, block_q, block_k):
+  """``forward_with_keep_bits``: the jnp mask's bits in the dS-dV kernel's layout (bit for
+  bit, every word of every row, bit 31 included), and O, P and O_f32 equal to the forward's
+  with a bool mask; a rate of 0 gives no bits."""
+  from pallas_kernels.attention_softmax_dropout_value.pallas_mosaic_gpu import keep_bits_of
+  scores, value, rng = _inputs(b, h, kvh, sq, sk, 64, jnp.bfloat16, seed=5)
+  out, probs, bits, out32 = forward_with_keep_bits(scores, value, 0.3, rng, block_q=block_q,
+                                                   block_k=block_k, interpret=INTERPRET)
+  ref = forward(scores, value, 0.3, rng, block_q=block_q, block_k=block_k,
+                interpret=INTERPRET)
+  assert bits.dtype == jnp.int32 and bits.shape == bits_shape(b, h, kvh, sq, sk)
+  keep = jax_ops.dropout_keep_mask(rng, 0.3, scores.shape)
+  np.testing.assert_array_equal(np.asarray(bits), np.asarray(keep_bits_of(keep, kvh)))
+  assert (np.asarray(bits) < 0).any()                  # bit 31 set somewhere
+  for x, y in zip((out, probs, out32), (ref[0], ref[1], ref[4])):
+    np.testing.assert_array_equal(_f32(x), _f32(y))
+  assert forward_with_keep_bits(scores, value, 0.0, None, block_k=block_k,
+                                interpret=INTERPRET)[2] is None
+  with pytest.raises(ValueError, match=r"seq_k \(scores.shape\[3\]\) a multiple of 32"):
+    forward_with_keep_bits(scores[..., :40], value[:, :, :40], 0.3, rng, interpret=INTERPRET)
+  with pytest.raises(ValueError, match="block_k: keep bits need a key tile of at least 32"):
+    forward_with_keep_bits(scores, value, 0.3, rng, block_k=16, interpret=INTERPRET)
 
 
 # (The default hashes per pair: the other tests check it against the jnp forward's mask.)

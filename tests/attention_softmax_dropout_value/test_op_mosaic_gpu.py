@@ -133,6 +133,22 @@ def test_fused_output_policy_equals_the_xla_path(fused_backend, rate):
                                err_msg=name)
 
 
+def test_fused_output_policy_saves_keep_bits(fused_backend):
+  """Under "fused_output" the Mosaic GPU backend's forward saves the keep mask as int32 bits
+  (1/8 B per element), no bool mask and no Pd: one residual of the scores' shape (P)."""
+  from pallas_kernels.attention_softmax_dropout_value.forward import bits_shape
+  k = keys(6, 3)
+  scores = jax.ShapeDtypeStruct((1, 4, 64, 256), jnp.bfloat16)
+  value = jax.ShapeDtypeStruct((1, 2, 256, 64), jnp.bfloat16)
+  op = lambda s, v: jax_ops.attention_softmax_dropout_value(
+      s, v, dropout_rate=0.1, dropout_rng=k[2], implementation=fused_backend,
+      interpret=INTERPRET)
+  leaves = jax.tree.leaves(jax.eval_shape(lambda s, v: jax.vjp(op, s, v)[1], scores, value))
+  assert not [r for r in leaves if r.dtype == jnp.bool_]
+  assert [r.dtype for r in leaves if r.shape == scores.shape] == [jnp.bfloat16]
+  assert [r.shape for r in leaves if r.dtype == jnp.int32] == [bits_shape(1, 4, 2, 64, 256)]
+
+
 def test_fused_inputs_policy_saves_no_keep_mask():
   """The default policy ``"fused_inputs"``: P, Pd and V from the fused forward kernel, no
   keep mask saved; a traced rate saves the jnp forward's keep mask too (the Triton kernels
