@@ -14,7 +14,9 @@ O_f32)`` (``kernel``: what op A's residual policy ``"output"`` saves) and also `
 (``kernel_pd``: policy ``"inputs"``), and writing ``(O, P, Pd, O_f32)`` without keep
 (``kernel_pd_nokeep``), and without keep and the fp32 O (``kernel_p_pd``: what op A's
 Mosaic GPU backend saves), that with one hash per pair of columns (``kernel_p_pd_pairs``,
-its outputs checked equal to ``kernel_p_pd``'s). Checks: keep bit for bit; ``P`` equal, or
+its outputs checked equal to ``kernel_p_pd``'s), and writing ``(O, P, keep bits, O_f32)``
+(``kernel_bits``, ``forward_with_keep_bits``: what op A's Mosaic GPU backend saves under
+``"fused_output"``; its bits checked equal to the jnp mask's). Checks: keep bit for bit; ``P`` equal, or
 the share of elements one bf16 ulp apart (no more is allowed); ``O`` and the fp32 ``O``
 within 1e-2 of the largest |O| (an element of ``P`` one ulp off moves ``O`` by about 1e-3
 of it). Median device time (JAX profiler), two input sets rotated. Writes ``<out>/a_forward.json``.
@@ -40,7 +42,8 @@ import jax_ops
 from benchmarks.timing import device_times_us, no_gpu
 from jax_ops.attention_value import reference
 from pallas_kernels.attention_softmax_dropout_value.forward import (
-    attention_softmax_dropout_value_forward)
+    attention_softmax_dropout_value_forward, forward_with_keep_bits)
+from pallas_kernels.attention_softmax_dropout_value.pallas_mosaic_gpu import keep_bits_of
 
 SHAPES = [(2, 2048), (8, 512), (4, 1024)]   # (B, S): Sq = Skv = S
 H, KVH, D = 80, 8, 128
@@ -107,16 +110,17 @@ def main(argv=None):
     json.dump({"device": jax.devices()[0].device_kind, "launches": launches, "rows": rows}, f,
               indent=1)
   print("| launch | shape | jnp us | P, keep | P, Pd, keep | P, Pd | P, Pd, no O_f32 | "
-        "the same, a hash per pair |")
-  print("|---|---|---|---|---|---|---|---|")
+        "the same, a hash per pair | P, keep bits (pairs) |")
+  print("|---|---|---|---|---|---|---|---|---|")
   for r in rows:
     print(f"| {r['launch']} | B={r['shape'][0]} S={r['shape'][3]} | {r['jnp_us']:.0f} | "
           + " | ".join(f"{r[k + '_us']:.0f} (x{r['jnp_us'] / r[k + '_us']:.2f})"
                        for k in ("kernel", "kernel_pd", "kernel_pd_nokeep", "kernel_p_pd",
-                                 "kernel_p_pd_pairs"))
+                                 "kernel_p_pd_pairs", "kernel_bits"))
           + " |")
   ok = all(r["same_keep"] and r["p_max_ulps"] <= 1 and r["max_out_err"] < 1e-2
-           and r["max_out32_err"] < 1e-2 and r["pairs_equal"] for r in rows)
+           and r["max_out32_err"] < 1e-2 and r["pairs_equal"] and r["bits_equal"]
+           for r in rows)
   return 0 if ok else 1
 
 
@@ -129,7 +133,9 @@ def _time_launch(launch, calls):
 
   fns = {"jnp": jax.jit(jnp_forward), "kernel": kernel(False), "kernel_pd": kernel(True),
          "kernel_pd_nokeep": kernel(True, False), "kernel_p_pd": kernel(True, False, False),
-         "kernel_p_pd_pairs": kernel(True, False, False, True)}
+         "kernel_p_pd_pairs": kernel(True, False, False, True),
+         "kernel_bits": jax.jit(lambda s, v, r: forward_with_keep_bits(s, v, RATE, r,
+                                                                       **launch))}
   label = "/".join("-" if launch[k] is None else str(launch[k])
                    for k in ("block_q", "block_k", "num_warps", "num_stages"))
   rows = []
@@ -145,6 +151,10 @@ def _time_launch(launch, calls):
     per_element, pairs = fns["kernel_p_pd"](*sets[0]), fns["kernel_p_pd_pairs"](*sets[0])
     checks["pairs_equal"] = all(bool(jnp.all(x == y)) for x, y in zip(per_element[:3], pairs[:3]))
     del per_element, pairs
+    bits = fns["kernel_bits"](*sets[0])[2]
+    want = keep_bits_of(jax_ops.dropout_keep_mask(sets[0][2], RATE, sets[0][0].shape), KVH)
+    checks["bits_equal"] = bool(jnp.all(bits == want))
+    del bits, want
     times = device_times_us(list(fns.values()), sets, calls=calls)
     row = {"launch": label, "shape": [b, H, KVH, s, D],
            **{f"{name}_us": t["median_us"] for name, t in zip(fns, times)}, **checks}
