@@ -94,9 +94,15 @@ def main(argv=None):
   parser.add_argument("--configs", default=None,
                       help="comma-separated block_q/block_k/num_warps/num_stages launch "
                            "configs, each timed (the other launch flags are then ignored)")
+  parser.add_argument("--bits-only", action="store_true",
+                      help="time only the forward writing (O, P, Pd) (hash per pair) and the one "
+                           "writing keep bits, once per packing method (--bits-methods)")
+  parser.add_argument("--bits-methods", default="masked_sum,reshape_sum,rehash")
   args = parser.parse_args(argv)
   if no_gpu("timing op A's forward", "nothing timed"):
     return 2
+  if args.bits_only:
+    return _bits_sweep(args)
   fields = ("block_q", "block_k", "num_warps", "num_stages")
   if args.configs:
     launches = [dict(zip(fields, map(int, c.split("/")))) for c in args.configs.split(",")]
@@ -124,6 +130,49 @@ def main(argv=None):
   return 0 if ok else 1
 
 
+def _inputs(b, s):
+  sets = []
+  for i in range(2):
+    k = jax.random.split(jax.random.key(i), 3)
+    sets.append((jax.random.normal(k[0], (b, H, s, s), jnp.float32).astype(DTYPE),
+                 jax.random.normal(k[1], (b, KVH, s, D), jnp.float32).astype(DTYPE), k[2]))
+  return sets
+
+
+def _bits_sweep(args):
+  """``--bits-only``: per launch config and shape, the (O, P, Pd) forward and the keep-bits
+  forward of each packing method, the bits checked against the jnp mask's."""
+  fields = ("block_q", "block_k", "num_warps", "num_stages")
+  launches = ([dict(zip(fields, map(int, c.split("/")))) for c in args.configs.split(",")]
+              if args.configs else [dict.fromkeys(fields)])
+  methods = args.bits_methods.split(",")
+  rows, ok = [], True
+  for launch in launches:
+    label = "/".join("-" if launch[k] is None else str(launch[k]) for k in fields)
+    fns = {"p_pd": jax.jit(lambda s, v, r: attention_softmax_dropout_value_forward(
+        s, v, RATE, r, store_dropped=True, store_keep=False, store_f32=False, **launch))}
+    for m in methods:
+      fns[m] = jax.jit(lambda s, v, r, m=m: forward_with_keep_bits(s, v, RATE, r,
+                                                                   bits_method=m, **launch))
+    for b, s in SHAPES:
+      sets = _inputs(b, s)
+      want = keep_bits_of(jax_ops.dropout_keep_mask(sets[0][2], RATE, sets[0][0].shape), KVH)
+      row = {"launch": label, "shape": [b, H, KVH, s, D]}
+      for m in methods:
+        row[m + "_equal"] = bool(jnp.all(fns[m](*sets[0])[2] == want))
+        ok &= row[m + "_equal"]
+      del want
+      times = device_times_us(list(fns.values()), sets, calls=args.calls)
+      row.update({f"{n}_us": t["median_us"] for n, t in zip(fns, times)})
+      rows.append(row)
+      print(f"[{label}] B={b} S={s}: " + "; ".join(
+          f"{n} {row[n + '_us']:.0f} us" + ("" if n == "p_pd" else f" ({row[n + '_equal']})")
+          for n in fns), flush=True)
+  with open(os.path.join(args.out, "a_forward_bits.json"), "w") as f:
+    json.dump({"device": jax.devices()[0].device_kind, "rows": rows}, f, indent=1)
+  return 0 if ok else 1
+
+
 def _time_launch(launch, calls):
   """The checked and timed rows of one launch config, one per shape."""
   def kernel(store_dropped, store_keep=True, store_f32=True, pair_hash=False):
@@ -140,11 +189,7 @@ def _time_launch(launch, calls):
                    for k in ("block_q", "block_k", "num_warps", "num_stages"))
   rows = []
   for b, s in SHAPES:
-    sets = []
-    for i in range(2):
-      k = jax.random.split(jax.random.key(i), 3)
-      sets.append((jax.random.normal(k[0], (b, H, s, s), jnp.float32).astype(DTYPE),
-                   jax.random.normal(k[1], (b, KVH, s, D), jnp.float32).astype(DTYPE), k[2]))
+    sets = _inputs(b, s)
     ref, out = fns["jnp"](*sets[0]), fns["kernel_pd"](*sets[0])
     checks = {k: v.item() for k, v in _compare(ref, out).items()}
     del ref, out
