@@ -215,15 +215,17 @@ def _store_bits(bits_ref, keep, cols, bk, row0, j, block_q, block_k, q_mask, has
   else:
     one = jnp.ones(keep.shape, jnp.int32)
     bits = jnp.where(keep, lax.shift_left(one, (cols & 31)[None, :]), 0)
-    if method == "reshape_sum":
-      value = jnp.sum(bits.reshape(block_q, words, 32), axis=2, dtype=jnp.int32)
-    else:
+    if method == "masked_sum":
       word_of_col = lax.shift_right_logical(cols, 5)[None, :]
-      # dtype: under x64 a sum of int32 would be int64.
-      value = jnp.stack([jnp.sum(jnp.where(word_of_col == w0 + w, bits, 0), axis=1,
-                                 dtype=jnp.int32) for w in range(words)], axis=1)
-  for w in range(words):
-    _store(bits_ref.at[bk, w0 + w, pl.ds(row0, block_q)], value[:, w], q_mask)
+      for w in range(words):
+        # dtype: under x64 a sum of int32 would be int64.
+        value = jnp.sum(jnp.where(word_of_col == w0 + w, bits, 0), axis=1, dtype=jnp.int32)
+        _store(bits_ref.at[bk, w0 + w, pl.ds(row0, block_q)], value, q_mask)
+      return
+    value = jnp.sum(bits.reshape(block_q, words, 32), axis=2, dtype=jnp.int32)
+  # [words, block_q]: the words' rows are contiguous in the bits array.
+  _store(bits_ref.at[bk, pl.ds(w0, words), pl.ds(row0, block_q)], value.T,
+         None if q_mask is None else q_mask[None, :])
 
 
 def bits_shape(b, h, kvh, seq_q, seq_k):
