@@ -128,7 +128,8 @@ def temp_mb(compiled) -> float:
 # implementation name, backend module). B "key": the Triton backend that saves P and the key
 # (the default saves the scores and recomputes P in the backward). A: the Mosaic GPU backend
 # with the jnp forward ("inputs": P, Pd and keep saved), or with the fused forward writing
-# no Pd and the backward from delta and keep bits ("fused_output"); the default is the
+# no Pd and the backward from delta, drawing keep again ("fused_output"; with the mask
+# written as bits: "fused_output_bits"); the default is the
 # fused forward writing P and Pd ("fused_inputs").
 OPT_IN = {
     ("B", "key"): ("masked_softmax_dropout", "triton_key",
@@ -137,6 +138,8 @@ OPT_IN = {
                       "jax_ops.attention_value.pallas_mosaic_gpu"),
     ("A", "fused_output"): ("attention_softmax_dropout_value", "mosaic_gpu_fused",
                             "jax_ops.attention_value.pallas_mosaic_gpu"),
+    ("A", "fused_output_bits"): ("attention_softmax_dropout_value", "mosaic_gpu_fused_bits",
+                                 "jax_ops.attention_value.pallas_mosaic_gpu"),
 }
 
 
@@ -146,7 +149,10 @@ def register_opt_in(op: str, residuals: str) -> str:
   import importlib
   from jax_ops import registry
   registry_op, name, module = OPT_IN[op, residuals]
-  backend = type(importlib.import_module(module).BACKEND)(name, residuals=residuals)
+  kwargs = {"residuals": residuals}
+  if residuals == "fused_output_bits":   # the fused forward writing keep as bits
+    kwargs = {"residuals": "fused_output", "keep": "bits"}
+  backend = type(importlib.import_module(module).BACKEND)(name, **kwargs)
   registry.register(registry_op, name, backend)
   return name
 
@@ -239,13 +245,15 @@ def main(argv=None):
                       help="op B's Pallas path: the default backend (saves the scores and "
                            "recomputes P in the backward) or the one that saves P and the key "
                            "(results go to step_b_key.*)")
-  parser.add_argument("--a-residuals", choices=("fused_inputs", "inputs", "fused_output"),
+  parser.add_argument("--a-residuals", choices=("fused_inputs", "inputs", "fused_output",
+                                                "fused_output_bits"),
                       default="fused_inputs",
                       help="op A's Pallas path on a Hopper GPU: the default Mosaic GPU backend "
                            "(the fused forward kernel writing P and Pd), the one with the jnp "
                            "forward (results go to step_a_inputs.*) or the one with the fused "
-                           "forward writing no Pd and the backward from delta and keep bits "
-                           "(step_a_fused.*)")
+                           "forward writing no Pd and no mask and the backward from delta, "
+                           "drawing keep again (step_a_fused.*), or that with the forward "
+                           "writing the mask as bits (step_a_fused_bits.*)")
   args = parser.parse_args(argv)
   if no_gpu("the step benchmark"):
     return 2
@@ -260,7 +268,8 @@ def main(argv=None):
     impls["B"], base = register_opt_in("B", "key"), base + "_b_key"
   if args.a_residuals != "fused_inputs":
     impls["A"] = register_opt_in("A", args.a_residuals)
-    base += {"inputs": "_a_inputs", "fused_output": "_a_fused"}[args.a_residuals]
+    base += {"inputs": "_a_inputs", "fused_output": "_a_fused",
+             "fused_output_bits": "_a_fused_bits"}[args.a_residuals]
   rows = []
   for step in STEPS:
     if step.op not in ops:

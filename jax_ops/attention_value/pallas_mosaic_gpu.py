@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import attention_softmax_dropout_value as kernels
+from pallas_kernels import _dropout as kernels_dropout
 from pallas_kernels import validation
 from pallas_kernels.attention_softmax_dropout_value import pallas_mosaic_gpu as mosaic
 from jax_ops import backend
@@ -34,15 +35,25 @@ class AttentionValueMosaicGpu(backend.ResidualChoice, backend.MosaicGpuBackend):
   ``residuals``: ``"fused_inputs"`` (the default: P and Pd from the fused Triton forward
   kernel, no keep mask written; ``"inputs"`` where the kernel's int32 offsets do not reach),
   ``"inputs"`` (the jnp forward: P, Pd and keep) or ``"fused_output"`` on rows of more than
-  128 keys (the fused forward writing no Pd and the keep mask as bits; P, the bits and the
-  fp32 output saved; the backward takes delta from the output and rebuilds Pd from P and
-  the bits, :func:`mosaic.backward_from_output`). Measured in a training step on the H200
+  128 keys (the fused forward writing no Pd and no mask; P, the fp32 output and the key's
+  seeds saved; the backward takes delta from the output, draws keep again in the kernel and
+  rebuilds Pd from P, :func:`mosaic.backward_from_output`; with ``keep="bits"`` the forward
+  writes the mask as bits instead, which the backward reads). Measured in a training step on the H200
   (``benchmarks/results/step.md``, ``step_a_inputs.md``, ``step_a_fused.md``).
   ``AttentionValueMosaicGpu("mosaic_gpu_fused", residuals="fused_output")``, registered
   with ``jax_ops.registry.register`` under that name, runs one of the others.
   """
 
   POLICIES = (FUSED_INPUTS, INPUTS, FUSED_OUTPUT)
+
+  def __init__(self, name=None, residuals=None, keep: str = "seeds"):
+    """``keep``: under ``"fused_output"``, what the forward saves of the mask: ``"seeds"``
+    (the key's two words and the threshold; the dS-dV kernel draws keep again) or
+    ``"bits"`` (the forward kernel writes it as bits, 1/8 B per attention element)."""
+    super().__init__(name, residuals)
+    if keep not in ("seeds", "bits"):
+      raise ValueError(f"keep: expected 'seeds' or 'bits', got {keep!r}")
+    self.keep = keep
 
   def residual_policy(self, problem):
     b, h, sq, skv = problem.shape("scores")
@@ -72,14 +83,21 @@ class AttentionValueMosaicGpu(backend.ResidualChoice, backend.MosaicGpuBackend):
   def forward_with_output(self, scores, value_states, dropout_rng, p_dropout, *,
                           interpret=False):
     """``(O, P, keep, O_f32)`` from the fused forward kernel, no Pd: the ``"fused_output"``
-    policy. A concrete rate: ``keep`` as bits (``forward.forward_with_keep_bits``, 1/8 B per
-    attention element, the layout the dS-dV kernel reads); a traced one: the Triton
-    backend's (a bool mask, for its kernel)."""
+    policy. A concrete rate: ``keep`` is the key's seeds (``[k0, k1, threshold, 0]`` uint32,
+    ``mosaic.keep_seeds_of``; the kernel writes no mask) or, with ``keep="bits"``, the mask
+    as bits (``forward.forward_with_keep_bits``); a traced one: the Triton backend's (a bool
+    mask, for its kernel). ``None`` for a rate of 0."""
     if validation.concrete_float("p_dropout", p_dropout) is None:
       return triton.BACKEND.forward_with_output(scores, value_states, dropout_rng, p_dropout,
                                                 interpret=interpret)
-    return forward_kernel.forward_with_keep_bits(scores, value_states, p_dropout, dropout_rng,
-                                                 interpret=interpret)
+    if self.keep == "bits":
+      return forward_kernel.forward_with_keep_bits(scores, value_states, p_dropout,
+                                                   dropout_rng, interpret=interpret)
+    out, probs, _, _, out32 = forward_kernel.attention_softmax_dropout_value_forward(
+        scores, value_states, p_dropout, dropout_rng, store_keep=False, interpret=interpret)
+    seeds = None if p_dropout == 0 else mosaic.keep_seeds_of(
+        dropout_rng, kernels_dropout.effective_rate(p_dropout))
+    return out, probs, seeds, out32
 
   def backward_from_output(self, grad_attn_output, attn_weights, value_states, dropout_mask,
                            attention_dropout, attn_output_f32, *, causal=False,
@@ -91,13 +109,16 @@ class AttentionValueMosaicGpu(backend.ResidualChoice, backend.MosaicGpuBackend):
             attn_output_f32)
     if validation.concrete_float("attention_dropout", attention_dropout) is None:
       return triton.BACKEND.backward_from_output(*args, causal=causal, interpret=interpret)
-    bits = None
-    if dropout_mask is not None and jnp.dtype(dropout_mask.dtype) == jnp.int32:
-      bits, dropout_mask = dropout_mask, None
+    # What forward_with_output saved of the mask: seeds, bits (or a bool mask).
+    found = {"keep_seeds": None, "keep_bits": None}
+    if dropout_mask is not None and jnp.dtype(dropout_mask.dtype) == jnp.uint32:
+      found["keep_seeds"], dropout_mask = dropout_mask, None
+    elif dropout_mask is not None and jnp.dtype(dropout_mask.dtype) == jnp.int32:
+      found["keep_bits"], dropout_mask = dropout_mask, None
     # No dropout (a rate of 0): no mask, and none read.
     return mosaic.backward_from_output(grad_attn_output, attn_weights, value_states,
                                        _unread_mask(dropout_mask, attn_weights),
-                                       attention_dropout, attn_output_f32, keep_bits=bits,
+                                       attention_dropout, attn_output_f32, **found,
                                        interpret=interpret)
 
   def reason(self, problem):

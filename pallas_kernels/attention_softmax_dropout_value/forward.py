@@ -184,7 +184,7 @@ def _kernel(seeds_ref, scale_ref, s_ref, v_ref, out_ref, *opt_refs,
   _store(out_ref.at[o_idx], acc.astype(out_ref.dtype), o_mask)
 
 
-BITS_METHOD = "masked_sum"   # how a tile's keep bits are packed (see _store_bits)
+BITS_METHOD = "reshape_sum"   # how a tile's keep bits are packed (see _store_bits)
 
 
 def _store_bits(bits_ref, keep, cols, bk, row0, j, block_q, block_k, q_mask, hash_args,

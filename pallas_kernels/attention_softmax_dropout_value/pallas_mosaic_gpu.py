@@ -46,7 +46,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import _mosaic, validation
+from pallas_kernels import _dropout, _mosaic, validation
 from pallas_kernels._util import dropout_scale, out_struct
 
 f32 = jnp.float32
@@ -207,11 +207,33 @@ def delta_pass(do, pd_groups, v, *, rows=64, block_k=64, stages=4, write_keep=Fa
 # --------------------------------------------------------------------------------------
 # Kernel 2: dS and dV.
 # --------------------------------------------------------------------------------------
+def _drawn_keep(seeds_smem, t, b, kvh, key0, keep_hash):
+  """The keep mask of row tile ``t`` of kv group ``(b, kvh)`` at this warpgroup's keys
+  ``[key0, key0 + 64)``, ``[64, 64]`` bool in the WGMMA layout, drawn as
+  ``jax_ops.dropout_keep_mask`` draws it (:mod:`pallas_kernels._dropout`, one hash per
+  element: the element's half of its column pair's hash). ``seeds_smem``: ``[k0, k1,
+  threshold, 0]`` uint32. ``keep_hash``: ``(num_heads, G, seq_q, seq_k)``."""
+  num_heads, g, sq, skv = keep_hash
+  layout = plgpu.Layout.WGMMA
+  u32 = jnp.uint32
+  row0 = t * ROWS                                  # first row of the tile in the group
+  head = b * num_heads + lax.div(row0, i32(sq)) + kvh * g      # n: index over [B, H]
+  q0 = lax.rem(row0, i32(sq))
+  rows = plgpu.broadcasted_iota(jnp.int32, (ROWS, KEYS), 0, layout=layout) + q0
+  cols = plgpu.broadcasted_iota(jnp.int32, (ROWS, KEYS), 1, layout=layout) + key0
+  k0, k1, threshold = seeds_smem[0], seeds_smem[1], seeds_smem[2]
+  u = _dropout.bits16(k0, k1, head.astype(u32), rows.astype(u32), cols.astype(u32), skv)
+  return u >= threshold
+
+
 def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale, stages,
-                  split, fused_delta, keep_bits, proxy_fence=True):
+                  split, fused_delta, keep_bits, keep_hash=None, proxy_fence=True):
   if fused_delta:   # rows of one key block: delta from the two warpgroups' halves
     v_ref, ds_ref, dv_ref, v_smem, ds_smem, barrier, xchg_smem, xchg_barrier = refs
     delta_ref = None
+  elif keep_hash is not None:   # keep drawn again from the seeds (pd_ref holds them)
+    (delta_ref, v_ref, ds_ref, dv_ref, v_smem, ds_smem, barrier, pd_stage, seeds_smem,
+     seeds_barrier) = refs
   elif keep_bits:   # pd_ref holds the keep bits; Pd is rebuilt from P into pd_stage
     delta_ref, v_ref, ds_ref, dv_ref, v_smem, ds_smem, barrier, pd_stage = refs
   else:
@@ -234,6 +256,9 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
     plgpu.copy_gmem_to_smem(v_ref.at[b, kvh, pl.ds(key0, KEYS)], v_smem.at[wg],
                             barrier.at[wg])
     plgpu.barrier_wait(barrier.at[wg])
+    if keep_hash is not None:   # the seeds, read by both warpgroups (one copy each)
+      plgpu.copy_gmem_to_smem(pd_ref, seeds_smem.at[wg], seeds_barrier.at[wg])
+      plgpu.barrier_wait(seeds_barrier.at[wg])
 
     def run(dv_acc):
       run_pipeline(dv_acc)
@@ -254,22 +279,28 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
     dv_acc = args[-1]
     if fused_delta:
       p_smem, pd_smem, do_smem, p_consumed, pd_consumed, do_consumed = args[:-1]
+    elif keep_hash is not None:   # no second stream: its barrier arrivals are skipped
+      p_smem, do_smem, delta_smem, p_consumed, do_consumed, delta_consumed = args[:-1]
+      pd_smem = pd_consumed = None
     else:
       (p_smem, pd_smem, do_smem, delta_smem,
        p_consumed, pd_consumed, do_consumed, delta_consumed) = args[:-1]
 
-    if keep_bits:
-      # keep from the delta kernel's bits; Pd = round(P * keep / (1 - p)) (the precondition)
-      # into this warpgroup's staging tile, the dV GEMM's operand.
+    if keep_bits or keep_hash is not None:
+      # keep from the bits (or drawn again from the seeds); Pd = round(P * keep / (1 - p))
+      # (the precondition) into this warpgroup's staging tile, the dV GEMM's operand.
       def mm(acc):
         plgpu.wgmma(acc, do_smem, v_smem.at[wg].T)                    # dPd [rows, keys]
         p16 = plgpu.load(p_smem.at[:, wg_keys], layout=plgpu.Layout.WGMMA)
-        col = plgpu.broadcasted_iota(jnp.int32, (ROWS, KEYS), 1, layout=plgpu.Layout.WGMMA)
-        lo, hi = (lax.broadcast_in_dim(
-            plgpu.load(pd_smem.at[WGS * wg + q], layout=row_layout), (ROWS, KEYS), [0])
-            for q in range(2))
-        word = jnp.where(col < i32(32), lo, hi)
-        kept = (lax.shift_right_logical(word, col & i32(31)) & i32(1)) != i32(0)
+        if keep_hash is not None:
+          kept = _drawn_keep(seeds_smem.at[wg], t, b, kvh, key0, keep_hash)
+        else:
+          col = plgpu.broadcasted_iota(jnp.int32, (ROWS, KEYS), 1, layout=plgpu.Layout.WGMMA)
+          lo, hi = (lax.broadcast_in_dim(
+              plgpu.load(pd_smem.at[WGS * wg + q], layout=row_layout), (ROWS, KEYS), [0])
+              for q in range(2))
+          word = jnp.where(col < i32(32), lo, hi)
+          kept = (lax.shift_right_logical(word, col & i32(31)) & i32(1)) != i32(0)
         p32 = p16.astype(f32)
         pd_stage[wg] = jnp.where(kept, p32 * keep_scale, 0.0).astype(dtype)
         plgpu.commit_smem()
@@ -306,7 +337,8 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
       plgpu.barrier_arrive(delta_consumed)
     ds = p * (dw - lax.broadcast_in_dim(delta, (ROWS, KEYS), [0]))
     plgpu.wgmma_wait(0)                                               # dV read Pd and dO
-    plgpu.barrier_arrive(pd_consumed)
+    if pd_consumed is not None:
+      plgpu.barrier_arrive(pd_consumed)
     plgpu.barrier_arrive(do_consumed)
     plgpu.wait_smem_to_gmem(1, wait_read_only=True)                   # the slot is free
     ds_smem[wg, slot] = ds.astype(dtype)
@@ -325,7 +357,10 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
       second,
       plgpu.BlockSpec((ROWS, None, d), head_tile, transforms=tiled),
   ]
-  operands = [p_ref.at[b, kvh], pd_ref.at[b, kvh], do_ref.at[b]]
+  operands = [p_ref.at[b, kvh], pd_ref.at[b, kvh] if keep_hash is None else None,
+              do_ref.at[b]]
+  if keep_hash is not None:   # P, dO (and delta): nothing streamed for keep
+    del in_specs[1], operands[1]
   if not fused_delta:
     in_specs.append(plgpu.BlockSpec((ROWS,), lambda t: (tile0 + t,)))
     operands.append(delta_ref.at[b, kvh])
@@ -337,12 +372,15 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
 
 
 def ds_dv_pass(do, p_groups, pd_groups, delta, v, *, rate, stages=3, split=1,
-               keep_bits=None, proxy_fence=True, interpret=False):
+               keep_bits=None, keep_seeds=None, proxy_fence=True, interpret=False):
   """``(dS [B, KVH, G * seq_q, seq_k], dV [B, KVH, seq_k, D])`` from the group slabs of P
   and Pd, ``delta [B, KVH, G * seq_q]`` and V.
 
   ``keep_bits`` (from ``delta_pass(..., write_keep=True)``, a rate > 0): read instead of Pd
   (``pd_groups`` is then unused), which is rebuilt from P: 4.125 B per element instead of 6.
+  ``keep_seeds`` (``[k0, k1, threshold, 0]`` uint32, :func:`keep_seeds_of`; a rate > 0):
+  keep drawn again in the kernel, as ``jax_ops.dropout_keep_mask`` draws it, and Pd rebuilt
+  from P: 4 B per element, nothing read for keep.
 
   ``delta=None`` (only for ``seq_k == 128``, one key block): the kernel computes it, as
   ``rowsum(dW * P)``. ``split`` programs share each key block's rows (``G * seq_q / 64``
@@ -356,15 +394,20 @@ def ds_dv_pass(do, p_groups, pd_groups, delta, v, *, rate, stages=3, split=1,
   fused_delta = delta is None
   if fused_delta and skv != WGS * KEYS:
     raise ValueError(f"delta=None needs seq_k == {WGS * KEYS}, got {skv}")
-  if keep_bits is not None and (fused_delta or rate == 0):
-    raise ValueError("keep_bits go with a delta and a rate > 0")
+  if (keep_bits is not None or keep_seeds is not None) and (fused_delta or rate == 0):
+    raise ValueError("keep_bits and keep_seeds go with a delta and a rate > 0")
+  if keep_bits is not None and keep_seeds is not None:
+    raise ValueError("keep_bits or keep_seeds, not both")
+  keep_hash = None if keep_seeds is None else (h, g, sq, skv)
   keep_scale = None if rate == 0 else dropout_scale(rate)   # the forward's fp32 factor
   kernel = functools.partial(_ds_dv_kernel, kvh_count=kvh, g=g, sq=sq, d=d,
                              keep_scale=keep_scale, stages=stages, split=split,
                              proxy_fence=proxy_fence,
-                             fused_delta=fused_delta, keep_bits=keep_bits is not None)
+                             fused_delta=fused_delta, keep_bits=keep_bits is not None,
+                             keep_hash=keep_hash)
   dtype = p_groups.dtype
-  like = tuple(x for x in (do, p_groups, pd_groups, delta, keep_bits, v) if x is not None)
+  like = tuple(x for x in (do, p_groups, pd_groups, delta, keep_bits, keep_seeds, v)
+               if x is not None)
   dv_type = (out_struct((b, kvh, skv, d), v.dtype, *like) if split == 1
              else out_struct((split, b, kvh, skv, d), f32, *like))
   scratch = [
@@ -374,9 +417,12 @@ def ds_dv_pass(do, p_groups, pd_groups, delta, v, *, rate, stages=3, split=1,
   ]
   if fused_delta:
     scratch += [plgpu.SMEM((2, WGS, ROWS), f32), plgpu.Barrier(num_arrivals=WGS)]
-  if keep_bits is not None:
+  if keep_bits is not None or keep_seeds is not None:
     scratch.append(plgpu.SMEM((WGS, ROWS, KEYS), dtype, transforms=_tiled(dtype)))
-  second = pd_groups if keep_bits is None else keep_bits
+  if keep_seeds is not None:
+    scratch += [plgpu.SMEM((WGS, 4), jnp.uint32), plgpu.Barrier(num_barriers=WGS)]
+  second = (keep_seeds if keep_seeds is not None
+            else pd_groups if keep_bits is None else keep_bits)
   operands = [do, p_groups, second] + ([] if fused_delta else [delta]) + [v]
   ds, dv = plgpu.kernel(
       kernel,
@@ -547,9 +593,16 @@ def keep_bits_of(keep, num_kv_heads):
   return lax.bitcast_convert_type(jnp.swapaxes(packed, 2, 3), jnp.int32)
 
 
+def keep_seeds_of(dropout_rng, rate):
+  """``[k0, k1, threshold, 0]`` uint32: what the dS-dV kernel draws keep from
+  (``ds_dv_pass(keep_seeds=...)``), the mask of ``jax_ops.dropout_keep_mask(dropout_rng,
+  rate, ...)`` (``rate`` a float)."""
+  return jnp.concatenate([_dropout.seeds(dropout_rng, rate), jnp.zeros((1,), jnp.uint32)])
+
+
 def backward_from_output(grad_attn_output, attn_weights, value_states, dropout_mask,
                          attention_dropout, attn_output_f32, *, keep_bits=None,
-                         config: Config | None = None, interpret=False):
+                         keep_seeds=None, config: Config | None = None, interpret=False):
   """:func:`attention_softmax_dropout_value_backward` given the forward's fp32 output O
   ``[B, seq_q, H, D]`` and the keep mask instead of Pd: ``delta = rowsum(dO * O)`` (no
   delta kernel), keep as bits, and the dS-dV kernel rebuilding Pd from P and the bits
@@ -560,7 +613,9 @@ def backward_from_output(grad_attn_output, attn_weights, value_states, dropout_m
   ``keep_bits``: ``[B, KVH, seq_k / 32, G * seq_q]`` int32 (``forward.bits_shape``, the layout
   of :func:`keep_bits_of`), as the fused forward writes them; ``dropout_mask`` is then checked
   but not read (a ``jax.ShapeDtypeStruct`` will do). Without them the bool mask is packed
-  here (an XLA pass over it). Returns ``(grad_attn_scores, grad_value_states)``.
+  here (an XLA pass over it). ``keep_seeds`` (:func:`keep_seeds_of` of the forward's key and
+  rate): keep drawn again in the kernel, nothing read for it (``dropout_mask`` checked, not
+  read). Returns ``(grad_attn_scores, grad_value_states)``.
   """
   from pallas_kernels.attention_softmax_dropout_value.pallas_triton import delta_from_output
   p = validation.check_problem_a(grad_attn_output, attn_weights, attn_weights,
@@ -579,12 +634,18 @@ def backward_from_output(grad_attn_output, attn_weights, value_states, dropout_m
   if keep_bits is not None:
     validation.check_array("keep_bits", keep_bits, ("B", "KVH", "Skv/32", "G*Sq"),
                            (b, kvh, skv // 32, g * sq), dtypes=(jnp.int32,))
+  if keep_seeds is not None:
+    validation.check_array("keep_seeds", keep_seeds, ("4",), (4,), dtypes=(jnp.uint32,))
+    if keep_bits is not None:
+      raise ValueError("keep_bits or keep_seeds, not both")
   _mosaic.check_hopper("attention_softmax_dropout_value backward_from_output", interpret,
                        grad_attn_output, attn_weights, value_states)
   config = config or default_config(b, h, kvh, sq, skv, d)
   groups = lambda x: x.reshape(b, kvh, g * sq, skv)
   delta = delta_from_output(grad_attn_output, attn_output_f32).reshape(b, kvh, g * sq)
   if p == 0:
+    bits = keep_seeds = None
+  elif keep_seeds is not None:
     bits = None
   else:
     bits = keep_bits if keep_bits is not None else keep_bits_of(dropout_mask, kvh)
@@ -592,5 +653,6 @@ def backward_from_output(grad_attn_output, attn_weights, value_states, dropout_m
   p_groups = groups(attn_weights)
   ds, dv = ds_dv_pass(grad_attn_output, p_groups, p_groups, delta, value_states, rate=p,
                       stages=config.stages, split=split, keep_bits=bits,
-                      proxy_fence=config.proxy_fence, interpret=interpret)
+                      keep_seeds=keep_seeds, proxy_fence=config.proxy_fence,
+                      interpret=interpret)
   return ds.reshape(b, h, sq, skv), dv

@@ -269,6 +269,31 @@ def test_backward_from_output(b, h, kvh, sq, skv, d, p):
   check(got, reference(d_o, probs, dropped, value, keep, rate))
 
 
+@needs_kernels
+def test_backward_from_output_draws_keep_from_the_seeds():
+  """``keep_seeds``: the kernel draws the op's mask itself (nothing read for it), the same
+  gradients bit for bit as from the mask's bits, and the reference's; over two heads of a
+  group (rows past the first head's) and two key blocks."""
+  import jax_ops
+  b, h, kvh, sq, skv, d, p = 1, 4, 2, 64, 256, 64, 0.1
+  d_o, probs, dropped, value, keep, out32, rate = _forward_residuals(b, h, kvh, sq, skv, d, p,
+                                                                     seed=13)
+  rng = jax.random.split(jax.random.key(13), 4)[2]        # _forward_residuals' mask key
+  np.testing.assert_array_equal(np.asarray(keep),
+                                np.asarray(jax_ops.dropout_keep_mask(rng, p, keep.shape)))
+  unread = jax.ShapeDtypeStruct(keep.shape, jnp.bool_)
+  got = mg.backward_from_output(d_o, probs, value, unread, rate, out32,
+                                keep_seeds=mg.keep_seeds_of(rng, rate), interpret=INTERPRET)
+  from_bits = mg.backward_from_output(d_o, probs, value, keep, rate, out32,
+                                      interpret=INTERPRET)
+  for x, y in zip(got, from_bits):
+    np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+  check(got, reference(d_o, probs, dropped, value, keep, rate))
+  with pytest.raises(ValueError, match=r"keep_seeds: expected .*\[4\]"):
+    mg.backward_from_output(d_o, probs, value, unread, rate, out32,
+                            keep_seeds=jnp.zeros((3,), jnp.uint32), interpret=True)
+
+
 def test_keep_bits_layout():
   keep = jax.random.bernoulli(jax.random.key(0), 0.5, (2, 4, 3, 64))
   bits = mg.keep_bits_of(keep, 2)                      # [B, KVH, seq_k / 32, G * seq_q]
@@ -299,4 +324,8 @@ def test_backward_from_output_lowers_for_a_gpu():
   with pytest.MonkeyPatch.context() as m:
     m.setattr(mg._mosaic, "check_hopper", lambda *a, **k: None)
     text = fn.trace(*args, out32).lower(lowering_platforms=("cuda",)).as_text()
-  assert "mosaic_gpu" in text
+    seeded = jax.jit(lambda do, p, v, keep, o, sd: mg.backward_from_output(
+        do, p, v, keep, 0.1, o, keep_seeds=sd, interpret=False))
+    seeded_text = seeded.trace(*args, out32, s((4,), jnp.uint32)).lower(
+        lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text and "mosaic_gpu" in seeded_text

@@ -133,20 +133,33 @@ def test_fused_output_policy_equals_the_xla_path(fused_backend, rate):
                                err_msg=name)
 
 
-def test_fused_output_policy_saves_keep_bits(fused_backend):
-  """Under "fused_output" the Mosaic GPU backend's forward saves the keep mask as int32 bits
-  (1/8 B per element), no bool mask and no Pd: one residual of the scores' shape (P)."""
+@pytest.mark.parametrize("keep", ["seeds", "bits"])
+def test_fused_output_policy_saves_no_mask(keep):
+  """Under "fused_output" the Mosaic GPU backend's forward saves no bool mask and no Pd (one
+  residual of the scores' shape: P), and of the mask only the key's seeds (``[4]`` uint32;
+  the backward draws keep again) or, with ``keep="bits"``, int32 bits (1/8 B per element)."""
+  from jax_ops.attention_value.pallas_mosaic_gpu import AttentionValueMosaicGpu
   from pallas_kernels.attention_softmax_dropout_value.forward import bits_shape
+  registry.register("attention_softmax_dropout_value", "mosaic_gpu_fused_test",
+                    AttentionValueMosaicGpu("mosaic_gpu_fused_test", residuals="fused_output",
+                                            keep=keep))
   k = keys(6, 3)
   scores = jax.ShapeDtypeStruct((1, 4, 64, 256), jnp.bfloat16)
   value = jax.ShapeDtypeStruct((1, 2, 256, 64), jnp.bfloat16)
   op = lambda s, v: jax_ops.attention_softmax_dropout_value(
-      s, v, dropout_rate=0.1, dropout_rng=k[2], implementation=fused_backend,
+      s, v, dropout_rate=0.1, dropout_rng=k[2], implementation="mosaic_gpu_fused_test",
       interpret=INTERPRET)
-  leaves = jax.tree.leaves(jax.eval_shape(lambda s, v: jax.vjp(op, s, v)[1], scores, value))
+  try:
+    leaves = jax.tree.leaves(jax.eval_shape(lambda s, v: jax.vjp(op, s, v)[1], scores, value))
+  finally:
+    registry.unregister("attention_softmax_dropout_value", "mosaic_gpu_fused_test")
   assert not [r for r in leaves if r.dtype == jnp.bool_]
   assert [r.dtype for r in leaves if r.shape == scores.shape] == [jnp.bfloat16]
-  assert [r.shape for r in leaves if r.dtype == jnp.int32] == [bits_shape(1, 4, 2, 64, 256)]
+  mask = [(r.shape, r.dtype) for r in leaves if r.dtype in (jnp.int32, jnp.uint32)]
+  assert mask == ([((4,), jnp.uint32)] if keep == "seeds"
+                  else [(bits_shape(1, 4, 2, 64, 256), jnp.int32)])
+  with pytest.raises(ValueError, match="keep: expected 'seeds' or 'bits'"):
+    AttentionValueMosaicGpu("x", residuals="fused_output", keep="mask")
 
 
 def test_fused_inputs_policy_saves_no_keep_mask():
