@@ -207,12 +207,14 @@ def delta_pass(do, pd_groups, v, *, rows=64, block_k=64, stages=4, write_keep=Fa
 # --------------------------------------------------------------------------------------
 # Kernel 2: dS and dV.
 # --------------------------------------------------------------------------------------
-def _drawn_keep(seeds_smem, t, b, kvh, key0, keep_hash):
+def _drawn_keep(seeds_ref, t, b, kvh, key0, keep_hash):
   """The keep mask of row tile ``t`` of kv group ``(b, kvh)`` at this warpgroup's keys
   ``[key0, key0 + 64)``, ``[64, 64]`` bool in the WGMMA layout, drawn as
   ``jax_ops.dropout_keep_mask`` draws it (:mod:`pallas_kernels._dropout`, one hash per
-  element: the element's half of its column pair's hash). ``seeds_smem``: ``[k0, k1,
-  threshold, 0]`` uint32. ``keep_hash``: ``(num_heads, G, seq_q, seq_k)``."""
+  element: the element's half of its column pair's hash). ``seeds_ref``: ``[k0, k1,
+  threshold, 0]`` uint32 in global memory, read as scalars (a TMA copy of them would need a
+  128-byte aligned destination per warpgroup). ``keep_hash``: ``(num_heads, G, seq_q,
+  seq_k)``."""
   num_heads, g, sq, skv = keep_hash
   layout = plgpu.Layout.WGMMA
   u32 = jnp.uint32
@@ -221,7 +223,7 @@ def _drawn_keep(seeds_smem, t, b, kvh, key0, keep_hash):
   q0 = lax.rem(row0, i32(sq))
   rows = plgpu.broadcasted_iota(jnp.int32, (ROWS, KEYS), 0, layout=layout) + q0
   cols = plgpu.broadcasted_iota(jnp.int32, (ROWS, KEYS), 1, layout=layout) + key0
-  k0, k1, threshold = seeds_smem[0], seeds_smem[1], seeds_smem[2]
+  k0, k1, threshold = seeds_ref[0], seeds_ref[1], seeds_ref[2]
   u = _dropout.bits16(k0, k1, head.astype(u32), rows.astype(u32), cols.astype(u32), skv)
   return u >= threshold
 
@@ -232,8 +234,7 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
     v_ref, ds_ref, dv_ref, v_smem, ds_smem, barrier, xchg_smem, xchg_barrier = refs
     delta_ref = None
   elif keep_hash is not None:   # keep drawn again from the seeds (pd_ref holds them)
-    (delta_ref, v_ref, ds_ref, dv_ref, v_smem, ds_smem, barrier, pd_stage, seeds_smem,
-     seeds_barrier) = refs
+    delta_ref, v_ref, ds_ref, dv_ref, v_smem, ds_smem, barrier, pd_stage = refs
   elif keep_bits:   # pd_ref holds the keep bits; Pd is rebuilt from P into pd_stage
     delta_ref, v_ref, ds_ref, dv_ref, v_smem, ds_smem, barrier, pd_stage = refs
   else:
@@ -256,9 +257,6 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
     plgpu.copy_gmem_to_smem(v_ref.at[b, kvh, pl.ds(key0, KEYS)], v_smem.at[wg],
                             barrier.at[wg])
     plgpu.barrier_wait(barrier.at[wg])
-    if keep_hash is not None:   # the seeds, read by both warpgroups (one copy each)
-      plgpu.copy_gmem_to_smem(pd_ref, seeds_smem.at[wg], seeds_barrier.at[wg])
-      plgpu.barrier_wait(seeds_barrier.at[wg])
 
     def run(dv_acc):
       run_pipeline(dv_acc)
@@ -293,7 +291,7 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
         plgpu.wgmma(acc, do_smem, v_smem.at[wg].T)                    # dPd [rows, keys]
         p16 = plgpu.load(p_smem.at[:, wg_keys], layout=plgpu.Layout.WGMMA)
         if keep_hash is not None:
-          kept = _drawn_keep(seeds_smem.at[wg], t, b, kvh, key0, keep_hash)
+          kept = _drawn_keep(pd_ref, t, b, kvh, key0, keep_hash)
         else:
           col = plgpu.broadcasted_iota(jnp.int32, (ROWS, KEYS), 1, layout=plgpu.Layout.WGMMA)
           lo, hi = (lax.broadcast_in_dim(
@@ -419,8 +417,6 @@ def ds_dv_pass(do, p_groups, pd_groups, delta, v, *, rate, stages=3, split=1,
     scratch += [plgpu.SMEM((2, WGS, ROWS), f32), plgpu.Barrier(num_arrivals=WGS)]
   if keep_bits is not None or keep_seeds is not None:
     scratch.append(plgpu.SMEM((WGS, ROWS, KEYS), dtype, transforms=_tiled(dtype)))
-  if keep_seeds is not None:
-    scratch += [plgpu.SMEM((WGS, 4), jnp.uint32), plgpu.Barrier(num_barriers=WGS)]
   second = (keep_seeds if keep_seeds is not None
             else pd_groups if keep_bits is None else keep_bits)
   operands = [do, p_groups, second] + ([] if fused_delta else [delta]) + [v]
