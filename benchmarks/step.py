@@ -128,15 +128,17 @@ def temp_mb(compiled) -> float:
 # implementation name, backend module). B "key": the Triton backend that saves P and the key
 # (the default saves the scores and recomputes P in the backward). A: the Mosaic GPU backend
 # with the jnp forward ("inputs": P, Pd and keep saved), or with the fused forward writing
-# no Pd and the backward from delta, drawing keep again ("fused_output"; with the mask
-# written as bits: "fused_output_bits"); the default is the
-# fused forward writing P and Pd ("fused_inputs").
+# no Pd and the backward from delta, drawing keep again ("fused_output", the default, made
+# explicit), with the mask written as bits ("fused_output_bits") or with the fused forward
+# writing P and Pd ("fused_inputs", the default before 95d827c).
 OPT_IN = {
     ("B", "key"): ("masked_softmax_dropout", "triton_key",
                    "jax_ops.masked_softmax.pallas_triton"),
     ("A", "inputs"): ("attention_softmax_dropout_value", "mosaic_gpu_jnp",
                       "jax_ops.attention_value.pallas_mosaic_gpu"),
     ("A", "fused_output"): ("attention_softmax_dropout_value", "mosaic_gpu_fused",
+                            "jax_ops.attention_value.pallas_mosaic_gpu"),
+    ("A", "fused_inputs"): ("attention_softmax_dropout_value", "mosaic_gpu_pd",
                             "jax_ops.attention_value.pallas_mosaic_gpu"),
     ("A", "fused_output_bits"): ("attention_softmax_dropout_value", "mosaic_gpu_fused_bits",
                                  "jax_ops.attention_value.pallas_mosaic_gpu"),
@@ -245,15 +247,16 @@ def main(argv=None):
                       help="op B's Pallas path: the default backend (saves the scores and "
                            "recomputes P in the backward) or the one that saves P and the key "
                            "(results go to step_b_key.*)")
-  parser.add_argument("--a-residuals", choices=("fused_inputs", "inputs", "fused_output",
-                                                "fused_output_bits"),
-                      default="fused_inputs",
+  parser.add_argument("--a-residuals", choices=("default", "fused_inputs", "inputs",
+                                                "fused_output", "fused_output_bits"),
+                      default="default",
                       help="op A's Pallas path on a Hopper GPU: the default Mosaic GPU backend "
-                           "(the fused forward kernel writing P and Pd), the one with the jnp "
-                           "forward (results go to step_a_inputs.*) or the one with the fused "
-                           "forward writing no Pd and no mask and the backward from delta, "
-                           "drawing keep again (step_a_fused.*), or that with the forward "
-                           "writing the mask as bits (step_a_fused_bits.*)")
+                           "(the fused forward writing P and no Pd or mask, the backward "
+                           "drawing keep again), or an opt-in one: the fused forward writing "
+                           "P and Pd (results go to step_a_fused_inputs.*), the jnp forward "
+                           "(step_a_inputs.*), the default's policy made explicit "
+                           "(step_a_fused.*) or the fused forward writing the mask as bits "
+                           "(step_a_fused_bits.*)")
   args = parser.parse_args(argv)
   if no_gpu("the step benchmark"):
     return 2
@@ -266,10 +269,10 @@ def main(argv=None):
   impls = {}
   if args.b_residuals == "key":
     impls["B"], base = register_opt_in("B", "key"), base + "_b_key"
-  if args.a_residuals != "fused_inputs":
+  if args.a_residuals != "default":
     impls["A"] = register_opt_in("A", args.a_residuals)
-    base += {"inputs": "_a_inputs", "fused_output": "_a_fused",
-             "fused_output_bits": "_a_fused_bits"}[args.a_residuals]
+    base += {"inputs": "_a_inputs", "fused_output": "_a_fused", "fused_inputs":
+             "_a_fused_inputs", "fused_output_bits": "_a_fused_bits"}[args.a_residuals]
   rows = []
   for step in STEPS:
     if step.op not in ops:

@@ -5,7 +5,12 @@ streams, wgmma, one producer and two consumer warpgroups). They take bf16/fp16 p
 with ``D`` of 64 or 128, ``seq_q % 64 == 0``, ``seq_k % 128 == 0`` and ``G * seq_q`` a
 multiple of 128 unless ``seq_k == 128`` (:meth:`supports`); a forced ``implementation="mosaic_gpu"`` on another
 shape or device raises saying why. A traced dropout rate, which the kernels cannot take
-as a constant, runs the Triton kernels. Residuals (policy ``"fused_inputs"``): P, Pd and V
+as a constant, runs the Triton kernels. Residuals (policy ``"fused_output"``, the default on
+rows of more than 128 keys): P, V and the forward's fp32 output from the fused forward kernel
+(:mod:`pallas_kernels.attention_softmax_dropout_value.forward`), which writes no Pd and no
+mask, and the key's seeds: the backward takes ``delta = rowsum(dO * O)``, draws keep again in
+the dS-dV kernel and rebuilds Pd from P (4 B per attention element). Rows of 128 keys
+(policy ``"fused_inputs"``, whose one-key-block kernel reads Pd): P, Pd and V
 from the fused forward kernel (:mod:`pallas_kernels.attention_softmax_dropout_value.forward`,
 softmax, the keep mask drawn in the kernel, GQA P·V), which writes no keep mask: the
 kernels read P and Pd, not keep. A traced rate saves the jnp forward's P, Pd, V and keep
@@ -32,19 +37,25 @@ class AttentionValueMosaicGpu(backend.ResidualChoice, backend.MosaicGpuBackend):
   """The op's Mosaic GPU backend (devices, priority and the support checks from the base
   class; :meth:`reason` says what of a problem the kernels do not take).
 
-  ``residuals``: ``"fused_inputs"`` (the default: P and Pd from the fused Triton forward
-  kernel, no keep mask written; ``"inputs"`` where the kernel's int32 offsets do not reach),
-  ``"inputs"`` (the jnp forward: P, Pd and keep) or ``"fused_output"`` on rows of more than
-  128 keys (the fused forward writing no Pd and no mask; P, the fp32 output and the key's
-  seeds saved; the backward takes delta from the output, draws keep again in the kernel and
-  rebuilds Pd from P, :func:`mosaic.backward_from_output`; with ``keep="bits"`` the forward
-  writes the mask as bits instead, which the backward reads). Measured in a training step on the H200
-  (``benchmarks/results/step.md``, ``step_a_inputs.md``, ``step_a_fused.md``).
-  ``AttentionValueMosaicGpu("mosaic_gpu_fused", residuals="fused_output")``, registered
-  with ``jax_ops.registry.register`` under that name, runs one of the others.
+  ``residuals``:
+
+  - ``"fused_output"`` (the default) on rows of more than 128 keys: the fused forward writing
+    no Pd and no mask; P, the fp32 output and the key's seeds saved; the backward takes
+    delta from the output, draws keep again in the dS-dV kernel and rebuilds Pd from P
+    (:func:`mosaic.backward_from_output`). With ``keep="bits"`` the forward writes the mask
+    as bits instead, which the backward reads (measured slower: packing the bits in the
+    Triton forward costs more than they save). Rows of 128 keys take ``"fused_inputs"``.
+  - ``"fused_inputs"``: P and Pd from the fused Triton forward kernel, no keep mask written.
+  - ``"inputs"``: the jnp forward (P, Pd and keep), also wherever the fused kernel's int32
+    offsets do not reach.
+
+  Measured in a training step on the H200 (``benchmarks/results/step.md``,
+  ``step_a_fused_inputs.md``, ``step_a_fused_bits.md``, ``step_a_inputs.md``).
+  ``AttentionValueMosaicGpu("mosaic_gpu_pd", residuals="fused_inputs")``, registered with
+  ``jax_ops.registry.register`` under that name, runs one of the others.
   """
 
-  POLICIES = (FUSED_INPUTS, INPUTS, FUSED_OUTPUT)
+  POLICIES = (FUSED_OUTPUT, FUSED_INPUTS, INPUTS)
 
   def __init__(self, name=None, residuals=None, keep: str = "seeds"):
     """``keep``: under ``"fused_output"``, what the forward saves of the mask: ``"seeds"``
@@ -60,11 +71,10 @@ class AttentionValueMosaicGpu(backend.ResidualChoice, backend.MosaicGpuBackend):
     _, kvh, _, d = problem.shape("value_states")
     if not forward_kernel.takes(b, h, kvh, sq, skv, d):
       return INPUTS   # past the fused kernel's int32 offsets: the jnp forward
-    if self.residuals == FUSED_OUTPUT and skv > mosaic.WGS * mosaic.KEYS:
-      return FUSED_OUTPUT
-    if self.residuals == FUSED_INPUTS:
-      return FUSED_INPUTS
-    return INPUTS
+    if self.residuals == FUSED_OUTPUT:
+      # Rows of one key block: that kernel computes delta from P and reads Pd.
+      return FUSED_OUTPUT if skv > mosaic.WGS * mosaic.KEYS else FUSED_INPUTS
+    return self.residuals
 
   def forward_with_dropped(self, scores, value_states, dropout_rng, p_dropout, *,
                            interpret=False):

@@ -163,34 +163,41 @@ def test_fused_output_policy_saves_no_mask(keep):
 
 
 def test_fused_inputs_policy_saves_no_keep_mask():
-  """The default policy ``"fused_inputs"``: P, Pd and V from the fused forward kernel, no
+  """The opt-in policy ``"fused_inputs"``: P, Pd and V from the fused forward kernel, no
   keep mask saved; a traced rate saves the jnp forward's keep mask too (the Triton kernels
-  it runs read it); problems past the kernel's int32 offsets keep ``"inputs"``."""
-  from jax_ops.backend import FUSED_INPUTS, INPUTS
+  it runs read it). The default ``"fused_output"`` takes it on rows of 128 keys; problems
+  past the kernel's int32 offsets keep ``"inputs"``."""
+  from jax_ops.attention_value.pallas_mosaic_gpu import AttentionValueMosaicGpu
+  from jax_ops.backend import FUSED_INPUTS, FUSED_OUTPUT, INPUTS
   k = keys(5, 3)
   scores = jax.random.normal(k[0], (1, 4, 64, 256), jnp.bfloat16)
   value = jax.random.normal(k[1], (1, 2, 256, 64), jnp.bfloat16)
+  registry.register("attention_softmax_dropout_value", "mosaic_gpu_pd",
+                    AttentionValueMosaicGpu("mosaic_gpu_pd", residuals="fused_inputs"))
+  try:
+    def full_residuals(rate):
+      op = lambda s, v: jax_ops.attention_softmax_dropout_value(
+          s, v, dropout_rate=rate, dropout_rng=k[2], implementation="mosaic_gpu_pd",
+          interpret=INTERPRET)
+      _, pullback = jax.vjp(op, scores, value)
+      return [r for r in jax.tree.leaves(pullback) if r.shape == scores.shape]
 
-  def full_residuals(rate):
+    assert [r.dtype for r in full_residuals(0.1)] == [jnp.bfloat16] * 2      # P, Pd
+    # What the fused kernel writes: O, P and Pd under a gradient, O alone without one (the
+    # same O).
     op = lambda s, v: jax_ops.attention_softmax_dropout_value(
-        s, v, dropout_rate=rate, dropout_rng=k[2], implementation="mosaic_gpu",
+        s, v, dropout_rate=0.1, dropout_rng=k[2], implementation="mosaic_gpu_pd",
         interpret=INTERPRET)
-    _, pullback = jax.vjp(op, scores, value)
-    return [r for r in jax.tree.leaves(pullback) if r.shape == scores.shape]
-
-  assert [r.dtype for r in full_residuals(0.1)] == [jnp.bfloat16] * 2      # P, Pd
-  # What the fused kernel writes: O, P and Pd under a gradient, O alone without one (the
-  # same O).
-  op = lambda s, v: jax_ops.attention_softmax_dropout_value(
-      s, v, dropout_rate=0.1, dropout_rng=k[2], implementation="mosaic_gpu",
-      interpret=INTERPRET)
-  assert pallas_call_outputs(op, scores, value) == [1]
-  assert pallas_call_outputs(lambda s, v: jax.vjp(op, s, v)[0], scores, value) == [3]
-  np.testing.assert_array_equal(np.asarray(op(scores, value), np.float32),
-                                np.asarray(jax.vjp(op, scores, value)[0], np.float32))
-  traced = jax.jit(full_residuals)(jnp.float32(0.1))
-  assert sorted(str(r.dtype) for r in traced) == ["bfloat16", "bfloat16", "bool"]
+    assert pallas_call_outputs(op, scores, value) == [1]
+    assert pallas_call_outputs(lambda s, v: jax.vjp(op, s, v)[0], scores, value) == [3]
+    np.testing.assert_array_equal(np.asarray(op(scores, value), np.float32),
+                                  np.asarray(jax.vjp(op, scores, value)[0], np.float32))
+    traced = jax.jit(full_residuals)(jnp.float32(0.1))
+    assert sorted(str(r.dtype) for r in traced) == ["bfloat16", "bfloat16", "bool"]
+  finally:
+    registry.unregister("attention_softmax_dropout_value", "mosaic_gpu_pd")
   backend = registry.get("attention_softmax_dropout_value", "mosaic_gpu")
-  assert backend.residual_policy(_problem((2, 80, 256, 512), (2, 8, 512, 128))) == FUSED_INPUTS
+  assert backend.residual_policy(_problem((2, 80, 256, 512), (2, 8, 512, 128))) == FUSED_OUTPUT
+  assert backend.residual_policy(_problem((2, 80, 256, 128), (2, 8, 128, 128))) == FUSED_INPUTS
   huge = _problem((64, 64, 1024, 1024), (64, 8, 1024, 128))   # 2**32 scores
   assert backend.residual_policy(huge) == INPUTS
