@@ -96,8 +96,7 @@ def main(argv=None):
                            "configs, each timed (the other launch flags are then ignored)")
   parser.add_argument("--bits-only", action="store_true",
                       help="time only the forward writing (O, P, Pd) (hash per pair) and the one "
-                           "writing keep bits, once per packing method (--bits-methods)")
-  parser.add_argument("--bits-methods", default="masked_sum,reshape_sum,rehash")
+                           "writing keep bits")
   args = parser.parse_args(argv)
   if no_gpu("timing op A's forward", "nothing timed"):
     return 2
@@ -141,19 +140,19 @@ def _inputs(b, s):
 
 def _bits_sweep(args):
   """``--bits-only``: per launch config and shape, the (O, P, Pd) forward and the keep-bits
-  forward of each packing method, the bits checked against the jnp mask's."""
+  forward, the bits checked against the jnp mask's (the packings measured at 2fe55ff:
+  ``benchmarks/results/runs/a_forward_bits_2fe55ff.json``)."""
   fields = ("block_q", "block_k", "num_warps", "num_stages")
   launches = ([dict(zip(fields, map(int, c.split("/")))) for c in args.configs.split(",")]
               if args.configs else [dict.fromkeys(fields)])
-  methods = args.bits_methods.split(",")
+  methods = ["bits"]
   rows, ok = [], True
   for launch in launches:
     label = "/".join("-" if launch[k] is None else str(launch[k]) for k in fields)
     fns = {"p_pd": jax.jit(lambda s, v, r: attention_softmax_dropout_value_forward(
         s, v, RATE, r, store_dropped=True, store_keep=False, store_f32=False, **launch))}
     for m in methods:
-      fns[m] = jax.jit(lambda s, v, r, m=m: forward_with_keep_bits(s, v, RATE, r,
-                                                                   bits_method=m, **launch))
+      fns[m] = jax.jit(lambda s, v, r: forward_with_keep_bits(s, v, RATE, r, **launch))
     for b, s in SHAPES:
       sets = _inputs(b, s)
       want = keep_bits_of(jax_ops.dropout_keep_mask(sets[0][2], RATE, sets[0][0].shape), KVH)

@@ -87,13 +87,12 @@ PAIR_HASH = True   # one hash per pair of columns: measured 11-12% faster (H200)
 def _kernel(seeds_ref, scale_ref, s_ref, v_ref, out_ref, *opt_refs,
             num_heads, num_kv_heads, seq_q, seq_k, head_dim, d_pad, block_q, block_k,
             dropout, store_probs, store_dropped, store_keep, store_f32, pair_hash,
-            store_bits=None):
+            store_bits=False):
   """Refs: seeds [3] uint32 (k0, k1, threshold), scale [1] fp32, scores [B*H, Sq, Skv],
   V [B*KVH, Skv, D]; outputs O [B, Sq, H, D] and, in ``opt_refs``, P [B*H, Sq, Skv] (if
   ``store_probs``), the fp32 O [B, Sq, H, D] (if ``store_f32``), Pd (if ``store_dropped``
   and ``dropout``) and keep (if ``store_keep`` and ``dropout``), both [B*H, Sq, Skv], and
-  keep as bits (if ``store_bits``, the packing method, and ``dropout``), [B*KVH, Skv / 32,
-  G*Sq] int32."""
+  keep as bits (if ``store_bits`` and ``dropout``), [B*KVH, Skv / 32, G*Sq] int32."""
   opt_refs = list(opt_refs)
   p_ref = opt_refs.pop(0) if store_probs else None
   out32_ref = opt_refs.pop(0) if store_f32 else None
@@ -167,8 +166,7 @@ def _kernel(seeds_ref, scale_ref, s_ref, v_ref, out_ref, *opt_refs,
         _store(keep_ref.at[idx], keep, mask)
       if bits_ref is not None:
         _store_bits(bits_ref, keep, cols, bk, lax.rem(h, _I32(groups)) * seq_q + q0, j,
-                    block_q, block_k, q_mask,
-                    (k0s, k1s, threshold, bh.astype(_U32), rows, seq_k), store_bits)
+                    block_q, block_k, q_mask)
     else:
       dropped = probs
     v = _load(v_ref.at[bk, pl.ds(j * block_k, block_k), head_dims], _outer(k_mask, d_mask),
@@ -184,47 +182,22 @@ def _kernel(seeds_ref, scale_ref, s_ref, v_ref, out_ref, *opt_refs,
   _store(out_ref.at[o_idx], acc.astype(out_ref.dtype), o_mask)
 
 
-BITS_METHOD = "reshape_sum"   # how a tile's keep bits are packed (see _store_bits)
-
-
-def _store_bits(bits_ref, keep, cols, bk, row0, j, block_q, block_k, q_mask, hash_args,
-                method):
+def _store_bits(bits_ref, keep, cols, bk, row0, j, block_q, block_k, q_mask):
   """Key tile ``j`` of ``keep`` (``[block_q, block_k]`` bool, rows ``row0 ...`` of kv group
   ``bk``) as ``block_k / 32`` int32 words per row: bit ``c % 32`` of word ``c // 32`` is
-  column ``c``. Sums of distinct powers of two (a sum of distinct bits is their OR; int32
-  arithmetic wraps, so bit 31 comes out as the sign bit).
-
-  ``method`` (default :data:`BITS_METHOD`): ``"masked_sum"`` (a masked row sum of the tile per word),
-  ``"reshape_sum"`` (the tile as ``[block_q, words, 32]``, summed over its last axis) or
-  ``"rehash"`` (the words' hashes drawn again as ``[block_q, words, 16]`` pairs of columns,
-  summed over pairs: no layout change of the tile, twice the hashing).
+  column ``c``. The tile as ``[block_q, words, 32]`` powers of two, summed over the last
+  axis (a sum of distinct bits is their OR; int32 arithmetic wraps, so bit 31 comes out as
+  the sign bit). Measured on the H200 against a masked row sum per word (1.3x slower) and the
+  words' hashes drawn again as pairs of columns (3% slower):
+  ``benchmarks/results/attention_softmax_dropout_value_mosaic_gpu.md``, run 6.
   """
   words = block_k // 32
-  w0 = j * words
-  if method == "rehash":
-    k0s, k1s, threshold, n, rows, seq_k = hash_args
-    w = lax.broadcasted_iota(jnp.uint32, (1, words, 16), 1)
-    b = lax.broadcasted_iota(jnp.uint32, (1, words, 16), 2)
-    pair = (j * (block_k // 2)).astype(_U32) + w * np.uint32(16) + b
-    h = _dropout.pair_hash32(k0s, k1s, n, rows.astype(_U32)[:, None, None], pair, seq_k)
-    lo = ((h & np.uint32(0xFFFF)) >= threshold).astype(_U32)
-    hi = ((h >> np.uint32(16)) >= threshold).astype(_U32)
-    shift = b * np.uint32(2)
-    value = jnp.sum((lo << shift) + (hi << (shift + np.uint32(1))), axis=2, dtype=_U32)
-    value = lax.bitcast_convert_type(value, jnp.int32)
-  else:
-    one = jnp.ones(keep.shape, jnp.int32)
-    bits = jnp.where(keep, lax.shift_left(one, (cols & 31)[None, :]), 0)
-    if method == "masked_sum":
-      word_of_col = lax.shift_right_logical(cols, 5)[None, :]
-      for w in range(words):
-        # dtype: under x64 a sum of int32 would be int64.
-        value = jnp.sum(jnp.where(word_of_col == w0 + w, bits, 0), axis=1, dtype=jnp.int32)
-        _store(bits_ref.at[bk, w0 + w, pl.ds(row0, block_q)], value, q_mask)
-      return
-    value = jnp.sum(bits.reshape(block_q, words, 32), axis=2, dtype=jnp.int32)
+  one = jnp.ones(keep.shape, jnp.int32)
+  bits = jnp.where(keep, lax.shift_left(one, (cols & 31)[None, :]), 0)
+  # dtype: under x64 a sum of int32 would be int64.
+  value = jnp.sum(bits.reshape(block_q, words, 32), axis=2, dtype=jnp.int32)
   # [words, block_q]: the words' rows are contiguous in the bits array.
-  _store(bits_ref.at[bk, pl.ds(w0, words), pl.ds(row0, block_q)], value.T,
+  _store(bits_ref.at[bk, pl.ds(j * words, words), pl.ds(row0, block_q)], value.T,
          None if q_mask is None else q_mask[None, :])
 
 
@@ -274,7 +247,7 @@ def _call(scores, value_states, seeds, scale, *, dropout, store_probs, store_dro
     out_shape.append(out_struct(flat, scores.dtype, *args))
   if keep_out:
     out_shape.append(out_struct(flat, jnp.bool_, *args))
-  bits_out = dropout and store_bits is not None
+  bits_out = dropout and store_bits
   if bits_out:
     nb, nk, nw, nr = bits_shape(b, h, kvh, seq_q, seq_k)
     out_shape.append(out_struct((nb * nk, nw, nr), jnp.int32, *args))
@@ -348,28 +321,26 @@ def attention_softmax_dropout_value_forward(scores, value_states, dropout_rate, 
       scores, value_states, *launch[:2], dropout=dropout,
       store_probs=bool(store_probs) or (bool(store_dropped) and not dropout),
       store_dropped=dropout and bool(store_dropped), store_keep=dropout and bool(store_keep),
-      store_f32=bool(store_f32), store_bits=None, **launch[2])
+      store_f32=bool(store_f32), store_bits=False, **launch[2])
   if store_dropped and not dropout:
     dropped = probs
   return out, probs if store_probs else None, dropped, keep, out32
 
 
 def forward_with_keep_bits(scores, value_states, dropout_rate, dropout_rng=None, *,
-                           pair_hash: bool = PAIR_HASH, bits_method: str = BITS_METHOD,
-                           block_q=None, block_k=None, num_warps=None, num_stages=None,
-                           interpret=False):
+                           pair_hash: bool = PAIR_HASH, block_q=None, block_k=None,
+                           num_warps=None, num_stages=None, interpret=False):
   """``(O, P, keep_bits, O_f32)``: :func:`attention_softmax_dropout_value_forward` writing the
   keep mask as bits (``[B, KVH, seq_k / 32, G * seq_q]`` int32, :func:`bits_shape`; 1/8 B per
   attention element instead of the bool mask's 1 B) and no Pd: the residuals of a backward
   that takes ``delta = rowsum(dO * O)`` and rebuilds Pd from P and the bits (the Mosaic GPU
   kernels' ``backward_from_output``). ``keep_bits`` is ``None`` for a concrete rate of 0.
 
-  ``seq_k`` must be a multiple of 32 and the key tile at least 32 wide. ``bits_method``: how
-  a tile's bits are packed (``"masked_sum"``, ``"reshape_sum"`` or ``"rehash"``; the same bits).
+  ``seq_k`` must be a multiple of 32 and the key tile at least 32 wide. Measured on the H200:
+  the packing makes this forward slower than one writing Pd (2193 against 1853 us at B=2,
+  S=2048, H=80, KVH=8, D=128), so op A's Mosaic GPU backend saves the key instead and its
+  backward draws the mask again (``AttentionValueMosaicGpu(keep="bits")`` runs this one).
   """
-  if bits_method not in ("masked_sum", "reshape_sum", "rehash"):
-    raise ValueError(f"bits_method: expected 'masked_sum', 'reshape_sum' or 'rehash', got "
-                     f"{bits_method!r}")
   b, h, seq_q, seq_k = scores.shape
   if seq_k % 32:
     raise ValueError(f"scores: keep bits need seq_k (scores.shape[3]) a multiple of 32, got "
@@ -382,7 +353,7 @@ def forward_with_keep_bits(scores, value_states, dropout_rate, dropout_rng=None,
   out, probs, _, _, out32, *bits = _call(
       scores, value_states, *launch[:2], dropout=dropout, store_probs=True,
       store_dropped=False, store_keep=False, store_f32=True,
-      store_bits=bits_method if dropout else None, **launch[2])
+      store_bits=dropout, **launch[2])
   return out, probs, bits[0] if bits else None, out32
 
 
