@@ -94,20 +94,16 @@ def main(argv=None):
   parser.add_argument("--configs", default=None,
                       help="comma-separated block_q/block_k/num_warps/num_stages launch "
                            "configs, each timed (the other launch flags are then ignored)")
-  parser.add_argument("--bits-only", action="store_true",
-                      help="time only the forward writing (O, P, Pd) (hash per pair) and the one "
-                           "writing keep bits")
+  parser.add_argument("--lean", action="store_true",
+                      help="time only the forwards of op A's Mosaic GPU policies: writing "
+                           "(O, P, Pd), (O, P, O_f32) (the default) and (O, P, keep bits, "
+                           "O_f32), a hash per pair of columns")
   args = parser.parse_args(argv)
   if no_gpu("timing op A's forward", "nothing timed"):
     return 2
-  if args.bits_only:
-    return _bits_sweep(args)
-  fields = ("block_q", "block_k", "num_warps", "num_stages")
-  if args.configs:
-    launches = [dict(zip(fields, map(int, c.split("/")))) for c in args.configs.split(",")]
-  else:
-    launches = [dict(block_q=args.block_q, block_k=args.block_k, num_warps=args.num_warps,
-                     num_stages=args.num_stages)]
+  if args.lean:
+    return _lean_sweep(args)
+  launches = _launches(args)
   rows = []
   for launch in launches:
     rows += _time_launch(launch, args.calls)
@@ -129,6 +125,17 @@ def main(argv=None):
   return 0 if ok else 1
 
 
+_FIELDS = ("block_q", "block_k", "num_warps", "num_stages")
+
+
+def _launches(args):
+  """The launch configs to time: ``--configs``, else the single one of the launch flags."""
+  if args.configs:
+    return [dict(zip(_FIELDS, map(int, c.split("/")))) for c in args.configs.split(",")]
+  return [dict(block_q=args.block_q, block_k=args.block_k, num_warps=args.num_warps,
+               num_stages=args.num_stages)]
+
+
 def _inputs(b, s):
   sets = []
   for i in range(2):
@@ -138,19 +145,20 @@ def _inputs(b, s):
   return sets
 
 
-def _bits_sweep(args):
-  """``--bits-only``: per launch config and shape, the (O, P, Pd) forward and the keep-bits
-  forward, the bits checked against the jnp mask's (the packings measured at 2fe55ff:
-  ``benchmarks/results/runs/a_forward_bits_2fe55ff.json``)."""
-  fields = ("block_q", "block_k", "num_warps", "num_stages")
-  launches = ([dict(zip(fields, map(int, c.split("/")))) for c in args.configs.split(",")]
-              if args.configs else [dict.fromkeys(fields)])
+def _lean_sweep(args):
+  """``--lean``: per launch config and shape, the forward writing (O, P, Pd), (O, P, O_f32)
+  and (O, P, keep bits, O_f32), the bits checked against the jnp mask's (the packings
+  measured at 2fe55ff: ``benchmarks/results/runs/a_forward_bits_2fe55ff.json``). Writes
+  ``<out>/a_forward_lean.json``."""
+  launches = _launches(args)
   methods = ["bits"]
   rows, ok = [], True
   for launch in launches:
-    label = "/".join("-" if launch[k] is None else str(launch[k]) for k in fields)
+    label = "/".join("-" if launch[k] is None else str(launch[k]) for k in _FIELDS)
     fns = {"p_pd": jax.jit(lambda s, v, r: attention_softmax_dropout_value_forward(
-        s, v, RATE, r, store_dropped=True, store_keep=False, store_f32=False, **launch))}
+        s, v, RATE, r, store_dropped=True, store_keep=False, store_f32=False, **launch)),
+           "p_o32": jax.jit(lambda s, v, r: attention_softmax_dropout_value_forward(
+               s, v, RATE, r, store_keep=False, **launch))}
     for m in methods:
       fns[m] = jax.jit(lambda s, v, r: forward_with_keep_bits(s, v, RATE, r, **launch))
     for b, s in SHAPES:
@@ -165,9 +173,9 @@ def _bits_sweep(args):
       row.update({f"{n}_us": t["median_us"] for n, t in zip(fns, times)})
       rows.append(row)
       print(f"[{label}] B={b} S={s}: " + "; ".join(
-          f"{n} {row[n + '_us']:.0f} us" + ("" if n == "p_pd" else f" ({row[n + '_equal']})")
+          f"{n} {row[n + '_us']:.0f} us" + (f" ({row[n + '_equal']})" if n in methods else "")
           for n in fns), flush=True)
-  with open(os.path.join(args.out, "a_forward_bits.json"), "w") as f:
+  with open(os.path.join(args.out, "a_forward_lean.json"), "w") as f:
     json.dump({"device": jax.devices()[0].device_kind, "rows": rows}, f, indent=1)
   return 0 if ok else 1
 

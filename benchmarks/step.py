@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 import jax_ops
 from benchmarks import run
-from benchmarks.timing import device_times_us, no_gpu
+from benchmarks.timing import device_times_us, kernel_breakdown_us, no_gpu
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 RATE = 0.1
@@ -257,6 +257,9 @@ def main(argv=None):
                            "(step_a_inputs.*), the default's policy made explicit "
                            "(step_a_fused.*) or the fused forward writing the mask as bits "
                            "(step_a_fused_bits.*)")
+  parser.add_argument("--profile", action="store_true",
+                      help="instead of the table: where each chosen step's device time goes on "
+                           "the Pallas path, per kernel (printed, and step_profile.json)")
   args = parser.parse_args(argv)
   if no_gpu("the step benchmark"):
     return 2
@@ -273,6 +276,8 @@ def main(argv=None):
     impls["A"] = register_opt_in("A", args.a_residuals)
     base += {"inputs": "_a_inputs", "fused_output": "_a_fused", "fused_inputs":
              "_a_fused_inputs", "fused_output_bits": "_a_fused_bits"}[args.a_residuals]
+  if args.profile:
+    return _profile([s for s in STEPS if s.op in ops], impls, args, meta)
   rows = []
   for step in STEPS:
     if step.op not in ops:
@@ -285,6 +290,26 @@ def main(argv=None):
     write(base, meta, rows)   # after each step: a run cut short keeps what it measured
   write_chart(rows, base + ".png")
   print(markdown(meta, rows))
+  return 0
+
+
+def _profile(steps, impls, args, meta):
+  """``--profile``: the Pallas path's kernels per step, their median time per call."""
+  out = []
+  for step in steps:
+    sets = []
+    for i in range(2):
+      primals, w = step.make(jax.random.key(i))
+      sets.append((primals, w, jax.random.key(100 + i)))
+    fn = step_fn(step, impls.get(step.op)).lower(*sets[0]).compile()
+    rows = kernel_breakdown_us(fn, sets, calls=args.calls)
+    total = sum(r["median_us"] for r in rows)
+    print(f"{step.label}: {total:.0f} us in all (sum of per-kernel medians)")
+    for r in rows:
+      print(f"  {r['median_us']:8.1f} us  x{r['launches']:g}  {r['kernel'][:110]}")
+    out.append({"step": step.label, "kernels": rows})
+  with open(os.path.join(args.out, "step_profile.json"), "w") as f:
+    json.dump({**meta, "steps": out}, f, indent=1)
   return 0
 
 

@@ -52,7 +52,9 @@ def compile_all(fns, args, *, workers: int = 8):
 _GAP_NS = 100_000  # idle time that separates two calls on the device
 
 
-def _device_events(trace_dir):
+def _device_events(trace_dir, names=False):
+  """``(start_ns, duration_ns)`` of every kernel on the GPU's stream lines, sorted; with
+  ``names``, ``(start_ns, duration_ns, kernel name)``."""
   paths = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
   if not paths:
     raise RuntimeError(f"no profiler trace written under {trace_dir}")
@@ -67,7 +69,8 @@ def _device_events(trace_dir):
       # Stream lines hold the kernels; other lines ("XLA Ops", ...) summarise them again.
       if not line.name.startswith("Stream"):
         continue
-      events.extend((e.start_ns, e.duration_ns) for e in line.events)
+      events.extend((e.start_ns, e.duration_ns, e.name) if names else
+                    (e.start_ns, e.duration_ns) for e in line.events)
   return sorted(events)
 
 
@@ -121,6 +124,37 @@ def device_times_us(fns, arg_sets, *, calls: int = 30, warmup: int = 3) -> list[
       results.append({"median_us": sum(per_call) / calls, "kernels_per_call": -1,
                       "split_ok": False})
   return results
+
+
+def kernel_breakdown_us(fn, arg_sets, *, calls: int = 20, warmup: int = 3) -> list[dict]:
+  """Where a call's device time goes: per kernel name, the median over calls of its summed
+  duration in a call (us) and its launches per call, largest first (calls told apart at
+  idle gaps, as :func:`device_times_us` does)."""
+  for i in range(warmup):
+    jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
+  with tempfile.TemporaryDirectory() as trace_dir:
+    jax.profiler.start_trace(trace_dir)
+    try:
+      for i in range(calls):
+        jax.block_until_ready(fn(*arg_sets[(i + warmup) % len(arg_sets)]))
+        time.sleep(0.0005)
+    finally:
+      jax.profiler.stop_trace()
+    events = _device_events(trace_dir, names=True)
+  groups = []
+  for start, dur, name in events:   # _split on (start, duration), names kept alongside
+    if not groups or start - groups[-1][1] > _GAP_NS:
+      groups.append([[], start + dur])
+    groups[-1][0].append((name, dur))
+    groups[-1][1] = max(groups[-1][1], start + dur)
+  names = sorted({n for g, _ in groups for n, _ in g})
+  rows = []
+  for name in names:
+    per_call = [sum(d for n, d in g if n == name) / 1e3 for g, _ in groups]
+    count = [sum(1 for n, _ in g if n == name) for g, _ in groups]
+    rows.append({"kernel": name, "median_us": statistics.median(per_call),
+                 "launches": statistics.median(count)})
+  return sorted(rows, key=lambda r: -r["median_us"])
 
 
 def device_time_us(fn, arg_sets, *, calls: int = 30, warmup: int = 3) -> dict:
