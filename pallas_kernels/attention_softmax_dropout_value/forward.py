@@ -129,15 +129,20 @@ def _kernel(seeds_ref, scale_ref, s_ref, v_ref, out_ref, *opt_refs,
     return s
 
   # Pass 1: the row max m and the row sum l of exp(s - m), online.
-  def stats(j, carry):
+  def stats(j, carry, s=None):
     m, l = carry
-    s = scores(j)
+    s = scores(j) if s is None else s
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     l = l * jnp.exp(m - m_new) + jnp.sum(jnp.exp(s - m_new[:, None]), axis=1)
     return m_new, l
 
-  m, l = _fori_loop(0, n_k, stats, (jnp.full((block_q,), -jnp.inf, _F32),
-                                    jnp.zeros((block_q,), _F32)))
+  init = (jnp.full((block_q,), -jnp.inf, _F32), jnp.zeros((block_q,), _F32))
+  if n_k == 1:   # one tile holds the rows: loaded once, its statistics the same values
+    s0 = scores(_I32(0))
+    m, l = stats(_I32(0), init, s0)
+  else:
+    s0 = None
+    m, l = _fori_loop(0, n_k, stats, init)
   # jax.nn.softmax's exp(s - max) / sum, as XLA compiles it on CPU and GPU (its simplifier
   # turns a division by a broadcast into a product with the reciprocal): exp(s - m) * (1 / l).
   inv_l = (1.0 / l)[:, None]
@@ -146,9 +151,9 @@ def _kernel(seeds_ref, scale_ref, s_ref, v_ref, out_ref, *opt_refs,
     scale = scale_ref[0]
 
   # Pass 2: P, keep, Pd, and acc += Pd @ V.
-  def value(j, acc):
+  def value(j, acc, s=None):
     cols, k_mask, mask, idx = tile(j)
-    e = jnp.exp(scores(j) - m[:, None])
+    e = jnp.exp((scores(j) if s is None else s) - m[:, None])
     probs = (e * inv_l).astype(out_ref.dtype)
     if p_ref is not None:
       _store(p_ref.at[idx], probs, mask)
@@ -174,7 +179,8 @@ def _kernel(seeds_ref, scale_ref, s_ref, v_ref, out_ref, *opt_refs,
     # Padded keys: P = 0 (exp(-inf)) and V = 0.
     return acc + dot(dropped, v)
 
-  acc = _fori_loop(0, n_k, value, jnp.zeros((block_q, d_pad), _F32))
+  acc = jnp.zeros((block_q, d_pad), _F32)
+  acc = value(_I32(0), acc, s0) if n_k == 1 else _fori_loop(0, n_k, value, acc)
   o_idx = (b, pl.ds(q0, block_q), h, head_dims)
   o_mask = _outer(q_mask, d_mask)
   if out32_ref is not None:
