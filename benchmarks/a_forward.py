@@ -97,7 +97,8 @@ def main(argv=None):
   parser.add_argument("--lean", action="store_true",
                       help="time only the forwards of op A's Mosaic GPU policies: writing "
                            "(O, P, Pd), (O, P, O_f32) (the default) and (O, P, keep bits, "
-                           "O_f32), a hash per pair of columns")
+                           "O_f32) (with --lean-bits), a hash per pair of columns")
+  parser.add_argument("--lean-bits", action="store_true")
   args = parser.parse_args(argv)
   if no_gpu("timing op A's forward", "nothing timed"):
     return 2
@@ -151,7 +152,7 @@ def _lean_sweep(args):
   measured at 2fe55ff: ``benchmarks/results/runs/a_forward_bits_2fe55ff.json``). Writes
   ``<out>/a_forward_lean.json``."""
   launches = _launches(args)
-  methods = ["bits"]
+  methods = ["bits"] if args.lean_bits else []
   rows, ok = [], True
   for launch in launches:
     label = "/".join("-" if launch[k] is None else str(launch[k]) for k in _FIELDS)
