@@ -13,10 +13,10 @@ forward returns ``(O, P, Pd, keep, O_f32)``; the kernel is timed writing ``(O, P
 O_f32)`` (``kernel``: what op A's residual policy ``"output"`` saves) and also ``Pd``
 (``kernel_pd``: policy ``"inputs"``), and writing ``(O, P, Pd, O_f32)`` without keep
 (``kernel_pd_nokeep``), and without keep and the fp32 O (``kernel_p_pd``: what op A's
-Mosaic GPU backend saves), that with one hash per pair of columns (``kernel_p_pd_pairs``,
+Mosaic GPU backend saves under ``"fused_inputs"``), that with one hash per pair of columns (``kernel_p_pd_pairs``,
 its outputs checked equal to ``kernel_p_pd``'s), and writing ``(O, P, keep bits, O_f32)``
-(``kernel_bits``, ``forward_with_keep_bits``: what op A's Mosaic GPU backend saves under
-``"fused_output"``; its bits checked equal to the jnp mask's). Checks: keep bit for bit; ``P`` equal, or
+(``kernel_bits``, ``forward_with_keep_bits``: what op A's Mosaic GPU backend saves with
+``keep="bits"``; its bits checked equal to the jnp mask's). Checks: keep bit for bit; ``P`` equal, or
 the share of elements one bf16 ulp apart (no more is allowed); ``O`` and the fp32 ``O``
 within 1e-2 of the largest |O| (an element of ``P`` one ulp off moves ``O`` by about 1e-3
 of it). Median device time (JAX profiler), two input sets rotated. Writes ``<out>/a_forward.json``.
@@ -98,7 +98,8 @@ def main(argv=None):
                       help="time only the forwards of op A's Mosaic GPU policies: writing "
                            "(O, P, Pd), (O, P, O_f32) (the default) and (O, P, keep bits, "
                            "O_f32) (with --lean-bits), a hash per pair of columns")
-  parser.add_argument("--lean-bits", action="store_true")
+  parser.add_argument("--lean-bits", action="store_true",
+                      help="with --lean: the forward writing keep bits too")
   args = parser.parse_args(argv)
   if no_gpu("timing op A's forward", "nothing timed"):
     return 2

@@ -130,7 +130,7 @@ def temp_mb(compiled) -> float:
 # with the jnp forward ("inputs": P, Pd and keep saved), or with the fused forward writing
 # no Pd and the backward from delta, drawing keep again ("fused_output", the default, made
 # explicit), with the mask written as bits ("fused_output_bits") or with the fused forward
-# writing P and Pd ("fused_inputs", the default before 95d827c).
+# writing P and Pd ("fused_inputs", the default before e50ed13).
 OPT_IN = {
     ("B", "key"): ("masked_softmax_dropout", "triton_key",
                    "jax_ops.masked_softmax.pallas_triton"),

@@ -147,6 +147,8 @@ def kernel_breakdown_us(fn, arg_sets, *, calls: int = 20, warmup: int = 3) -> li
       groups.append([[], start + dur])
     groups[-1][0].append((name, dur))
     groups[-1][1] = max(groups[-1][1], start + dur)
+  if len(groups) != calls:
+    raise RuntimeError(f"the trace split into {len(groups)} calls, not {calls}")
   names = sorted({n for g, _ in groups for n, _ in g})
   rows = []
   for name in names:

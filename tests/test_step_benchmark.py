@@ -39,12 +39,13 @@ def test_step_fn_same_on_both_paths(make):
                              float(loss_p), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("op,residuals", [k for k in step.OPT_IN if k != ("A", "fused_output")])
+@pytest.mark.parametrize("op,residuals", list(step.OPT_IN))
 def test_opt_in_backends_same_on_both_paths(op, residuals):
   """Op B's backend that saves P and the key (``--b-residuals key``) and op A's Mosaic GPU
-  backends with the jnp forward (``--a-residuals inputs``) and with the fused forward
-  writing no Pd (``fused_output``) give the XLA path's loss and gradients (A: to bf16
-  rounding)."""
+  backends with the jnp forward (``--a-residuals inputs``), with the fused forward writing
+  P and Pd (``fused_inputs``), writing no Pd and no mask (``fused_output``, the default on a
+  Hopper GPU, made explicit) and writing the mask as bits (``fused_output_bits``) give the
+  XLA path's loss and gradients (A: to bf16 rounding)."""
   from jax_ops import registry
   s = step._b(1, 2, 8) if op == "B" else step._a(1, 256, h=4, kvh=2, d=64)
   primals, w = s.make(jax.random.key(0))

@@ -10,12 +10,12 @@ rows of more than 128 keys): P, V and the forward's fp32 output from the fused f
 (:mod:`pallas_kernels.attention_softmax_dropout_value.forward`), which writes no Pd and no
 mask, and the key's seeds: the backward takes ``delta = rowsum(dO * O)``, draws keep again in
 the dS-dV kernel and rebuilds Pd from P (4 B per attention element). Rows of 128 keys
-(policy ``"fused_inputs"``, whose one-key-block kernel reads Pd): P, Pd and V
-from the fused forward kernel (:mod:`pallas_kernels.attention_softmax_dropout_value.forward`,
-softmax, the keep mask drawn in the kernel, GQA P·V), which writes no keep mask: the
-kernels read P and Pd, not keep. A traced rate saves the jnp forward's P, Pd, V and keep
-for the Triton kernels. Backends made with ``residuals="inputs"`` (the jnp forward) or
-``"fused_output"`` (P, keep and the fp32 output) save the others; see the class.
+(policy ``"fused_inputs"``, whose one-key-block kernel reads Pd): P, Pd and V from the same
+forward kernel, which writes no keep mask: the kernels read P and Pd, not keep. A traced
+rate saves, on rows of more than 128 keys, the Triton backend's residuals (P, keep and the
+fp32 output, for its kernel from delta), and on rows of 128 keys the jnp forward's P, Pd, V
+and keep, for the Triton kernels. Backends made with ``residuals="fused_inputs"`` (P and Pd
+on every row length) or ``"inputs"`` (the jnp forward) save the others; see the class.
 """
 
 from __future__ import annotations
@@ -51,16 +51,18 @@ class AttentionValueMosaicGpu(backend.ResidualChoice, backend.MosaicGpuBackend):
 
   Measured in a training step on the H200 (``benchmarks/results/step.md``,
   ``step_a_fused_inputs.md``, ``step_a_fused_bits.md``, ``step_a_inputs.md``).
-  ``AttentionValueMosaicGpu("mosaic_gpu_pd", residuals="fused_inputs")``, registered with
-  ``jax_ops.registry.register`` under that name, runs one of the others.
+  ``AttentionValueMosaicGpu("mosaic_gpu_pd", residuals="fused_inputs")`` (or
+  ``AttentionValueMosaicGpu("mosaic_gpu_fused_bits", residuals="fused_output", keep="bits")``),
+  registered with ``jax_ops.registry.register`` under that name, runs one of the others.
   """
 
   POLICIES = (FUSED_OUTPUT, FUSED_INPUTS, INPUTS)
 
   def __init__(self, name=None, residuals=None, keep: str = "seeds"):
-    """``keep``: under ``"fused_output"``, what the forward saves of the mask: ``"seeds"``
-    (the key's two words and the threshold; the dS-dV kernel draws keep again) or
-    ``"bits"`` (the forward kernel writes it as bits, 1/8 B per attention element)."""
+    """``keep``: under ``"fused_output"`` (no effect under the other policies), what the
+    forward saves of the mask: ``"seeds"`` (the key's two words and the threshold; the dS-dV
+    kernel draws keep again) or ``"bits"`` (the forward kernel writes it as bits, 1/8 B per
+    attention element)."""
     super().__init__(name, residuals)
     if keep not in ("seeds", "bits"):
       raise ValueError(f"keep: expected 'seeds' or 'bits', got {keep!r}")
@@ -112,9 +114,10 @@ class AttentionValueMosaicGpu(backend.ResidualChoice, backend.MosaicGpuBackend):
   def backward_from_output(self, grad_attn_output, attn_weights, value_states, dropout_mask,
                            attention_dropout, attn_output_f32, *, causal=False,
                            interpret=False):
-    """The Mosaic GPU dS-dV kernel from delta and keep bits (``dropout_mask``: the bits of
-    :meth:`forward_with_output`, or a bool mask, packed here; a traced rate: the Triton
-    backend's kernel from delta)."""
+    """The Mosaic GPU dS-dV kernel from delta (``dropout_mask``: what
+    :meth:`forward_with_output` saved of the mask, the key's seeds, from which the kernel
+    draws it again, or its bits, or a bool mask, packed to bits here; a traced rate: the
+    Triton backend's kernel from delta)."""
     args = (grad_attn_output, attn_weights, value_states, dropout_mask, attention_dropout,
             attn_output_f32)
     if validation.concrete_float("attention_dropout", attention_dropout) is None:

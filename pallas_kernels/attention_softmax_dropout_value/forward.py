@@ -49,8 +49,9 @@ than the jnp forward (``benchmarks/results/runs/a_forward_8ad47f9.log``); writin
 third ``[B, H, Sq, Skv]`` output costs about 45% more time, more than its bytes.
 
 Op A's Triton backend runs it on rows of >= 512 keys (``jax_ops.attention_value``'s residual
-policy ``"fused_output"``); its Mosaic GPU backend, whose kernels read P and Pd, runs it
-writing those alone (policy ``"fused_inputs"``).
+policy ``"fused_output"``: O, P, keep and O_f32); its Mosaic GPU backend runs it writing O, P
+and O_f32 on rows of more than 128 keys (``"fused_output"`` too: its backward draws keep
+again from the key) and O, P and Pd on rows of 128 keys (``"fused_inputs"``).
 """
 
 from __future__ import annotations
@@ -171,7 +172,7 @@ def _kernel(seeds_ref, scale_ref, s_ref, v_ref, out_ref, *opt_refs,
         _store(keep_ref.at[idx], keep, mask)
       if bits_ref is not None:
         _store_bits(bits_ref, keep, cols, bk, lax.rem(h, _I32(groups)) * seq_q + q0, j,
-                    block_q, block_k, q_mask)
+                    block_q, block_k, q_mask, seq_k // 32)
     else:
       dropped = probs
     v = _load(v_ref.at[bk, pl.ds(j * block_k, block_k), head_dims], _outer(k_mask, d_mask),
@@ -188,7 +189,7 @@ def _kernel(seeds_ref, scale_ref, s_ref, v_ref, out_ref, *opt_refs,
   _store(out_ref.at[o_idx], acc.astype(out_ref.dtype), o_mask)
 
 
-def _store_bits(bits_ref, keep, cols, bk, row0, j, block_q, block_k, q_mask):
+def _store_bits(bits_ref, keep, cols, bk, row0, j, block_q, block_k, q_mask, seq_words):
   """Key tile ``j`` of ``keep`` (``[block_q, block_k]`` bool, rows ``row0 ...`` of kv group
   ``bk``) as ``block_k / 32`` int32 words per row: bit ``c % 32`` of word ``c // 32`` is
   column ``c``. The tile as ``[block_q, words, 32]`` powers of two, summed over the last
@@ -202,9 +203,11 @@ def _store_bits(bits_ref, keep, cols, bk, row0, j, block_q, block_k, q_mask):
   bits = jnp.where(keep, lax.shift_left(one, (cols & 31)[None, :]), 0)
   # dtype: under x64 a sum of int32 would be int64.
   value = jnp.sum(bits.reshape(block_q, words, 32), axis=2, dtype=jnp.int32)
-  # [words, block_q]: the words' rows are contiguous in the bits array.
-  _store(bits_ref.at[bk, pl.ds(j * words, words), pl.ds(row0, block_q)], value.T,
-         None if q_mask is None else q_mask[None, :])
+  # [words, block_q]: the words' rows are contiguous in the bits array. A ragged last tile
+  # holds words past seq_k / 32: they are not stored (they would land in the next group's).
+  word_ok = j * words + jnp.arange(words, dtype=jnp.int32) < seq_words
+  mask = word_ok[:, None] if q_mask is None else word_ok[:, None] & q_mask[None, :]
+  _store(bits_ref.at[bk, pl.ds(j * words, words), pl.ds(row0, block_q)], value.T, mask)
 
 
 def bits_shape(b, h, kvh, seq_q, seq_k):
@@ -347,12 +350,12 @@ def forward_with_keep_bits(scores, value_states, dropout_rate, dropout_rng=None,
   S=2048, H=80, KVH=8, D=128), so op A's Mosaic GPU backend saves the key instead and its
   backward draws the mask again (``AttentionValueMosaicGpu(keep="bits")`` runs this one).
   """
-  b, h, seq_q, seq_k = scores.shape
+  dropout, launch = _launch_args(scores, value_states, dropout_rate, dropout_rng, block_q,
+                                 block_k, num_warps, num_stages, pair_hash, interpret)
+  seq_k = scores.shape[3]
   if seq_k % 32:
     raise ValueError(f"scores: keep bits need seq_k (scores.shape[3]) a multiple of 32, got "
                      f"{seq_k}")
-  dropout, launch = _launch_args(scores, value_states, dropout_rate, dropout_rng, block_q,
-                                 block_k, num_warps, num_stages, pair_hash, interpret)
   if launch[2]["block_k"] < 32:
     raise ValueError(f"block_k: keep bits need a key tile of at least 32, got "
                      f"{launch[2]['block_k']}")

@@ -593,6 +593,8 @@ def keep_seeds_of(dropout_rng, rate):
   """``[k0, k1, threshold, 0]`` uint32: what the dS-dV kernel draws keep from
   (``ds_dv_pass(keep_seeds=...)``), the mask of ``jax_ops.dropout_keep_mask(dropout_rng,
   rate, ...)`` (``rate`` a float)."""
+  if dropout_rng is None:
+    raise ValueError("dropout_rng: the keep seeds need a PRNG key")
   return jnp.concatenate([_dropout.seeds(dropout_rng, rate), jnp.zeros((1,), jnp.uint32)])
 
 
@@ -600,11 +602,12 @@ def backward_from_output(grad_attn_output, attn_weights, value_states, dropout_m
                          attention_dropout, attn_output_f32, *, keep_bits=None,
                          keep_seeds=None, config: Config | None = None, interpret=False):
   """:func:`attention_softmax_dropout_value_backward` given the forward's fp32 output O
-  ``[B, seq_q, H, D]`` and the keep mask instead of Pd: ``delta = rowsum(dO * O)`` (no
-  delta kernel), keep as bits, and the dS-dV kernel rebuilding Pd from P and the bits
-  (``Config.keep_bits``' mode): it reads P (2 B), the bits (1/8 B) and writes dS (2 B) per
-  element, against the Pd path's 8 B over two kernels. For the forward that writes no Pd
-  (``forward.forward_with_keep_bits``). Rows of more than 128 keys.
+  ``[B, seq_q, H, D]`` instead of Pd: ``delta = rowsum(dO * O)`` (no delta kernel) and the
+  dS-dV kernel rebuilding Pd from P and the keep mask, which it draws again from the key's
+  seeds (``keep_seeds``: it reads P, 2 B, and writes dS, 2 B, per element) or reads as bits
+  (``Config.keep_bits``' mode, 1/8 B more), against the Pd path's 8 B over two kernels. For
+  a forward that writes no Pd (op A's Mosaic GPU backend's ``"fused_output"`` policy). Rows
+  of more than 128 keys.
 
   ``keep_bits``: ``[B, KVH, seq_k / 32, G * seq_q]`` int32 (``forward.bits_shape``, the layout
   of :func:`keep_bits_of`), as the fused forward writes them; ``dropout_mask`` is then checked

@@ -272,10 +272,10 @@ def test_backward_from_output(b, h, kvh, sq, skv, d, p):
 @needs_kernels
 def test_backward_from_output_draws_keep_from_the_seeds():
   """``keep_seeds``: the kernel draws the op's mask itself (nothing read for it), the same
-  gradients bit for bit as from the mask's bits, and the reference's; over two heads of a
-  group (rows past the first head's) and two key blocks."""
+  gradients bit for bit as from the mask's bits, and the reference's; two batch entries, two
+  heads of a group, two row tiles per head and two key blocks (every index of the hash)."""
   import jax_ops
-  b, h, kvh, sq, skv, d, p = 1, 4, 2, 64, 256, 64, 0.1
+  b, h, kvh, sq, skv, d, p = 2, 2, 1, 128, 256, 64, 0.1
   d_o, probs, dropped, value, keep, out32, rate = _forward_residuals(b, h, kvh, sq, skv, d, p,
                                                                      seed=13)
   rng = jax.random.split(jax.random.key(13), 4)[2]        # _forward_residuals' mask key

@@ -107,9 +107,10 @@ def fused_backend():
 
 @pytest.mark.parametrize("rate", [0.1, 0.0, "traced"])
 def test_fused_output_policy_equals_the_xla_path(fused_backend, rate):
-  """The opt-in "fused_output" Mosaic GPU backend (fused forward kernel, no Pd; the backward
-  from delta and keep bits; a traced rate: the Triton kernel from delta) against the XLA
-  path, to bf16 rounding (the kernel's P can be one ulp off the jnp softmax's)."""
+  """The "fused_output" Mosaic GPU backend (the default policy, made explicit: the fused
+  forward kernel writing no Pd and no mask; the backward from delta, drawing keep again from
+  the key; a traced rate: the Triton kernel from delta) against the XLA path, to bf16
+  rounding (the kernel's P can be one ulp off the jnp softmax's)."""
   import jax_ops
   k = jax.random.split(jax.random.key(4), 4)
   scores = jax.random.normal(k[0], (1, 4, 64, 256), jnp.bfloat16)
