@@ -51,7 +51,9 @@ KEY = "key"
 # scores and redraws the mask.
 SCORES = "scores"
 # Op A: as "output", with the backend's fused forward (``forward_with_output``), which draws
-# the keep mask itself and returns (O, P, keep, O in fp32).
+# the keep mask itself and returns (O, P, keep, O in fp32); "keep" is whatever the backend's
+# ``backward_from_output`` takes of the mask: a bool mask (the Triton backend), the key's
+# seeds (the Mosaic GPU backend, whose kernel draws the mask again) or bits.
 FUSED_OUTPUT = "fused_output"
 # Op A: the reference backward's P and Pd, from the backend's fused forward
 # (``forward_with_dropped``), which draws the keep mask itself and does not store it; for a
