@@ -202,3 +202,27 @@ def test_fused_inputs_policy_saves_no_keep_mask():
   assert backend.residual_policy(_problem((2, 80, 256, 128), (2, 8, 128, 128))) == FUSED_INPUTS
   huge = _problem((64, 64, 1024, 1024), (64, 8, 1024, 128))   # 2**32 scores
   assert backend.residual_policy(huge) == INPUTS
+
+
+def test_default_policy_under_vmap_with_a_key_per_example():
+  """The default policy saves the key's seeds: under ``vmap`` with a key per example they
+  are batched with the rest, and each example's backward draws its own mask (the XLA
+  path's gradients, to bf16 rounding)."""
+  k = jax.random.split(jax.random.key(7), 4)
+  n = 2
+  scores = jax.random.normal(k[0], (n, 1, 2, 64, 256), jnp.bfloat16)
+  value = jax.random.normal(k[1], (n, 1, 1, 256, 64), jnp.bfloat16)
+  ct = jax.random.normal(k[3], (n, 1, 64, 2, 64), jnp.bfloat16)
+  rngs = jax.random.split(k[2], n)
+
+  def run(impl):
+    def f(s, v, r, c):
+      op = lambda s, v: jax_ops.attention_softmax_dropout_value(
+          s, v, dropout_rate=0.1, dropout_rng=r, implementation=impl, interpret=INTERPRET)
+      out, pullback = jax.vjp(op, s, v)
+      return (out, *pullback(c))
+    return jax.jit(jax.vmap(f))(scores, value, rngs, ct)
+  for g, w, name in zip(run("mosaic_gpu"), run("xla"), ("out", "d_scores", "d_value")):
+    g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+    np.testing.assert_allclose(g, w, atol=2e-2 * float(np.abs(w).max()), rtol=5e-2,
+                               err_msg=name)
