@@ -18,7 +18,11 @@ its measurements: ``benchmarks/results/attention_softmax_dropout_value_from_delt
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
+
 import pallas_kernels
+from pallas_kernels import _dropout as kernels_dropout
 from pallas_kernels import attention_softmax_dropout_value as kernels
 from jax_ops import backend
 from jax_ops.backend import FUSED_OUTPUT, INPUTS, OUTPUT
@@ -28,7 +32,22 @@ FROM_OUTPUT_MIN_KEYS = 512
 
 
 class AttentionValueTriton(backend.TritonBackend):
-  """The op's Triton backend (name, devices and priority from the base class)."""
+  """The op's Triton backend (name, devices and priority from the base class).
+
+  ``keep``: under ``"fused_output"``, what the forward saves of the dropout mask: ``"mask"``
+  (the default: the bool mask, 1 B per attention element, which the kernel from delta
+  reads) or ``"seeds"`` (the key's seeds, ``[3]`` uint32: the forward writes no mask and the
+  kernel from delta draws it again, 4 B per element instead of 5; not yet timed on a GPU).
+  ``AttentionValueTriton("triton_seeds", keep="seeds")``, registered with
+  ``jax_ops.registry.register`` under that name, runs it.
+  """
+
+  def __init__(self, name: str | None = None, keep: str = "mask"):
+    if keep not in ("mask", "seeds"):
+      raise ValueError(f"keep: expected 'mask' or 'seeds', got {keep!r}")
+    if name is not None:
+      self.name = name
+    self.keep = keep
 
   def residual_policy(self, problem):
     b, h, sq, skv = problem.shape("scores")
@@ -45,9 +64,14 @@ class AttentionValueTriton(backend.TritonBackend):
                           interpret=False):
     """``(O, P, keep, O_f32)`` from the fused forward kernel (softmax, the keep mask drawn
     in the kernel and stored for the backward, GQA P·V; no Pd): the ``"fused_output"``
-    policy. ``p_dropout``: a float (0.0: no dropout, ``keep`` ``None``) or a traced scalar."""
+    policy. ``p_dropout``: a float (0.0: no dropout, ``keep`` ``None``) or a traced scalar.
+    With ``keep="seeds"`` the kernel stores no mask and ``keep`` is the key's seeds."""
+    seeds = self.keep == "seeds"
     out, probs, _, keep, out32 = forward_kernel.attention_softmax_dropout_value_forward(
-        scores, value_states, p_dropout, dropout_rng, interpret=interpret)
+        scores, value_states, p_dropout, dropout_rng, store_keep=not seeds,
+        interpret=interpret)
+    if seeds and not (isinstance(p_dropout, (int, float)) and p_dropout == 0):
+      keep = kernels_dropout.seeds(dropout_rng, p_dropout)
     return out, probs, keep, out32
 
   def forward_output(self, scores, value_states, dropout_rng, p_dropout, *, interpret=False):
@@ -73,11 +97,17 @@ class AttentionValueTriton(backend.TritonBackend):
   def backward_from_output(self, grad_attn_output, attn_weights, value_states, dropout_mask,
                            attention_dropout, attn_output_f32, *, causal=False,
                            interpret=False):
-    """The backward given the forward's fp32 output ``[B, Sq, H, D]`` instead of Pd."""
+    """The backward given the forward's fp32 output ``[B, Sq, H, D]`` instead of Pd
+    (``dropout_mask``: the bool mask, or the key's seeds, ``[3]`` uint32, from which the
+    kernel draws it)."""
     delta = kernels.delta_from_output(grad_attn_output, attn_output_f32)
+    seeds = None
+    if dropout_mask is not None and jnp.dtype(dropout_mask.dtype) == jnp.uint32:
+      seeds = dropout_mask
+      dropout_mask = jax.ShapeDtypeStruct(attn_weights.shape, jnp.bool_)   # not read
     return pallas_kernels.attention_softmax_dropout_value_backward_from_delta(
         grad_attn_output, attn_weights, value_states, dropout_mask, attention_dropout, delta,
-        causal=causal, interpret=interpret)
+        keep_seeds=seeds, causal=causal, interpret=interpret)
 
 
 BACKEND = AttentionValueTriton()

@@ -31,7 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels import _phase, _tuning, validation
+from pallas_kernels import _dropout, _phase, _tuning, validation
 from pallas_kernels._util import (Dropout, check_can_compile, compiler_params, dot,
                                   next_power_of_2, out_struct, pallas_call)
 from pallas_kernels.attention_softmax_dropout_value.config import (
@@ -695,7 +695,7 @@ def _group_rows_do(do_ref, b, kvh, u, row_mask, d, d_mask, *, seq_q, num_heads, 
 
 
 def _ds_dv_kernel(*refs, num_heads, num_kv_heads, seq_q, seq_k, head_dim, block_q, block_k,
-                  dropout: Dropout, split, exact_delta):
+                  dropout: Dropout, split, exact_delta, drawn=False):
   """dS and dV of one ``block_k`` keys of one kv group, from P and keep alone.
 
   One program = one kv block of one (batch, kv head) and one of ``split`` shares of the
@@ -705,6 +705,9 @@ def _ds_dv_kernel(*refs, num_heads, num_kv_heads, seq_q, seq_k, head_dim, block_
   ``dS = P * (dW - delta)`` and rebuilds ``Pd = round(P * keep / (1 - p))`` (the
   precondition) for ``dV += Pd^T @ dO``. ``exact_delta`` (a row is one kv block): delta
   is ``rowsum(dW * P)`` of the tile, exactly as the reference, and no delta is read.
+  ``drawn``: the keep ref holds the key's seeds (``[k0, k1, threshold]`` uint32,
+  ``_dropout.seeds``) and the kernel draws each tile's mask as ``jax_ops.dropout_keep_mask``
+  does (one hash per pair of columns) instead of reading it: 4 B per element.
 
   Refs: do flat ``[B*seq_q*H*D]``, p ``[B*KVH, G*seq_q, seq_k]``, (keep, same), v
   ``[B*KVH, seq_k, D]``, (delta ``[B*KVH, G*seq_q]`` fp32 unless ``exact_delta``), (scale
@@ -741,7 +744,15 @@ def _ds_dv_kernel(*refs, num_heads, num_kv_heads, seq_q, seq_k, head_dim, block_
     if mode == "none":
       dw, pd = dpd, p
     else:
-      keep = _load(keep_ref.at[idx], mask, False)
+      if drawn:
+        # Row u of the group: head kvh * G + u // seq_q, query u % seq_q; n indexes [B, H].
+        n = (b * num_heads + kvh * groups + lax.div(u, i32(seq_q))).astype(jnp.uint32)
+        q = lax.rem(u, i32(seq_q)).astype(jnp.uint32)
+        keep = _dropout.tile_bits16(keep_ref[0], keep_ref[1], n[:, None], q[:, None],
+                                    k0.astype(jnp.uint32), block_k, seq_k,
+                                    pairs=True) >= keep_ref[2]
+      else:
+        keep = _load(keep_ref.at[idx], mask, False)
       if mode == "static":
         dw = jnp.where(keep, dpd * dropout.scale, 0.0)
         pd = jnp.where(keep, pf * dropout.scale, 0.0).astype(p.dtype)
@@ -773,14 +784,16 @@ def _ds_dv_kernel(*refs, num_heads, num_kv_heads, seq_q, seq_k, head_dim, block_
   _store_dv(dv_ref, acc, split, share, bk, k0, block_k, d_pad, v_tile_mask)
 
 
-@functools.partial(jax.jit, static_argnames=["num_heads", "dropout", "cfg", "interpret"])
+@functools.partial(jax.jit, static_argnames=["num_heads", "dropout", "cfg", "interpret",
+                                             "drawn"])
 def ds_dv_pass(grad_attn_output, attn_weights, keep, value_states, delta, scale, *, num_heads,
-               dropout: Dropout, cfg: PassConfig, interpret):
+               dropout: Dropout, cfg: PassConfig, interpret, drawn=False):
   """``(dS [B*KVH, G*seq_q, seq_k], dV [B*KVH, seq_k, D])`` from P, keep and delta, one kernel.
 
   ``attn_weights`` and ``keep`` are ``[B*KVH, G*seq_q, seq_k]`` (a kv group's heads one
   after the other); ``delta`` is ``[B*KVH, G*seq_q]`` fp32, unused (may be None) where
-  ``cfg.block_k >= seq_k``; ``keep`` / ``scale`` as in :func:`ds_pass`.
+  ``cfg.block_k >= seq_k``; ``keep`` / ``scale`` as in :func:`ds_pass`. ``drawn``: ``keep``
+  is the key's seeds ``[3]`` uint32, from which the kernel draws the mask.
   """
   b, seq_q, h, head_dim = grad_attn_output.shape
   bkvh, rows, seq_k = attn_weights.shape
@@ -794,7 +807,7 @@ def ds_dv_pass(grad_attn_output, attn_weights, keep, value_states, delta, scale,
       functools.partial(_ds_dv_kernel, num_heads=num_heads, num_kv_heads=kvh, seq_q=seq_q,
                         seq_k=seq_k, head_dim=head_dim, block_q=cfg.block_q,
                         block_k=cfg.block_k, dropout=dropout, split=split,
-                        exact_delta=exact_delta),
+                        exact_delta=exact_delta, drawn=drawn),
       out_shape=(out_struct(attn_weights.shape, attn_weights.dtype, *inputs),
                  _dv_struct(split, value_states, *inputs)),
       grid=(n_kv, bkvh, split),
@@ -807,21 +820,26 @@ def ds_dv_pass(grad_attn_output, attn_weights, keep, value_states, delta, scale,
 
 @functools.partial(jax.jit, static_argnames=["p_static", "cfg", "interpret"])
 def _backward_from_delta(grad_attn_output, attn_weights, value_states, dropout_mask, delta,
-                         p_traced, *, p_static, cfg, interpret):
+                         p_traced, keep_seeds, *, p_static, cfg, interpret):
   b, h, seq_q, seq_k = attn_weights.shape
   kvh, head_dim = value_states.shape[1], value_states.shape[3]
   rows = (b * kvh, (h // kvh) * seq_q, seq_k)  # free reshapes: a kv group's rows, head by head
   dropout, scale = _dropout_args(p_static, p_traced)
-  keep = None if dropout.mode == "none" else dropout_mask.reshape(rows)
+  drawn = keep_seeds is not None and dropout.mode != "none"
+  if dropout.mode == "none":
+    keep = None
+  else:
+    keep = keep_seeds if drawn else dropout_mask.reshape(rows)
   ds, dv = ds_dv_pass(grad_attn_output, attn_weights.reshape(rows), keep,
                       value_states.reshape(b * kvh, seq_k, head_dim), delta.reshape(rows[:2]),
-                      scale, num_heads=h, dropout=dropout, cfg=cfg, interpret=interpret)
+                      scale, num_heads=h, dropout=dropout, cfg=cfg, interpret=interpret,
+                      drawn=drawn)
   return ds.reshape(b, h, seq_q, seq_k), dv.reshape(b, kvh, seq_k, head_dim)
 
 
 def attention_softmax_dropout_value_backward_from_delta(
     grad_attn_output, attn_weights, value_states, dropout_mask, attention_dropout, delta, *,
-    config: PassConfig | None = None, causal=False, interpret=False):
+    keep_seeds=None, config: PassConfig | None = None, causal=False, interpret=False):
   """The backward of :func:`attention_softmax_dropout_value_backward`, given ``delta``
   instead of Pd: one kernel that reads P and keep, writes dS and computes dV on the way.
 
@@ -832,7 +850,11 @@ def attention_softmax_dropout_value_backward_from_delta(
   read it: their delta is ``rowsum(dW * P)`` of the tile, exactly as the reference.
   ``config``: a :class:`PassConfig` (its ``split`` as in the dV pass), default
   :func:`default_from_delta_config`. ``causal``: accepted for interface uniformity (the
-  dense math handles a causal P; no tiles are skipped). Returns
+  dense math handles a causal P; no tiles are skipped). ``keep_seeds``: the key's seeds
+  (``[k0, k1, threshold]`` uint32, ``pallas_kernels._dropout.seeds(dropout_rng, rate)``): the
+  kernel draws the mask of ``jax_ops.dropout_keep_mask(dropout_rng, rate, P.shape)`` itself
+  and ``dropout_mask`` is checked but not read (a ``jax.ShapeDtypeStruct`` will do): 4 B per
+  element instead of 5. Returns
   ``(grad_attn_scores [B, H, seq_q, seq_k], grad_value_states [B, KVH, seq_k, D])``.
 
   Precondition: ``Pd == round(P * keep * (1 / (1 - p)))`` with ``1 / (1 - p)`` in fp32, the
@@ -853,6 +875,8 @@ def attention_softmax_dropout_value_backward_from_delta(
   b, h, seq_q, seq_k = attn_weights.shape
   validation.check_causal(causal, seq_q, seq_k, every_row_has_keys=False)
   validation.check_array("delta", delta, ("B", "H", "Sq"), (b, h, seq_q), dtypes=(f32,))
+  if keep_seeds is not None:
+    validation.check_array("keep_seeds", keep_seeds, ("3",), (3,), dtypes=(jnp.uint32,))
   if grad_attn_output.size >= 2**31:
     raise ValueError(f"grad_attn_output: at most 2**31 - 1 elements (int32 offsets), got "
                      f"shape {grad_attn_output.shape}")
@@ -860,6 +884,8 @@ def attention_softmax_dropout_value_backward_from_delta(
     raise TypeError(f"config: expected a PassConfig, got {type(config).__name__}")
   cfg = config or default_from_delta_config(seq_q, seq_k, value_states.shape[3],
                                             attn_weights.dtype)
+  if keep_seeds is not None:   # the mask is not read: no array of it is needed
+    dropout_mask = None
   return _backward_from_delta(grad_attn_output, attn_weights, value_states, dropout_mask,
-                              delta, None if p is not None else attention_dropout,
+                              delta, None if p is not None else attention_dropout, keep_seeds,
                               p_static=p, cfg=cfg, interpret=interpret)

@@ -211,6 +211,21 @@ def test_lowers_to_triton(lowering_for_h200, p, prefetch, skv):
   assert triton_calls_in_gpu_lowering(kernel, shapes, p, config=config) == 2
 
 
+@pytest.mark.parametrize("p", [0.1, None])
+def test_from_delta_drawing_the_mask_lowers_to_triton(lowering_for_h200, p):
+  """The kernel from delta drawing the mask from the key's seeds (the pair hash's join and
+  reshape included) lowers to one Triton kernel; ``p=None``: a traced rate."""
+  b, h, kvh, sq, skv, d = 2, 8, 2, 131, 200, 40
+  dt = jnp.bfloat16
+  s = jax.ShapeDtypeStruct
+  shapes = [s((b, sq, h, d), dt), s((b, h, sq, skv), dt), s((b, kvh, skv, d), dt),
+            s((b, h, sq, skv), jnp.bool_)]
+  seeds = jnp.zeros((3,), jnp.uint32)
+  fn = lambda do, probs, v, keep, r: asdv.attention_softmax_dropout_value_backward_from_delta(
+      do, probs, v, keep, r, jnp.zeros((b, h, sq), jnp.float32), keep_seeds=seeds)
+  assert triton_calls_in_gpu_lowering(fn, shapes, p) == 1
+
+
 def assert_config_fits(config, rows, cols):
   """Every pass of a :class:`Config`: tiles are powers of two >= 16 capped by the padded
   lengths; sane launch parameters."""
