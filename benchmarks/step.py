@@ -133,27 +133,32 @@ def temp_mb(compiled) -> float:
 # writing P and Pd ("fused_inputs", the default before e50ed13).
 OPT_IN = {
     ("B", "key"): ("masked_softmax_dropout", "triton_key",
-                   "jax_ops.masked_softmax.pallas_triton"),
+                   "jax_ops.masked_softmax.pallas_triton", {"residuals": "key"}),
     ("A", "inputs"): ("attention_softmax_dropout_value", "mosaic_gpu_jnp",
-                      "jax_ops.attention_value.pallas_mosaic_gpu"),
+                      "jax_ops.attention_value.pallas_mosaic_gpu", {"residuals": "inputs"}),
     ("A", "fused_output"): ("attention_softmax_dropout_value", "mosaic_gpu_fused",
-                            "jax_ops.attention_value.pallas_mosaic_gpu"),
+                            "jax_ops.attention_value.pallas_mosaic_gpu",
+                            {"residuals": "fused_output"}),
     ("A", "fused_inputs"): ("attention_softmax_dropout_value", "mosaic_gpu_pd",
-                            "jax_ops.attention_value.pallas_mosaic_gpu"),
+                            "jax_ops.attention_value.pallas_mosaic_gpu",
+                            {"residuals": "fused_inputs"}),
     ("A", "fused_output_bits"): ("attention_softmax_dropout_value", "mosaic_gpu_fused_bits",
-                                 "jax_ops.attention_value.pallas_mosaic_gpu"),
+                                 "jax_ops.attention_value.pallas_mosaic_gpu",
+                                 {"residuals": "fused_output", "keep": "bits"}),
+    # The portable Triton backend (the path off Hopper), saving the bool mask or the seeds.
+    ("A", "triton"): ("attention_softmax_dropout_value", "triton_mask",
+                      "jax_ops.attention_value.pallas_triton", {}),
+    ("A", "triton_seeds"): ("attention_softmax_dropout_value", "triton_seeds",
+                            "jax_ops.attention_value.pallas_triton", {"keep": "seeds"}),
 }
 
 
 def register_opt_in(op: str, residuals: str) -> str:
-  """Registers the opt-in backend of ``op`` ("A" or "B") with that residual policy and
-  returns its name."""
+  """Registers the opt-in backend of ``op`` ("A" or "B") under that key of :data:`OPT_IN`
+  and returns its name."""
   import importlib
   from jax_ops import registry
-  registry_op, name, module = OPT_IN[op, residuals]
-  kwargs = {"residuals": residuals}
-  if residuals == "fused_output_bits":   # the fused forward writing keep as bits
-    kwargs = {"residuals": "fused_output", "keep": "bits"}
+  registry_op, name, module, kwargs = OPT_IN[op, residuals]
   backend = type(importlib.import_module(module).BACKEND)(name, **kwargs)
   registry.register(registry_op, name, backend)
   return name
@@ -248,15 +253,17 @@ def main(argv=None):
                            "recomputes P in the backward) or the one that saves P and the key "
                            "(results go to step_b_key.*)")
   parser.add_argument("--a-residuals", choices=("default", "fused_inputs", "inputs",
-                                                "fused_output", "fused_output_bits"),
+                                                "fused_output", "fused_output_bits", "triton",
+                                                "triton_seeds"),
                       default="default",
                       help="op A's Pallas path on a Hopper GPU: the default Mosaic GPU backend "
                            "(the fused forward writing P and no Pd or mask, the backward "
                            "drawing keep again), or an opt-in one: the fused forward writing "
                            "P and Pd (results go to step_a_fused_inputs.*), the jnp forward "
                            "(step_a_inputs.*), the default's policy made explicit "
-                           "(step_a_fused.*) or the fused forward writing the mask as bits "
-                           "(step_a_fused_bits.*)")
+                           "(step_a_fused.*), the fused forward writing the mask as bits "
+                           "(step_a_fused_bits.*), or the Triton backend saving the bool "
+                           "mask (step_a_triton.*) or the key's seeds (step_a_triton_seeds.*)")
   parser.add_argument("--profile", action="store_true",
                       help="instead of the table: where each chosen step's device time goes on "
                            "the Pallas path, per kernel (printed, and step_profile.json)")
@@ -275,7 +282,8 @@ def main(argv=None):
   if args.a_residuals != "default":
     impls["A"] = register_opt_in("A", args.a_residuals)
     base += {"inputs": "_a_inputs", "fused_output": "_a_fused", "fused_inputs":
-             "_a_fused_inputs", "fused_output_bits": "_a_fused_bits"}[args.a_residuals]
+             "_a_fused_inputs", "fused_output_bits": "_a_fused_bits", "triton": "_a_triton",
+             "triton_seeds": "_a_triton_seeds"}[args.a_residuals]
   if args.profile:
     return _profile([s for s in STEPS if s.op in ops], impls, args, meta)
   rows = []
