@@ -75,12 +75,14 @@ def _device_events(trace_dir, names=False):
 
 
 def _split(events, gap_ns):
-  """Groups of ``(start, duration)`` events separated by idle gaps longer than ``gap_ns``."""
+  """Groups of events (``(start, duration, ...)`` tuples, sorted by start) separated by idle
+  gaps longer than ``gap_ns``."""
   groups, last_end = [], None
-  for start, dur in events:
+  for event in events:
+    start, dur = event[0], event[1]
     if last_end is None or start - last_end > gap_ns:
       groups.append([])
-    groups[-1].append((start, dur))
+    groups[-1].append(event)
     last_end = start + dur if last_end is None else max(last_end, start + dur)
   return groups
 
@@ -88,14 +90,9 @@ def _split(events, gap_ns):
 _FN_GAP_S = 0.05  # host sleep between two functions' calls: splits the trace per function
 
 
-def device_times_us(fns, arg_sets, *, calls: int = 30, warmup: int = 3) -> list[dict]:
-  """Median device time of each ``fn(*arg_sets[i % len(arg_sets)])``, in microseconds.
-
-  All functions run inside one profiler trace, one after the other, ``calls``
-  calls each. The trace splits into functions at long idle gaps and into calls
-  at short ones; if a function's calls cannot be told apart, its figure is the
-  mean over its calls and ``split_ok`` is False.
-  """
+def _traced_events(fns, arg_sets, calls, warmup, names=False):
+  """The device events (:func:`_device_events`) of ``calls`` calls of each of ``fns``, one
+  function after the other in one profiler trace, after ``warmup`` untraced calls each."""
   for fn in fns:
     for i in range(warmup):
       jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
@@ -109,7 +106,18 @@ def device_times_us(fns, arg_sets, *, calls: int = 30, warmup: int = 3) -> list[
           time.sleep(0.0005)
     finally:
       jax.profiler.stop_trace()
-    events = _device_events(trace_dir)
+    return _device_events(trace_dir, names=names)
+
+
+def device_times_us(fns, arg_sets, *, calls: int = 30, warmup: int = 3) -> list[dict]:
+  """Median device time of each ``fn(*arg_sets[i % len(arg_sets)])``, in microseconds.
+
+  All functions run inside one profiler trace, one after the other, ``calls``
+  calls each. The trace splits into functions at long idle gaps and into calls
+  at short ones; if a function's calls cannot be told apart, its figure is the
+  mean over its calls and ``split_ok`` is False.
+  """
+  events = _traced_events(fns, arg_sets, calls, warmup)
   segments = _split(events, int(_FN_GAP_S * 1e9 / 2))
   if len(segments) != len(fns):
     raise RuntimeError(f"trace split into {len(segments)} segments for {len(fns)} functions")
@@ -130,30 +138,14 @@ def kernel_breakdown_us(fn, arg_sets, *, calls: int = 20, warmup: int = 3) -> li
   """Where a call's device time goes: per kernel name, the median over calls of its summed
   duration in a call (us) and its launches per call, largest first (calls told apart at
   idle gaps, as :func:`device_times_us` does)."""
-  for i in range(warmup):
-    jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
-  with tempfile.TemporaryDirectory() as trace_dir:
-    jax.profiler.start_trace(trace_dir)
-    try:
-      for i in range(calls):
-        jax.block_until_ready(fn(*arg_sets[(i + warmup) % len(arg_sets)]))
-        time.sleep(0.0005)
-    finally:
-      jax.profiler.stop_trace()
-    events = _device_events(trace_dir, names=True)
-  groups = []
-  for start, dur, name in events:   # _split on (start, duration), names kept alongside
-    if not groups or start - groups[-1][1] > _GAP_NS:
-      groups.append([[], start + dur])
-    groups[-1][0].append((name, dur))
-    groups[-1][1] = max(groups[-1][1], start + dur)
+  groups = _split(_traced_events([fn], arg_sets, calls, warmup, names=True), _GAP_NS)
   if len(groups) != calls:
     raise RuntimeError(f"the trace split into {len(groups)} calls, not {calls}")
-  names = sorted({n for g, _ in groups for n, _ in g})
+  names = sorted({n for g in groups for _, _, n in g})
   rows = []
   for name in names:
-    per_call = [sum(d for n, d in g if n == name) / 1e3 for g, _ in groups]
-    count = [sum(1 for n, _ in g if n == name) for g, _ in groups]
+    per_call = [sum(d for _, d, n in g if n == name) / 1e3 for g in groups]
+    count = [sum(1 for _, _, n in g if n == name) for g in groups]
     rows.append({"kernel": name, "median_us": statistics.median(per_call),
                  "launches": statistics.median(count)})
   return sorted(rows, key=lambda r: -r["median_us"])
