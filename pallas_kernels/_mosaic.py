@@ -54,3 +54,59 @@ def check_hopper(entry_point: str, interpret, *arrays) -> None:
         f"{entry_point} (mosaic_gpu): the kernels compile only for a Hopper GPU (sm_90a), and "
         f"the arrays are on {device.device_kind!r}; pass interpret=True to run them in the "
         "Mosaic GPU interpreter")
+
+
+# --------------------------------------------------------------------------------------
+# One hash per pair of columns in the WGMMA register layout.
+# --------------------------------------------------------------------------------------
+def _pair_layout():
+  """The layout of a ``[64, N / 2]`` array whose element ``(r, j)`` sits in the thread and
+  register that hold columns ``2 j`` and ``2 j + 1`` of row ``r`` of a ``[64, N]`` array in
+  the WGMMA layout: that layout (tiles ``(64, 8), (16, 8), (8, 8)``, two adjacent columns per
+  register) with every column tile halved and one element per register. The two layouts
+  have the same register array, register for register."""
+  from jax.experimental.mosaic.gpu import fragmented_array as fa
+  return plgpu.Layout.TILED(fa.Tiling(((64, 4), (16, 4), (8, 4), (1,))), warp_dims=(-7,),
+                            lane_dims=(-3, -2), vector_dim=-1)
+
+
+PAIR_LAYOUT = _pair_layout()
+
+
+def pair_iota(shape, dimension):
+  """``plgpu.broadcasted_iota`` (int32) of a ``[64, N / 2]`` array in :data:`PAIR_LAYOUT`."""
+  return plgpu.broadcasted_iota(jnp.int32, shape, dimension, layout=PAIR_LAYOUT)
+
+
+def pair_halves(h, *, interpret: bool):
+  """``[64, N]`` uint32 in the WGMMA layout from ``h`` ``[64, N / 2]`` uint32 in
+  :data:`PAIR_LAYOUT`: columns ``2 j`` and ``2 j + 1`` are the low and high 16 bits of
+  ``h[:, j]``. Compiled, each thread splits its own registers (no data moves between
+  threads); in the interpreter (which has no ``inline_mgpu``, and no layouts) the same
+  values by a stack and a reshape."""
+  rows, half = h.shape
+  if interpret:
+    return jnp.stack([h & jnp.uint32(0xFFFF), h >> jnp.uint32(16)], axis=-1).reshape(rows, 2 * half)
+
+  @plgpu.inline_mgpu(arg_types=(PAIR_LAYOUT,),
+                     return_type=plgpu.ShapeDtypeStruct((rows, 2 * half), jnp.uint32,
+                                                        layout=plgpu.Layout.WGMMA))
+  def split(ctx, h):
+    del ctx
+    import numpy as np
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, vector
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu.utils import c
+    i32 = ir.IntegerType.get_signless(32)
+    pair_type = ir.VectorType.get((2,), i32)
+    low = c(0xFFFF, i32)
+    sixteen = c(16, i32)
+    out = np.empty(h.registers.shape, dtype=object)
+    for idx, reg in np.ndenumerate(h.registers):
+      word = vector.extract(reg, [], [0])
+      out[idx] = vector.from_elements(
+          pair_type, [arith.andi(word, low), arith.shrui(word, sixteen)])
+    return fa.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=False)
+
+  return split(h)

@@ -4,13 +4,14 @@ what they are given."""
 import pytest
 
 from conftest import ON_GPU
-from benchmarks import (b_backward_sweep, b_triton_row, c_backward_step, c_dq_atomic, c_forward,
+from benchmarks import (a_hash_cost, b_backward_sweep, b_triton_row, c_backward_step, c_dq_atomic, c_forward,
                         ptx_dump, size_ceiling)
 from pallas_kernels.masked_softmax_dropout import Config
 
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the scripts run")
 @pytest.mark.parametrize("script, argv", [
+    (a_hash_cost, []),
     (b_backward_sweep, ["--configs", "1/8/pub"]),
     (b_triton_row, ["--only", "4,4,4096"]),
     (ptx_dump, ["--out", "/nonexistent"]),

@@ -210,21 +210,36 @@ def delta_pass(do, pd_groups, v, *, rows=64, block_k=64, stages=4, write_keep=Fa
 def _drawn_keep(seeds_ref, t, b, kvh, key0, keep_hash):
   """The keep mask of row tile ``t`` of kv group ``(b, kvh)`` at this warpgroup's keys
   ``[key0, key0 + 64)``, ``[64, 64]`` bool in the WGMMA layout, drawn as
-  ``jax_ops.dropout_keep_mask`` draws it (:mod:`pallas_kernels._dropout`, one hash per
-  element: the element's half of its column pair's hash). ``seeds_ref``: ``[k0, k1,
-  threshold, 0]`` uint32 in global memory, read as scalars (a TMA copy of them would need a
-  128-byte aligned destination per warpgroup). ``keep_hash``: ``(num_heads, G, seq_q,
-  seq_k)``."""
-  num_heads, g, sq, skv = keep_hash
-  layout = plgpu.Layout.WGMMA
+  ``jax_ops.dropout_keep_mask`` draws it (:mod:`pallas_kernels._dropout`). ``seeds_ref``:
+  ``[k0, k1, threshold, 0]`` uint32 in global memory, read as scalars (a TMA copy of them
+  would need a 128-byte aligned destination per warpgroup). ``keep_hash``: ``(num_heads, G,
+  seq_q, seq_k, hash)``, ``hash`` one of
+
+  - ``"pairs"``: one hash per pair of columns, computed on a ``[64, 32]`` array in
+    :data:`pallas_kernels._mosaic.PAIR_LAYOUT` and split into its two 16-bit halves in each
+    thread's registers (:func:`pallas_kernels._mosaic.pair_halves`);
+  - ``"pairs_interpret"``: the same for the interpreter (halves by a stack and a reshape);
+  - ``"element"``: one hash per element (the element's half of its pair's hash), twice the
+    integer work.
+  """
+  num_heads, g, sq, skv, how = keep_hash
   u32 = jnp.uint32
   row0 = t * ROWS                                  # first row of the tile in the group
   head = b * num_heads + lax.div(row0, i32(sq)) + kvh * g      # n: index over [B, H]
   q0 = lax.rem(row0, i32(sq))
-  rows = plgpu.broadcasted_iota(jnp.int32, (ROWS, KEYS), 0, layout=layout) + q0
-  cols = plgpu.broadcasted_iota(jnp.int32, (ROWS, KEYS), 1, layout=layout) + key0
   k0, k1, threshold = seeds_ref[0], seeds_ref[1], seeds_ref[2]
-  u = _dropout.bits16(k0, k1, head.astype(u32), rows.astype(u32), cols.astype(u32), skv)
+  if how == "element":
+    layout = plgpu.Layout.WGMMA
+    rows = plgpu.broadcasted_iota(jnp.int32, (ROWS, KEYS), 0, layout=layout) + q0
+    cols = plgpu.broadcasted_iota(jnp.int32, (ROWS, KEYS), 1, layout=layout) + key0
+    u = _dropout.bits16(k0, k1, head.astype(u32), rows.astype(u32), cols.astype(u32), skv)
+  else:
+    shape = (ROWS, KEYS // 2)
+    rows = _mosaic.pair_iota(shape, 0) + q0
+    pairs = _mosaic.pair_iota(shape, 1) + lax.div(key0, i32(2))
+    h = _dropout.pair_hash32(k0, k1, head.astype(u32), rows.astype(u32), pairs.astype(u32),
+                             skv)
+    u = _mosaic.pair_halves(h, interpret=how == "pairs_interpret")
   return u >= threshold
 
 
@@ -370,7 +385,8 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
 
 
 def ds_dv_pass(do, p_groups, pd_groups, delta, v, *, rate, stages=3, split=1,
-               keep_bits=None, keep_seeds=None, proxy_fence=True, interpret=False):
+               keep_bits=None, keep_seeds=None, pair_hash=True, proxy_fence=True,
+               interpret=False):
   """``(dS [B, KVH, G * seq_q, seq_k], dV [B, KVH, seq_k, D])`` from the group slabs of P
   and Pd, ``delta [B, KVH, G * seq_q]`` and V.
 
@@ -378,7 +394,8 @@ def ds_dv_pass(do, p_groups, pd_groups, delta, v, *, rate, stages=3, split=1,
   (``pd_groups`` is then unused), which is rebuilt from P: 4.125 B per element instead of 6.
   ``keep_seeds`` (``[k0, k1, threshold, 0]`` uint32, :func:`keep_seeds_of`; a rate > 0):
   keep drawn again in the kernel, as ``jax_ops.dropout_keep_mask`` draws it, and Pd rebuilt
-  from P: 4 B per element, nothing read for keep.
+  from P: 4 B per element, nothing read for keep. ``pair_hash``: one hash per pair of
+  columns (split in registers) rather than one per element; the same bits.
 
   ``delta=None`` (only for ``seq_k == 128``, one key block): the kernel computes it, as
   ``rowsum(dW * P)``. ``split`` programs share each key block's rows (``G * seq_q / 64``
@@ -396,7 +413,8 @@ def ds_dv_pass(do, p_groups, pd_groups, delta, v, *, rate, stages=3, split=1,
     raise ValueError("keep_bits and keep_seeds go with a delta and a rate > 0")
   if keep_bits is not None and keep_seeds is not None:
     raise ValueError("keep_bits or keep_seeds, not both")
-  keep_hash = None if keep_seeds is None else (h, g, sq, skv)
+  how = ("element" if not pair_hash else "pairs_interpret" if interpret else "pairs")
+  keep_hash = None if keep_seeds is None else (h, g, sq, skv, how)
   keep_scale = None if rate == 0 else dropout_scale(rate)   # the forward's fp32 factor
   kernel = functools.partial(_ds_dv_kernel, kvh_count=kvh, g=g, sq=sq, d=d,
                              keep_scale=keep_scale, stages=stages, split=split,
@@ -465,6 +483,9 @@ class Config:
   the reference on every H200 run without it. On by default: measured on the H200 at
   9ca4af2 (``benchmarks/results/runs/a_mosaic_fence_9ca4af2.log``) within -0.5% to +0.8% of
   the unfenced kernels' time on six workloads.
+  ``pair_hash``: where the dS-dV kernel draws keep from the key's seeds
+  (:func:`backward_from_output`), one hash per pair of columns split in registers, not one
+  per element (the same bits, half the integer work).
   """
   delta_rows: int = 128
   delta_block_k: int = 64
@@ -473,6 +494,7 @@ class Config:
   split: int | str = "auto"
   keep_bits: bool = False
   proxy_fence: bool = True
+  pair_hash: bool = True
 
   def __post_init__(self):
     for name, allowed in (("delta_rows", (64, 128)), ("delta_block_k", (64, 128))):
@@ -487,7 +509,7 @@ class Config:
     if self.split != "auto" and (isinstance(self.split, bool) or not isinstance(self.split, int)
                                  or self.split < 1):
       raise ValueError(f"config.split: expected 'auto' or an int >= 1, got {self.split!r}")
-    for name in ("keep_bits", "proxy_fence"):
+    for name in ("keep_bits", "proxy_fence", "pair_hash"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"config.{name}: expected a bool, got {getattr(self, name)!r}")
 
@@ -652,6 +674,6 @@ def backward_from_output(grad_attn_output, attn_weights, value_states, dropout_m
   p_groups = groups(attn_weights)
   ds, dv = ds_dv_pass(grad_attn_output, p_groups, p_groups, delta, value_states, rate=p,
                       stages=config.stages, split=split, keep_bits=bits,
-                      keep_seeds=keep_seeds, proxy_fence=config.proxy_fence,
-                      interpret=interpret)
+                      keep_seeds=keep_seeds, pair_hash=config.pair_hash,
+                      proxy_fence=config.proxy_fence, interpret=interpret)
   return ds.reshape(b, h, sq, skv), dv

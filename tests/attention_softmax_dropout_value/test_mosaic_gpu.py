@@ -286,8 +286,13 @@ def test_backward_from_output_draws_keep_from_the_seeds():
                                 keep_seeds=mg.keep_seeds_of(rng, rate), interpret=INTERPRET)
   from_bits = mg.backward_from_output(d_o, probs, value, keep, rate, out32,
                                       interpret=INTERPRET)
-  for x, y in zip(got, from_bits):
+  # One hash per element instead of per pair of columns split in registers: the same bits.
+  per_element = mg.backward_from_output(d_o, probs, value, unread, rate, out32,
+                                        keep_seeds=mg.keep_seeds_of(rng, rate),
+                                        config=mg.Config(pair_hash=False), interpret=INTERPRET)
+  for x, y, z in zip(got, from_bits, per_element):
     np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+    np.testing.assert_array_equal(np.asarray(z, np.float32), np.asarray(y, np.float32))
   check(got, reference(d_o, probs, dropped, value, keep, rate))
   with pytest.raises(ValueError, match=r"keep_seeds: expected .*\[4\]"):
     mg.backward_from_output(d_o, probs, value, unread, rate, out32,
