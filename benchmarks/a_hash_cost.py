@@ -10,9 +10,12 @@ time (JAX profiler, two input sets rotated) of
 
 - the backward from the output (``pallas_mosaic_gpu.backward_from_output``: the delta einsum
   and the Mosaic GPU dS-dV kernel) with keep drawn from the key's seeds, one hash per pair
-  of columns split in registers (``pairs``, the default) and one per element (``element``);
-  with keep read as bits packed by XLA from the bool mask (``bits``); and at rate 0 (no mask:
-  ``no_dropout``). Checks: ``pairs`` and ``element`` equal to ``bits`` bit for bit.
+  of columns split in registers (``pairs``, the default) and one per element (``element``),
+  with a ring of 2 slots instead of 3 (``pairs_s2``), and each step waiting for its own dV
+  GEMM (``undelayed``, ``undelayed_element``: ``Config(delay_dv=False, rebuild_stages=2)``);
+  with keep read as bits packed by XLA from the bool mask (``bits``); and at rate 0 (no
+  mask, P read twice: ``no_dropout``). Checks: the seeded variants equal to ``bits`` bit for
+  bit.
 - the fused Triton forward writing ``(O, P, O_f32)`` (what the default policy saves) at rate
   0.1 (``forward``) and 0 (``forward_no_dropout``, no hash).
 
@@ -40,7 +43,9 @@ SHAPES = [(2, 2048), (8, 512), (4, 1024)]   # (B, S): Sq = Skv = S
 H, KVH, D = 80, 8, 128
 DTYPE = jnp.bfloat16
 RATE = 0.1
-VARIANTS = ("pairs", "element", "bits", "no_dropout", "forward", "forward_no_dropout")
+VARIANTS = ("pairs", "element", "pairs_s2", "undelayed", "undelayed_element", "bits",
+            "no_dropout", "forward", "forward_no_dropout")
+CHECKED = ("pairs", "element", "pairs_s2", "undelayed", "undelayed_element")
 
 
 def _inputs(b, s, seed):
@@ -59,14 +64,17 @@ def _fns():
   rate = jax_ops.effective_dropout_rate(RATE)
   unread = lambda keep: jax.ShapeDtypeStruct(keep.shape, jnp.bool_)
 
-  def seeded(pair_hash):
-    config = mg.Config(pair_hash=pair_hash)
+  def seeded(**kw):
+    config = mg.Config(**kw)
     return jax.jit(lambda s, p, v, do, o, keep, sd, rng: mg.backward_from_output(
         do, p, v, unread(keep), rate, o, keep_seeds=sd, config=config))
 
   return {
-      "pairs": seeded(True),
-      "element": seeded(False),
+      "pairs": seeded(),
+      "element": seeded(pair_hash=False),
+      "pairs_s2": seeded(rebuild_stages=2),
+      "undelayed": seeded(delay_dv=False, rebuild_stages=2),
+      "undelayed_element": seeded(delay_dv=False, rebuild_stages=2, pair_hash=False),
       "bits": jax.jit(lambda s, p, v, do, o, keep, sd, rng: mg.backward_from_output(
           do, p, v, keep, rate, o)),
       "no_dropout": jax.jit(lambda s, p, v, do, o, keep, sd, rng: mg.backward_from_output(
@@ -90,9 +98,9 @@ def main(argv=None):
   rows = []
   for b, s in SHAPES:
     sets = [_inputs(b, s, seed) for seed in (0, 1)]
-    got = {k: fns[k](*sets[0]) for k in ("pairs", "element", "bits")}
+    got = {k: fns[k](*sets[0]) for k in CHECKED + ("bits",)}
     equal = all(np.array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
-                for k in ("pairs", "element") for x, y in zip(got[k], got["bits"]))
+                for k in CHECKED for x, y in zip(got[k], got["bits"]))
     del got
     times = device_times_us([fns[k] for k in VARIANTS], sets, calls=args.calls)
     row = {"shape": [b, H, s, s], "equal": equal,
@@ -103,7 +111,7 @@ def main(argv=None):
   with open(os.path.join(args.out, "a_hash_cost.json"), "w") as f:
     json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rate": RATE,
                "rows": rows}, f, indent=1)
-  print("| shape | " + " | ".join(VARIANTS) + " | pairs = element = bits |")
+  print("| shape | " + " | ".join(VARIANTS) + " | seeded = bits |")
   print("|---" * (len(VARIANTS) + 2) + "|")
   for r in rows:
     print(f"| B={r['shape'][0]} S={r['shape'][3]} | "

@@ -244,7 +244,8 @@ def _drawn_keep(seeds_ref, t, b, kvh, key0, keep_hash):
 
 
 def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale, stages,
-                  split, fused_delta, keep_bits, keep_hash=None, proxy_fence=True):
+                  split, fused_delta, keep_bits, keep_hash=None, delay_dv=False,
+                  proxy_fence=True):
   if fused_delta:   # rows of one key block: delta from the two warpgroups' halves
     v_ref, ds_ref, dv_ref, v_smem, ds_smem, barrier, xchg_smem, xchg_barrier = refs
     delta_ref = None
@@ -275,6 +276,7 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
 
     def run(dv_acc):
       run_pipeline(dv_acc)
+      if delay_dv: plgpu.wgmma_wait(0)    # with delay_dv the last step's dV GEMM is still in flight
       return dv_acc[...]
     dv = pl.run_scoped(run, plgpu.ACC((KEYS, d), f32))
     if split == 1:
@@ -288,6 +290,7 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
 
   def step(idx, *args):
     (t,) = idx
+    local = t
     t = tile0 + t
     dv_acc = args[-1]
     if fused_delta:
@@ -301,7 +304,13 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
 
     if keep_bits or keep_hash is not None:
       # keep from the bits (or drawn again from the seeds); Pd = round(P * keep / (1 - p))
-      # (the precondition) into this warpgroup's staging tile, the dV GEMM's operand.
+      # (the precondition) into this warpgroup's staging tile, the dV GEMM's operand. With
+      # delay_dv the tile alternates between two slots and the step does not wait for its
+      # dV GEMM: the next step's wait for its dPd GEMM (wgmma groups complete in order)
+      # covers it, and only then are this step's ring slots (dO is the GEMM's operand)
+      # released (the pipeline's delay_release=1: the barriers a step gets are the previous
+      # step's).
+      stage = pd_stage.at[wg, lax.rem(local, i32(2))] if delay_dv else pd_stage.at[wg]
       def mm(acc):
         plgpu.wgmma(acc, do_smem, v_smem.at[wg].T)                    # dPd [rows, keys]
         p16 = plgpu.load(p_smem.at[:, wg_keys], layout=plgpu.Layout.WGMMA)
@@ -315,11 +324,18 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
           word = jnp.where(col < i32(32), lo, hi)
           kept = (lax.shift_right_logical(word, col & i32(31)) & i32(1)) != i32(0)
         p32 = p16.astype(f32)
-        pd_stage[wg] = jnp.where(kept, p32 * keep_scale, 0.0).astype(dtype)
+        stage[...] = jnp.where(kept, p32 * keep_scale, 0.0).astype(dtype)
         plgpu.commit_smem()
-        plgpu.wgmma(dv_acc, pd_stage.at[wg].T, do_smem)               # dV [keys, d]
+        plgpu.wgmma(dv_acc, stage.T, do_smem)                         # dV [keys, d]
         return plgpu.wgmma_accumulator_load(acc, wait_n=1), p32, kept
       dpd, p, kept = pl.run_scoped(mm, plgpu.ACC((ROWS, KEYS), f32))
+      if delay_dv:   # the previous step's dV GEMM is done: release its slots
+        @pl.when(local > 0)
+        def _release():
+          _fence(proxy_fence)
+          for consumed in (p_consumed, pd_consumed, do_consumed, delta_consumed):
+            if consumed is not None:
+              plgpu.barrier_arrive(consumed)
       dw = jnp.where(kept, dpd * keep_scale, 0.0)
     else:
       def mm(acc):
@@ -333,8 +349,9 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
       else:
         pd = plgpu.load(pd_smem.at[:, wg_keys], layout=plgpu.Layout.WGMMA)
         dw = jnp.where(pd != 0, dpd * keep_scale, 0.0)
-    _fence(proxy_fence)
-    plgpu.barrier_arrive(p_consumed)
+    if not delay_dv:
+      _fence(proxy_fence)
+      plgpu.barrier_arrive(p_consumed)
     slot = lax.rem(t, i32(2))
     if fused_delta:
       # delta = rowsum(dW * P) as the spec writes it: this warpgroup's 64 keys, then the
@@ -346,13 +363,15 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
                + plgpu.load(xchg_smem.at[slot, 1], layout=row_layout))
     else:
       delta = plgpu.load(delta_smem, layout=row_layout)
-      _fence(proxy_fence)
-      plgpu.barrier_arrive(delta_consumed)
+      if not delay_dv:
+        _fence(proxy_fence)
+        plgpu.barrier_arrive(delta_consumed)
     ds = p * (dw - lax.broadcast_in_dim(delta, (ROWS, KEYS), [0]))
-    plgpu.wgmma_wait(0)                                               # dV read Pd and dO
-    if pd_consumed is not None:
-      plgpu.barrier_arrive(pd_consumed)
-    plgpu.barrier_arrive(do_consumed)
+    if not delay_dv:
+      plgpu.wgmma_wait(0)                                             # dV read Pd and dO
+      if pd_consumed is not None:
+        plgpu.barrier_arrive(pd_consumed)
+      plgpu.barrier_arrive(do_consumed)
     plgpu.wait_smem_to_gmem(1, wait_read_only=True)                   # the slot is free
     ds_smem[wg, slot] = ds.astype(dtype)
     plgpu.commit_smem()
@@ -361,21 +380,23 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
     return dv_acc
 
   tiled = _tiled(dtype)
+  delay = {"delay_release": 1} if delay_dv else {}
   head_tile = lambda t: (lax.rem(tile0 + t, i32(q_tiles)), kvh * g + lax.div(tile0 + t, i32(q_tiles)), 0)
-  second = (plgpu.BlockSpec((WGS * KEYS // 32, ROWS), lambda t: (kb, tile0 + t))
+  second = (plgpu.BlockSpec((WGS * KEYS // 32, ROWS), lambda t: (kb, tile0 + t), **delay)
             if keep_bits else
             plgpu.BlockSpec((ROWS, WGS * KEYS), lambda t: (tile0 + t, kb), transforms=tiled))
   in_specs = [
-      plgpu.BlockSpec((ROWS, WGS * KEYS), lambda t: (tile0 + t, kb), transforms=tiled),
+      plgpu.BlockSpec((ROWS, WGS * KEYS), lambda t: (tile0 + t, kb), transforms=tiled,
+                      **delay),
       second,
-      plgpu.BlockSpec((ROWS, None, d), head_tile, transforms=tiled),
+      plgpu.BlockSpec((ROWS, None, d), head_tile, transforms=tiled, **delay),
   ]
   operands = [p_ref.at[b, kvh], pd_ref.at[b, kvh] if keep_hash is None else None,
               do_ref.at[b]]
   if keep_hash is not None:   # P, dO (and delta): nothing streamed for keep
     del in_specs[1], operands[1]
   if not fused_delta:
-    in_specs.append(plgpu.BlockSpec((ROWS,), lambda t: (tile0 + t,)))
+    in_specs.append(plgpu.BlockSpec((ROWS,), lambda t: (tile0 + t,), **delay))
     operands.append(delta_ref.at[b, kvh])
   pipeline = plgpu.emit_pipeline_warp_specialized(
       step, grid=(share_tiles,), max_concurrent_steps=stages,
@@ -385,8 +406,8 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
 
 
 def ds_dv_pass(do, p_groups, pd_groups, delta, v, *, rate, stages=3, split=1,
-               keep_bits=None, keep_seeds=None, pair_hash=True, proxy_fence=True,
-               interpret=False):
+               keep_bits=None, keep_seeds=None, pair_hash=True, delay_dv=True,
+               proxy_fence=True, interpret=False):
   """``(dS [B, KVH, G * seq_q, seq_k], dV [B, KVH, seq_k, D])`` from the group slabs of P
   and Pd, ``delta [B, KVH, G * seq_q]`` and V.
 
@@ -395,7 +416,10 @@ def ds_dv_pass(do, p_groups, pd_groups, delta, v, *, rate, stages=3, split=1,
   ``keep_seeds`` (``[k0, k1, threshold, 0]`` uint32, :func:`keep_seeds_of`; a rate > 0):
   keep drawn again in the kernel, as ``jax_ops.dropout_keep_mask`` draws it, and Pd rebuilt
   from P: 4 B per element, nothing read for keep. ``pair_hash``: one hash per pair of
-  columns (split in registers) rather than one per element; the same bits.
+  columns (split in registers) rather than one per element; the same bits. ``delay_dv``
+  (with ``keep_bits`` or ``keep_seeds``): each step's dV GEMM is waited for in the next step
+  (two staging tiles of Pd, the ring's slots released a step later; ``stages >= 3`` keeps
+  two steps in flight).
 
   ``delta=None`` (only for ``seq_k == 128``, one key block): the kernel computes it, as
   ``rowsum(dW * P)``. ``split`` programs share each key block's rows (``G * seq_q / 64``
@@ -416,11 +440,12 @@ def ds_dv_pass(do, p_groups, pd_groups, delta, v, *, rate, stages=3, split=1,
   how = ("element" if not pair_hash else "pairs_interpret" if interpret else "pairs")
   keep_hash = None if keep_seeds is None else (h, g, sq, skv, how)
   keep_scale = None if rate == 0 else dropout_scale(rate)   # the forward's fp32 factor
+  rebuild = keep_bits is not None or keep_seeds is not None   # Pd rebuilt from P
   kernel = functools.partial(_ds_dv_kernel, kvh_count=kvh, g=g, sq=sq, d=d,
                              keep_scale=keep_scale, stages=stages, split=split,
                              proxy_fence=proxy_fence,
                              fused_delta=fused_delta, keep_bits=keep_bits is not None,
-                             keep_hash=keep_hash)
+                             keep_hash=keep_hash, delay_dv=delay_dv and rebuild)
   dtype = p_groups.dtype
   like = tuple(x for x in (do, p_groups, pd_groups, delta, keep_bits, keep_seeds, v)
                if x is not None)
@@ -433,8 +458,9 @@ def ds_dv_pass(do, p_groups, pd_groups, delta, v, *, rate, stages=3, split=1,
   ]
   if fused_delta:
     scratch += [plgpu.SMEM((2, WGS, ROWS), f32), plgpu.Barrier(num_arrivals=WGS)]
-  if keep_bits is not None or keep_seeds is not None:
-    scratch.append(plgpu.SMEM((WGS, ROWS, KEYS), dtype, transforms=_tiled(dtype)))
+  if rebuild:
+    scratch.append(plgpu.SMEM((WGS, 2, ROWS, KEYS) if delay_dv else (WGS, ROWS, KEYS), dtype,
+                              transforms=_tiled(dtype)))
   second = (keep_seeds if keep_seeds is not None
             else pd_groups if keep_bits is None else keep_bits)
   operands = [do, p_groups, second] + ([] if fused_delta else [delta]) + [v]
@@ -486,6 +512,12 @@ class Config:
   ``pair_hash``: where the dS-dV kernel draws keep from the key's seeds
   (:func:`backward_from_output`), one hash per pair of columns split in registers, not one
   per element (the same bits, half the integer work).
+  ``delay_dv`` / ``rebuild_stages``: where the dS-dV kernel rebuilds Pd from P (keep from
+  the seeds or from bits), each step's dV GEMM is waited for in the next step, not its own
+  (``ds_dv_pass(delay_dv=...)``); with keep from the seeds the ring has ``rebuild_stages``
+  slots (2 to 8). The bits mode keeps ``stages``: at 3 slots it hung in the Mosaic GPU
+  interpreter on a ``(1, 4, 2, 128, 256, 64)`` problem (delayed or not; 2 kv heads, 4 row
+  tiles), which is not understood yet.
   """
   delta_rows: int = 128
   delta_block_k: int = 64
@@ -495,12 +527,14 @@ class Config:
   keep_bits: bool = False
   proxy_fence: bool = True
   pair_hash: bool = True
+  delay_dv: bool = True
+  rebuild_stages: int = 3
 
   def __post_init__(self):
     for name, allowed in (("delta_rows", (64, 128)), ("delta_block_k", (64, 128))):
       if getattr(self, name) not in allowed:
         raise ValueError(f"config.{name}: expected one of {allowed}, got {getattr(self, name)!r}")
-    for name in ("delta_stages", "stages"):
+    for name in ("delta_stages", "stages", "rebuild_stages"):
       # At least 2: with one slot the Mosaic GPU interpreter's race detector flags the
       # ring (the pipeline refills the slot that a consumer warpgroup still reads).
       v = getattr(self, name)
@@ -509,7 +543,7 @@ class Config:
     if self.split != "auto" and (isinstance(self.split, bool) or not isinstance(self.split, int)
                                  or self.split < 1):
       raise ValueError(f"config.split: expected 'auto' or an int >= 1, got {self.split!r}")
-    for name in ("keep_bits", "proxy_fence", "pair_hash"):
+    for name in ("keep_bits", "proxy_fence", "pair_hash", "delay_dv"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"config.{name}: expected a bool, got {getattr(self, name)!r}")
 
@@ -596,6 +630,7 @@ def _backward(grad_attn_output, attn_weights, attn_weights_dropped, value_states
   split = resolve_split(config.split, b, kvh, skv, g * sq // ROWS)
   ds, dv = ds_dv_pass(grad_attn_output, groups(attn_weights), pd_groups, delta, value_states,
                       rate=rate, stages=config.stages, split=split, keep_bits=keep_bits,
+                      delay_dv=config.delay_dv,
                       proxy_fence=config.proxy_fence, interpret=interpret)
   return ds.reshape(b, h, sq, skv), dv
 
@@ -673,7 +708,9 @@ def backward_from_output(grad_attn_output, attn_weights, value_states, dropout_m
   split = resolve_split(config.split, b, kvh, skv, g * sq // ROWS)
   p_groups = groups(attn_weights)
   ds, dv = ds_dv_pass(grad_attn_output, p_groups, p_groups, delta, value_states, rate=p,
-                      stages=config.stages, split=split, keep_bits=bits,
+                      stages=config.rebuild_stages if keep_seeds is not None else config.stages,
+                      split=split,
+                      keep_bits=bits, delay_dv=config.delay_dv,
                       keep_seeds=keep_seeds, pair_hash=config.pair_hash,
                       proxy_fence=config.proxy_fence, interpret=interpret)
   return ds.reshape(b, h, sq, skv), dv
