@@ -418,8 +418,8 @@ def ds_dv_pass(do, p_groups, pd_groups, delta, v, *, rate, stages=3, split=1,
   from P: 4 B per element, nothing read for keep. ``pair_hash``: one hash per pair of
   columns (split in registers) rather than one per element; the same bits. ``delay_dv``
   (with ``keep_bits`` or ``keep_seeds``): each step's dV GEMM is waited for in the next step
-  (two staging tiles of Pd, the ring's slots released a step later; ``stages >= 3`` keeps
-  two steps in flight).
+  (two staging tiles of Pd, the ring's slots released a step later); only with
+  ``stages >= 3``, which keeps two steps in flight.
 
   ``delta=None`` (only for ``seq_k == 128``, one key block): the kernel computes it, as
   ``rowsum(dW * P)``. ``split`` programs share each key block's rows (``G * seq_q / 64``
@@ -441,11 +441,14 @@ def ds_dv_pass(do, p_groups, pd_groups, delta, v, *, rate, stages=3, split=1,
   keep_hash = None if keep_seeds is None else (h, g, sq, skv, how)
   keep_scale = None if rate == 0 else dropout_scale(rate)   # the forward's fp32 factor
   rebuild = keep_bits is not None or keep_seeds is not None   # Pd rebuilt from P
+  # A slot held a step longer leaves a 2-slot ring one step of prefetch: measured 1.5x
+  # slower than not delaying (benchmarks/a_hash_cost.py), so the delay needs 3 slots.
+  delay_dv = delay_dv and rebuild and stages >= 3
   kernel = functools.partial(_ds_dv_kernel, kvh_count=kvh, g=g, sq=sq, d=d,
                              keep_scale=keep_scale, stages=stages, split=split,
                              proxy_fence=proxy_fence,
                              fused_delta=fused_delta, keep_bits=keep_bits is not None,
-                             keep_hash=keep_hash, delay_dv=delay_dv and rebuild)
+                             keep_hash=keep_hash, delay_dv=delay_dv)
   dtype = p_groups.dtype
   like = tuple(x for x in (do, p_groups, pd_groups, delta, keep_bits, keep_seeds, v)
                if x is not None)
