@@ -17,7 +17,11 @@ time (JAX profiler, two input sets rotated) of
   mask, P read twice: ``no_dropout``). Checks: the seeded variants equal to ``bits`` bit for
   bit.
 - the fused Triton forward writing ``(O, P, O_f32)`` (what the default policy saves) at rate
-  0.1 (``forward``) and 0 (``forward_no_dropout``, no hash).
+  0.1 (``forward``) and 0 (``forward_no_dropout``, no hash); the Mosaic GPU forward
+  (``forward_mosaic_gpu.forward_with_output``, the same outputs) with a hash per pair of
+  columns (``forward_mosaic``), per element (``forward_mosaic_element``), a 2-slot ring
+  (``forward_mosaic_s2``) and at rate 0 (``forward_mosaic_no_dropout``); checked against the
+  Triton forward (P within one ulp, O_f32 within 1e-2 of its largest value).
 
 The differences are the hash's cost inside each kernel. Writes ``<out>/a_hash_cost.json``.
 """
@@ -35,6 +39,7 @@ import numpy as np
 
 import jax_ops
 from benchmarks.timing import device_times_us, no_gpu
+from pallas_kernels.attention_softmax_dropout_value import forward_mosaic_gpu as fm
 from pallas_kernels.attention_softmax_dropout_value import pallas_mosaic_gpu as mg
 from pallas_kernels.attention_softmax_dropout_value.forward import (
     attention_softmax_dropout_value_forward)
@@ -44,7 +49,8 @@ H, KVH, D = 80, 8, 128
 DTYPE = jnp.bfloat16
 RATE = 0.1
 VARIANTS = ("pairs", "element", "pairs_s2", "undelayed", "undelayed_element", "bits",
-            "no_dropout", "forward", "forward_no_dropout")
+            "no_dropout", "forward", "forward_no_dropout", "forward_mosaic",
+            "forward_mosaic_element", "forward_mosaic_s2", "forward_mosaic_no_dropout")
 CHECKED = ("pairs", "element", "pairs_s2", "undelayed", "undelayed_element")
 
 
@@ -81,6 +87,15 @@ def _fns():
           do, p, v, keep, 0.0, o)),
       "forward": jax.jit(lambda s, p, v, do, o, keep, sd, rng: attention_softmax_dropout_value_forward(
           s, v, RATE, rng, store_keep=False)),
+      "forward_mosaic": jax.jit(lambda s, p, v, do, o, keep, sd, rng: fm.forward_with_output(
+          s, v, RATE, rng)),
+      "forward_mosaic_element": jax.jit(
+          lambda s, p, v, do, o, keep, sd, rng: fm.forward_with_output(s, v, RATE, rng,
+                                                                       pair_hash=False)),
+      "forward_mosaic_s2": jax.jit(lambda s, p, v, do, o, keep, sd, rng: fm.forward_with_output(
+          s, v, RATE, rng, stages=2)),
+      "forward_mosaic_no_dropout": jax.jit(
+          lambda s, p, v, do, o, keep, sd, rng: fm.forward_with_output(s, v, 0.0)),
       "forward_no_dropout": jax.jit(
           lambda s, p, v, do, o, keep, sd, rng: attention_softmax_dropout_value_forward(
               s, v, 0.0, None, store_keep=False)),
@@ -102,8 +117,25 @@ def main(argv=None):
     equal = all(np.array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
                 for k in CHECKED for x, y in zip(got[k], got["bits"]))
     del got
+    # The Mosaic GPU forward against the Triton one (the same mask): P equal or one ulp
+    # apart, O and O_f32 close.
+    o_t, p_t, _, _, o32_t = fns["forward"](*sets[0])
+    mosaic_checks = {}
+    for name in ("forward_mosaic", "forward_mosaic_element"):
+      o_m, p_m, o32_m = fns[name](*sets[0])
+      pt, pm = np.asarray(p_t, np.float32), np.asarray(p_m, np.float32)
+      scale = float(np.max(np.abs(np.asarray(o32_t))))
+      check = {"p_equal": float(np.mean(pt == pm)),
+               "p_max_rel": float(np.max(np.abs(pt - pm) / np.maximum(np.abs(pt), 1e-30))),
+               "o32_err": float(np.max(np.abs(np.asarray(o32_m) - np.asarray(o32_t)))) / scale,
+               "o_err": float(np.max(np.abs(np.asarray(o_m, np.float32)
+                                             - np.asarray(o_t, np.float32)))) / scale}
+      print(name, "against the Triton forward:", check, flush=True)
+      mosaic_checks[name] = check
+    del o_t, p_t, o32_t, o_m, p_m, o32_m
     times = device_times_us([fns[k] for k in VARIANTS], sets, calls=args.calls)
-    row = {"shape": [b, H, s, s], "equal": equal,
+    ok = all(c["o32_err"] < 1e-2 and c["p_max_rel"] < 1e-2 for c in mosaic_checks.values())
+    row = {"shape": [b, H, s, s], "equal": equal and ok, "mosaic_forward": mosaic_checks,
            **{f"{k}_us": t["median_us"] for k, t in zip(VARIANTS, times)},
            "split_ok": all(t["split_ok"] for t in times)}
     rows.append(row)

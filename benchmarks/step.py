@@ -145,6 +145,9 @@ OPT_IN = {
     ("A", "fused_output_bits"): ("attention_softmax_dropout_value", "mosaic_gpu_fused_bits",
                                  "jax_ops.attention_value.pallas_mosaic_gpu",
                                  {"residuals": "fused_output", "keep": "bits"}),
+    ("A", "mosaic_forward"): ("attention_softmax_dropout_value", "mosaic_gpu_fused_mgpu_fwd",
+                              "jax_ops.attention_value.pallas_mosaic_gpu",
+                              {"residuals": "fused_output", "forward": "mosaic_gpu"}),
     # The portable Triton backend (the path off Hopper), saving the bool mask or the seeds.
     ("A", "triton"): ("attention_softmax_dropout_value", "triton_mask",
                       "jax_ops.attention_value.pallas_triton", {}),
@@ -254,7 +257,7 @@ def main(argv=None):
                            "(results go to step_b_key.*)")
   parser.add_argument("--a-residuals", choices=("default", "fused_inputs", "inputs",
                                                 "fused_output", "fused_output_bits", "triton",
-                                                "triton_seeds"),
+                                                "triton_seeds", "mosaic_forward"),
                       default="default",
                       help="op A's Pallas path on a Hopper GPU: the default Mosaic GPU backend "
                            "(the fused forward writing P and no Pd or mask, the backward "
@@ -263,7 +266,9 @@ def main(argv=None):
                            "(step_a_inputs.*), the default's policy made explicit "
                            "(step_a_fused.*), the fused forward writing the mask as bits "
                            "(step_a_fused_bits.*), or the Triton backend saving the bool "
-                           "mask (step_a_triton.*) or the key's seeds (step_a_triton_seeds.*)")
+                           "mask (step_a_triton.*) or the key's seeds (step_a_triton_seeds.*), "
+                           "or the default with the Mosaic GPU forward kernel "
+                           "(step_a_mosaic_forward.*)")
   parser.add_argument("--profile", action="store_true",
                       help="instead of the table: where each chosen step's device time goes on "
                            "the Pallas path, per kernel (printed, and step_profile.json)")
@@ -283,7 +288,8 @@ def main(argv=None):
     impls["A"] = register_opt_in("A", args.a_residuals)
     base += {"inputs": "_a_inputs", "fused_output": "_a_fused", "fused_inputs":
              "_a_fused_inputs", "fused_output_bits": "_a_fused_bits", "triton": "_a_triton",
-             "triton_seeds": "_a_triton_seeds"}[args.a_residuals]
+             "triton_seeds": "_a_triton_seeds",
+             "mosaic_forward": "_a_mosaic_forward"}[args.a_residuals]
   if args.profile:
     return _profile([s for s in STEPS if s.op in ops], impls, args, meta)
   rows = []

@@ -31,6 +31,7 @@ from jax_ops import backend
 from jax_ops.attention_value import pallas_triton as triton
 from jax_ops.backend import FUSED_INPUTS, FUSED_OUTPUT, INPUTS
 from pallas_kernels.attention_softmax_dropout_value import forward as forward_kernel
+from pallas_kernels.attention_softmax_dropout_value import forward_mosaic_gpu as forward_mosaic
 
 
 class AttentionValueMosaicGpu(backend.ResidualChoice, backend.MosaicGpuBackend):
@@ -58,15 +59,21 @@ class AttentionValueMosaicGpu(backend.ResidualChoice, backend.MosaicGpuBackend):
 
   POLICIES = (FUSED_OUTPUT, FUSED_INPUTS, INPUTS)
 
-  def __init__(self, name=None, residuals=None, keep: str = "seeds"):
+  def __init__(self, name=None, residuals=None, keep: str = "seeds", forward: str = "triton"):
     """``keep``: under ``"fused_output"`` (no effect under the other policies), what the
     forward saves of the mask: ``"seeds"`` (the key's two words and the threshold; the dS-dV
     kernel draws keep again) or ``"bits"`` (the forward kernel writes it as bits, 1/8 B per
-    attention element)."""
+    attention element). ``forward``: under ``"fused_output"`` with ``keep="seeds"``, the
+    forward kernel: ``"triton"`` (:mod:`pallas_kernels.attention_softmax_dropout_value.forward`)
+    or ``"mosaic_gpu"`` (:mod:`pallas_kernels.attention_softmax_dropout_value.forward_mosaic_gpu`,
+    TMA and wgmma, on the shapes it takes; the Triton kernel on the others)."""
     super().__init__(name, residuals)
     if keep not in ("seeds", "bits"):
       raise ValueError(f"keep: expected 'seeds' or 'bits', got {keep!r}")
+    if forward not in ("triton", "mosaic_gpu"):
+      raise ValueError(f"forward: expected 'triton' or 'mosaic_gpu', got {forward!r}")
     self.keep = keep
+    self.forward = forward
 
   def residual_policy(self, problem):
     b, h, sq, skv = problem.shape("scores")
@@ -105,8 +112,15 @@ class AttentionValueMosaicGpu(backend.ResidualChoice, backend.MosaicGpuBackend):
     if self.keep == "bits":
       return forward_kernel.forward_with_keep_bits(scores, value_states, p_dropout,
                                                    dropout_rng, interpret=interpret)
-    out, probs, _, _, out32 = forward_kernel.attention_softmax_dropout_value_forward(
-        scores, value_states, p_dropout, dropout_rng, store_keep=False, interpret=interpret)
+    b, h, sq, skv = scores.shape
+    kvh, d = value_states.shape[1], value_states.shape[3]
+    if self.forward == "mosaic_gpu" and forward_mosaic.unsupported_reason(
+        b, h, kvh, sq, skv, d, scores.dtype, float(p_dropout)) is None:
+      out, probs, out32 = forward_mosaic.forward_with_output(
+          scores, value_states, p_dropout, dropout_rng, interpret=interpret)
+    else:
+      out, probs, _, _, out32 = forward_kernel.attention_softmax_dropout_value_forward(
+          scores, value_states, p_dropout, dropout_rng, store_keep=False, interpret=interpret)
     seeds = None if p_dropout == 0 else mosaic.keep_seeds_of(
         dropout_rng, kernels_dropout.effective_rate(p_dropout))
     return out, probs, seeds, out32
