@@ -59,8 +59,7 @@ def unsupported_reason(b, h, kvh, sq, skv, d, dtype, p_static) -> str | None:
 
 
 def _kernel(s_ref, v_ref, seeds_ref, o_ref, p_ref, o32_ref, p_stage, pd_stage, o_stage, *,
-            kvh_count,
-            num_heads, g, sq, skv, d, keep_scale, keep_hash, stages):
+            kvh_count, num_heads, g, sq, skv, d, keep_scale, keep_hash, stages, delay):
   bk = lax.axis_index("bk")
   rb = lax.axis_index("rows")
   wg = lax.axis_index("wg")
@@ -127,10 +126,20 @@ def _kernel(s_ref, v_ref, seeds_ref, o_ref, p_ref, o32_ref, p_stage, pd_stage, o
       plgpu.copy_smem_to_gmem(
           p_stage.at[wg, slot], p_ref.at[b, kvh, pl.ds(row0, ROWS), pl.ds(jj * KEYS, KEYS)])
 
-    pd_stage[wg] = dropped      # the GEMM's A operand (the last step's GEMM was waited for)
-    plgpu.commit_smem()
-    plgpu.wgmma(acc, pd_stage.at[wg], v_smem)
-    plgpu.wgmma_wait(0)
+    if delay:
+      # Two staging tiles; this step's GEMM is waited for in the next step (wgmma groups
+      # complete in order), and the pipeline releases a step's slots one step later.
+      stage = pd_stage.at[wg, lax.rem(j, i32(2))]
+      stage[...] = dropped
+      plgpu.commit_smem()
+      plgpu.wgmma(acc, stage, v_smem)
+      plgpu.wgmma_wait(1)
+    else:
+      stage = pd_stage.at[wg, 0]
+      stage[...] = dropped    # the GEMM's A operand (the last step's GEMM was waited for)
+      plgpu.commit_smem()
+      plgpu.wgmma(acc, stage, v_smem)
+      plgpu.wgmma_wait(0)
     return acc, m, l
 
   tiled = _mosaic.tiled(dtype)
@@ -140,15 +149,16 @@ def _kernel(s_ref, v_ref, seeds_ref, o_ref, p_ref, o32_ref, p_stage, pd_stage, o
       compute_context=compute_context,
       in_specs=[
           plgpu.BlockSpec((WGS * ROWS, KEYS), lambda j: (rb, lax.rem(j, i32(n_k))),
-                          transforms=tiled),
+                          transforms=tiled, delay_release=int(delay)),
           plgpu.BlockSpec((KEYS, d), lambda j: (jnp.maximum(j - n_k, 0), 0),
-                          transforms=tiled),
+                          transforms=tiled, delay_release=int(delay)),
       ])
   pipeline(s_ref.at[b, kvh], v_ref.at[b, kvh])
 
 
-@functools.partial(jax.jit, static_argnames=("rate", "stages", "pair_hash", "interpret"))
-def _call(scores, value_states, seeds, *, rate, stages, pair_hash, interpret):
+@functools.partial(jax.jit, static_argnames=("rate", "stages", "pair_hash", "delay",
+                                             "interpret"))
+def _call(scores, value_states, seeds, *, rate, stages, pair_hash, delay, interpret):
   b, h, sq, skv = scores.shape
   kvh, d = value_states.shape[1], value_states.shape[3]
   g = h // kvh
@@ -156,7 +166,7 @@ def _call(scores, value_states, seeds, *, rate, stages, pair_hash, interpret):
   kernel = functools.partial(
       _kernel, kvh_count=kvh, num_heads=h, g=g, sq=sq, skv=skv, d=d,
       keep_scale=None if rate == 0 else dropout_scale(rate), keep_hash=(h, g, sq, skv, how),
-      stages=stages)
+      stages=stages, delay=delay)
   dtype = scores.dtype
   like = (scores, value_states)
   o, p, o32 = plgpu.kernel(
@@ -165,7 +175,7 @@ def _call(scores, value_states, seeds, *, rate, stages, pair_hash, interpret):
                 out_struct((b, kvh, g * sq, skv), dtype, *like),
                 out_struct((b, sq, h, d), f32, *like)),
       scratch_types=[plgpu.SMEM((WGS, 2, ROWS, KEYS), dtype, transforms=_mosaic.tiled(dtype)),
-                     plgpu.SMEM((WGS, ROWS, KEYS), dtype, transforms=_mosaic.tiled(dtype)),
+                     plgpu.SMEM((WGS, 2, ROWS, KEYS), dtype, transforms=_mosaic.tiled(dtype)),
                      plgpu.SMEM((WGS, ROWS, d), dtype, transforms=_mosaic.tiled(dtype))],
       grid=(b * kvh, g * sq // (WGS * ROWS)), grid_names=("bk", "rows"),
       num_threads=WGS + 1, thread_name="wg",
@@ -177,13 +187,15 @@ def _call(scores, value_states, seeds, *, rate, stages, pair_hash, interpret):
 
 
 def forward_with_output(scores, value_states, dropout_rate, dropout_rng=None, *, stages=3,
-                        pair_hash=True, interpret=False):
+                        pair_hash=True, delay=True, interpret=False):
   """``(O [B, Sq, H, D], P [B, H, Sq, Skv], O_f32 [B, Sq, H, D])`` of op A's forward, the
   keep mask that of ``jax_ops.dropout_keep_mask(dropout_rng, dropout_rate, scores.shape)``
   (not stored). ``scores`` ``[B, H, Sq, Skv]`` bf16 or fp16, ``value_states`` ``[B, KVH,
   Skv, D]``, ``dropout_rate`` a Python float in [0, 1) (rounded as the mask rounds it).
-  Raises ``ValueError`` for a problem outside :func:`unsupported_reason`, and off a Hopper
-  GPU unless ``interpret``."""
+  ``stages``: the TMA ring's depth; ``pair_hash``: one hash per pair of columns (else per
+  element); ``delay``: each step's P·V GEMM waited for in the next step (needs
+  ``stages >= 3``). Raises ``ValueError`` for a problem outside :func:`unsupported_reason`,
+  and off a Hopper GPU unless ``interpret``."""
   from pallas_kernels import _dropout, validation
   p = validation.check_dropout_rate("dropout_rate", dropout_rate)
   if scores.ndim != 4 or value_states.ndim != 4:
@@ -192,7 +204,7 @@ def forward_with_output(scores, value_states, dropout_rate, dropout_rng=None, *,
   b, h, sq, skv = scores.shape
   kvh, d = value_states.shape[1], value_states.shape[3]
   validation.check_array("value_states", value_states, ("B", "KVH", "Skv", "D"),
-                         (b, kvh, skv, d), dtypes=(scores.dtype,))
+                         (b, None, skv, None), dtypes=(scores.dtype,))
   if h % kvh:
     raise ValueError(f"value_states: {kvh} kv heads must divide the scores' {h} heads")
   why = unsupported_reason(b, h, kvh, sq, skv, d, scores.dtype, p)
@@ -206,5 +218,7 @@ def forward_with_output(scores, value_states, dropout_rate, dropout_rng=None, *,
   else:
     seeds = _mg.keep_seeds_of(dropout_rng, p)
     rate = _dropout.effective_rate(p)
+  if delay and stages < 3:
+    raise ValueError(f"delay: needs stages >= 3, got stages={stages}")
   return _call(scores, value_states, seeds, rate=rate, stages=stages, pair_hash=pair_hash,
-               interpret=interpret)
+               delay=delay, interpret=interpret)
