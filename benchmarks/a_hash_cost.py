@@ -19,8 +19,8 @@ time (JAX profiler, two input sets rotated) of
 - the fused Triton forward writing ``(O, P, O_f32)`` (what the default policy saves) at rate
   0.1 (``forward``) and 0 (``forward_no_dropout``, no hash); the Mosaic GPU forward
   (``forward_mosaic_gpu.forward_with_output``, the same outputs) with a hash per pair of
-  columns (``forward_mosaic``), per element (``forward_mosaic_element``), a 2-slot ring
-  (``forward_mosaic_s2``) and at rate 0 (``forward_mosaic_no_dropout``); checked against the
+  columns (``forward_mosaic``), per element (``forward_mosaic_element``), each step waiting for its own P·V
+  GEMM (``forward_mosaic_undelayed``) and at rate 0 (``forward_mosaic_no_dropout``); checked against the
   Triton forward (P within one ulp, O_f32 within 1e-2 of its largest value).
 
 The differences are the hash's cost inside each kernel. Writes ``<out>/a_hash_cost.json``.
@@ -50,7 +50,7 @@ DTYPE = jnp.bfloat16
 RATE = 0.1
 VARIANTS = ("pairs", "element", "pairs_s2", "undelayed", "undelayed_element", "bits",
             "no_dropout", "forward", "forward_no_dropout", "forward_mosaic",
-            "forward_mosaic_element", "forward_mosaic_s2", "forward_mosaic_no_dropout")
+            "forward_mosaic_element", "forward_mosaic_undelayed", "forward_mosaic_no_dropout")
 CHECKED = ("pairs", "element", "pairs_s2", "undelayed", "undelayed_element")
 
 
@@ -92,8 +92,9 @@ def _fns():
       "forward_mosaic_element": jax.jit(
           lambda s, p, v, do, o, keep, sd, rng: fm.forward_with_output(s, v, RATE, rng,
                                                                        pair_hash=False)),
-      "forward_mosaic_s2": jax.jit(lambda s, p, v, do, o, keep, sd, rng: fm.forward_with_output(
-          s, v, RATE, rng, stages=2)),
+      "forward_mosaic_undelayed": jax.jit(
+          lambda s, p, v, do, o, keep, sd, rng: fm.forward_with_output(s, v, RATE, rng,
+                                                                       delay=False)),
       "forward_mosaic_no_dropout": jax.jit(
           lambda s, p, v, do, o, keep, sd, rng: fm.forward_with_output(s, v, 0.0)),
       "forward_no_dropout": jax.jit(
