@@ -36,6 +36,7 @@ VARIANTS = {
     "bits": mg.Config(keep_bits=True),
     "bits_dk128": mg.Config(keep_bits=True, delta_rows=64, delta_block_k=128, delta_stages=2),
     "nofence": mg.Config(proxy_fence=False),   # no fence.proxy.async before slot releases
+    "two_kernels": mg.Config(mirror_delta=False),   # rows of 256 keys: the delta kernel too
 }
 
 

@@ -43,12 +43,11 @@ WGS = 2
 
 
 def unsupported_reason(b, h, kvh, sq, skv, d, dtype, p_static) -> str | None:
-  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-    return f"dtype {jnp.dtype(dtype)} (bfloat16 or float16 only)"
-  if d not in (64, 128):
-    return f"head dim {d} (64 or 128 only)"
-  if sq % ROWS:
-    return f"seq_q {sq} (a multiple of {ROWS} only)"
+  """Why this kernel cannot run a problem (``None``: it can); ``p_static`` the rate as a
+  float, ``None`` when traced."""
+  why = _mg.tile_reason(dtype, d, sq)
+  if why:
+    return why
   if skv % KEYS:
     return f"seq_k {skv} (a multiple of {KEYS} only)"
   if ((h // kvh) * sq) % (WGS * ROWS):

@@ -61,20 +61,31 @@ _varying_like = _mosaic.varying_like
 _interpret_params = _mosaic.interpret_params
 
 
-def unsupported_reason(b, h, kvh, sq, skv, d, dtype, p_static, causal) -> str | None:
-  """Why these kernels cannot run a problem (``None``: they can). ``p_static`` is the
-  dropout rate as a float, ``None`` when traced."""
+def tile_reason(dtype, d, sq) -> str | None:
+  """What of a problem's dtype, head dim and ``seq_q`` no Mosaic GPU kernel of op A takes
+  (their 16-bit swizzled tiles of 64 rows; ``None``: all take them)."""
   if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return f"dtype {jnp.dtype(dtype)} (bfloat16 or float16 only)"
   if d not in (64, 128):
     return f"head dim {d} (64 or 128 only)"
   if sq % ROWS:
     return f"seq_q {sq} (a multiple of {ROWS} only)"
+  return None
+
+
+def unsupported_reason(b, h, kvh, sq, skv, d, dtype, p_static, causal) -> str | None:
+  """Why these kernels cannot run a problem (``None``: they can). ``p_static`` is the
+  dropout rate as a float, ``None`` when traced."""
+  why = tile_reason(dtype, d, sq)
+  if why:
+    return why
   if skv % (WGS * KEYS):
     return f"seq_k {skv} (a multiple of {WGS * KEYS} only)"
   g = h // kvh
-  if skv != WGS * KEYS and (g * sq) % (WGS * ROWS):  # the delta kernel's row blocks
-    return f"G * seq_q = {g * sq} (a multiple of {WGS * ROWS} only, unless seq_k == {WGS * KEYS})"
+  if skv not in (WGS * KEYS, 2 * WGS * KEYS) and (g * sq) % (WGS * ROWS):
+    # the delta kernel's row blocks (rows of 128 or 256 keys need no delta kernel)
+    return (f"G * seq_q = {g * sq} (a multiple of {WGS * ROWS} only, unless seq_k is "
+            f"{WGS * KEYS} or {2 * WGS * KEYS})")
   if p_static is None:
     return "a traced dropout rate (static rates only)"
   if causal:
@@ -245,7 +256,7 @@ def _drawn_keep(seeds_ref, t, b, kvh, key0, keep_hash):
 
 def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale, stages,
                   split, fused_delta, keep_bits, keep_hash=None, delay_dv=False,
-                  proxy_fence=True):
+                  mirror=False, proxy_fence=True):
   if fused_delta:   # rows of one key block: delta from the two warpgroups' halves
     v_ref, ds_ref, dv_ref, v_smem, ds_smem, barrier, xchg_smem, xchg_barrier = refs
     delta_ref = None
@@ -269,10 +280,21 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
   wg_keys = pl.ds(wg * KEYS, KEYS)
   row_layout = plgpu.Layout.WGMMA.reduce(1)
 
+  # mirror: rows of two key blocks; this warpgroup's V of both blocks resident (keys
+  # blk * 128 + wg * 64 ...), its own block's slot the dV output's.
+  own_v = v_smem.at[wg, kb] if mirror else v_smem.at[wg]
+
   def compute_context(run_pipeline):
-    plgpu.copy_gmem_to_smem(v_ref.at[b, kvh, pl.ds(key0, KEYS)], v_smem.at[wg],
-                            barrier.at[wg])
-    plgpu.barrier_wait(barrier.at[wg])
+    if mirror:
+      for blk in range(2):
+        plgpu.copy_gmem_to_smem(v_ref.at[b, kvh, pl.ds(blk * WGS * KEYS + wg * KEYS, KEYS)],
+                                v_smem.at[wg, blk], barrier.at[2 * wg + blk])
+      for blk in range(2):
+        plgpu.barrier_wait(barrier.at[2 * wg + blk])
+    else:
+      plgpu.copy_gmem_to_smem(v_ref.at[b, kvh, pl.ds(key0, KEYS)], v_smem.at[wg],
+                              barrier.at[wg])
+      plgpu.barrier_wait(barrier.at[wg])
 
     def run(dv_acc):
       run_pipeline(dv_acc)
@@ -281,9 +303,9 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
     dv = pl.run_scoped(run, plgpu.ACC((KEYS, d), f32))
     if split == 1:
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # this warpgroup's dS slots are free
-      v_smem[wg] = dv.astype(v_smem.dtype)                # V is no longer read
+      own_v[...] = dv.astype(v_smem.dtype)                # V is no longer read
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_ref.at[b, kvh, pl.ds(key0, KEYS)])
+      plgpu.copy_smem_to_gmem(own_v, dv_ref.at[b, kvh, pl.ds(key0, KEYS)])
     else:   # an fp32 partial, stored from registers
       dv_ref.at[share, b, kvh, pl.ds(key0, KEYS)][...] = dv
     plgpu.wait_smem_to_gmem(0)
@@ -337,6 +359,24 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
             if consumed is not None:
               plgpu.barrier_arrive(consumed)
       dw = jnp.where(kept, dpd * keep_scale, 0.0)
+    elif mirror:
+      # dPd of this warpgroup's keys in both key blocks (the other program's too, for the
+      # rows' delta), dV of its own; Pd streamed as whole rows.
+      own = pl.ds(kb * (WGS * KEYS) + wg * KEYS, KEYS)
+      def mm(acc0, acc1):
+        plgpu.wgmma(acc0, do_smem, v_smem.at[wg, 0].T)
+        plgpu.wgmma(acc1, do_smem, v_smem.at[wg, 1].T)
+        plgpu.wgmma(dv_acc, pd_smem.at[:, own].T, do_smem)
+        return (plgpu.wgmma_accumulator_load(acc0, wait_n=1),
+                plgpu.wgmma_accumulator_load(acc1, wait_n=1))
+      dpd0, dpd1 = pl.run_scoped(mm, plgpu.ACC((ROWS, KEYS), f32), plgpu.ACC((ROWS, KEYS), f32))
+      pd0, pd1 = (plgpu.load(pd_smem.at[:, pl.ds(blk * WGS * KEYS + wg * KEYS, KEYS)],
+                             layout=plgpu.Layout.WGMMA).astype(f32) for blk in range(2))
+      halves = (jnp.sum(dpd0 * pd0, axis=1), jnp.sum(dpd1 * pd1, axis=1))
+      # This program's own block (a cond on the program id: no per-element select).
+      dpd, pd = lax.cond(kb == 0, lambda: (dpd0, pd0), lambda: (dpd1, pd1))
+      p = plgpu.load(p_smem.at[:, wg_keys], layout=plgpu.Layout.WGMMA).astype(f32)
+      dw = dpd if keep_scale is None else jnp.where(pd != 0, dpd * keep_scale, 0.0)
     else:
       def mm(acc):
         plgpu.wgmma(acc, do_smem, v_smem.at[wg].T)                    # dPd [rows, keys]
@@ -353,7 +393,16 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
       _fence(proxy_fence)
       plgpu.barrier_arrive(p_consumed)
     slot = lax.rem(t, i32(2))
-    if fused_delta:
+    if mirror:
+      # delta = rowsum(dPd * Pd) over the 256 keys (as the delta kernel takes it): each
+      # warpgroup's two 64-key sums, exchanged, in the same order in both programs.
+      for blk in range(2):
+        xchg_smem[slot, wg, blk] = halves[blk]
+      plgpu.barrier_arrive(xchg_barrier)
+      plgpu.barrier_wait(xchg_barrier)
+      x = lambda w, blk: plgpu.load(xchg_smem.at[slot, w, blk], layout=row_layout)
+      delta = (x(0, 0) + x(1, 0)) + (x(0, 1) + x(1, 1))
+    elif fused_delta:
       # delta = rowsum(dW * P) as the spec writes it: this warpgroup's 64 keys, then the
       # other's through shared memory (two slots: a warpgroup is at most one step ahead).
       xchg_smem[slot, wg] = jnp.sum(dw * p, axis=1)
@@ -372,11 +421,16 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
       if pd_consumed is not None:
         plgpu.barrier_arrive(pd_consumed)
       plgpu.barrier_arrive(do_consumed)
-    plgpu.wait_smem_to_gmem(1, wait_read_only=True)                   # the slot is free
-    ds_smem[wg, slot] = ds.astype(dtype)
+    if mirror:   # one dS slot per warpgroup (shared memory): the last store has read it
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      ds_slot = ds_smem.at[wg]
+    else:
+      plgpu.wait_smem_to_gmem(1, wait_read_only=True)                 # the slot is free
+      ds_slot = ds_smem.at[wg, slot]
+    ds_slot[...] = ds.astype(dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(
-        ds_smem.at[wg, slot], ds_ref.at[b, kvh, pl.ds(t * ROWS, ROWS), pl.ds(key0, KEYS)])
+        ds_slot, ds_ref.at[b, kvh, pl.ds(t * ROWS, ROWS), pl.ds(key0, KEYS)])
     return dv_acc
 
   tiled = _tiled(dtype)
@@ -384,6 +438,8 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
   head_tile = lambda t: (lax.rem(tile0 + t, i32(q_tiles)), kvh * g + lax.div(tile0 + t, i32(q_tiles)), 0)
   second = (plgpu.BlockSpec((WGS * KEYS // 32, ROWS), lambda t: (kb, tile0 + t), **delay)
             if keep_bits else
+            plgpu.BlockSpec((ROWS, 2 * WGS * KEYS), lambda t: (tile0 + t, 0), transforms=tiled)
+            if mirror else
             plgpu.BlockSpec((ROWS, WGS * KEYS), lambda t: (tile0 + t, kb), transforms=tiled))
   in_specs = [
       plgpu.BlockSpec((ROWS, WGS * KEYS), lambda t: (tile0 + t, kb), transforms=tiled,
@@ -422,7 +478,9 @@ def ds_dv_pass(do, p_groups, pd_groups, delta, v, *, rate, stages=3, split=1,
   ``stages >= 3``, which keeps two steps in flight.
 
   ``delta=None`` (only for ``seq_k == 128``, one key block): the kernel computes it, as
-  ``rowsum(dW * P)``. ``split`` programs share each key block's rows (``G * seq_q / 64``
+  ``rowsum(dW * P)``; at ``seq_k == 256`` (two key blocks, "mirror") each program streams
+  Pd's whole rows, computes dPd of both blocks and delta as ``rowsum(dPd * Pd)`` (as the
+  delta kernel does), and writes its own block's dS: 8 B per element in one launch. ``split`` programs share each key block's rows (``G * seq_q / 64``
   a multiple of it); above 1 each adds an fp32 partial dV, summed here.
   """
   b, sq, h, d = do.shape
@@ -431,8 +489,9 @@ def ds_dv_pass(do, p_groups, pd_groups, delta, v, *, rate, stages=3, split=1,
   if (rows // ROWS) % split:
     raise ValueError(f"split={split} must divide the {rows // ROWS} row tiles")
   fused_delta = delta is None
-  if fused_delta and skv != WGS * KEYS:
-    raise ValueError(f"delta=None needs seq_k == {WGS * KEYS}, got {skv}")
+  if fused_delta and skv not in (WGS * KEYS, 2 * WGS * KEYS):
+    raise ValueError(f"delta=None needs seq_k == {WGS * KEYS} or {2 * WGS * KEYS}, got {skv}")
+  mirror = fused_delta and skv == 2 * WGS * KEYS
   if (keep_bits is not None or keep_seeds is not None) and (fused_delta or rate == 0):
     raise ValueError("keep_bits and keep_seeds go with a delta and a rate > 0")
   if keep_bits is not None and keep_seeds is not None:
@@ -448,19 +507,22 @@ def ds_dv_pass(do, p_groups, pd_groups, delta, v, *, rate, stages=3, split=1,
                              keep_scale=keep_scale, stages=stages, split=split,
                              proxy_fence=proxy_fence,
                              fused_delta=fused_delta, keep_bits=keep_bits is not None,
-                             keep_hash=keep_hash, delay_dv=delay_dv)
+                             keep_hash=keep_hash, delay_dv=delay_dv, mirror=mirror)
   dtype = p_groups.dtype
   like = tuple(x for x in (do, p_groups, pd_groups, delta, keep_bits, keep_seeds, v)
                if x is not None)
   dv_type = (out_struct((b, kvh, skv, d), v.dtype, *like) if split == 1
              else out_struct((split, b, kvh, skv, d), f32, *like))
   scratch = [
-      plgpu.SMEM((WGS, KEYS, d), v.dtype, transforms=_tiled(v.dtype)),
-      plgpu.SMEM((WGS, 2, ROWS, KEYS), dtype, transforms=_tiled(dtype)),
-      plgpu.Barrier(num_barriers=WGS),
+      plgpu.SMEM((WGS, 2, KEYS, d) if mirror else (WGS, KEYS, d), v.dtype,
+                 transforms=_tiled(v.dtype)),
+      plgpu.SMEM((WGS, ROWS, KEYS) if mirror else (WGS, 2, ROWS, KEYS), dtype,
+                 transforms=_tiled(dtype)),
+      plgpu.Barrier(num_barriers=2 * WGS if mirror else WGS),
   ]
   if fused_delta:
-    scratch += [plgpu.SMEM((2, WGS, ROWS), f32), plgpu.Barrier(num_arrivals=WGS)]
+    scratch += [plgpu.SMEM((2, WGS, 2, ROWS) if mirror else (2, WGS, ROWS), f32),
+                plgpu.Barrier(num_arrivals=WGS)]
   if rebuild:
     scratch.append(plgpu.SMEM((WGS, 2, ROWS, KEYS) if delay_dv else (WGS, ROWS, KEYS), dtype,
                               transforms=_tiled(dtype)))
@@ -500,6 +562,9 @@ class Config:
   compiler refuses the others with the bytes they need.
   ``split``: programs sharing each key block's rows in the dS-dV kernel (an int >= 1 or
   ``"auto"``: enough for one wave on launches of under half a wave).
+  ``mirror_delta``: rows of 256 keys in one kernel, no delta kernel (``ds_dv_pass`` with
+  ``delta=None``: each of a row tile's two programs reads Pd's whole rows and computes delta
+  itself).
   ``keep_bits``: the delta kernel writes keep as bits and the dS-dV kernel rebuilds Pd from P
   and them instead of reading Pd (rates > 0, ``seq_k > 128``): 6.25 B per element, not 8;
   measured slower on the H200 (``benchmarks/results/attention_softmax_dropout_value_mosaic_gpu.md``).
@@ -527,6 +592,7 @@ class Config:
   delta_stages: int = 3
   stages: int = 2
   split: int | str = "auto"
+  mirror_delta: bool = True
   keep_bits: bool = False
   proxy_fence: bool = True
   pair_hash: bool = True
@@ -546,7 +612,7 @@ class Config:
     if self.split != "auto" and (isinstance(self.split, bool) or not isinstance(self.split, int)
                                  or self.split < 1):
       raise ValueError(f"config.split: expected 'auto' or an int >= 1, got {self.split!r}")
-    for name in ("keep_bits", "proxy_fence", "pair_hash", "delay_dv"):
+    for name in ("keep_bits", "proxy_fence", "pair_hash", "delay_dv", "mirror_delta"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"config.{name}: expected a bool, got {getattr(self, name)!r}")
 
@@ -617,8 +683,12 @@ def _backward(grad_attn_output, attn_weights, attn_weights_dropped, value_states
   groups = lambda x: x.reshape(b, kvh, g * sq, skv)
   pd_groups = groups(attn_weights_dropped)
   keep_bits = None
-  if skv == WGS * KEYS:   # one key block: the dS-dV kernel computes delta itself
-    delta = None
+  rows_fit = (g * sq) % (WGS * ROWS) == 0        # the delta kernel's row blocks
+  if skv == 2 * WGS * KEYS and config.keep_bits and not rows_fit:
+    raise ValueError(f"config.keep_bits needs G * seq_q a multiple of {WGS * ROWS}, got {g * sq}")
+  if skv == WGS * KEYS or (skv == 2 * WGS * KEYS and not config.keep_bits
+                           and (config.mirror_delta or not rows_fit)):
+    delta = None            # one or two key blocks: the dS-dV kernel computes delta itself
   else:
     rows = config.delta_rows
     if sq % rows or (g * sq) % (WGS * rows):

@@ -28,11 +28,13 @@ def backward(*args, **kw):
       *args, implementation="mosaic_gpu", interpret=INTERPRET, **kw)
 
 
-# (B, H, KVH, Sq, Skv, D, p): G in {1, 4, 10}, D in {64, 128}, both delta row tilings,
-# one key block (delta in the dS-dV kernel) and several.
+# (B, H, KVH, Sq, Skv, D, p): G in {1, 4, 10}, D in {64, 128}, one key block and two (delta
+# in the dS-dV kernel; G * seq_q = 64 there too), four (the delta kernel's two row tilings).
 CASES = [
-    (1, 4, 1, 64, 256, 64, 0.1),     # G = 4, 64 delta rows per warpgroup
-    (1, 10, 1, 128, 256, 128, 0.1),  # G = 10, 128 delta rows per warpgroup
+    (1, 4, 1, 64, 256, 64, 0.1),     # G = 4, two key blocks
+    (1, 10, 1, 128, 256, 128, 0.1),  # G = 10, two key blocks
+    (1, 1, 1, 64, 256, 64, 0.1),     # G * seq_q = 64: two key blocks, no delta kernel
+    (1, 4, 1, 64, 512, 64, 0.1),     # G = 4, the delta kernel, 64 rows per warpgroup
     (2, 2, 2, 64, 128, 128, 0.0),    # G = 1, B = 2, one key block, no dropout
     (1, 20, 2, 64, 128, 64, 0.2),    # G = 10, one key block
 ]
@@ -47,8 +49,10 @@ def test_matches_reference(b, h, kvh, sq, skv, d, p):
 
 @needs_kernels
 @pytest.mark.parametrize("config", [
-    mg.Config(delta_rows=64, delta_block_k=128, delta_stages=2, stages=3, split=2),
+    mg.Config(delta_rows=64, delta_block_k=128, delta_stages=2, stages=3, split=2,
+              mirror_delta=False),
     mg.Config(split=4),
+    mg.Config(mirror_delta=False),
     mg.Config(keep_bits=True, delta_rows=64),
     mg.Config(keep_bits=True, delta_block_k=128, delta_stages=2, split=2),
 ])
@@ -157,7 +161,8 @@ def test_off_hopper_without_interpret_says_why():
 
 @pytest.mark.skipif(ON_GPU, reason="the Mosaic GPU interpreter's race detector")
 @pytest.mark.parametrize("skv,config", [
-    (256, mg.Config()),
+    (256, mg.Config()),                                      # two key blocks, no delta kernel
+    (256, mg.Config(mirror_delta=False)),                    # the delta kernel
     (128, mg.Config()),                                      # delta in the dS-dV kernel
     (256, mg.Config(keep_bits=True, delta_rows=64)),
 ])
@@ -230,6 +235,7 @@ def test_dispatch(monkeypatch):
 
 
 @pytest.mark.parametrize("skv,config", [(256, mg.Config()), (128, mg.Config()),
+                                        (256, mg.Config(mirror_delta=False)),
                                         (256, mg.Config(keep_bits=True, delta_rows=64)),
                                         (256, mg.Config(proxy_fence=False))])
 def test_lowers_for_a_gpu(skv, config):
