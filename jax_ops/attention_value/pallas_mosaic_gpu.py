@@ -3,7 +3,7 @@
 Kernels: :mod:`pallas_kernels.attention_softmax_dropout_value.pallas_mosaic_gpu` (TMA
 streams, wgmma, one producer and two consumer warpgroups). They take bf16/fp16 problems
 with ``D`` of 64 or 128, ``seq_q % 64 == 0``, ``seq_k % 128 == 0`` and ``G * seq_q`` a
-multiple of 128 unless ``seq_k == 128`` (:meth:`supports`); a forced ``implementation="mosaic_gpu"`` on another
+multiple of 128 unless ``seq_k`` is 128 or 256 (:meth:`supports`); a forced ``implementation="mosaic_gpu"`` on another
 shape or device raises saying why. A traced dropout rate, which the kernels cannot take
 as a constant, runs the Triton kernels. Residuals (policy ``"fused_output"``, the default on
 rows of more than 128 keys): P, V and the forward's fp32 output from the fused forward kernel

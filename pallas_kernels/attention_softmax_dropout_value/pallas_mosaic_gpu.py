@@ -25,13 +25,15 @@ where ``P == 0`` the gradient ``P * (...)`` is 0 whatever keep says. The kernels
 read ``keep``: a ``bool`` array cannot be a TMA operand (Mosaic GPU types it ``i1``),
 and converting it to ``uint8`` first is one more full pass over HBM. They stream
 ``2 + 2 + 2 + 2 = 8`` bytes per attention element (Pd twice, P once, dS once); at
-``seq_k == 128`` the dS-dV kernel computes delta itself and there is no delta kernel (6 B).
+``seq_k == 128`` the dS-dV kernel computes delta itself and there is no delta kernel (6 B);
+at ``seq_k == 256`` too (``Config.mirror_delta``: each program reads Pd's whole rows, 8 B in one
+launch).
 ``Config.keep_bits`` (off: measured slower) has the delta kernel write keep as bits and the
 dS-dV kernel rebuild Pd from P and them (6.25 B).
 
 Supported (:func:`unsupported_reason` says why not otherwise): bf16 or fp16, ``D`` of 64
-or 128, ``seq_q % 64 == 0``, ``seq_k % 128 == 0``, ``(G * seq_q) % 128 == 0``, a static
-dropout rate, no causal mask. Other problems take the Triton kernels.
+or 128, ``seq_q % 64 == 0``, ``seq_k % 128 == 0``, ``(G * seq_q) % 128 == 0`` (not
+needed at ``seq_k`` of 128 or 256), a static dropout rate, no causal mask. Other problems take the Triton kernels.
 """
 
 from __future__ import annotations
