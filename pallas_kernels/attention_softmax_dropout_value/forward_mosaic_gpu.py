@@ -93,8 +93,8 @@ def _kernel(s_ref, v_ref, seeds_ref, o_ref, p_ref, o32_ref, p_stage, pd_stage, o
     s = plgpu.load(s_smem.at[wg_rows], layout=plgpu.Layout.WGMMA).astype(f32)
     plgpu.commit_smem()    # the slot's loads, ordered before the pipeline's refill (TMA)
 
-    # The two passes' arithmetic as a cond without effects (the Mosaic GPU interpreter
-    # takes no effects in a cond with results); pass 1 gives zeros for P and Pd, which
+    # The two passes' arithmetic as a cond without side effects (the Mosaic GPU interpreter
+    # takes none in a cond with results; the seeds' scalar reads are its only memory reads); pass 1 gives zeros for P and Pd, which
     # the GEMM adds to O, and stores nothing.
     def stats(s, m, l):
       m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -217,6 +217,8 @@ def forward_with_output(scores, value_states, dropout_rate, dropout_rng=None, *,
   else:
     seeds = _mg.keep_seeds_of(dropout_rng, p)
     rate = _dropout.effective_rate(p)
+  if isinstance(stages, bool) or not isinstance(stages, int) or not 2 <= stages <= 8:
+    raise ValueError(f"stages: expected an int in [2, 8], got {stages!r}")
   if delay and stages < 3:
     raise ValueError(f"delay: needs stages >= 3, got stages={stages}")
   return _call(scores, value_states, seeds, rate=rate, stages=stages, pair_hash=pair_hash,

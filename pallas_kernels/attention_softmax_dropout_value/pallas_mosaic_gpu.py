@@ -479,8 +479,8 @@ def ds_dv_pass(do, p_groups, pd_groups, delta, v, *, rate, stages=3, split=1,
   (two staging tiles of Pd, the ring's slots released a step later); only with
   ``stages >= 3``, which keeps two steps in flight.
 
-  ``delta=None`` (only for ``seq_k == 128``, one key block): the kernel computes it, as
-  ``rowsum(dW * P)``; at ``seq_k == 256`` (two key blocks, "mirror") each program streams
+  ``delta=None`` (``seq_k`` of 128 or 256): the kernel computes it; at ``seq_k == 128`` (one
+  key block) as ``rowsum(dW * P)``; at ``seq_k == 256`` (two key blocks, "mirror") each program streams
   Pd's whole rows, computes dPd of both blocks and delta as ``rowsum(dPd * Pd)`` (as the
   delta kernel does), and writes its own block's dS: 8 B per element in one launch. ``split`` programs share each key block's rows (``G * seq_q / 64``
   a multiple of it); above 1 each adds an fp32 partial dV, summed here.
@@ -504,7 +504,8 @@ def ds_dv_pass(do, p_groups, pd_groups, delta, v, *, rate, stages=3, split=1,
   rebuild = keep_bits is not None or keep_seeds is not None   # Pd rebuilt from P
   # A slot held a step longer leaves a 2-slot ring one step of prefetch: measured 1.5x
   # slower than not delaying (benchmarks/a_hash_cost.py), so the delay needs 3 slots.
-  delay_dv = delay_dv and rebuild and stages >= 3
+  # Keep from the seeds only: the bits mode hung in the interpreter at 3 slots (see Config).
+  delay_dv = delay_dv and keep_seeds is not None and stages >= 3
   kernel = functools.partial(_ds_dv_kernel, kvh_count=kvh, g=g, sq=sq, d=d,
                              keep_scale=keep_scale, stages=stages, split=split,
                              proxy_fence=proxy_fence,
@@ -566,7 +567,10 @@ class Config:
   ``"auto"``: enough for one wave on launches of under half a wave).
   ``mirror_delta``: rows of 256 keys in one kernel, no delta kernel (``ds_dv_pass`` with
   ``delta=None``: each of a row tile's two programs reads Pd's whole rows and computes delta
-  itself).
+  itself), where it fits: without ``keep_bits`` and, at D = 128, with ``stages=2`` (its
+  ring slots hold whole rows); else the delta kernel. Rows whose ``G * seq_q`` is not a
+  multiple of 128 take it whatever this says (the delta kernel cannot), and a config it does
+  not fit raises there.
   ``keep_bits``: the delta kernel writes keep as bits and the dS-dV kernel rebuilds Pd from P
   and them instead of reading Pd (rates > 0, ``seq_k > 128``): 6.25 B per element, not 8;
   measured slower on the H200 (``benchmarks/results/attention_softmax_dropout_value_mosaic_gpu.md``).
@@ -686,9 +690,16 @@ def _backward(grad_attn_output, attn_weights, attn_weights_dropped, value_states
   pd_groups = groups(attn_weights_dropped)
   keep_bits = None
   rows_fit = (g * sq) % (WGS * ROWS) == 0        # the delta kernel's row blocks
-  if skv == 2 * WGS * KEYS and config.keep_bits and not rows_fit:
-    raise ValueError(f"config.keep_bits needs G * seq_q a multiple of {WGS * ROWS}, got {g * sq}")
-  if skv == WGS * KEYS or (skv == 2 * WGS * KEYS and not config.keep_bits
+  bits = config.keep_bits and rate != 0
+  # The one-kernel mode's ring slots hold Pd's whole rows: 64 KB each at D = 128, so with
+  # its resident V it fits 2 slots only.
+  mirror_fits = config.stages == 2 or value_states.shape[3] <= 64
+  if skv == 2 * WGS * KEYS and not rows_fit and (bits or not mirror_fits):
+    raise ValueError(
+        f"G * seq_q = {g * sq} (not a multiple of {WGS * ROWS}) at seq_k = {skv} takes the "
+        "one-kernel mode only: it needs config.keep_bits=False and, at D = 128, "
+        f"config.stages=2 (got keep_bits={config.keep_bits}, stages={config.stages})")
+  if skv == WGS * KEYS or (skv == 2 * WGS * KEYS and not bits and mirror_fits
                            and (config.mirror_delta or not rows_fit)):
     delta = None            # one or two key blocks: the dS-dV kernel computes delta itself
   else:

@@ -35,6 +35,7 @@ CASES = [
     (1, 10, 1, 128, 256, 128, 0.1),  # G = 10, two key blocks
     (1, 1, 1, 64, 256, 64, 0.1),     # G * seq_q = 64: two key blocks, no delta kernel
     (1, 4, 1, 64, 512, 64, 0.1),     # G = 4, the delta kernel, 64 rows per warpgroup
+    (1, 10, 1, 128, 512, 128, 0.1),  # G = 10, D = 128, the delta kernel, 128 rows
     (2, 2, 2, 64, 128, 128, 0.0),    # G = 1, B = 2, one key block, no dropout
     (1, 20, 2, 64, 128, 64, 0.2),    # G = 10, one key block
 ]
@@ -176,6 +177,8 @@ def test_proxy_fence_makes_the_rings_race_free(skv, config, capsys):
   args = make_inputs(1, 2, 1, 128, skv, 64, p, seed=11)
   fenced = mg._backward(*args[:4], rate=p, config=config,
                         interpret=plgpu.InterpretGPUParams(detect_races=True))
+  jax.block_until_ready(fenced)
+  jax.effects_barrier()
   assert "RACE DETECTED" not in capsys.readouterr().out
   plain = mg._backward(*args[:4], rate=p, config=dataclasses.replace(config, proxy_fence=False),
                        interpret=True)
@@ -312,7 +315,9 @@ def test_backward_from_output_draws_keep_from_the_seeds():
 def test_drawn_keep_with_delayed_dv_is_race_free(capsys):
   """Keep drawn from the seeds, each step's dV GEMM waited for in the next step and the
   ring's slots released a step later (the default ``delay_dv``): the interpreter's race
-  detector finds no race, and the numbers are those of the undelayed kernel."""
+  detector finds no race in its TMA and generic accesses, and the numbers are those of the
+  undelayed kernel. (The interpreter runs wgmma at once and does not track its reads, so a
+  slot released before its GEMM has read it is for the compiled tests on a GPU to catch.)"""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   d_o, probs, _, value, keep, out32, rate = _forward_residuals(1, 2, 1, 128, 256, 64, 0.1,
                                                                seed=14)
@@ -320,6 +325,8 @@ def test_drawn_keep_with_delayed_dv_is_race_free(capsys):
   unread = jax.ShapeDtypeStruct(keep.shape, jnp.bool_)
   delayed = mg.backward_from_output(d_o, probs, value, unread, rate, out32, keep_seeds=seeds,
                                     interpret=plgpu.InterpretGPUParams(detect_races=True))
+  jax.block_until_ready(delayed)
+  jax.effects_barrier()
   assert "RACE DETECTED" not in capsys.readouterr().out
   plain = mg.backward_from_output(d_o, probs, value, unread, rate, out32, keep_seeds=seeds,
                                   config=mg.Config(delay_dv=False, rebuild_stages=2),
