@@ -19,9 +19,10 @@ time (JAX profiler, two input sets rotated) of
 - the fused Triton forward writing ``(O, P, O_f32)`` (what the default policy saves) at rate
   0.1 (``forward``) and 0 (``forward_no_dropout``, no hash); the Mosaic GPU forward
   (``forward_mosaic_gpu.forward_with_output``, the same outputs) with a hash per pair of
-  columns (``forward_mosaic``), per element (``forward_mosaic_element``), each step waiting for its own P·V
-  GEMM (``forward_mosaic_undelayed``) and at rate 0 (``forward_mosaic_no_dropout``); checked against the
-  Triton forward (P within one ulp, O_f32 within 1e-2 of its largest value).
+  columns (``forward_mosaic``), per element (``forward_mosaic_element``), each step waiting
+  for its own P·V GEMM (``forward_mosaic_undelayed``) and at rate 0
+  (``forward_mosaic_no_dropout``); checked against the Triton forward (P within one ulp,
+  O_f32 within 1e-2 of its largest value).
 
 The differences are the hash's cost inside each kernel. Writes ``<out>/a_hash_cost.json``.
 """
@@ -85,8 +86,9 @@ def _fns():
           do, p, v, keep, rate, o)),
       "no_dropout": jax.jit(lambda s, p, v, do, o, keep, sd, rng: mg.backward_from_output(
           do, p, v, keep, 0.0, o)),
-      "forward": jax.jit(lambda s, p, v, do, o, keep, sd, rng: attention_softmax_dropout_value_forward(
-          s, v, RATE, rng, store_keep=False)),
+      "forward": jax.jit(
+          lambda s, p, v, do, o, keep, sd, rng: attention_softmax_dropout_value_forward(
+              s, v, RATE, rng, store_keep=False)),
       "forward_mosaic": jax.jit(lambda s, p, v, do, o, keep, sd, rng: fm.forward_with_output(
           s, v, RATE, rng)),
       "forward_mosaic_element": jax.jit(

@@ -4,8 +4,8 @@ what they are given."""
 import pytest
 
 from conftest import ON_GPU
-from benchmarks import (a_hash_cost, b_backward_sweep, b_triton_row, c_backward_step, c_dq_atomic, c_forward,
-                        ptx_dump, size_ceiling)
+from benchmarks import (a_hash_cost, b_backward_sweep, b_triton_row, c_backward_step, c_dq_atomic,
+                        c_forward, ptx_dump, size_ceiling)
 from pallas_kernels.masked_softmax_dropout import Config
 
 

@@ -3,10 +3,10 @@
 Kernels: :mod:`pallas_kernels.attention_softmax_dropout_value.pallas_mosaic_gpu` (TMA
 streams, wgmma, one producer and two consumer warpgroups). They take bf16/fp16 problems
 with ``D`` of 64 or 128, ``seq_q % 64 == 0``, ``seq_k % 128 == 0`` and ``G * seq_q`` a
-multiple of 128 unless ``seq_k`` is 128 or 256 (:meth:`supports`); a forced ``implementation="mosaic_gpu"`` on another
-shape or device raises saying why. A traced dropout rate, which the kernels cannot take
-as a constant, runs the Triton kernels. Residuals (policy ``"fused_output"``, the default on
-rows of more than 128 keys): P, V and the forward's fp32 output from the fused forward kernel
+multiple of 128 unless ``seq_k`` is 128 or 256 (:meth:`supports`); a forced
+``implementation="mosaic_gpu"`` on another shape or device raises saying why. A traced
+dropout rate, which the kernels cannot take as a constant, runs the Triton kernels.
+Residuals (policy ``"fused_output"``, the default on rows of more than 128 keys): P, V and the forward's fp32 output from the fused forward kernel
 (:mod:`pallas_kernels.attention_softmax_dropout_value.forward`), which writes no Pd and no
 mask, and the key's seeds: the backward takes ``delta = rowsum(dO * O)``, draws keep again in
 the dS-dV kernel and rebuilds Pd from P (4 B per attention element). Rows of 128 keys

@@ -38,7 +38,8 @@ class AttentionValueTriton(backend.TritonBackend):
   (the default: the bool mask, 1 B per attention element, which the kernel from delta
   reads) or ``"seeds"`` (the key's seeds, ``[3]`` uint32: the forward writes no mask and the
   kernel from delta draws it again, 4 B per element instead of 5; measured 2-3% slower in a
-  step on the H200, with less temporary memory: ``benchmarks/results/runs/step_a_triton_seeds_7e4f590.md``).
+  step on the H200, with less temporary memory:
+  ``benchmarks/results/runs/step_a_triton_seeds_7e4f590.md``).
   ``AttentionValueTriton("triton_seeds", keep="seeds")``, registered with
   ``jax_ops.registry.register`` under that name, runs it.
   """

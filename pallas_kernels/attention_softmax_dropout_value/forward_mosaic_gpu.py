@@ -94,8 +94,8 @@ def _kernel(s_ref, v_ref, seeds_ref, o_ref, p_ref, o32_ref, p_stage, pd_stage, o
     plgpu.commit_smem()    # the slot's loads, ordered before the pipeline's refill (TMA)
 
     # The two passes' arithmetic as a cond without side effects (the Mosaic GPU interpreter
-    # takes none in a cond with results; the seeds' scalar reads are its only memory reads); pass 1 gives zeros for P and Pd, which
-    # the GEMM adds to O, and stores nothing.
+    # takes none in a cond with results; the seeds' scalar reads are its only memory
+    # reads); pass 1 gives zeros for P and Pd, which the GEMM adds to O, and stores nothing.
     def stats(s, m, l):
       m_new = jnp.maximum(m, jnp.max(s, axis=1))
       l_new = (l * jnp.exp(m - m_new)

@@ -33,7 +33,8 @@ dS-dV kernel rebuild Pd from P and them (6.25 B).
 
 Supported (:func:`unsupported_reason` says why not otherwise): bf16 or fp16, ``D`` of 64
 or 128, ``seq_q % 64 == 0``, ``seq_k % 128 == 0``, ``(G * seq_q) % 128 == 0`` (not
-needed at ``seq_k`` of 128 or 256), a static dropout rate, no causal mask. Other problems take the Triton kernels.
+needed at ``seq_k`` of 128 or 256), a static dropout rate, no causal mask. Other problems
+take the Triton kernels.
 """
 
 from __future__ import annotations
@@ -480,10 +481,13 @@ def ds_dv_pass(do, p_groups, pd_groups, delta, v, *, rate, stages=3, split=1,
   ``stages >= 3``, which keeps two steps in flight.
 
   ``delta=None`` (``seq_k`` of 128 or 256): the kernel computes it; at ``seq_k == 128`` (one
-  key block) as ``rowsum(dW * P)``; at ``seq_k == 256`` (two key blocks, "mirror") each program streams
-  Pd's whole rows, computes dPd of both blocks and delta as ``rowsum(dPd * Pd)`` (as the
-  delta kernel does), and writes its own block's dS: 8 B per element in one launch. ``split`` programs share each key block's rows (``G * seq_q / 64``
-  a multiple of it); above 1 each adds an fp32 partial dV, summed here.
+  key block) as ``rowsum(dW * P)``; at ``seq_k == 256`` (two key blocks, "mirror") each
+  program streams Pd's whole rows, computes dPd of both blocks and delta as
+  ``rowsum(dPd * Pd)`` (as the delta kernel does), and writes its own block's dS: 8 B per
+  element in one launch (``keep_seeds`` / ``keep_bits`` go with a delta; ``delay_dv``, with
+  ``keep_seeds`` only).
+  ``split`` programs share each key block's rows (``G * seq_q / 64`` a multiple of it);
+  above 1 each adds an fp32 partial dV, summed here.
   """
   b, sq, h, d = do.shape
   _, kvh, rows, skv = p_groups.shape
