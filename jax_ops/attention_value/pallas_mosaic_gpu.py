@@ -6,10 +6,11 @@ with ``D`` of 64 or 128, ``seq_q % 64 == 0``, ``seq_k % 128 == 0`` and ``G * seq
 multiple of 128 unless ``seq_k`` is 128 or 256 (:meth:`supports`); a forced
 ``implementation="mosaic_gpu"`` on another shape or device raises saying why. A traced
 dropout rate, which the kernels cannot take as a constant, runs the Triton kernels.
-Residuals (policy ``"fused_output"``, the default on rows of more than 128 keys): P, V and the forward's fp32 output from the fused forward kernel
+Residuals (policy ``"fused_output"``, the default on rows of more than 128 keys): P, V and
+the forward's fp32 output from the fused forward kernel
 (:mod:`pallas_kernels.attention_softmax_dropout_value.forward`), which writes no Pd and no
-mask, and the key's seeds: the backward takes ``delta = rowsum(dO * O)``, draws keep again in
-the dS-dV kernel and rebuilds Pd from P (4 B per attention element). Rows of 128 keys
+mask, and the key's seeds: the backward takes ``delta = rowsum(dO * O)``, draws keep again
+in the dS-dV kernel and rebuilds Pd from P (4 B per attention element). Rows of 128 keys
 (policy ``"fused_inputs"``, whose one-key-block kernel reads Pd): P, Pd and V from the same
 forward kernel, which writes no keep mask: the kernels read P and Pd, not keep. A traced
 rate saves, on rows of more than 128 keys, the Triton backend's residuals (P, keep and the
