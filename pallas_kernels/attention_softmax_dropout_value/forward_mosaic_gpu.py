@@ -58,7 +58,7 @@ def unsupported_reason(b, h, kvh, sq, skv, d, dtype, p_static) -> str | None:
 
 
 def _kernel(s_ref, v_ref, seeds_ref, o_ref, p_ref, o32_ref, p_stage, pd_stage, o_stage, *,
-            kvh_count, num_heads, g, sq, skv, d, keep_scale, keep_hash, stages, delay):
+            kvh_count, g, sq, skv, d, keep_scale, keep_hash, stages, delay):
   bk = lax.axis_index("bk")
   rb = lax.axis_index("rows")
   wg = lax.axis_index("wg")
@@ -163,7 +163,7 @@ def _call(scores, value_states, seeds, *, rate, stages, pair_hash, delay, interp
   g = h // kvh
   how = "element" if not pair_hash else "pairs_interpret" if interpret else "pairs"
   kernel = functools.partial(
-      _kernel, kvh_count=kvh, num_heads=h, g=g, sq=sq, skv=skv, d=d,
+      _kernel, kvh_count=kvh, g=g, sq=sq, skv=skv, d=d,
       keep_scale=None if rate == 0 else dropout_scale(rate), keep_hash=(h, g, sq, skv, how),
       stages=stages, delay=delay)
   dtype = scores.dtype

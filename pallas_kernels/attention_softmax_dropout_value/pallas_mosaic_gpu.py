@@ -301,7 +301,8 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
 
     def run(dv_acc):
       run_pipeline(dv_acc)
-      if delay_dv: plgpu.wgmma_wait(0)    # with delay_dv the last step's dV GEMM is still in flight
+      if delay_dv:   # the last step's dV GEMM is still in flight
+        plgpu.wgmma_wait(0)
       return dv_acc[...]
     dv = pl.run_scoped(run, plgpu.ACC((KEYS, d), f32))
     if split == 1:
@@ -476,7 +477,7 @@ def ds_dv_pass(do, p_groups, pd_groups, delta, v, *, rate, stages=3, split=1,
   keep drawn again in the kernel, as ``jax_ops.dropout_keep_mask`` draws it, and Pd rebuilt
   from P: 4 B per element, nothing read for keep. ``pair_hash``: one hash per pair of
   columns (split in registers) rather than one per element; the same bits. ``delay_dv``
-  (with ``keep_bits`` or ``keep_seeds``): each step's dV GEMM is waited for in the next step
+  (with ``keep_seeds``): each step's dV GEMM is waited for in the next step
   (two staging tiles of Pd, the ring's slots released a step later); only with
   ``stages >= 3``, which keeps two steps in flight.
 
