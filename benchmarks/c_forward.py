@@ -6,6 +6,8 @@ Usage::
     PYTHONPATH=. python3 -m benchmarks.c_forward [--calls 20] [--out DIR]
         [--configs 128/64/8/2,64/64/4/3]   # block_q/block_k/num_warps/num_stages each
         [--shapes 1,32,4096,0;4,32,1024,0]  # B,H,S,causal each (default: the step's C shapes)
+        [--mosaic 128/3/0,128/3/1]          # the Mosaic GPU forward: keys/stages/split each
+                                            # (dense shapes only)
 
 Every config's ``P`` is checked against the jnp forward (at most one bf16 ulp apart, at
 least 99.9% of the elements equal). Median device time (JAX profiler), two input sets
@@ -27,6 +29,7 @@ import numpy as np
 
 from benchmarks.timing import compile_all, device_times_us, no_gpu
 from jax_ops.qk_softmax import reference
+from pallas_kernels.qk_scale_softmax import forward_mosaic_gpu
 from pallas_kernels.qk_scale_softmax.forward import (ForwardConfig, default_forward_config,
                                                      qk_scale_softmax_forward)
 
@@ -37,6 +40,15 @@ D = 128
 
 def parse_configs(text):
   return [ForwardConfig(*map(int, c.split("/"))) for c in text.split(",")] if text else []
+
+
+def parse_mosaic(text):
+  """``keys/stages/split`` items of the Mosaic GPU forward, as keyword dicts."""
+  out = []
+  for item in (text.split(",") if text else []):
+    keys, stages, split = map(int, item.split("/"))
+    out.append({"keys": keys, "stages": stages, "split": bool(split)})
+  return out
 
 
 def parse_shapes(text):
@@ -62,6 +74,7 @@ def main(argv=None):
   parser.add_argument("--out", default=".")
   parser.add_argument("--configs", default="")
   parser.add_argument("--shapes", default="")
+  parser.add_argument("--mosaic", default="")
   args = parser.parse_args(argv)
   if no_gpu("timing op C's forward", "nothing timed"):
     return 2
@@ -79,10 +92,14 @@ def main(argv=None):
                              causal=causal)]
     fns += [functools.partial(qk_scale_softmax_forward, scaling=scaling, causal=causal,
                               config=c) for c in configs]
+    mosaic = [] if causal else parse_mosaic(args.mosaic)
+    fns += [functools.partial(forward_mosaic_gpu.qk_scale_softmax_forward, scaling=scaling,
+                              **kw) for kw in mosaic]
     compiled = compile_all(fns, sets[0])
     ref = compiled[0](*sets[0])
     names = ["jnp"] + [f"{c.block_q}/{c.block_k}/{c.num_warps}/{c.num_stages}"
                        for c in configs]
+    names += [f"mgpu:{kw['keys']}/{kw['stages']}/{int(kw['split'])}" for kw in mosaic]
     failed = [n for n, f in zip(names, compiled) if f is None]
     if failed:   # a candidate over the shared memory, say; the default must compile
       print(f"  did not compile: {', '.join(failed)}", flush=True)
