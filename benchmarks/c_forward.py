@@ -6,8 +6,8 @@ Usage::
     PYTHONPATH=. python3 -m benchmarks.c_forward [--calls 20] [--out DIR]
         [--configs 128/64/8/2,64/64/4/3]   # block_q/block_k/num_warps/num_stages each
         [--shapes 1,32,4096,0;4,32,1024,0]  # B,H,S,causal each (default: the step's C shapes)
-        [--mosaic 128/3/0,128/3/1]          # the Mosaic GPU forward: keys/stages/split each
-                                            # (dense shapes only)
+        [--mosaic 128/3/0,128/3/1/1]        # the Mosaic GPU forward: keys/stages/split
+                                            # [/pingpong] each (dense shapes only)
 
 Every config's ``P`` is checked against the jnp forward (at most one bf16 ulp apart, at
 least 99.9% of the elements equal). Median device time (JAX profiler), two input sets
@@ -43,11 +43,12 @@ def parse_configs(text):
 
 
 def parse_mosaic(text):
-  """``keys/stages/split`` items of the Mosaic GPU forward, as keyword dicts."""
+  """``keys/stages/split[/pingpong]`` items of the Mosaic GPU forward, as keyword dicts."""
   out = []
   for item in (text.split(",") if text else []):
-    keys, stages, split = map(int, item.split("/"))
-    out.append({"keys": keys, "stages": stages, "split": bool(split)})
+    keys, stages, split, *pingpong = map(int, item.split("/"))
+    out.append({"keys": keys, "stages": stages, "split": bool(split),
+                "pingpong": bool(pingpong and pingpong[0])})
   return out
 
 
@@ -99,7 +100,8 @@ def main(argv=None):
     ref = compiled[0](*sets[0])
     names = ["jnp"] + [f"{c.block_q}/{c.block_k}/{c.num_warps}/{c.num_stages}"
                        for c in configs]
-    names += [f"mgpu:{kw['keys']}/{kw['stages']}/{int(kw['split'])}" for kw in mosaic]
+    names += [f"mgpu:{kw['keys']}/{kw['stages']}/{int(kw['split'])}/{int(kw['pingpong'])}"
+              for kw in mosaic]
     failed = [n for n, f in zip(names, compiled) if f is None]
     if failed:   # a candidate over the shared memory, say; the default must compile
       print(f"  did not compile: {', '.join(failed)}", flush=True)

@@ -7,8 +7,9 @@ causal or not (it computes the tiles above the diagonal too and is still faster 
 the Triton kernels that skip them). Rows of 256 keys take the Triton kernels: the kernel
 entry point's Mosaic GPU pair kernel (``implementation="mosaic_gpu"`` there) measured
 slower. Forced with ``implementation="mosaic_gpu"`` on another problem or device it
-raises saying why. Residuals: Q, K and P. The op's forward is the fused Pallas Triton
-forward kernel, as for the Triton backend.
+raises saying why. Residuals: Q, K and P. The op's forward is the Triton backend's
+(:func:`jax_ops.qk_softmax.pallas_triton.pallas_forward`): at 128 keys the fused Pallas
+Triton forward kernel, measured faster there than the Mosaic GPU forward.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class QKSoftmaxMosaicGpu(backend.MosaicGpuBackend):
     return None
 
   def forward(self, query, key, scaling, *, causal=False, interpret=False):
-    """The op's forward: the fused Pallas Triton forward kernel."""
+    """The op's forward: :func:`jax_ops.qk_softmax.pallas_triton.pallas_forward`."""
     return pallas_forward(query, key, scaling, causal=causal, interpret=interpret)
 
   def backward(self, grad_output, query, key, attn_weights, scaling, *, causal=False,

@@ -6,21 +6,53 @@ arguments). A causal call skips the key tiles above the diagonal.
 
 The op's forward is the fused forward kernel (:func:`pallas_forward`, shared with the Mosaic
 GPU backend): ``Q @ K^T``, the scale, the causal mask and the softmax in one kernel, P
-written once.
+written once. Compiled on a Hopper GPU, dense rows of more than 256 keys take the Mosaic GPU
+forward kernel (:mod:`pallas_kernels.qk_scale_softmax.forward_mosaic_gpu`, wgmma), measured
+1.2-1.3x faster there; the Triton kernel everywhere else.
 """
 
 from __future__ import annotations
 
 from pallas_kernels import qk_scale_softmax as kernels
+from pallas_kernels._util import device_of, is_hopper
 from pallas_kernels.qk_scale_softmax import forward as forward_kernel
+from pallas_kernels.qk_scale_softmax import forward_mosaic_gpu
 from pallas_kernels.qk_scale_softmax import pallas_triton
 from jax_ops import backend
 from jax_ops.qk_softmax import reference
 
 
-def pallas_forward(query, key, scaling, *, causal=False, interpret=False):
-  """The op's forward ``P`` from the fused Pallas Triton kernel (any CUDA GPU, or the
-  interpreter); problems past its int32 offsets take the jnp forward."""
+FORWARDS = ("auto", "triton", "mosaic_gpu")
+MOSAIC_FORWARD_MIN_KEYS = 257
+"""Rows of at most 256 keys take the Triton forward's one-tile path, measured faster than
+the Mosaic GPU forward there (``benchmarks/results/runs/c_forward_mosaic_dd1b9d6.json``)."""
+
+
+def forward_kernel_for(query, key, scaling, causal, interpret, forward="auto") -> str:
+  """``"triton"`` or ``"mosaic_gpu"``: the forward kernel :func:`pallas_forward` runs.
+  ``"auto"`` takes the Mosaic GPU kernel only compiled on a Hopper GPU, on the dense
+  problems it takes with rows of at least :data:`MOSAIC_FORWARD_MIN_KEYS` keys."""
+  if forward not in FORWARDS:
+    raise ValueError(f"forward: expected one of {FORWARDS}, got {forward!r}")
+  if forward != "auto":
+    return forward
+  b, h, seq_q, d = query.shape
+  seq_k = key.shape[2]
+  if interpret or seq_k < MOSAIC_FORWARD_MIN_KEYS or not is_hopper(device_of(query, key)):
+    return "triton"
+  scale = scaling if isinstance(scaling, (int, float)) else None
+  why = forward_mosaic_gpu.unsupported_reason(b, h, seq_q, seq_k, d, query.dtype, scale,
+                                              causal)
+  return "triton" if why else "mosaic_gpu"
+
+
+def pallas_forward(query, key, scaling, *, causal=False, interpret=False, forward="auto"):
+  """The op's forward ``P`` from a fused Pallas kernel: the one :func:`forward_kernel_for`
+  picks (the Triton kernel on any CUDA GPU or the interpreter; the Mosaic GPU kernel on a
+  Hopper GPU). Problems past the Triton kernel's int32 offsets take the jnp forward."""
+  if forward_kernel_for(query, key, scaling, causal, interpret, forward) == "mosaic_gpu":
+    return forward_mosaic_gpu.qk_scale_softmax_forward(query, key, scaling, causal,
+                                                       interpret=interpret)
   b, h, seq_q, d = query.shape
   if not forward_kernel.takes(b, h, seq_q, key.shape[2], d):
     return reference.qk_scale_softmax_forward(query, key, scaling, causal)
@@ -29,7 +61,16 @@ def pallas_forward(query, key, scaling, *, causal=False, interpret=False):
 
 
 class QKSoftmaxTriton(backend.TritonBackend):
-  """The op's Triton backend (name, devices and priority from the base class)."""
+  """The op's Triton backend (name, devices and priority from the base class).
+  ``forward``: which fused forward kernel it runs (:data:`FORWARDS`; ``"auto"``: as
+  :func:`forward_kernel_for` picks)."""
+
+  def __init__(self, name: str | None = None, forward: str = "auto"):
+    if forward not in FORWARDS:
+      raise ValueError(f"forward: expected one of {FORWARDS}, got {forward!r}")
+    if name is not None:
+      self.name = name
+    self.forward_kernel = forward
 
   def config(self, problem):
     """The kernels' default config for this problem on its device."""
@@ -40,7 +81,8 @@ class QKSoftmaxTriton(backend.TritonBackend):
 
   def forward(self, query, key, scaling, *, causal=False, interpret=False):
     """The op's forward: the fused forward kernel (:func:`pallas_forward`)."""
-    return pallas_forward(query, key, scaling, causal=causal, interpret=interpret)
+    return pallas_forward(query, key, scaling, causal=causal, interpret=interpret,
+                          forward=self.forward_kernel)
 
   def backward(self, grad_output, query, key, attn_weights, scaling, *, causal=False,
                interpret=False):

@@ -78,8 +78,8 @@ def _rows(x, shape):
   return lax.broadcast_in_dim(x, shape, [0])
 
 
-def _kernel(q_ref, k_ref, p_ref, q_smem, q_barrier, p_stage, *, sk, keys, stages, split,
-            c):
+def _kernel(q_ref, k_ref, p_ref, q_smem, q_barrier, p_stage, schedule, *, sk, keys, stages,
+            split, pingpong, c):
   bh = lax.axis_index("bh")
   rb = lax.axis_index("rows")
   wg = lax.axis_index("wg")
@@ -88,12 +88,21 @@ def _kernel(q_ref, k_ref, p_ref, q_smem, q_barrier, p_stage, *, sk, keys, stages
   dtype = p_ref.dtype
   half = keys // 2
 
+  def meet():
+    """Both consumer warpgroups meet (``pingpong``): the second starts one meeting behind,
+    so that one's GEMM runs while the other's softmax does."""
+    if pingpong:
+      plgpu.barrier_arrive(schedule)
+      plgpu.barrier_wait(schedule)
+
   def compute_context(run_pipeline):
     plgpu.copy_gmem_to_smem(q_ref.at[bh, pl.ds(row0, ROWS)], q_smem.at[wg], q_barrier.at[wg])
     plgpu.barrier_wait(q_barrier.at[wg])
     m = jnp.full((ROWS,), -jnp.inf, f32)
     l = jnp.zeros((ROWS,), f32)
+    pl.when(wg == 1)(meet)
     run_pipeline((m, l))
+    pl.when(wg == 0)(meet)
     plgpu.wait_smem_to_gmem(0)
 
   def stats(s, m, l):
@@ -130,6 +139,7 @@ def _kernel(q_ref, k_ref, p_ref, q_smem, q_barrier, p_stage, *, sk, keys, stages
     if not split:
       def mm(acc):
         plgpu.wgmma(acc, q_smem.at[wg], k_smem.T)
+        meet()
         plgpu.wgmma_wait(0)
         return acc[...]
       s = pl.run_scoped(mm, plgpu.ACC((ROWS, keys), f32))
@@ -139,11 +149,13 @@ def _kernel(q_ref, k_ref, p_ref, q_smem, q_barrier, p_stage, *, sk, keys, stages
       def _store():
         store(probs(s, m, l), pl.ds(0, keys))
         publish()
+      meet()
       return m, l
 
     def mm2(acc0, acc1):
       plgpu.wgmma(acc0, q_smem.at[wg], k_smem.at[pl.ds(0, half)].T)
       plgpu.wgmma(acc1, q_smem.at[wg], k_smem.at[pl.ds(half, half)].T)
+      meet()
       plgpu.wgmma_wait(1)
       s0 = acc0[...]
       # Pass 1 folds both halves into the statistics; pass 2 needs the final ones (carried).
@@ -160,6 +172,7 @@ def _kernel(q_ref, k_ref, p_ref, q_smem, q_barrier, p_stage, *, sk, keys, stages
       def _():
         store(probs(s1, m, l), pl.ds(half, half))
         publish()
+      meet()
       return m1, l1
     return pl.run_scoped(mm2, plgpu.ACC((ROWS, half), f32), plgpu.ACC((ROWS, half), f32))
 
@@ -173,22 +186,24 @@ def _kernel(q_ref, k_ref, p_ref, q_smem, q_barrier, p_stage, *, sk, keys, stages
   pipeline(k_ref.at[bh])
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "keys", "stages", "split", "interpret"))
-def _call(query, key, *, scale, keys, stages, split, interpret):
+@functools.partial(jax.jit, static_argnames=("scale", "keys", "stages", "split", "pingpong",
+                                             "interpret"))
+def _call(query, key, *, scale, keys, stages, split, pingpong, interpret):
   b, h, sq, d = query.shape
   sk = key.shape[2]
   bh = b * h
   dtype = query.dtype
   tiled = _mosaic.tiled(dtype)
   kernel = functools.partial(_kernel, sk=sk, keys=keys, stages=stages, split=split,
-                             c=scale * LOG2E)
+                             pingpong=pingpong, c=scale * LOG2E)
   like = (query, key)
   probs = plgpu.kernel(
       kernel,
       out_type=out_struct((bh, sq, sk), dtype, *like),
       scratch_types=[plgpu.SMEM((WGS, ROWS, d), dtype, transforms=tiled),
                      plgpu.Barrier(num_barriers=WGS),
-                     plgpu.SMEM((WGS, 2, ROWS, keys), dtype, transforms=tiled)],
+                     plgpu.SMEM((WGS, 2, ROWS, keys), dtype, transforms=tiled),
+                     plgpu.Barrier(num_arrivals=WGS)],
       grid=(bh, sq // ROW_BLOCK), grid_names=("bh", "rows"),
       num_threads=WGS + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -199,14 +214,16 @@ def _call(query, key, *, scale, keys, stages, split, interpret):
 
 
 def qk_scale_softmax_forward(query, key, scaling, causal: bool = False, *, keys=None,
-                             stages=3, split=False, interpret=False):
+                             stages=3, split=False, pingpong=False, interpret=False):
   """``P = softmax((Q @ K^T) * scaling)`` ``[B, H, Sq, Sk]`` in the inputs' dtype, one Mosaic
   GPU kernel.
 
   ``query`` ``[B, H, Sq, D]``, ``key`` ``[B, H, Sk, D]``, bf16 or fp16; ``scaling`` a Python
   float > 0. ``keys``: keys per pipeline step (64 or 128 dividing ``Sk``; ``None``:
   :func:`default_keys`); ``stages``: the TMA ring's depth (2-8); ``split``: each step as two
-  wgmmas, the first half's softmax overlapping the second's GEMM. Raises ``ValueError`` for a
+  wgmmas, the first half's softmax overlapping the second's GEMM; ``pingpong``: the two
+consumer warpgroups meet twice a step, half a step apart (one's GEMM beside the other's
+softmax). Raises ``ValueError`` for a
   problem outside :func:`unsupported_reason` (a causal call among them), and off a Hopper
   GPU unless ``interpret``."""
   validation.check_array("query", query, ("B", "H", "Sq", "D"),
@@ -229,4 +246,4 @@ def qk_scale_softmax_forward(query, key, scaling, causal: bool = False, *, keys=
     raise ValueError(f"stages: expected an int in [2, 8], got {stages!r}")
   _mosaic.check_hopper("qk_scale_softmax forward", interpret, query, key)
   return _call(query, key, scale=float(scale), keys=int(keys), stages=stages,
-               split=bool(split), interpret=interpret)
+               split=bool(split), pingpong=bool(pingpong), interpret=interpret)

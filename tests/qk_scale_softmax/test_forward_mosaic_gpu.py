@@ -62,7 +62,8 @@ def test_variants():
   base = fm.qk_scale_softmax_forward(query, key, 0.3, interpret=INTERPRET)
   got = fm.qk_scale_softmax_forward(query, key, 0.3, stages=2, interpret=INTERPRET)
   np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(base, np.float32))
-  for kw in ({"split": True}, {"keys": 64, "stages": 4}):
+  for kw in ({"split": True}, {"keys": 64, "stages": 4}, {"pingpong": True},
+             {"pingpong": True, "split": True}):
     got = fm.qk_scale_softmax_forward(query, key, 0.3, interpret=INTERPRET, **kw)
     assert ulps_apart(got, base).max() <= 1
     _check(query, key, got, 0.3)
@@ -74,7 +75,7 @@ def test_race_free(capsys):
   (it runs wgmma at once and does not track its reads)."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   query, key = _inputs(1, 1, 128, 256, 64, seed=2)
-  probs = fm.qk_scale_softmax_forward(query, key, 0.125, split=True,
+  probs = fm.qk_scale_softmax_forward(query, key, 0.125, split=True, pingpong=True,
                                       interpret=plgpu.InterpretGPUParams(detect_races=True))
   jax.block_until_ready(probs)
   jax.effects_barrier()
@@ -105,3 +106,66 @@ def test_errors_name_the_problem():
     fm.qk_scale_softmax_forward(query, key[:, :, :, :32], 0.1, interpret=True)
   with pytest.raises(ValueError, match="scaling: expected a finite number > 0"):
     fm.qk_scale_softmax_forward(query, key, -1.0, interpret=True)
+
+
+def test_the_op_picks_it_compiled_on_hopper_for_long_dense_rows(monkeypatch):
+  """``"auto"``: the Mosaic GPU forward compiled on a Hopper GPU, on dense rows of more than
+  256 keys that it takes; the Triton forward in the interpreter, on other GPUs, on short
+  rows, causal calls and shapes it does not take."""
+  from conftest import FakeBlackwell, FakeHopper
+  from jax_ops.qk_softmax import pallas_triton as backend_module
+  q = jax.ShapeDtypeStruct((1, 2, 256, 128), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, 2, 512, 128), jnp.bfloat16)
+  pick = backend_module.forward_kernel_for
+  monkeypatch.setattr(backend_module, "device_of", lambda *a: FakeHopper())
+  assert pick(q, k, 0.1, False, False) == "mosaic_gpu"
+  assert pick(q, k, 0.1, False, True) == "triton"                       # interpreter
+  assert pick(q, k, 0.1, True, False) == "triton"                       # causal
+  assert pick(q, jax.ShapeDtypeStruct((1, 2, 256, 128), jnp.bfloat16), 0.1, False,
+              False) == "triton"                                        # 256 keys
+  assert pick(jax.ShapeDtypeStruct((1, 2, 200, 128), jnp.bfloat16), k, 0.1, False,
+              False) == "triton"                                        # seq_q 200
+  assert pick(q, k, 0.1, False, True, forward="mosaic_gpu") == "mosaic_gpu"
+  with pytest.raises(ValueError, match="forward: expected one of"):
+    pick(q, k, 0.1, False, False, forward="cuda")
+  monkeypatch.setattr(backend_module, "device_of", lambda *a: FakeBlackwell())
+  assert pick(q, k, 0.1, False, False) == "triton"
+
+
+@needs_kernels
+def test_op_with_the_mosaic_forward_matches_the_xla_path():
+  """A Triton backend running the Mosaic GPU forward in the op (``forward="mosaic_gpu"``):
+  the op's P and gradients are the XLA path's, and the Mosaic GPU forward ran."""
+  import jax_ops
+  from jax_ops import registry
+  from jax_ops.qk_softmax import pallas_triton as backend_module
+  op, name = "qk_scale_softmax", "triton_test_mgpu_forward"
+  registry.register(op, name, backend_module.QKSoftmaxTriton(name, forward="mosaic_gpu"))
+  query, key = _inputs(1, 2, 128, 384, 64, seed=4)
+  ct = jax.random.normal(jax.random.key(5), (1, 2, 128, 384), jnp.float32)
+  calls = []
+  kernel = fm.qk_scale_softmax_forward
+
+  def spy(*args, **kwargs):
+    calls.append(1)
+    return kernel(*args, **kwargs)
+
+  def run(impl):
+    f = lambda q, k: jnp.sum(jax_ops.qk_scale_softmax(q, k, implementation=impl,
+                                                      interpret=INTERPRET) * ct)
+    return jax.value_and_grad(f, argnums=(0, 1))(query, key)
+
+  try:
+    with pytest.MonkeyPatch.context() as m:
+      m.setattr(fm, "qk_scale_softmax_forward", spy)
+      (lp, gp) = run(name)
+    (lx, gx) = run("xla")
+  finally:
+    registry.unregister(op, name)
+  assert calls, "the Mosaic GPU forward did not run"
+  np.testing.assert_allclose(float(lp), float(lx), rtol=2e-2, atol=1e-2)
+  for a, b in zip(gp, gx):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    assert np.max(np.abs(a - b)) < 5e-2 * np.max(np.abs(b))
+  with pytest.raises(ValueError, match="forward: expected one of"):
+    backend_module.QKSoftmaxTriton("x", forward="cuda")
