@@ -153,11 +153,14 @@ OPT_IN = {
                       "jax_ops.attention_value.pallas_triton", {}),
     ("A", "triton_seeds"): ("attention_softmax_dropout_value", "triton_seeds",
                             "jax_ops.attention_value.pallas_triton", {"keep": "seeds"}),
+    # Op C's Triton backend with its dL + GEMM scheme on every row length.
+    ("C", "dl_gemm"): ("qk_scale_softmax", "triton_dl_gemm", "jax_ops.qk_softmax.pallas_triton",
+                       {"scheme": "dl_gemm"}),
 }
 
 
 def register_opt_in(op: str, residuals: str) -> str:
-  """Registers the opt-in backend of ``op`` ("A" or "B") under that key of :data:`OPT_IN`
+  """Registers the opt-in backend of ``op`` ("A", "B" or "C") under that key of :data:`OPT_IN`
   and returns its name."""
   import importlib
   from jax_ops import registry
@@ -269,6 +272,10 @@ def main(argv=None):
                            "mask (step_a_triton.*) or the key's seeds (step_a_triton_seeds.*), "
                            "or the default with the Mosaic GPU forward kernel "
                            "(step_a_mosaic_forward.*)")
+  parser.add_argument("--c-scheme", choices=("default", "dl_gemm"), default="default",
+                      help="op C's Pallas path: the default backend, or its Triton backend "
+                           "with the dL + GEMM scheme on every row length (results go to "
+                           "step_c_dl_gemm.*)")
   parser.add_argument("--profile", action="store_true",
                       help="instead of the table: where each chosen step's device time goes on "
                            "the Pallas path, per kernel (printed, and step_profile.json)")
@@ -284,6 +291,8 @@ def main(argv=None):
   impls = {}
   if args.b_residuals == "key":
     impls["B"], base = register_opt_in("B", "key"), base + "_b_key"
+  if args.c_scheme != "default":
+    impls["C"], base = register_opt_in("C", args.c_scheme), base + "_c_dl_gemm"
   if args.a_residuals != "default":
     impls["A"] = register_opt_in("A", args.a_residuals)
     base += {"inputs": "_a_inputs", "fused_output": "_a_fused", "fused_inputs":

@@ -386,6 +386,9 @@ def c_table_entry(entry: dict) -> dict:
       out[name] = c_pass_entry(entry[name])
     elif name != "head":
       raise KeyError(f"no {name!r} pass")
+  if "dl" in entry:
+    dl = qks.DlConfig(int(entry["dl"]["rows"]), int(entry["dl"]["num_warps"]))
+    out["dl"] = {"rows": dl.rows, "num_warps": dl.num_warps}
   return out
 
 

@@ -4,8 +4,9 @@ what they are given."""
 import pytest
 
 from conftest import ON_GPU
-from benchmarks import (a_hash_cost, b_backward_sweep, b_triton_row, c_backward_step, c_dq_atomic,
-                        c_forward, ptx_dump, size_ceiling)
+from benchmarks import (a_hash_cost, b_backward_sweep, b_triton_row, c_backward_step, c_dl_gemm,
+                        c_dq_atomic, c_forward, ptx_dump, size_ceiling)
+from pallas_kernels.qk_scale_softmax import DlConfig
 from pallas_kernels.masked_softmax_dropout import Config
 
 
@@ -19,10 +20,18 @@ from pallas_kernels.masked_softmax_dropout import Config
     (c_forward, ["--configs", "64/64/4/3", "--shapes", "1,2,256,1"]),
     (c_backward_step, ["--shapes", "1,2,256", "--rows", "16/128/4/2"]),
     (c_dq_atomic, ["--shapes", "1,2,256", "--configs", "16/32/4/1"]),
+    (c_dl_gemm, ["--dl", "1/8", "--workloads", "0"]),
 ])
 def test_scripts_exit_2_without_a_gpu(script, argv, capsys):
   assert script.main(argv) == 2
   assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_dl_variant_names():
+  assert c_dl_gemm.parse_dls("1/8,4/4") == {"dl": None, "dl:1/8": DlConfig(1, 8),
+                                           "dl:4/4": DlConfig(4, 4)}
+  with pytest.raises(ValueError, match="config.dl.rows"):
+    c_dl_gemm.parse_dls("3/8")
 
 
 def test_sweep_launch_names():

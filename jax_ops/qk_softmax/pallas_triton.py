@@ -13,6 +13,8 @@ forward kernel (:mod:`pallas_kernels.qk_scale_softmax.forward_mosaic_gpu`, wgmma
 
 from __future__ import annotations
 
+import dataclasses
+
 from pallas_kernels import qk_scale_softmax as kernels
 from pallas_kernels._util import device_of, is_hopper
 from pallas_kernels.qk_scale_softmax import forward as forward_kernel
@@ -63,14 +65,18 @@ def pallas_forward(query, key, scaling, *, causal=False, interpret=False, forwar
 class QKSoftmaxTriton(backend.TritonBackend):
   """The op's Triton backend (name, devices and priority from the base class).
   ``forward``: which fused forward kernel it runs (:data:`FORWARDS`; ``"auto"``: as
-  :func:`forward_kernel_for` picks)."""
+  :func:`forward_kernel_for` picks). ``scheme``: the backward's scheme on every problem
+  (``None``: the default config's; ``"dl_gemm"`` takes :func:`kernels.default_dl_config`)."""
 
-  def __init__(self, name: str | None = None, forward: str = "auto"):
+  def __init__(self, name: str | None = None, forward: str = "auto", scheme: str | None = None):
     if forward not in FORWARDS:
       raise ValueError(f"forward: expected one of {FORWARDS}, got {forward!r}")
+    if scheme not in (None, *kernels.SCHEMES):
+      raise ValueError(f"scheme: expected None or one of {kernels.SCHEMES}, got {scheme!r}")
     if name is not None:
       self.name = name
     self.forward_kernel = forward
+    self.scheme = scheme
 
   def config(self, problem):
     """The kernels' default config for this problem on its device."""
@@ -86,8 +92,17 @@ class QKSoftmaxTriton(backend.TritonBackend):
 
   def backward(self, grad_output, query, key, attn_weights, scaling, *, causal=False,
                interpret=False):
+    config = None
+    if self.scheme is not None:
+      config = dataclasses.replace(self.config_for(query, key), scheme=self.scheme)
     return pallas_triton.qk_scale_softmax_backward(
-        grad_output, query, key, attn_weights, scaling, causal=causal, interpret=interpret)
+        grad_output, query, key, attn_weights, scaling, causal=causal, config=config,
+        interpret=interpret)
+
+  def config_for(self, query, key):
+    """The default config of the kernels for these arrays' shapes (untuned: the heuristic,
+    the scheme's own defaults)."""
+    return kernels.default_config(query.shape[2], key.shape[2], query.shape[3], query.dtype)
 
 
 BACKEND = QKSoftmaxTriton()

@@ -62,26 +62,6 @@ def _unpack_refs(refs, dropout: Dropout):
   return None, g_ref, p_ref, mask_ref, keep_ref, o_ref
 
 
-def _enable_load_cache_modifiers():
-  """Makes ``pltriton.load(cache_modifier=".ca" | ".cg")`` lower (jax 0.11.2).
-
-  The Triton lowering accepts exactly those two strings, then looks them up in a table
-  keyed by the dialect's names (``"ca"``, ``"cg"``): a ``KeyError`` for any modifier. This
-  adds the dotted keys (idempotent; nothing else changes). Only configs that ask for a
-  cache modifier call it.
-  """
-  try:
-    from jax._src.pallas.triton import lowering
-    names = lowering._STR_TO_CACHE_MODIFIER
-  except (ImportError, AttributeError) as e:  # internals moved: say which config needs it
-    raise NotImplementedError(
-        "config.stream_cache / config.mask_cache: this jax's Triton lowering has no cache "
-        f"modifier table to extend ({e}); use None") from e
-  for name in (".ca", ".cg"):
-    if name not in names and name[1:] in names:
-      names[name] = names[name[1:]]
-
-
 # The default configs of the kernels that draw the mask hash once per pair of columns
 # (Config.pair_hash): off, timed on the H200 (the backward from the scores,
 # benchmarks/results/runs/b_forward_b44b81d.log): 540 vs 497 us at B=8 H=16 S=1024, 904 vs
@@ -397,7 +377,7 @@ def _call(grad_output, p_attn, mask, dropout_mask, p_dropout, *, dropout: Dropou
   b, h, seq_q, seq_k = p_attn.shape
   config = dataclasses.replace(config, heads_per_program=min(config.heads_per_program, h))
   if config.uses_cache_modifiers:
-    _enable_load_cache_modifiers()
+    _util.enable_load_cache_modifiers("config.stream_cache / config.mask_cache")
   kernel = functools.partial(_kernel, num_heads=h, seq_q=seq_q, seq_k=seq_k, config=config,
                              dropout=dropout, hashed=hashed, from_scores=from_scores)
   args = [grad_output.reshape(b * h, seq_q, seq_k), p_attn.reshape(b * h, seq_q, seq_k),

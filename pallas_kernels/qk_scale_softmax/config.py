@@ -27,7 +27,7 @@ from pallas_kernels._util import next_power_of_2
 
 KERNEL = "qk_scale_softmax"  # the tuned table's file name
 
-SCHEMES = ("two_pass", "per_head")
+SCHEMES = ("two_pass", "per_head", "dl_gemm")
 
 WHOLE_ROW = "row"  # a table entry's block_k: the whole (padded) row is one key tile
 # A whole-row tile is tuned for short rows only; a longer row that borrows such an entry
@@ -65,10 +65,13 @@ class Config:
   * ``"per_head"``: one kernel, one program per head (``col.block_q`` query rows per step,
     whole rows as one tile; ``row`` unused). Rows of at most :data:`MAX_PER_HEAD_ROW` keys
     (the tuned table uses it up to 256).
+  * ``"dl_gemm"``: the kernel writing ``dL`` (``dl``, :class:`DlConfig`; ``None``:
+    :func:`default_dl_config`), then two XLA GEMMs; ``row`` and ``col`` unused.
   """
   row: PassConfig
   col: PassConfig
   scheme: str = "two_pass"
+  dl: "DlConfig | None" = None
 
   def __post_init__(self):
     if self.scheme not in SCHEMES:
@@ -77,6 +80,41 @@ class Config:
       if not isinstance(getattr(self, name), PassConfig):
         raise TypeError(f"config.{name}: expected a PassConfig, got "
                          f"{type(getattr(self, name)).__name__}")
+    if self.dl is not None and not isinstance(self.dl, DlConfig):
+      raise TypeError(f"config.dl: expected a DlConfig or None, got {type(self.dl).__name__}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DlConfig:
+  """The ``"dl_gemm"`` scheme's ``dL`` kernel: ``rows`` whole rows per program (a power of
+  two >= 1; the padded row sits in registers) on ``num_warps`` warps (1-16, a power of
+  two)."""
+  rows: int = 1
+  num_warps: int = 8
+
+  def __post_init__(self):
+    for name, top in (("rows", 1 << 12), ("num_warps", 16)):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v > top or v & (v - 1):
+        raise ValueError(f"config.dl.{name}: expected a power of two in [1, {top}], got {v!r}")
+
+
+def default_dl_config(seq_k: int) -> DlConfig:
+  """About 4096 elements per program (whole rows), on 8 warps (16 for rows of 8192 keys or
+  more)."""
+  width = max(16, next_power_of_2(seq_k))
+  return DlConfig(rows=max(1, 4096 // width), num_warps=16 if width >= 8192 else 8)
+
+
+def dl_config(entry: dict | None, seq_k: int) -> DlConfig:
+  """A table entry's ``dl`` field (``{"rows": r, "num_warps": w}``; ``None``: the default)
+  as a :class:`DlConfig` for rows of ``seq_k`` keys; ``rows`` is capped so that a program
+  holds at most 16384 elements."""
+  if entry is None:
+    return default_dl_config(seq_k)
+  width = max(16, next_power_of_2(seq_k))
+  return DlConfig(rows=max(1, min(int(entry["rows"]), (1 << 14) // width)),
+                  num_warps=int(entry["num_warps"]))
 
 
 def length_class(seq_k: int) -> str:
@@ -152,4 +190,7 @@ def default_config(seq_q: int, seq_k: int, head_dim: int, dtype, device_kind=Non
   if scheme == "per_head" and scheme in schemes and "head" in tuned and pk <= 256:
     head = pass_config(tuned["head"], seq_q, seq_k)
     return Config(head, head, "per_head")
-  return Config(pass_config(tuned["row"], seq_q, seq_k), pass_config(tuned["col"], seq_q, seq_k))
+  row, col = pass_config(tuned["row"], seq_q, seq_k), pass_config(tuned["col"], seq_q, seq_k)
+  if scheme == "dl_gemm" and scheme in schemes:
+    return Config(row, col, "dl_gemm", dl_config(tuned.get("dl"), seq_k))
+  return Config(row, col)

@@ -25,6 +25,10 @@ needs, and ``dL`` must be rounded exactly as the reference rounds it (the one-pa
 2. ``"per_head"`` scheme (rows of <= 512 keys): one program per head walks its query tiles
    (whole rows each), forms ``delta``, ``dL`` and ``grad_query`` from one read of ``g`` and
    ``P``, and keeps ``grad_key`` (``[Sk, D]`` fp32) in registers until the end.
+3. ``"dl_gemm"`` scheme: a row kernel writes ``dL`` (whole rows in registers, ``g`` and
+   ``P`` read once), then ``grad_query = dL @ K`` and ``grad_key = dL^T @ Q`` are XLA
+   batched GEMMs (cuBLAS): 10 B per element in bf16. Causal calls write ``dL = 0`` above
+   the diagonal and the GEMMs do the full work (nothing is skipped).
 
 Traffic per attention element in bf16: ``g`` and ``P`` are 4 B per read. The floor (and
 the per-head kernel) reads them once; the two-pass scheme reads them twice (8 B), up to
@@ -52,12 +56,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import _phase, _tuning, validation
-from pallas_kernels._util import (check_can_compile, compiler_params, dot, next_power_of_2,
-                                  out_struct, pallas_call)
-from pallas_kernels.qk_scale_softmax.config import (MAX_PER_HEAD_ROW, Config, PassConfig,
-                                                    default_config)
+from pallas_kernels._util import (check_can_compile, compiler_params, dot,
+                                  enable_load_cache_modifiers, next_power_of_2, out_struct,
+                                  pallas_call)
+from pallas_kernels.qk_scale_softmax.config import (MAX_PER_HEAD_ROW, Config, DlConfig,
+                                                    PassConfig, default_config,
+                                                    default_dl_config)
 
-__all__ = ["qk_scale_softmax_backward", "row_pass", "col_pass", "head_pass", "use_phased"]
+__all__ = ["qk_scale_softmax_backward", "row_pass", "col_pass", "head_pass", "dl_pass",
+           "dl_gemm", "use_phased"]
 
 _F32 = jnp.float32
 _I32 = jnp.int32
@@ -610,6 +617,59 @@ def head_pass(scale, g, p, q, k, *, causal, cfg, interpret):
   )(scale, g, p, q, k)
 
 
+def _dl_kernel(scale_ref, g_ref, p_ref, dl_ref, *, seq_q: int, seq_k: int, block_q: int,
+               width: int, causal: bool):
+  """``dL`` of ``block_q`` whole rows (``width``: the padded row length) of one head.
+  Causal: ``g`` and ``P`` above the diagonal are not read, and ``dL`` there is written 0."""
+  q0 = pl.program_id(0) * block_q
+  bh = pl.program_id(1)
+  rows = q0 + jnp.arange(block_q, dtype=jnp.int32)
+  cols = jnp.arange(width, dtype=jnp.int32)
+  inside = None
+  if seq_q % block_q or width != seq_k:
+    inside = (rows < seq_q)[:, None] & (cols < seq_k)[None, :]
+  read = inside
+  if causal:
+    below = cols[None, :] <= rows[:, None] + (seq_k - seq_q)
+    read = below if inside is None else inside & below
+  tile = (bh, pl.ds(q0, block_q), pl.ds(_ZERO, width))
+  g = pltriton.load(g_ref.at[tile], mask=read, other=0.0, cache_modifier=".cg")
+  p = pltriton.load(p_ref.at[tile], mask=read, other=0.0, cache_modifier=".cg")
+  dl = _dl_tile(g, p, _row_delta(g, p), scale_ref[0], dl_ref.dtype)
+  pltriton.store(dl_ref.at[tile], dl, mask=inside)
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "cfg", "interpret"))
+def dl_pass(scale, g, p, *, causal=False, cfg, interpret):
+  """``dL [B*H, Sq, Sk]`` (the input dtype, rounded as the reference rounds it) from 3D
+  ``[B*H, Sq, Sk]`` views of ``g`` and ``P``: ``cfg.rows`` whole rows per program (the
+  padded row in registers, :class:`DlConfig`), ``g`` and ``P`` read once. Causal: 0 above
+  the diagonal, whatever ``g`` and ``P`` hold there."""
+  bh, seq_q, seq_k = g.shape
+  width = max(16, next_power_of_2(seq_k))
+  enable_load_cache_modifiers("the dL kernel's .cg loads")
+  return pallas_call(
+      functools.partial(_dl_kernel, seq_q=seq_q, seq_k=seq_k, block_q=cfg.rows,
+                        width=width, causal=causal),
+      out_shape=out_struct((bh, seq_q, seq_k), g.dtype, g, p),
+      grid=(pl.cdiv(seq_q, cfg.rows), bh),
+      compiler_params=compiler_params(cfg.num_warps, 1),
+      interpret=interpret,
+      name="qk_scale_softmax_bwd_dl",
+  )(scale, g, p)
+
+
+def dl_gemm(scale, g, p, q, k, *, causal=False, cfg, interpret):
+  """The ``"dl_gemm"`` scheme on 3D views: ``dL`` from :func:`dl_pass`, then ``grad_query =
+  dL @ K`` and ``grad_key = dL^T @ Q`` as XLA batched GEMMs (cuBLAS on a GPU; fp32
+  accumulation, rounded to the input dtype once). 10 B per element in bf16: ``g`` and ``P``
+  read (4), ``dL`` written (2) and read by each GEMM (4)."""
+  dl = dl_pass(scale, g, p, causal=causal, cfg=cfg, interpret=interpret)
+  dq = jnp.einsum("bqk,bkd->bqd", dl, k, preferred_element_type=_F32).astype(q.dtype)
+  dk = jnp.einsum("bqk,bqd->bkd", dl, q, preferred_element_type=_F32).astype(k.dtype)
+  return dq, dk
+
+
 # --------------------------------------------------------------------------- entry point
 
 
@@ -624,7 +684,11 @@ def _backward(grad_output, query, key, attn_weights, scaling, *, causal, config,
   q = query.reshape(bh, seq_q, head_dim)
   k = key.reshape(bh, seq_k, head_dim)
   scale = jnp.asarray(scaling, _F32).reshape(1)
-  if config.scheme == "per_head":
+  if config.scheme == "dl_gemm":
+    dl_cfg = config.dl or default_dl_config(seq_k)
+    grad_query, grad_key = dl_gemm(scale, g, p, q, k, causal=causal, cfg=dl_cfg,
+                                   interpret=interpret)
+  elif config.scheme == "per_head":
     grad_query, grad_key = head_pass(scale, g, p, q, k, causal=causal, cfg=config.col,
                                      interpret=interpret)
   else:

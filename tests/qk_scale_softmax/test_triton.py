@@ -111,12 +111,77 @@ def test_per_head(causal, sq, sk, d, block_q):
                 config=qks.Config(cfg, cfg, "per_head"))
 
 
+DL_GEMM = qks.Config(qks.PassConfig(16, 16, 4, 2), qks.PassConfig(16, 16, 4, 2), "dl_gemm")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq, sk, d, dl", [
+    (1, 1, 64, None), (7, 7, 40, qks.DlConfig(2, 4)), (131, 131, 128, qks.DlConfig(4, 8)),
+    (33, 293, 64, qks.DlConfig(1, 4)), (293, 131, 64, qks.DlConfig(8, 2))])
+def test_dl_gemm(causal, sq, sk, d, dl):
+  """The dL kernel + GEMM scheme: ragged rows (programs past the last row), D padding,
+  several rows per program, causal with Sq != Sk (rows with no keys)."""
+  args = make_inputs(12, 1, 2, sq, sk, d, causal=causal)
+  run_and_check(qk_scale_softmax_backward, args, 0.125, causal=causal,
+                config=dataclasses.replace(DL_GEMM, dl=dl))
+
+
+def test_dl_pass_rounds_as_reference():
+  """dL is the reference's dL bit for bit (its two roundings), and 0 above a causal
+  diagonal whatever g and P hold there."""
+  sq, sk = 33, 65
+  g, _, _, p = make_inputs(13, 1, 2, sq, sk, 16, causal=True)
+  g3, p3 = g.reshape(2, sq, sk), p.reshape(2, sq, sk)
+  scale = jnp.full((1,), 0.125, jnp.float32)
+  delta = jnp.sum(g3.astype(jnp.float32) * p3.astype(jnp.float32), -1, keepdims=True)
+  want = ((p3.astype(jnp.float32) * (g3.astype(jnp.float32) - delta)).astype(g.dtype)
+          .astype(jnp.float32) * 0.125).astype(g.dtype)
+  cfg = qks.DlConfig(4, 4)
+  got = pallas_triton.dl_pass(scale, g3, p3, cfg=cfg, interpret=INTERPRET)
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+  upper = np.arange(sk)[None, :] > np.arange(sq)[:, None] + (sk - sq)
+  dirty = pallas_triton.dl_pass(scale, jnp.where(upper, jnp.nan, g3).astype(g.dtype),
+                                jnp.where(upper, jnp.inf, p3).astype(p.dtype), causal=True,
+                                cfg=cfg, interpret=INTERPRET)
+  np.testing.assert_array_equal(np.asarray(dirty, np.float32), np.asarray(want, np.float32))
+
+
+def test_dl_configs():
+  """DlConfig names the bad field; default_dl_config and table entries give whole rows of
+  at most 16384 elements per program."""
+  for bad in (dict(rows=3), dict(rows=0), dict(num_warps=32), dict(rows=True),
+              dict(num_warps=2.0)):
+    with pytest.raises(ValueError, match=f"config.dl.{next(iter(bad))}"):
+      qks.DlConfig(**bad)
+  with pytest.raises(TypeError, match="config.dl"):
+    dataclasses.replace(DL_GEMM, dl=(1, 8))
+  assert qks.default_dl_config(1) == qks.DlConfig(256, 8)
+  assert qks.default_dl_config(4096) == qks.DlConfig(1, 8)
+  assert qks.default_dl_config(8193) == qks.DlConfig(1, 16)
+  assert qks.dl_config(None, 300) == qks.default_dl_config(300)
+  assert qks.dl_config({"rows": 64, "num_warps": 4}, 1024) == qks.DlConfig(16, 4)
+  with pytest.raises(ValueError, match="config.dl.num_warps"):
+    qks.dl_config({"rows": 1, "num_warps": 3}, 1024)
+
+
+def test_backend_scheme_option():
+  from jax_ops.qk_softmax import pallas_triton as backend
+  with pytest.raises(ValueError, match="scheme"):
+    backend.QKSoftmaxTriton(scheme="fused")
+  impl = backend.QKSoftmaxTriton(scheme="dl_gemm")
+  g, q, k, p = make_inputs(14, 1, 2, 7, 131, 40)
+  out = impl.backward(g, q, k, p, 0.125, interpret=INTERPRET)
+  for o, r in zip(out, reference(g, q, k, p, 0.125)):
+    assert_close_to_ref("dl_gemm backend", o, r)
+
+
 @pytest.mark.parametrize("name, causal, config", [
     ("phased", False, qks.Config(qks.PassConfig(16, 16, 4, 2), qks.PassConfig(16, 16, 4, 2))),
     ("prefetch", True, qks.Config(qks.PassConfig(16, 16, 4, 2, prefetch=True, row_align=0),
                                   qks.PassConfig(16, 16, 4, 2, prefetch=True))),
     ("per_head", True, qks.Config(qks.PassConfig(16, 16, 4, 2), qks.PassConfig(16, 16, 4, 2),
                                   "per_head")),
+    ("dl_gemm", True, dataclasses.replace(DL_GEMM, dl=qks.DlConfig(2, 4))),
 ])
 def test_x64_loop_strategies(name, causal, config):
   """Under x64: the phase-aligned row kernel, the prefetch loops (causal: traced bounds)
@@ -257,8 +322,11 @@ def test_tuned_table():
     data = json.load(f)
   assert set(data) == {"device_kind", "date", "jax", "configs"}
   for entry in data["configs"].values():
-    assert set(entry) <= {"scheme", "row", "col", "head"} and entry["scheme"] in qks.SCHEMES
-    for name in set(entry) - {"scheme"}:
+    assert set(entry) <= {"scheme", "row", "col", "head", "dl"} and entry["scheme"] in qks.SCHEMES
+    if "dl" in entry:
+      assert entry["scheme"] == "dl_gemm" and isinstance(qks.dl_config(entry["dl"], 4096),
+                                                          qks.DlConfig)
+    for name in set(entry) - {"scheme", "dl"}:
       for seq in (100, 211, 449, 4096):  # every entry builds a valid config
         assert isinstance(qks.pass_config(entry[name], seq, seq), qks.PassConfig)
       block_k = entry[name]["block_k"]
@@ -305,7 +373,7 @@ def test_lowers_to_triton(pretend_h200, causal, dtype, prefetch, row_align):
   shapes = [jax.ShapeDtypeStruct(s, dtype) for s in
             ((b, h, sq, sk), (b, h, sq, d), (b, h, sk, d), (b, h, sq, sk))]
   cfg = qks.PassConfig(32, 64, 4, 2, prefetch, row_align)
-  for scheme, kernels in (("two_pass", 2), ("per_head", 1)):
+  for scheme, kernels in (("two_pass", 2), ("per_head", 1), ("dl_gemm", 1)):
     assert triton_calls_in_gpu_lowering(functools.partial(pallas_triton._backward,
                                                           interpret=False),
                                         shapes, 0.125, causal=causal,

@@ -1,0 +1,91 @@
+"""Kernel C's ``"dl_gemm"`` scheme (a kernel writing dL, then two XLA GEMMs) against the
+entry point's default kernels, on the benchmark workloads, in one run.
+
+Usage (on a GPU)::
+
+    PYTHONPATH=. python3 -m benchmarks.c_dl_gemm [--workloads 0,1] [--dl 1/8,2/8,1/16]
+        [--calls 20] [--out DIR]
+
+``--dl``: ``rows/num_warps`` of the dL kernel (:class:`DlConfig`) per variant; ``dl`` alone
+is :func:`default_dl_config`. Every variant is checked against the reference with the
+workload's tolerance and timed as ``benchmarks.run`` times (device time, all kernels of a
+call, input sets rotated so L2 is cold). Prints one table; writes
+``<out>/c_dl_gemm.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+
+import jax
+
+from benchmarks import run, variants_table
+from benchmarks.timing import copy_ceiling, no_gpu
+from jax_ops import reference
+from pallas_kernels import qk_scale_softmax as qks
+from pallas_kernels.qk_scale_softmax import pallas_triton
+
+
+def dl_fn(dl, scale, dims):
+  """The entry point with the dL + GEMM scheme (``dl``: a DlConfig or ``None``)."""
+  _, _, sq, sk, d = dims
+  base = qks.default_config(sq, sk, d, "bfloat16")
+  config = qks.Config(base.row, base.col, "dl_gemm", dl)
+  return jax.jit(lambda *a: pallas_triton.qk_scale_softmax_backward(*a, scale, config=config))
+
+
+def parse_dls(text: str) -> dict:
+  """``"1/8,2/4"`` -> ``{"dl": None, "dl:1/8": DlConfig(1, 8), "dl:2/4": DlConfig(2, 4)}``
+  (``"dl"``: the default, always first)."""
+  dls = {"dl": None}
+  for item in (text.split(",") if text else []):
+    rows, warps = map(int, item.split("/"))
+    dls[f"dl:{rows}/{warps}"] = qks.DlConfig(rows, warps)
+  return dls
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--workloads", default=None)
+  parser.add_argument("--dl", default="")
+  parser.add_argument("--calls", type=int, default=20)
+  parser.add_argument("--out", default=".")
+  args = parser.parse_args(argv)
+  dls = parse_dls(args.dl)
+  if no_gpu("timing kernel C's dL + GEMM scheme", "nothing timed"):
+    return 2
+  with open(os.path.join(run.HERE, "workloads.json")) as f:
+    spec = json.load(f)["qk_scale_softmax_backward"]
+  c = spec["constants"]
+  scale = c["scaling"]
+  ceiling = copy_ceiling()
+  print(f"copy ceiling {ceiling['TBps']:.3f} TB/s", flush=True)
+  idx = (range(len(spec["workloads"])) if args.workloads is None
+         else [int(i) for i in args.workloads.split(",")])
+  entry = jax.jit(lambda *a: qks.qk_scale_softmax_backward(*a, scale))
+  xla = jax.jit(lambda *a: reference.qk_scale_softmax_backward_reference(*a, scale))
+  rows_out = []
+  for i in idx:
+    w = spec["workloads"][i]
+    dims = run._c_dims(w, c)
+    label = run._c_problem(False).label(w)
+    sets = run.input_sets(lambda key: run._c_inputs(dims, False, key), i)
+    floor_us = run._c_floor(w, c) / (ceiling["TBps"] * 1e6)
+    refs = xla(*sets[0])
+    fns = {"entry": entry} | {n: dl_fn(d, scale, dims) for n, d in dls.items()}
+    row = variants_table.check_and_time(label, w, floor_us, fns, sets, refs, calls=args.calls)
+    row["kernels"] = qks.kernels_for(*sets[0], scale)
+    rows_out.append(row)
+  variants_table.print_table(rows_out, ["entry", *dls])
+  with open(os.path.join(args.out, "c_dl_gemm.json"), "w") as f:
+    json.dump({"date": datetime.date.today().isoformat(),
+               "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+               "commit": run._commit(), "ceiling": ceiling, "rows": rows_out}, f, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
