@@ -633,8 +633,9 @@ def _dl_kernel(scale_ref, g_ref, p_ref, dl_ref, *, seq_q: int, seq_k: int, block
     below = cols[None, :] <= rows[:, None] + (seq_k - seq_q)
     read = below if inside is None else inside & below
   tile = (bh, pl.ds(q0, block_q), pl.ds(_ZERO, width))
-  g = pltriton.load(g_ref.at[tile], mask=read, other=0.0, cache_modifier=".cg")
-  p = pltriton.load(p_ref.at[tile], mask=read, other=0.0, cache_modifier=".cg")
+  fill = {} if read is None else {"mask": read, "other": 0.0}
+  g = pltriton.load(g_ref.at[tile], cache_modifier=".cg", **fill)
+  p = pltriton.load(p_ref.at[tile], cache_modifier=".cg", **fill)
   dl = _dl_tile(g, p, _row_delta(g, p), scale_ref[0], dl_ref.dtype)
   pltriton.store(dl_ref.at[tile], dl, mask=inside)
 

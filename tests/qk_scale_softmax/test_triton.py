@@ -117,10 +117,12 @@ DL_GEMM = qks.Config(qks.PassConfig(16, 16, 4, 2), qks.PassConfig(16, 16, 4, 2),
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sq, sk, d, dl", [
     (1, 1, 64, None), (7, 7, 40, qks.DlConfig(2, 4)), (131, 131, 128, qks.DlConfig(4, 8)),
-    (33, 293, 64, qks.DlConfig(1, 4)), (293, 131, 64, qks.DlConfig(8, 2))])
+    (33, 293, 64, qks.DlConfig(1, 4)), (293, 131, 64, qks.DlConfig(8, 2)),
+    (64, 64, 64, qks.DlConfig(4, 4))])
 def test_dl_gemm(causal, sq, sk, d, dl):
   """The dL kernel + GEMM scheme: ragged rows (programs past the last row), D padding,
-  several rows per program, causal with Sq != Sk (rows with no keys)."""
+  several rows per program, causal with Sq != Sk (rows with no keys), and aligned rows
+  (no masked loads when dense)."""
   args = make_inputs(12, 1, 2, sq, sk, d, causal=causal)
   run_and_check(qk_scale_softmax_backward, args, 0.125, causal=causal,
                 config=dataclasses.replace(DL_GEMM, dl=dl))
