@@ -47,6 +47,7 @@ class Problem:
   floor_bytes: Callable  # (workload, constants) -> minimum DRAM bytes
   kernel: Callable       # (args, workload, constants) -> outputs
   xla: Callable          # (args, workload, constants) -> outputs
+  causal: bool = False   # op C: a causal P
 
 
 def _softmax(key, shape, dtype):
@@ -201,6 +202,7 @@ def _c_problem(causal):
       lambda args, w, c: _jit_kernel("qk_scale_softmax", causal=causal)(*args, c["scaling"]),
       lambda args, w, c: _jit_ref(reference.qk_scale_softmax_backward_reference)(
           *args, c["scaling"]),
+      causal,
   )
 
 
@@ -231,13 +233,20 @@ def _jit_kernel(op, **kw):
 
 def kernels_used(problem: Problem, args, constants) -> str:
   """The kernels that time a workload: the entry point's choice (ops A and C: Mosaic GPU or
-  Triton; B: Triton), or the ``--backend`` named."""
+  Triton, C's Triton with its scheme; B: Triton), or the ``--backend`` named."""
   if BACKEND[0] != ENTRY:
     return BACKEND[0]
   if problem.name == PROBLEM_A.name and len(args) == 5:
     return asdv.kernels_for(*args, constants["attention_dropout"])
   if problem.name.startswith("qk_scale_softmax"):
-    return qks.kernels_for(*args, constants["scaling"])
+    used = qks.kernels_for(*args, constants["scaling"])
+    if used != "triton":
+      return used
+    g, q, k, _ = args  # the Triton kernels' scheme, as the entry point picks it
+    scheme = qks.default_config(q.shape[2], k.shape[2], q.shape[3], q.dtype,
+                                g.devices().pop().device_kind,
+                                causal=problem.causal).scheme
+    return f"triton ({scheme})"
   return "triton"
 
 

@@ -261,6 +261,24 @@ def test_writer_leaves_out_entries_it_cannot_read(tuned_dir, capsys):
   assert "class 128 left out" in capsys.readouterr().out
 
 
+def test_c_tuner_keeps_dl_gemm_classes(tuned_dir, capsys):
+  """The tuner does not time the dL + GEMM scheme: a class whose entry uses it keeps its
+  scheme and dl field, and takes the new passes (its two-pass fallback)."""
+  old = str(tuned_dir / "old.json")
+  entry = {"scheme": "dl_gemm", "dl": {"rows": 2, "num_warps": 4},
+           "row": {"block_q": 32, "block_k": 128, "num_warps": 4, "num_stages": 2},
+           "col": {"block_q": 32, "block_k": 64, "num_warps": 4, "num_stages": 3}}
+  with open(old, "w") as f:
+    json.dump({"device_kind": FAKE, "configs": {"1024": entry}}, f)
+  col = ta.candidate_key(ta.C, ta.C_COL[0])
+  ratios = {"1024": {"col": [_ratios([col], [1.0])], "two_pass": [_ratios(["table"], [1.0])]}}
+  result = ta._write_table(ta.C, ratios, old, {"1024": {"two_pass": [9.0]}}, device_kind=FAKE)
+  got = result["configs"]["1024"]
+  assert got["scheme"] == "dl_gemm" and got["dl"] == {"rows": 2, "num_warps": 4}
+  assert got["col"] == dict(col) and got["row"] == entry["row"]
+  assert "dl_gemm kept" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("op", [ta.A, ta.C, msd.config.KERNEL])
 def test_checked_in_tables_are_valid_entries(op):
   """The writer keeps (re-writes unchanged in meaning) the classes of the tables there."""

@@ -83,7 +83,7 @@ class QKSoftmaxTriton(backend.TritonBackend):
     _, _, sq, d = problem.shape("query")
     sk = problem.shape("key")[2]
     kind = self.device_kind(problem)
-    return kernels.default_config(sq, sk, d, problem.dtype, kind)
+    return kernels.default_config(sq, sk, d, problem.dtype, kind, causal=problem.causal)
 
   def forward(self, query, key, scaling, *, causal=False, interpret=False):
     """The op's forward: the fused forward kernel (:func:`pallas_forward`)."""

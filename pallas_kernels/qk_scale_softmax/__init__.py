@@ -7,6 +7,7 @@ kernels of ``pallas_triton.py`` elsewhere); ``config.py``: the Triton launch con
 """
 
 from pallas_kernels.qk_scale_softmax.config import (
+    MAX_DL_ROW,
     SCHEMES,
     WHOLE_ROW,
     Config,
@@ -37,6 +38,7 @@ __all__ = [
     "DlConfig",
     "PassConfig",
     "SCHEMES",
+    "MAX_DL_ROW",
     "WHOLE_ROW",
     "default_config",
     "default_dl_config",

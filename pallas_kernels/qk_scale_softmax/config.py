@@ -29,6 +29,9 @@ KERNEL = "qk_scale_softmax"  # the tuned table's file name
 
 SCHEMES = ("two_pass", "per_head", "dl_gemm")
 
+# The "dl_gemm" scheme holds whole (padded) rows in registers: rows of at most this many keys.
+MAX_DL_ROW = 1 << 14
+
 WHOLE_ROW = "row"  # a table entry's block_k: the whole (padded) row is one key tile
 # A whole-row tile is tuned for short rows only; a longer row that borrows such an entry
 # (``_tuning.lookup``) takes this many keys per tile instead of a tile too large for registers.
@@ -66,7 +69,8 @@ class Config:
     whole rows as one tile; ``row`` unused). Rows of at most :data:`MAX_PER_HEAD_ROW` keys
     (the tuned table uses it up to 256).
   * ``"dl_gemm"``: the kernel writing ``dL`` (``dl``, :class:`DlConfig`; ``None``:
-    :func:`default_dl_config`), then two XLA GEMMs; ``row`` and ``col`` unused.
+    :func:`default_dl_config`), then two XLA GEMMs; ``row`` and ``col`` unused. Rows of at
+    most :data:`MAX_DL_ROW` keys.
   """
   row: PassConfig
   col: PassConfig
@@ -173,13 +177,16 @@ def table_entry(config: PassConfig, *, whole_row: bool = False) -> dict:
 
 
 def default_config(seq_q: int, seq_k: int, head_dim: int, dtype, device_kind=None,
-                   schemes=SCHEMES) -> Config:
+                   schemes=SCHEMES, *, causal: bool = False) -> Config:
   """The tuned config (bf16/fp16, D <= 128, on the device kind it was tuned on), else the
   heuristic.
 
   ``device_kind``: the kind of the device that runs the call (``None``: the heuristic). The
   table's scheme is used if it is in ``schemes`` (and ``per_head`` only for rows of at
-  most 256 keys), else its ``two_pass`` entry.
+  most 256 keys, and ``dl_gemm`` only dense (``causal=False``: its GEMMs cannot skip the
+  upper triangle, the two-pass kernels do) for rows of at most :data:`MAX_DL_ROW` keys),
+  else its ``two_pass`` entry. A ``dl_gemm`` entry carries its :class:`DlConfig` as ``dl``
+  (:func:`dl_config`; absent: :func:`default_dl_config`).
   """
   tuned = _tuning.lookup(_tuning.table(KERNEL, device_kind or ""), length_class(seq_k))
   if not tuned or jnp.dtype(dtype).itemsize > 2 or next_power_of_2(head_dim) > 128:
@@ -191,6 +198,6 @@ def default_config(seq_q: int, seq_k: int, head_dim: int, dtype, device_kind=Non
     head = pass_config(tuned["head"], seq_q, seq_k)
     return Config(head, head, "per_head")
   row, col = pass_config(tuned["row"], seq_q, seq_k), pass_config(tuned["col"], seq_q, seq_k)
-  if scheme == "dl_gemm" and scheme in schemes:
+  if scheme == "dl_gemm" and scheme in schemes and not causal and pk <= MAX_DL_ROW:
     return Config(row, col, "dl_gemm", dl_config(tuned.get("dl"), seq_k))
   return Config(row, col)

@@ -59,7 +59,8 @@ from pallas_kernels import _phase, _tuning, validation
 from pallas_kernels._util import (check_can_compile, compiler_params, dot,
                                   enable_load_cache_modifiers, next_power_of_2, out_struct,
                                   pallas_call)
-from pallas_kernels.qk_scale_softmax.config import (MAX_PER_HEAD_ROW, Config, DlConfig,
+from pallas_kernels.qk_scale_softmax.config import (MAX_DL_ROW, MAX_PER_HEAD_ROW, Config,
+                                                    DlConfig,
                                                     PassConfig, default_config,
                                                     default_dl_config)
 
@@ -686,6 +687,9 @@ def _backward(grad_output, query, key, attn_weights, scaling, *, causal, config,
   k = key.reshape(bh, seq_k, head_dim)
   scale = jnp.asarray(scaling, _F32).reshape(1)
   if config.scheme == "dl_gemm":
+    if next_power_of_2(seq_k) > MAX_DL_ROW:
+      raise ValueError(f"config.scheme: 'dl_gemm' holds whole rows in registers, rows of at "
+                       f"most {MAX_DL_ROW} keys; got key of shape {key.shape}")
     dl_cfg = config.dl or default_dl_config(seq_k)
     grad_query, grad_key = dl_gemm(scale, g, p, q, k, causal=causal, cfg=dl_cfg,
                                    interpret=interpret)
@@ -743,7 +747,7 @@ def qk_scale_softmax_backward(grad_output, query, key, attn_weights, scaling, *,
     device_kind = _tuning.device_kind_of(grad_output, query, key, attn_weights,
                                          interpret=interpret)
     config = default_config(query.shape[2], key.shape[2], query.shape[3], query.dtype,
-                            device_kind)
+                            device_kind, causal=causal)
   config = _tuning.with_overrides(config, block_q=block_q, block_k=block_k,
                                   num_warps=num_warps, num_stages=num_stages)
   return _backward(grad_output, query, key, attn_weights, scaling, causal=causal,

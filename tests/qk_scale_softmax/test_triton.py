@@ -148,6 +148,12 @@ def test_dl_pass_rounds_as_reference():
   np.testing.assert_array_equal(np.asarray(dirty, np.float32), np.asarray(want, np.float32))
 
 
+def test_dl_gemm_row_limit():
+  g, q, k, p = make_inputs(6, 1, 1, 1, qks.MAX_DL_ROW + 1, 16)
+  with pytest.raises(ValueError, match="config.scheme: 'dl_gemm'"):
+    qk_scale_softmax_backward(g, q, k, p, 0.5, config=DL_GEMM, interpret=INTERPRET)
+
+
 def test_dl_configs():
   """DlConfig names the bad field; default_dl_config and table entries give whole rows of
   at most 16384 elements per program."""
@@ -319,7 +325,7 @@ def test_default_config(device_kind):
 def test_tuned_table():
   """The H200 table holds only configs (named fields, whole-row tiles named), and the
   lookups give the entries' values: per_head with whole-row tiles for short rows, the
-  two-pass kernels (with their row_align) for long ones."""
+  two-pass kernels (with their row_align) for ragged ones, dL + GEMM for long aligned ones."""
   with open(_tuning.table_path(qks_config.KERNEL, "NVIDIA H200")) as f:
     data = json.load(f)
   assert set(data) == {"device_kind", "date", "jax", "configs"}
@@ -341,8 +347,15 @@ def test_tuned_table():
       qks.PassConfig(32, 256, 4, 1), qks.PassConfig(32, 128, 4, 3))
   assert h200(449, 449) == qks.Config(qks.PassConfig(32, 64, 4, 2, row_align=16),
                                       qks.PassConfig(64, 64, 4, 3))
-  assert h200(4096, 4096) == qks.Config(qks.PassConfig(32, 128, 4, 2),
-                                        qks.PassConfig(32, 64, 4, 3))
+  two_pass_4096 = qks.Config(qks.PassConfig(32, 128, 4, 2), qks.PassConfig(32, 64, 4, 3))
+  # Dense aligned rows of >= 512 keys: the dL + GEMM scheme; causal: the two-pass kernels
+  # (they skip the upper triangle), as for rows too long to hold in registers.
+  assert h200(4096, 4096) == dataclasses.replace(two_pass_4096, scheme="dl_gemm",
+                                                 dl=qks.default_dl_config(4096))
+  assert h200(4096, 4096, causal=True) == two_pass_4096
+  assert h200(4096, 4096, schemes=("two_pass",)) == two_pass_4096
+  assert h200(64, 1 << 15).scheme == "two_pass"
+  assert h200(512, 512).scheme == "dl_gemm" and h200(449, 449).scheme == "two_pass"
   # A whole-row entry used for rows longer than MAX_WHOLE_ROW keys (a class borrowing
   # another's entry, _tuning.lookup) takes LONG_ROW_BLOCK_K-key tiles instead.
   whole = {"block_q": 32, "block_k": qks.WHOLE_ROW, "num_warps": 4, "num_stages": 1}
