@@ -4,13 +4,14 @@ entry point's default kernels, on the benchmark workloads, in one run.
 Usage (on a GPU)::
 
     PYTHONPATH=. python3 -m benchmarks.c_dl_gemm [--workloads 0,1] [--dl 1/8,2/8,1/16]
-        [--calls 20] [--out DIR]
+        [--gemm 128/64/8/3:64/128/8/3] [--calls 20] [--out DIR]
 
 ``--dl``: ``rows/num_warps`` of the dL kernel (:class:`DlConfig`) per variant; ``dl`` alone
-is :func:`default_dl_config`. Every variant is checked against the reference with the
-workload's tolerance and timed as ``benchmarks.run`` times (device time, all kernels of a
-call, input sets rotated so L2 is cold). Prints one table; writes
-``<out>/c_dl_gemm.json``.
+is :func:`default_dl_config`. ``--gemm``: the default dL kernel, then the Triton GEMMs of
+:func:`pallas_triton.dl_matmul` (dQ's and dK's tiles) in place of XLA's. Every variant is
+checked against the reference with the workload's tolerance and timed as
+``benchmarks.run`` times (device time, all kernels of a call, input sets rotated so L2 is
+cold). Prints one table; writes ``<out>/c_dl_gemm.json``.
 """
 
 from __future__ import annotations
@@ -37,6 +38,31 @@ def dl_fn(dl, scale, dims):
   return jax.jit(lambda *a: pallas_triton.qk_scale_softmax_backward(*a, scale, config=config))
 
 
+def gemm_fn(gemm, scale, dims):
+  """The dL kernel (its default config) then :func:`pallas_triton.dl_matmul`'s Triton GEMMs
+  with ``gemm = (dq PassConfig, dk PassConfig)``."""
+  b, h, sq, sk, d = dims
+  dl = qks.default_dl_config(sk)
+  s = jax.numpy.full((1,), scale, jax.numpy.float32)
+
+  def fn(g, q, k, p):
+    dq, dk = pallas_triton.dl_gemm(s, g.reshape(b * h, sq, sk), p.reshape(b * h, sq, sk),
+                                   q.reshape(b * h, sq, d), k.reshape(b * h, sk, d), cfg=dl,
+                                   interpret=False, gemm=gemm)
+    return dq.reshape(q.shape), dk.reshape(k.shape)
+  return jax.jit(fn)
+
+
+def parse_gemms(text: str) -> dict:
+  """``"128/64/8/3:64/128/8/3,..."`` (dQ tiles ``block_q/block_k/warps/stages``, then dK's)
+  -> ``{"tg:<item>": (PassConfig, PassConfig)}``."""
+  out = {}
+  for item in (text.split(",") if text else []):
+    dq, dk = (qks.PassConfig(*map(int, part.split("/"))) for part in item.split(":"))
+    out[f"tg:{item}"] = (dq, dk)
+  return out
+
+
 def parse_dls(text: str) -> dict:
   """``"1/8,2/4"`` -> ``{"dl": None, "dl:1/8": DlConfig(1, 8), "dl:2/4": DlConfig(2, 4)}``
   (``"dl"``: the default, always first)."""
@@ -51,10 +77,14 @@ def main(argv=None):
   parser = argparse.ArgumentParser()
   parser.add_argument("--workloads", default=None)
   parser.add_argument("--dl", default="")
+  parser.add_argument("--gemm", default="",
+                      help="Triton GEMM variants: dq_cfg:dk_cfg,... each block_q/block_k/"
+                           "num_warps/num_stages")
   parser.add_argument("--calls", type=int, default=20)
   parser.add_argument("--out", default=".")
   args = parser.parse_args(argv)
   dls = parse_dls(args.dl)
+  gemms = parse_gemms(args.gemm)
   if no_gpu("timing kernel C's dL + GEMM scheme", "nothing timed"):
     return 2
   with open(os.path.join(run.HERE, "workloads.json")) as f:
@@ -75,11 +105,12 @@ def main(argv=None):
     sets = run.input_sets(lambda key: run._c_inputs(dims, False, key), i)
     floor_us = run._c_floor(w, c) / (ceiling["TBps"] * 1e6)
     refs = xla(*sets[0])
-    fns = {"entry": entry} | {n: dl_fn(d, scale, dims) for n, d in dls.items()}
+    fns = ({"entry": entry} | {n: dl_fn(d, scale, dims) for n, d in dls.items()}
+           | {n: gemm_fn(gm, scale, dims) for n, gm in gemms.items()})
     row = variants_table.check_and_time(label, w, floor_us, fns, sets, refs, calls=args.calls)
     row["kernels"] = qks.kernels_for(*sets[0], scale)
     rows_out.append(row)
-  variants_table.print_table(rows_out, ["entry", *dls])
+  variants_table.print_table(rows_out, ["entry", *dls, *gemms])
   with open(os.path.join(args.out, "c_dl_gemm.json"), "w") as f:
     json.dump({"date": datetime.date.today().isoformat(),
                "device": jax.devices()[0].device_kind, "jax": jax.__version__,

@@ -661,12 +661,88 @@ def dl_pass(scale, g, p, *, causal=False, cfg, interpret):
   )(scale, g, p)
 
 
-def dl_gemm(scale, g, p, q, k, *, causal=False, cfg, interpret):
+def _and_masks(*masks):
+  masks = [m for m in masks if m is not None]
+  out = masks[0] if masks else None
+  for m in masks[1:]:
+    out = out & m
+  return out
+
+
+def _dl_matmul_kernel(dl_ref, x_ref, o_ref, *, transpose: bool, seq_q: int, seq_k: int,
+                      head_dim: int, block_q: int, block_k: int):
+  """One output tile of ``dL @ K`` (``transpose=False``: ``block_q`` query rows, the loop
+  over key tiles) or ``dL^T @ Q`` (``block_k`` key rows, the loop over query tiles)."""
+  i, bh = pl.program_id(0), pl.program_id(1)
+  d_pad = _padded_head_dim(head_dim)
+  d_ok = None if d_pad == head_dim else (jnp.arange(d_pad, dtype=_I32) < head_dim)[None, :]
+  out_block, red_block = (block_k, block_q) if transpose else (block_q, block_k)
+  out_len, red_len = (seq_k, seq_q) if transpose else (seq_q, seq_k)
+
+  def ok(start, block, length):
+    if length % block == 0:
+      return None
+    return start + jnp.arange(block, dtype=_I32) < length
+
+  o0 = i * out_block
+  out_ok = ok(o0, out_block, out_len)
+
+  def body(j, acc):
+    r0 = j * red_block
+    red_ok = ok(r0, red_block, red_len)
+    if transpose:  # dL tile [red (queries), out (keys)]
+      idx = (bh, pl.ds(r0, red_block), pl.ds(o0, out_block))
+      a_mask = _and_masks(None if red_ok is None else red_ok[:, None],
+                          None if out_ok is None else out_ok[None, :])
+    else:  # dL tile [out (queries), red (keys)]
+      idx = (bh, pl.ds(o0, out_block), pl.ds(r0, red_block))
+      a_mask = _and_masks(None if out_ok is None else out_ok[:, None],
+                          None if red_ok is None else red_ok[None, :])
+    x_mask = _and_masks(None if red_ok is None else red_ok[:, None], d_ok)
+    a_fill = {} if a_mask is None else {"mask": a_mask, "other": 0.0}
+    x_fill = {} if x_mask is None else {"mask": x_mask, "other": 0.0}
+    a = pltriton.load(dl_ref.at[idx], **a_fill)
+    x = pltriton.load(x_ref.at[bh, pl.ds(r0, red_block), pl.ds(_ZERO, d_pad)], **x_fill)
+    return acc + dot(a, x, trans_a=transpose)
+
+  acc = _fori_loop(0, pl.cdiv(red_len, red_block), body,
+                   jnp.zeros((out_block, d_pad), _F32))
+  o_mask = _and_masks(None if out_ok is None else out_ok[:, None], d_ok)
+  o_fill = {} if o_mask is None else {"mask": o_mask}
+  pltriton.store(o_ref.at[bh, pl.ds(o0, out_block), pl.ds(_ZERO, d_pad)],
+                 acc.astype(o_ref.dtype), **o_fill)
+
+
+@functools.partial(jax.jit, static_argnames=("transpose", "cfg", "interpret"))
+def dl_matmul(dl, x, *, transpose: bool, cfg: PassConfig, interpret):
+  """``dL @ K`` (``transpose=False``, ``x = K [B*H, Sk, D]``: ``grad_query``) or
+  ``dL^T @ Q`` (``transpose=True``, ``x = Q [B*H, Sq, D]``: ``grad_key``) from
+  ``dL [B*H, Sq, Sk]``, as a Triton kernel: ``cfg.block_q`` x ``cfg.block_k`` tiles of
+  ``dL``, fp32 accumulation, the output rounded once."""
+  bh, seq_q, seq_k = dl.shape
+  head_dim = x.shape[-1]
+  out_len, block = (seq_k, cfg.block_k) if transpose else (seq_q, cfg.block_q)
+  return pallas_call(
+      functools.partial(_dl_matmul_kernel, transpose=transpose, seq_q=seq_q, seq_k=seq_k,
+                        head_dim=head_dim, block_q=cfg.block_q, block_k=cfg.block_k),
+      out_shape=out_struct((bh, out_len, head_dim), x.dtype, dl, x),
+      grid=(pl.cdiv(out_len, block), bh),
+      compiler_params=compiler_params(cfg.num_warps, cfg.num_stages),
+      interpret=interpret,
+      name="qk_scale_softmax_bwd_dl_dk" if transpose else "qk_scale_softmax_bwd_dl_dq",
+  )(dl, x)
+
+
+def dl_gemm(scale, g, p, q, k, *, causal=False, cfg, interpret, gemm=None):
   """The ``"dl_gemm"`` scheme on 3D views: ``dL`` from :func:`dl_pass`, then ``grad_query =
-  dL @ K`` and ``grad_key = dL^T @ Q`` as XLA batched GEMMs (cuBLAS on a GPU; fp32
-  accumulation, rounded to the input dtype once). 10 B per element in bf16: ``g`` and ``P``
-  read (4), ``dL`` written (2) and read by each GEMM (4)."""
+  dL @ K`` and ``grad_key = dL^T @ Q`` as XLA batched GEMMs (XLA picks their kernels; fp32
+  accumulation, rounded to the input dtype once), or with ``gemm = (dq_cfg, dk_cfg)``
+  (:class:`PassConfig`) as the Triton kernels of :func:`dl_matmul`. 10 B per element in
+  bf16: ``g`` and ``P`` read (4), ``dL`` written (2) and read by each GEMM (4)."""
   dl = dl_pass(scale, g, p, causal=causal, cfg=cfg, interpret=interpret)
+  if gemm is not None:  # Triton GEMMs: (dQ config, dK config)
+    return (dl_matmul(dl, k, transpose=False, cfg=gemm[0], interpret=interpret),
+            dl_matmul(dl, q, transpose=True, cfg=gemm[1], interpret=interpret))
   dq = jnp.einsum("bqk,bkd->bqd", dl, k, preferred_element_type=_F32).astype(q.dtype)
   dk = jnp.einsum("bqk,bqd->bkd", dl, q, preferred_element_type=_F32).astype(k.dtype)
   return dq, dk
