@@ -148,6 +148,49 @@ def test_dl_pass_rounds_as_reference():
   np.testing.assert_array_equal(np.asarray(dirty, np.float32), np.asarray(want, np.float32))
 
 
+@pytest.mark.parametrize("bh, sq, sk, d, cfg", [
+    (2, 33, 131, 40, qks.PassConfig(16, 32, 4, 2)), (1, 64, 64, 64, qks.PassConfig(16, 16, 4, 2)),
+    (1, 7, 293, 128, qks.PassConfig(32, 64, 4, 2))])
+def test_dl_matmul(bh, sq, sk, d, cfg):
+  """The Triton GEMMs from dL match XLA's fp32-accumulated GEMMs (ragged tiles on both
+  axes, D padding, aligned tiles without masks)."""
+  ks = jax.random.split(jax.random.key(15), 3)
+  dl, q, k = (jax.random.normal(kk, shape, jnp.float32).astype(jnp.bfloat16) for kk, shape in
+              zip(ks, ((bh, sq, sk), (bh, sq, d), (bh, sk, d))))
+  f32 = jnp.float32
+  want_q = jnp.einsum("bqk,bkd->bqd", dl, k, preferred_element_type=f32)
+  want_k = jnp.einsum("bqk,bqd->bkd", dl, q, preferred_element_type=f32)
+  for got, want in ((pallas_triton.dl_matmul(dl, k, transpose=False, cfg=cfg,
+                                             interpret=INTERPRET), want_q),
+                    (pallas_triton.dl_matmul(dl, q, transpose=True, cfg=cfg,
+                                             interpret=INTERPRET), want_k)):
+    assert got.shape == want.shape and got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, f32), np.asarray(want, f32),
+                               atol=1e-2 * float(jnp.abs(want).max()), rtol=1e-2)
+
+
+@pytest.mark.parametrize("sq, sk, d", [(131, 300, 64), (256, 512, 128)])
+def test_dl_matmul_lowers_to_triton(pretend_h200, sq, sk, d):
+  """Both Triton GEMMs lower for a GPU, ragged (masked) and aligned (unmasked)."""
+  cfg = qks.PassConfig(64, 64, 4, 3)
+  shapes = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((2, sq, sk), (2, sk, d), (2, sq, d))]
+  gemms = lambda dl, k, q, _: (pallas_triton.dl_matmul(dl, k, transpose=False, cfg=cfg,
+                                                       interpret=False),
+                               pallas_triton.dl_matmul(dl, q, transpose=True, cfg=cfg,
+                                                       interpret=False))
+  assert triton_calls_in_gpu_lowering(gemms, shapes) == 2
+
+
+def test_dl_gemm_with_triton_gemms():
+  g, q, k, p = make_inputs(16, 1, 2, 33, 131, 64)
+  v = lambda x: x.reshape((2,) + x.shape[2:])
+  cfg = qks.PassConfig(16, 32, 4, 2)
+  got = pallas_triton.dl_gemm(jnp.full((1,), 0.125, jnp.float32), v(g), v(p), v(q), v(k),
+                              cfg=qks.DlConfig(2, 4), interpret=INTERPRET, gemm=(cfg, cfg))
+  for o, r in zip(got, reference(g, q, k, p, 0.125)):
+    assert_close_to_ref("triton gemms", o.reshape(r.shape), r)
+
+
 def test_dl_gemm_row_limit():
   g, q, k, p = make_inputs(6, 1, 1, 1, qks.MAX_DL_ROW + 1, 16)
   with pytest.raises(ValueError, match="config.scheme: 'dl_gemm'"):
