@@ -4,7 +4,7 @@ entry point's default kernels, on the benchmark workloads, in one run.
 Usage (on a GPU)::
 
     PYTHONPATH=. python3 -m benchmarks.c_dl_gemm [--workloads 0,1] [--dl 1/8,2/8,1/16]
-        [--gemm 128/64/8/3:64/128/8/3] [--calls 20] [--out DIR]
+        [--gemm 128/64/8/3:64/128/8/3] [--causal] [--calls 20] [--out DIR]
 
 ``--dl``: ``rows/num_warps`` of the dL kernel (:class:`DlConfig`) per variant; ``dl`` alone
 is :func:`default_dl_config`. ``--gemm``: the default dL kernel, then the Triton GEMMs of
@@ -30,15 +30,16 @@ from pallas_kernels import qk_scale_softmax as qks
 from pallas_kernels.qk_scale_softmax import pallas_triton
 
 
-def dl_fn(dl, scale, dims):
+def dl_fn(dl, scale, dims, causal=False):
   """The entry point with the dL + GEMM scheme (``dl``: a DlConfig or ``None``)."""
   _, _, sq, sk, d = dims
   base = qks.default_config(sq, sk, d, "bfloat16")
   config = qks.Config(base.row, base.col, "dl_gemm", dl)
-  return jax.jit(lambda *a: pallas_triton.qk_scale_softmax_backward(*a, scale, config=config))
+  return jax.jit(lambda *a: pallas_triton.qk_scale_softmax_backward(*a, scale, causal=causal,
+                                                                    config=config))
 
 
-def gemm_fn(gemm, scale, dims):
+def gemm_fn(gemm, scale, dims, causal=False):
   """The dL kernel (its default config) then :func:`pallas_triton.dl_matmul`'s Triton GEMMs
   with ``gemm = (dq PassConfig, dk PassConfig)``."""
   b, h, sq, sk, d = dims
@@ -47,8 +48,8 @@ def gemm_fn(gemm, scale, dims):
 
   def fn(g, q, k, p):
     dq, dk = pallas_triton.dl_gemm(s, g.reshape(b * h, sq, sk), p.reshape(b * h, sq, sk),
-                                   q.reshape(b * h, sq, d), k.reshape(b * h, sk, d), cfg=dl,
-                                   interpret=False, gemm=gemm)
+                                   q.reshape(b * h, sq, d), k.reshape(b * h, sk, d),
+                                   causal=causal, cfg=dl, interpret=False, gemm=gemm)
     return dq.reshape(q.shape), dk.reshape(k.shape)
   return jax.jit(fn)
 
@@ -80,6 +81,8 @@ def main(argv=None):
   parser.add_argument("--gemm", default="",
                       help="Triton GEMM variants: dq_cfg:dk_cfg,... each block_q/block_k/"
                            "num_warps/num_stages")
+  parser.add_argument("--causal", action="store_true",
+                      help="a causal P, on the square workloads (c_dl_gemm_causal.json)")
   parser.add_argument("--calls", type=int, default=20)
   parser.add_argument("--out", default=".")
   args = parser.parse_args(argv)
@@ -95,26 +98,31 @@ def main(argv=None):
   print(f"copy ceiling {ceiling['TBps']:.3f} TB/s", flush=True)
   idx = (range(len(spec["workloads"])) if args.workloads is None
          else [int(i) for i in args.workloads.split(",")])
-  entry = jax.jit(lambda *a: qks.qk_scale_softmax_backward(*a, scale))
+  causal = args.causal
+  entry = jax.jit(lambda *a: qks.qk_scale_softmax_backward(*a, scale, causal=causal))
   xla = jax.jit(lambda *a: reference.qk_scale_softmax_backward_reference(*a, scale))
   rows_out = []
   for i in idx:
     w = spec["workloads"][i]
     dims = run._c_dims(w, c)
-    label = run._c_problem(False).label(w)
-    sets = run.input_sets(lambda key: run._c_inputs(dims, False, key), i)
-    floor_us = run._c_floor(w, c) / (ceiling["TBps"] * 1e6)
+    if causal and dims[2] != dims[3]:
+      continue
+    label = run._c_problem(causal).label(w)
+    sets = run.input_sets(lambda key: run._c_inputs(dims, causal, key), i)
+    floor_us = run._c_floor(w, c, causal=causal) / (ceiling["TBps"] * 1e6)
     refs = xla(*sets[0])
-    fns = ({"entry": entry} | {n: dl_fn(d, scale, dims) for n, d in dls.items()}
-           | {n: gemm_fn(gm, scale, dims) for n, gm in gemms.items()})
+    fns = ({"entry": entry} | {n: dl_fn(d, scale, dims, causal) for n, d in dls.items()}
+           | {n: gemm_fn(gm, scale, dims, causal) for n, gm in gemms.items()})
     row = variants_table.check_and_time(label, w, floor_us, fns, sets, refs, calls=args.calls)
-    row["kernels"] = qks.kernels_for(*sets[0], scale)
+    row["kernels"] = qks.kernels_for(*sets[0], scale, causal=causal)
     rows_out.append(row)
   variants_table.print_table(rows_out, ["entry", *dls, *gemms])
-  with open(os.path.join(args.out, "c_dl_gemm.json"), "w") as f:
+  name = "c_dl_gemm_causal.json" if causal else "c_dl_gemm.json"
+  with open(os.path.join(args.out, name), "w") as f:
     json.dump({"date": datetime.date.today().isoformat(),
                "device": jax.devices()[0].device_kind, "jax": jax.__version__,
-               "commit": run._commit(), "ceiling": ceiling, "rows": rows_out}, f, indent=1)
+               "commit": run._commit(), "causal": causal, "ceiling": ceiling,
+               "rows": rows_out}, f, indent=1)
   return 0
 
 

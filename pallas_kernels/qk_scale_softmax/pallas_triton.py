@@ -669,10 +669,11 @@ def _and_masks(*masks):
   return out
 
 
-def _dl_matmul_kernel(dl_ref, x_ref, o_ref, *, transpose: bool, seq_q: int, seq_k: int,
-                      head_dim: int, block_q: int, block_k: int):
+def _dl_matmul_kernel(dl_ref, x_ref, o_ref, *, transpose: bool, causal: bool, seq_q: int,
+                      seq_k: int, head_dim: int, block_q: int, block_k: int):
   """One output tile of ``dL @ K`` (``transpose=False``: ``block_q`` query rows, the loop
-  over key tiles) or ``dL^T @ Q`` (``block_k`` key rows, the loop over query tiles)."""
+  over key tiles) or ``dL^T @ Q`` (``block_k`` key rows, the loop over query tiles).
+  Causal: only the tiles that meet the diagonal's lower side (``dL`` is 0 above it)."""
   i, bh = pl.program_id(0), pl.program_id(1)
   d_pad = _padded_head_dim(head_dim)
   d_ok = None if d_pad == head_dim else (jnp.arange(d_pad, dtype=_I32) < head_dim)[None, :]
@@ -705,25 +706,32 @@ def _dl_matmul_kernel(dl_ref, x_ref, o_ref, *, transpose: bool, seq_q: int, seq_
     x = pltriton.load(x_ref.at[bh, pl.ds(r0, red_block), pl.ds(_ZERO, d_pad)], **x_fill)
     return acc + dot(a, x, trans_a=transpose)
 
-  acc = _fori_loop(0, pl.cdiv(red_len, red_block), body,
-                   jnp.zeros((out_block, d_pad), _F32))
+  lo, hi = 0, pl.cdiv(red_len, red_block)
+  if causal and transpose:
+    lo = _col_first_q_tile(i, seq_q, seq_k, block_q, block_k)
+  elif causal:
+    hi = _row_num_k_tiles(i, seq_q, seq_k, block_q, block_k)
+  acc = _fori_loop(lo, hi, body, jnp.zeros((out_block, d_pad), _F32))
   o_mask = _and_masks(None if out_ok is None else out_ok[:, None], d_ok)
   o_fill = {} if o_mask is None else {"mask": o_mask}
   pltriton.store(o_ref.at[bh, pl.ds(o0, out_block), pl.ds(_ZERO, d_pad)],
                  acc.astype(o_ref.dtype), **o_fill)
 
 
-@functools.partial(jax.jit, static_argnames=("transpose", "cfg", "interpret"))
-def dl_matmul(dl, x, *, transpose: bool, cfg: PassConfig, interpret):
+@functools.partial(jax.jit, static_argnames=("transpose", "causal", "cfg", "interpret"))
+def dl_matmul(dl, x, *, transpose: bool, causal: bool = False, cfg: PassConfig, interpret):
   """``dL @ K`` (``transpose=False``, ``x = K [B*H, Sk, D]``: ``grad_query``) or
   ``dL^T @ Q`` (``transpose=True``, ``x = Q [B*H, Sq, D]``: ``grad_key``) from
   ``dL [B*H, Sq, Sk]``, as a Triton kernel: ``cfg.block_q`` x ``cfg.block_k`` tiles of
-  ``dL``, fp32 accumulation, the output rounded once."""
+  ``dL``, fp32 accumulation, the output rounded once. ``causal``: ``dL`` is 0 above the
+  causal diagonal (:func:`dl_pass` writes it so) and the tiles wholly above it are
+  skipped."""
   bh, seq_q, seq_k = dl.shape
   head_dim = x.shape[-1]
   out_len, block = (seq_k, cfg.block_k) if transpose else (seq_q, cfg.block_q)
   return pallas_call(
-      functools.partial(_dl_matmul_kernel, transpose=transpose, seq_q=seq_q, seq_k=seq_k,
+      functools.partial(_dl_matmul_kernel, transpose=transpose, causal=causal,
+                        seq_q=seq_q, seq_k=seq_k,
                         head_dim=head_dim, block_q=cfg.block_q, block_k=cfg.block_k),
       out_shape=out_struct((bh, out_len, head_dim), x.dtype, dl, x),
       grid=(pl.cdiv(out_len, block), bh),
@@ -741,8 +749,8 @@ def dl_gemm(scale, g, p, q, k, *, causal=False, cfg, interpret, gemm=None):
   bf16: ``g`` and ``P`` read (4), ``dL`` written (2) and read by each GEMM (4)."""
   dl = dl_pass(scale, g, p, causal=causal, cfg=cfg, interpret=interpret)
   if gemm is not None:  # Triton GEMMs: (dQ config, dK config)
-    return (dl_matmul(dl, k, transpose=False, cfg=gemm[0], interpret=interpret),
-            dl_matmul(dl, q, transpose=True, cfg=gemm[1], interpret=interpret))
+    return (dl_matmul(dl, k, transpose=False, causal=causal, cfg=gemm[0], interpret=interpret),
+            dl_matmul(dl, q, transpose=True, causal=causal, cfg=gemm[1], interpret=interpret))
   dq = jnp.einsum("bqk,bkd->bqd", dl, k, preferred_element_type=_F32).astype(q.dtype)
   dk = jnp.einsum("bqk,bqd->bkd", dl, q, preferred_element_type=_F32).astype(k.dtype)
   return dq, dk

@@ -181,12 +181,17 @@ def test_dl_matmul_lowers_to_triton(pretend_h200, sq, sk, d):
   assert triton_calls_in_gpu_lowering(gemms, shapes) == 2
 
 
-def test_dl_gemm_with_triton_gemms():
-  g, q, k, p = make_inputs(16, 1, 2, 33, 131, 64)
+@pytest.mark.parametrize("causal, sq, sk", [(False, 33, 131), (True, 131, 131), (True, 33, 131),
+                                             (True, 131, 33)])
+def test_dl_gemm_with_triton_gemms(causal, sq, sk):
+  """dL, then the Triton GEMMs; causal skips tiles above the diagonal (Sq != Sk both ways,
+  rows with no keys)."""
+  g, q, k, p = make_inputs(16, 1, 2, sq, sk, 64, causal=causal)
   v = lambda x: x.reshape((2,) + x.shape[2:])
   cfg = qks.PassConfig(16, 32, 4, 2)
   got = pallas_triton.dl_gemm(jnp.full((1,), 0.125, jnp.float32), v(g), v(p), v(q), v(k),
-                              cfg=qks.DlConfig(2, 4), interpret=INTERPRET, gemm=(cfg, cfg))
+                              causal=causal, cfg=qks.DlConfig(2, 4), interpret=INTERPRET,
+                              gemm=(cfg, dataclasses.replace(cfg, block_q=32, block_k=16)))
   for o, r in zip(got, reference(g, q, k, p, 0.125)):
     assert_close_to_ref("triton gemms", o.reshape(r.shape), r)
 
