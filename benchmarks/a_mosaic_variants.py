@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import run, variants_table
-from benchmarks.timing import copy_ceiling
 from jax_ops import reference
 from pallas_kernels.attention_softmax_dropout_value import pallas_mosaic_gpu as mg
 from pallas_kernels.attention_softmax_dropout_value import pallas_triton
@@ -81,14 +80,10 @@ def main(argv=None):
   parser.add_argument("--calls", type=int, default=20)
   parser.add_argument("--out", default=".")
   args = parser.parse_args(argv)
-  with open(os.path.join(run.HERE, "workloads.json")) as f:
-    spec = json.load(f)["attention_softmax_dropout_value_backward"]
+  spec, idx, ceiling = variants_table.setup("attention_softmax_dropout_value_backward",
+                                            args.workloads)
   c = spec["constants"]
   rate = c["attention_dropout"]
-  ceiling = copy_ceiling()
-  print(f"copy ceiling {ceiling['TBps']:.3f} TB/s", flush=True)
-  idx = (range(len(spec["workloads"])) if args.workloads is None
-         else [int(i) for i in args.workloads.split(",")])
   triton = jax.jit(lambda *a: pallas_triton.attention_softmax_dropout_value_backward(*a, rate))
   xla = jax.jit(lambda *a: reference.attention_softmax_dropout_value_backward_reference(*a, rate))
   rows = []

@@ -24,7 +24,7 @@ import os
 import jax
 
 from benchmarks import run, variants_table
-from benchmarks.timing import copy_ceiling, no_gpu
+from benchmarks.timing import no_gpu
 from jax_ops import reference
 from pallas_kernels import qk_scale_softmax as qks
 from pallas_kernels.qk_scale_softmax import pallas_triton
@@ -90,14 +90,9 @@ def main(argv=None):
   gemms = parse_gemms(args.gemm)
   if no_gpu("timing kernel C's dL + GEMM scheme", "nothing timed"):
     return 2
-  with open(os.path.join(run.HERE, "workloads.json")) as f:
-    spec = json.load(f)["qk_scale_softmax_backward"]
+  spec, idx, ceiling = variants_table.setup("qk_scale_softmax_backward", args.workloads)
   c = spec["constants"]
   scale = c["scaling"]
-  ceiling = copy_ceiling()
-  print(f"copy ceiling {ceiling['TBps']:.3f} TB/s", flush=True)
-  idx = (range(len(spec["workloads"])) if args.workloads is None
-         else [int(i) for i in args.workloads.split(",")])
   causal = args.causal
   entry = jax.jit(lambda *a: qks.qk_scale_softmax_backward(*a, scale, causal=causal))
   xla = jax.jit(lambda *a: reference.qk_scale_softmax_backward_reference(*a, scale))

@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import run, variants_table
-from benchmarks.timing import copy_ceiling
 from jax_ops import reference
 from pallas_kernels.qk_scale_softmax import pallas_mosaic_gpu as mg
 from pallas_kernels.qk_scale_softmax import pallas_triton
@@ -53,14 +52,9 @@ def main(argv=None):
   parser.add_argument("--calls", type=int, default=20)
   parser.add_argument("--out", default=".")
   args = parser.parse_args(argv)
-  with open(os.path.join(run.HERE, "workloads.json")) as f:
-    spec = json.load(f)["qk_scale_softmax_backward"]
+  spec, idx, ceiling = variants_table.setup("qk_scale_softmax_backward", args.workloads)
   c = spec["constants"]
   scale = c["scaling"]
-  ceiling = copy_ceiling()
-  print(f"copy ceiling {ceiling['TBps']:.3f} TB/s", flush=True)
-  idx = (range(len(spec["workloads"])) if args.workloads is None
-         else [int(i) for i in args.workloads.split(",")])
   triton = jax.jit(lambda *a: pallas_triton.qk_scale_softmax_backward(*a, scale))
   xla = jax.jit(lambda *a: reference.qk_scale_softmax_backward_reference(*a, scale))
   variants = args.variants.split(",")

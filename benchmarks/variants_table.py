@@ -1,15 +1,30 @@
-"""What the variant scripts (``a_mosaic_variants``, ``c_mosaic_variants``) share: checking
-and timing a workload's variants, and the table they print (per workload, each variant's
+"""What the variant scripts (``a_mosaic_variants``, ``c_mosaic_variants``, ``c_dl_gemm``)
+share: their workloads and copy ceiling, checking and timing a workload's variants, and the table they print (per workload, each variant's
 fraction of the floor and time; a variant that missed the tolerance on a workload is marked
 ``FAIL`` there and left out of its geomean)."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import traceback
 
 from benchmarks import run
-from benchmarks.timing import device_times_us
+from benchmarks.timing import copy_ceiling, device_times_us
+
+
+def setup(problem: str, workloads: str | None):
+  """``(spec, indices, ceiling)``: ``problem``'s entry of ``workloads.json``, the workload
+  indices named by ``workloads`` (``"0,3"``; ``None``: all) and this GPU's copy ceiling
+  (printed)."""
+  with open(os.path.join(run.HERE, "workloads.json")) as f:
+    spec = json.load(f)[problem]
+  ceiling = copy_ceiling()
+  print(f"copy ceiling {ceiling['TBps']:.3f} TB/s", flush=True)
+  idx = (range(len(spec["workloads"])) if workloads is None
+         else [int(i) for i in workloads.split(",")])
+  return spec, idx, ceiling
 
 
 def check_and_time(label, w, floor_us, fns, sets, refs, *, calls, checked=lambda name: True):
