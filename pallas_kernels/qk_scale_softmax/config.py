@@ -113,11 +113,12 @@ def default_dl_config(seq_k: int) -> DlConfig:
 def dl_config(entry: dict | None, seq_k: int) -> DlConfig:
   """A table entry's ``dl`` field (``{"rows": r, "num_warps": w}``; ``None``: the default)
   as a :class:`DlConfig` for rows of ``seq_k`` keys; ``rows`` is capped so that a program
-  holds at most 16384 elements."""
+  holds at most 8192 elements (2 rows of 4096 keys ran at full speed; 8 rows of 4096 keys on
+  4 warps ran 7.8x slower)."""
   if entry is None:
     return default_dl_config(seq_k)
   width = max(16, next_power_of_2(seq_k))
-  return DlConfig(rows=max(1, min(int(entry["rows"]), (1 << 14) // width)),
+  return DlConfig(rows=max(1, min(int(entry["rows"]), (1 << 13) // width)),
                   num_warps=int(entry["num_warps"]))
 
 

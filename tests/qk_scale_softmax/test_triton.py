@@ -204,7 +204,7 @@ def test_dl_gemm_row_limit():
 
 def test_dl_configs():
   """DlConfig names the bad field; default_dl_config and table entries give whole rows of
-  at most 16384 elements per program."""
+  at most 8192 elements per program."""
   for bad in (dict(rows=3), dict(rows=0), dict(num_warps=32), dict(rows=True),
               dict(num_warps=2.0)):
     with pytest.raises(ValueError, match=f"config.dl.{next(iter(bad))}"):
@@ -215,7 +215,7 @@ def test_dl_configs():
   assert qks.default_dl_config(4096) == qks.DlConfig(1, 8)
   assert qks.default_dl_config(8193) == qks.DlConfig(1, 16)
   assert qks.dl_config(None, 300) == qks.default_dl_config(300)
-  assert qks.dl_config({"rows": 64, "num_warps": 4}, 1024) == qks.DlConfig(16, 4)
+  assert qks.dl_config({"rows": 64, "num_warps": 4}, 1024) == qks.DlConfig(8, 4)
   with pytest.raises(ValueError, match="config.dl.num_warps"):
     qks.dl_config({"rows": 1, "num_warps": 3}, 1024)
 
