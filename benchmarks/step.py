@@ -153,7 +153,7 @@ OPT_IN = {
                       "jax_ops.attention_value.pallas_triton", {}),
     ("A", "triton_seeds"): ("attention_softmax_dropout_value", "triton_seeds",
                             "jax_ops.attention_value.pallas_triton", {"keep": "seeds"}),
-    # Op C's Triton backend with its dL + GEMM scheme on every row length.
+    # Op C's Triton backend with its dL + GEMM scheme on every row length it takes.
     ("C", "dl_gemm"): ("qk_scale_softmax", "triton_dl_gemm", "jax_ops.qk_softmax.pallas_triton",
                        {"scheme": "dl_gemm"}),
 }
@@ -274,7 +274,7 @@ def main(argv=None):
                            "(step_a_mosaic_forward.*)")
   parser.add_argument("--c-scheme", choices=("default", "dl_gemm"), default="default",
                       help="op C's Pallas path: the default backend, or its Triton backend "
-                           "with the dL + GEMM scheme on every row length (results go to "
+                           "with the dL + GEMM scheme on all rows of <= 16384 keys (results go to "
                            "step_c_dl_gemm.*)")
   parser.add_argument("--profile", action="store_true",
                       help="instead of the table: where each chosen step's device time goes on "

@@ -147,13 +147,14 @@ def check_can_compile(entry_point: str, interpret: bool, *arrays) -> None:
         f"Pallas interpreter (slow; for tests)")
 
 
-def enable_load_cache_modifiers(what: str = "cache_modifier"):
+def enable_load_cache_modifiers(what: str = "cache_modifier", hint: str = ""):
   """Makes ``pltriton.load(cache_modifier=".ca" | ".cg")`` lower (jax 0.11.2).
 
   The Triton lowering accepts exactly those two strings, then looks them up in a table
   keyed by the dialect's names (``"ca"``, ``"cg"``): a ``KeyError`` for any modifier. This
   adds the dotted keys (idempotent; nothing else changes). Kernels that load with a cache
-  modifier call it before lowering; ``what`` names the setting in the error if it cannot.
+  modifier call it before lowering; ``what`` names the setting in the error if it cannot,
+  ``hint`` says what to do instead.
   """
   try:
     from jax._src.pallas.triton import lowering
@@ -161,7 +162,7 @@ def enable_load_cache_modifiers(what: str = "cache_modifier"):
   except (ImportError, AttributeError) as e:  # internals moved: say which config needs it
     raise NotImplementedError(
         f"{what}: this jax's Triton lowering has no cache modifier table to extend ({e})"
-        ) from e
+        + (f"; {hint}" if hint else "")) from e
   for name in (".ca", ".cg"):
     if name not in names and name[1:] in names:
       names[name] = names[name[1:]]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from pallas_kernels import _tuning
 from pallas_kernels import qk_scale_softmax as kernels
 from pallas_kernels._util import device_of, is_hopper
 from pallas_kernels.qk_scale_softmax import forward as forward_kernel
@@ -65,8 +66,9 @@ def pallas_forward(query, key, scaling, *, causal=False, interpret=False, forwar
 class QKSoftmaxTriton(backend.TritonBackend):
   """The op's Triton backend (name, devices and priority from the base class).
   ``forward``: which fused forward kernel it runs (:data:`FORWARDS`; ``"auto"``: as
-  :func:`forward_kernel_for` picks). ``scheme``: the backward's scheme on every problem
-  (``None``: the default config's; ``"dl_gemm"`` takes :func:`kernels.default_dl_config`)."""
+  :func:`forward_kernel_for` picks). ``scheme``: the backward's scheme on every problem it
+  takes (``None``: the default config's; ``"dl_gemm"`` takes rows of at most
+  :data:`kernels.MAX_DL_ROW` keys, ``"per_head"`` of at most ``MAX_PER_HEAD_ROW``)."""
 
   def __init__(self, name: str | None = None, forward: str = "auto", scheme: str | None = None):
     if forward not in FORWARDS:
@@ -79,11 +81,34 @@ class QKSoftmaxTriton(backend.TritonBackend):
     self.scheme = scheme
 
   def config(self, problem):
-    """The kernels' default config for this problem on its device."""
+    """The kernels' config for this problem on its device (the one :meth:`backward` runs)."""
     _, _, sq, d = problem.shape("query")
     sk = problem.shape("key")[2]
-    kind = self.device_kind(problem)
-    return kernels.default_config(sq, sk, d, problem.dtype, kind, causal=problem.causal)
+    return self._config(sq, sk, d, problem.dtype, self.device_kind(problem), problem.causal)
+
+  def _config(self, sq, sk, d, dtype, kind, causal):
+    """The default config, or with :attr:`scheme` set the tuned config of that scheme with
+    the scheme forced (its own defaults where the table has no entry of it)."""
+    if self.scheme is None:
+      return kernels.default_config(sq, sk, d, dtype, kind, causal=causal)
+    config = kernels.default_config(sq, sk, d, dtype, kind, schemes=(self.scheme,))
+    return dataclasses.replace(config, scheme=self.scheme)
+
+  def supports(self, problem):
+    return self.reason(problem) is None
+
+  def unsupported_reason(self, problem):
+    return f"the Triton kernels with scheme {self.scheme!r} do not take {self.reason(problem)}"
+
+  def reason(self, problem) -> str | None:
+    """What of ``problem`` a forced :attr:`scheme` does not take (``None``: it takes it)."""
+    sk = problem.shape("key")[2]
+    width = max(16, 1 << max(0, sk - 1).bit_length())
+    limit = {"dl_gemm": kernels.MAX_DL_ROW, "per_head": kernels.MAX_PER_HEAD_ROW}.get(
+        self.scheme)
+    if limit is not None and width > limit:
+      return f"rows of {sk} keys (key.shape[2]; at most {limit})"
+    return None
 
   def forward(self, query, key, scaling, *, causal=False, interpret=False):
     """The op's forward: the fused forward kernel (:func:`pallas_forward`)."""
@@ -94,15 +119,12 @@ class QKSoftmaxTriton(backend.TritonBackend):
                interpret=False):
     config = None
     if self.scheme is not None:
-      config = dataclasses.replace(self.config_for(query, key), scheme=self.scheme)
+      kind = _tuning.device_kind_of(grad_output, query, key, attn_weights, interpret=interpret)
+      config = self._config(query.shape[2], key.shape[2], query.shape[3], query.dtype, kind,
+                            causal)
     return pallas_triton.qk_scale_softmax_backward(
         grad_output, query, key, attn_weights, scaling, causal=causal, config=config,
         interpret=interpret)
-
-  def config_for(self, query, key):
-    """The default config of the kernels for these arrays' shapes (untuned: the heuristic,
-    the scheme's own defaults)."""
-    return kernels.default_config(query.shape[2], key.shape[2], query.shape[3], query.dtype)
 
 
 BACKEND = QKSoftmaxTriton()

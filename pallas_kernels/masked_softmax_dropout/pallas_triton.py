@@ -377,7 +377,8 @@ def _call(grad_output, p_attn, mask, dropout_mask, p_dropout, *, dropout: Dropou
   b, h, seq_q, seq_k = p_attn.shape
   config = dataclasses.replace(config, heads_per_program=min(config.heads_per_program, h))
   if config.uses_cache_modifiers:
-    _util.enable_load_cache_modifiers("config.stream_cache / config.mask_cache")
+    _util.enable_load_cache_modifiers("config.stream_cache / config.mask_cache",
+                                      "use None")
   kernel = functools.partial(_kernel, num_heads=h, seq_q=seq_q, seq_k=seq_k, config=config,
                              dropout=dropout, hashed=hashed, from_scores=from_scores)
   args = [grad_output.reshape(b * h, seq_q, seq_k), p_attn.reshape(b * h, seq_q, seq_k),

@@ -7,7 +7,10 @@ kernels of ``pallas_triton.py`` elsewhere); ``config.py``: the Triton launch con
 """
 
 from pallas_kernels.qk_scale_softmax.config import (
+    DL_TUNED_MAX_ROW,
+    MAX_DL_ELEMENTS,
     MAX_DL_ROW,
+    MAX_PER_HEAD_ROW,
     SCHEMES,
     WHOLE_ROW,
     Config,
@@ -39,6 +42,9 @@ __all__ = [
     "PassConfig",
     "SCHEMES",
     "MAX_DL_ROW",
+    "MAX_DL_ELEMENTS",
+    "DL_TUNED_MAX_ROW",
+    "MAX_PER_HEAD_ROW",
     "WHOLE_ROW",
     "default_config",
     "default_dl_config",

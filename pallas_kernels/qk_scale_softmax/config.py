@@ -29,8 +29,12 @@ KERNEL = "qk_scale_softmax"  # the tuned table's file name
 
 SCHEMES = ("two_pass", "per_head", "dl_gemm")
 
-# The "dl_gemm" scheme holds whole (padded) rows in registers: rows of at most this many keys.
+# The "dl_gemm" scheme holds whole (padded) rows in registers: rows of at most this many keys,
+# at most MAX_DL_ELEMENTS elements per program; the tuned table takes it for rows of at most
+# DL_TUNED_MAX_ROW keys (the lengths measured).
 MAX_DL_ROW = 1 << 14
+MAX_DL_ELEMENTS = 1 << 16
+DL_TUNED_MAX_ROW = 4096
 
 WHOLE_ROW = "row"  # a table entry's block_k: the whole (padded) row is one key tile
 # A whole-row tile is tuned for short rows only; a longer row that borrows such an entry
@@ -185,7 +189,8 @@ def default_config(seq_q: int, seq_k: int, head_dim: int, dtype, device_kind=Non
   ``device_kind``: the kind of the device that runs the call (``None``: the heuristic). The
   table's scheme is used if it is in ``schemes`` (and ``per_head`` only for rows of at
   most 256 keys, and ``dl_gemm`` only dense (``causal=False``: its GEMMs cannot skip the
-  upper triangle, the two-pass kernels do) for rows of at most :data:`MAX_DL_ROW` keys),
+  upper triangle, the two-pass kernels do) for rows of at most :data:`DL_TUNED_MAX_ROW`
+  keys),
   else its ``two_pass`` entry. A ``dl_gemm`` entry carries its :class:`DlConfig` as ``dl``
   (:func:`dl_config`; absent: :func:`default_dl_config`).
   """
@@ -199,6 +204,6 @@ def default_config(seq_q: int, seq_k: int, head_dim: int, dtype, device_kind=Non
     head = pass_config(tuned["head"], seq_q, seq_k)
     return Config(head, head, "per_head")
   row, col = pass_config(tuned["row"], seq_q, seq_k), pass_config(tuned["col"], seq_q, seq_k)
-  if scheme == "dl_gemm" and scheme in schemes and not causal and pk <= MAX_DL_ROW:
+  if scheme == "dl_gemm" and scheme in schemes and not causal and pk <= DL_TUNED_MAX_ROW:
     return Config(row, col, "dl_gemm", dl_config(tuned.get("dl"), seq_k))
   return Config(row, col)

@@ -8,10 +8,11 @@ the gradients of ``Q`` (``[B, H, Sq, D]``) and ``K`` (``[B, H, Sk, D]``) are::
   grad_query = dL @ K
   grad_key   = dL^T @ Q
 
-All arrays share one dtype: bf16 (the target), fp16 or fp32. ``dL`` (``Sq x Sk`` per head)
-is never written to memory. ``delta`` is a full-row reduction that every ``dL`` element
-needs, and ``dL`` must be rounded exactly as the reference rounds it (the one-pass algebra
-``dQ = s * ((P*g) @ K - delta * (P @ K))`` misses the accuracy bar), so the kernels are:
+All arrays share one dtype: bf16 (the target), fp16 or fp32. ``delta`` is a full-row
+reduction that every ``dL`` element needs, and ``dL`` must be rounded exactly as the
+reference rounds it (the one-pass algebra ``dQ = s * ((P*g) @ K - delta * (P @ K))`` misses
+the accuracy bar). ``dL`` (``Sq x Sk`` per head) reaches memory only in the ``"dl_gemm"``
+scheme (a buffer the size of ``P``). The kernels are:
 
 1. ``"two_pass"`` scheme. **Row kernel** (grid ``(cdiv(Sq, block_q), B*H)``): a program
    owns ``block_q`` rows; pass 1 sums ``delta`` over the row's key tiles, pass 2 walks them
@@ -47,6 +48,7 @@ Measurements, and the variants measured and dropped:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -59,8 +61,8 @@ from pallas_kernels import _phase, _tuning, validation
 from pallas_kernels._util import (check_can_compile, compiler_params, dot,
                                   enable_load_cache_modifiers, next_power_of_2, out_struct,
                                   pallas_call)
-from pallas_kernels.qk_scale_softmax.config import (MAX_DL_ROW, MAX_PER_HEAD_ROW, Config,
-                                                    DlConfig,
+from pallas_kernels.qk_scale_softmax.config import (MAX_DL_ELEMENTS, MAX_DL_ROW,
+                                                    MAX_PER_HEAD_ROW, Config, DlConfig,
                                                     PassConfig, default_config,
                                                     default_dl_config)
 
@@ -751,8 +753,12 @@ def dl_gemm(scale, g, p, q, k, *, causal=False, cfg, interpret, gemm=None):
   if gemm is not None:  # Triton GEMMs: (dQ config, dK config)
     return (dl_matmul(dl, k, transpose=False, causal=causal, cfg=gemm[0], interpret=interpret),
             dl_matmul(dl, q, transpose=True, causal=causal, cfg=gemm[1], interpret=interpret))
-  dq = jnp.einsum("bqk,bkd->bqd", dl, k, preferred_element_type=_F32).astype(q.dtype)
-  dk = jnp.einsum("bqk,bqd->bkd", dl, q, preferred_element_type=_F32).astype(k.dtype)
+  # fp32: full-precision products, as the reference and the Triton dot (not TF32).
+  precision = jax.lax.Precision.HIGHEST if dl.dtype == _F32 else None
+  dq = jnp.einsum("bqk,bkd->bqd", dl, k, precision=precision,
+                  preferred_element_type=_F32).astype(q.dtype)
+  dk = jnp.einsum("bqk,bqd->bkd", dl, q, precision=precision,
+                  preferred_element_type=_F32).astype(k.dtype)
   return dq, dk
 
 
@@ -775,6 +781,11 @@ def _backward(grad_output, query, key, attn_weights, scaling, *, causal, config,
       raise ValueError(f"config.scheme: 'dl_gemm' holds whole rows in registers, rows of at "
                        f"most {MAX_DL_ROW} keys; got key of shape {key.shape}")
     dl_cfg = config.dl or default_dl_config(seq_k)
+    width = max(16, next_power_of_2(seq_k))
+    if dl_cfg.rows * width > MAX_DL_ELEMENTS:
+      raise ValueError(f"config.dl.rows: {dl_cfg.rows} rows of {width} (padded) keys exceed "
+                       f"the {MAX_DL_ELEMENTS} elements a dL program may hold; use rows <= "
+                       f"{max(1, MAX_DL_ELEMENTS // width)}")
     grad_query, grad_key = dl_gemm(scale, g, p, q, k, causal=causal, cfg=dl_cfg,
                                    interpret=interpret)
   elif config.scheme == "per_head":
@@ -805,7 +816,8 @@ def qk_scale_softmax_backward(grad_output, query, key, attn_weights, scaling, *,
       Default: the tuned table of the device kind that runs the call (16-bit inputs,
       D <= 128), else a heuristic (:func:`default_config`).
     block_q, block_k, num_warps, num_stages: override one field of both kernels' configs
-      (tiles: powers of two >= 16 along ``Sq`` and ``Sk``).
+      (tiles: powers of two >= 16 along ``Sq`` and ``Sk``). With the ``"dl_gemm"`` scheme
+      only ``num_warps`` applies (to the ``dL`` kernel); the others raise.
     interpret: run the kernels in the Pallas interpreter (any backend; slow, for tests).
       Without it the kernels compile for a CUDA GPU only.
 
@@ -815,8 +827,10 @@ def qk_scale_softmax_backward(grad_output, query, key, attn_weights, scaling, *,
   (padded to a power of two >= 16 and masked); ``Sq``/``Sk`` any length >= 1.
 
   Design (module docstring): one program per head for short rows (``"per_head"``: ``g``
-  and ``P`` read once, 4 B per element in bf16); else a row kernel (``delta`` and
-  ``grad_query``) and a column kernel (``grad_key``), 8-12 B per element.
+  and ``P`` read once, 4 B per element in bf16); a row kernel (``delta`` and
+  ``grad_query``) and a column kernel (``grad_key``), 8-12 B per element (``"two_pass"``);
+  or the ``dL`` kernel and two GEMMs, 10 B per element and a ``dL`` buffer the size of
+  ``P`` (``"dl_gemm"``, the H200 table's choice for dense rows of 512-4096 keys).
 
   Returns:
     ``(grad_query [B, H, Sq, D], grad_key [B, H, Sk, D])`` in the inputs' dtype.
@@ -832,6 +846,13 @@ def qk_scale_softmax_backward(grad_output, query, key, attn_weights, scaling, *,
                                          interpret=interpret)
     config = default_config(query.shape[2], key.shape[2], query.shape[3], query.dtype,
                             device_kind, causal=causal)
+  if config.scheme == "dl_gemm":
+    given = [n for n, v in (("block_q", block_q), ("block_k", block_k),
+                            ("num_stages", num_stages)) if v is not None]
+    if given:
+      raise ValueError(f"{', '.join(given)}: the 'dl_gemm' scheme's dL kernel takes whole "
+                       f"rows (set config.dl = DlConfig(rows=..., num_warps=...) instead)")
+    config = dataclasses.replace(config, dl=config.dl or default_dl_config(key.shape[2]))
   config = _tuning.with_overrides(config, block_q=block_q, block_k=block_k,
                                   num_warps=num_warps, num_stages=num_stages)
   return _backward(grad_output, query, key, attn_weights, scaling, causal=causal,

@@ -200,6 +200,35 @@ def test_dl_gemm_row_limit():
   g, q, k, p = make_inputs(6, 1, 1, 1, qks.MAX_DL_ROW + 1, 16)
   with pytest.raises(ValueError, match="config.scheme: 'dl_gemm'"):
     qk_scale_softmax_backward(g, q, k, p, 0.5, config=DL_GEMM, interpret=INTERPRET)
+  g, q, k, p = make_inputs(6, 1, 1, 8, 4096, 16)
+  with pytest.raises(ValueError, match="config.dl.rows: 32 rows of 4096"):
+    qk_scale_softmax_backward(g, q, k, p, 0.5, config=dataclasses.replace(
+        DL_GEMM, dl=qks.DlConfig(32, 8)), interpret=INTERPRET)
+
+
+def test_dl_gemm_overrides(monkeypatch):
+  """With dl_gemm only num_warps applies (to the dL kernel, also when config.dl is None);
+  tile overrides raise, naming themselves."""
+  g, q, k, p = make_inputs(6, 1, 1, 8, 40, 16)
+  with pytest.raises(ValueError, match="block_q, num_stages: the 'dl_gemm' scheme"):
+    qk_scale_softmax_backward(g, q, k, p, 0.5, config=DL_GEMM, block_q=16, num_stages=2,
+                              interpret=INTERPRET)
+  seen = []
+  real = pallas_triton._backward
+  monkeypatch.setattr(pallas_triton, "_backward",
+                      lambda *a, config, **kw: seen.append(config) or real(*a, config=config,
+                                                                          **kw))
+  qk_scale_softmax_backward(g, q, k, p, 0.5, config=DL_GEMM, num_warps=2, interpret=INTERPRET)
+  assert seen[-1].dl == dataclasses.replace(qks.default_dl_config(40), num_warps=2)
+
+
+def test_dl_gemm_fp32_is_exact_enough():
+  """fp32 inputs: the GEMMs keep fp32 products (HIGHEST), so the result matches the
+  reference to fp32 rounding, far inside the bf16-level tolerance."""
+  g, q, k, p = make_inputs(17, 1, 2, 33, 131, 64, dtype=jnp.float32)
+  got = qk_scale_softmax_backward(g, q, k, p, 0.125, config=DL_GEMM, interpret=INTERPRET)
+  for o, r in zip(got, reference(g, q, k, p, 0.125)):
+    np.testing.assert_allclose(np.asarray(o), np.asarray(r), rtol=1e-4, atol=1e-4)
 
 
 def test_dl_configs():
@@ -221,10 +250,18 @@ def test_dl_configs():
 
 
 def test_backend_scheme_option():
+  from jax_ops.backend import Problem
   from jax_ops.qk_softmax import pallas_triton as backend
   with pytest.raises(ValueError, match="scheme"):
     backend.QKSoftmaxTriton(scheme="fused")
   impl = backend.QKSoftmaxTriton(scheme="dl_gemm")
+  shapes = lambda sk: (("query", (1, 2, 8, 64)), ("key", (1, 2, sk, 64)))
+  problem = Problem("qk_scale_softmax", shapes(131), "bfloat16")
+  assert impl.supports(problem) and impl.config(problem).scheme == "dl_gemm"
+  long = Problem("qk_scale_softmax", shapes(qks.MAX_DL_ROW + 1), "bfloat16")
+  assert not impl.supports(long)
+  assert f"rows of {qks.MAX_DL_ROW + 1} keys" in impl.unsupported_reason(long)
+  assert backend.QKSoftmaxTriton().supports(long)
   g, q, k, p = make_inputs(14, 1, 2, 7, 131, 40)
   out = impl.backward(g, q, k, p, 0.125, interpret=INTERPRET)
   for o, r in zip(out, reference(g, q, k, p, 0.125)):
@@ -403,6 +440,7 @@ def test_tuned_table():
   assert h200(4096, 4096, causal=True) == two_pass_4096
   assert h200(4096, 4096, schemes=("two_pass",)) == two_pass_4096
   assert h200(64, 1 << 15).scheme == "two_pass"
+  assert h200(64, 2 * qks.DL_TUNED_MAX_ROW).scheme == "two_pass"  # not measured there
   assert h200(512, 512).scheme == "dl_gemm" and h200(449, 449).scheme == "two_pass"
   # A whole-row entry used for rows longer than MAX_WHOLE_ROW keys (a class borrowing
   # another's entry, _tuning.lookup) takes LONG_ROW_BLOCK_K-key tiles instead.
