@@ -1,7 +1,8 @@
 """What the variant scripts (``a_mosaic_variants``, ``c_mosaic_variants``, ``c_dl_gemm``)
-share: their workloads and copy ceiling, checking and timing a workload's variants, and the table they print (per workload, each variant's
-fraction of the floor and time; a variant that missed the tolerance on a workload is marked
-``FAIL`` there and left out of its geomean)."""
+share: their workloads and copy ceiling, checking and timing a workload's variants, and the
+table they print (per workload, each variant's fraction of the floor and time; a variant
+that missed the tolerance on a workload is marked ``FAIL`` there and left out of its
+geomean)."""
 
 from __future__ import annotations
 
