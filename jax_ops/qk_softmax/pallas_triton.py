@@ -102,6 +102,8 @@ class QKSoftmaxTriton(backend.TritonBackend):
 
   def reason(self, problem) -> str | None:
     """What of ``problem`` a forced :attr:`scheme` does not take (``None``: it takes it)."""
+    if self.scheme is None or "key" not in dict(problem.shapes):
+      return None
     sk = problem.shape("key")[2]
     width = max(16, 1 << max(0, sk - 1).bit_length())
     limit = {"dl_gemm": kernels.MAX_DL_ROW, "per_head": kernels.MAX_PER_HEAD_ROW}.get(
