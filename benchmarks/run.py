@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import pallas_kernels
 from benchmarks.timing import copy_ceiling, device_times_us, no_gpu
 from jax_ops import reference, registry
+from pallas_kernels import _tuning
 from pallas_kernels import attention_softmax_dropout_value as asdv
 from pallas_kernels import qk_scale_softmax as qks
 
@@ -244,8 +245,7 @@ def kernels_used(problem: Problem, args, constants) -> str:
       return used
     g, q, k, _ = args  # the Triton kernels' scheme, as the entry point picks it
     scheme = qks.default_config(q.shape[2], k.shape[2], q.shape[3], q.dtype,
-                                g.devices().pop().device_kind,
-                                causal=problem.causal).scheme
+                                _tuning.device_kind_of(*args), causal=problem.causal).scheme
     return f"triton ({scheme})"
   return "triton"
 

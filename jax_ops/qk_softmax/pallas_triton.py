@@ -105,7 +105,7 @@ class QKSoftmaxTriton(backend.TritonBackend):
     if self.scheme is None or "key" not in dict(problem.shapes):
       return None
     sk = problem.shape("key")[2]
-    width = max(16, 1 << max(0, sk - 1).bit_length())
+    width = kernels.dl_width(sk)  # the padded row, as both schemes pad it
     limit = {"dl_gemm": kernels.MAX_DL_ROW, "per_head": kernels.MAX_PER_HEAD_ROW}.get(
         self.scheme)
     if limit is not None and width > limit:

@@ -107,10 +107,16 @@ class DlConfig:
         raise ValueError(f"config.dl.{name}: expected a power of two in [1, {top}], got {v!r}")
 
 
+def dl_width(seq_k: int) -> int:
+  """The padded row length the ``"dl_gemm"`` scheme's ``dL`` kernel holds (a power of two
+  >= 16)."""
+  return max(16, next_power_of_2(seq_k))
+
+
 def default_dl_config(seq_k: int) -> DlConfig:
   """About 4096 elements per program (whole rows), on 8 warps (16 for rows of 8192 keys or
   more)."""
-  width = max(16, next_power_of_2(seq_k))
+  width = dl_width(seq_k)
   return DlConfig(rows=max(1, 4096 // width), num_warps=16 if width >= 8192 else 8)
 
 
@@ -121,7 +127,7 @@ def dl_config(entry: dict | None, seq_k: int) -> DlConfig:
   4 warps ran 7.8x slower)."""
   if entry is None:
     return default_dl_config(seq_k)
-  width = max(16, next_power_of_2(seq_k))
+  width = dl_width(seq_k)
   return DlConfig(rows=max(1, min(int(entry["rows"]), (1 << 13) // width)),
                   num_warps=int(entry["num_warps"]))
 

@@ -28,7 +28,7 @@ scheme (a buffer the size of ``P``). The kernels are:
    ``P``, and keeps ``grad_key`` (``[Sk, D]`` fp32) in registers until the end.
 3. ``"dl_gemm"`` scheme: a row kernel writes ``dL`` (whole rows in registers, ``g`` and
    ``P`` read once), then ``grad_query = dL @ K`` and ``grad_key = dL^T @ Q`` are XLA
-   batched GEMMs (cuBLAS): 10 B per element in bf16. Causal calls write ``dL = 0`` above
+   batched GEMMs: 10 B per element in bf16. Causal calls write ``dL = 0`` above
    the diagonal and the GEMMs do the full work (nothing is skipped).
 
 Traffic per attention element in bf16: ``g`` and ``P`` are 4 B per read. The floor (and
@@ -64,7 +64,7 @@ from pallas_kernels._util import (check_can_compile, compiler_params, dot,
 from pallas_kernels.qk_scale_softmax.config import (MAX_DL_ELEMENTS, MAX_DL_ROW,
                                                     MAX_PER_HEAD_ROW, Config, DlConfig,
                                                     PassConfig, default_config,
-                                                    default_dl_config)
+                                                    default_dl_config, dl_width)
 
 __all__ = ["qk_scale_softmax_backward", "row_pass", "col_pass", "head_pass", "dl_pass",
            "dl_gemm", "use_phased"]
@@ -620,6 +620,17 @@ def head_pass(scale, g, p, q, k, *, causal, cfg, interpret):
   )(scale, g, p, q, k)
 
 
+def _load(ref, mask, **kwargs):
+  """``pltriton.load`` of ``ref``, masked (zero outside) unless ``mask`` is ``None``."""
+  fill = {} if mask is None else {"mask": mask, "other": 0.0}
+  return pltriton.load(ref, **fill, **kwargs)
+
+
+def _store(ref, value, mask):
+  """``pltriton.store`` of ``value``, masked unless ``mask`` is ``None``."""
+  pltriton.store(ref, value, **({} if mask is None else {"mask": mask}))
+
+
 def _dl_kernel(scale_ref, g_ref, p_ref, dl_ref, *, seq_q: int, seq_k: int, block_q: int,
                width: int, causal: bool):
   """``dL`` of ``block_q`` whole rows (``width``: the padded row length) of one head.
@@ -636,11 +647,10 @@ def _dl_kernel(scale_ref, g_ref, p_ref, dl_ref, *, seq_q: int, seq_k: int, block
     below = cols[None, :] <= rows[:, None] + (seq_k - seq_q)
     read = below if inside is None else inside & below
   tile = (bh, pl.ds(q0, block_q), pl.ds(_ZERO, width))
-  fill = {} if read is None else {"mask": read, "other": 0.0}
-  g = pltriton.load(g_ref.at[tile], cache_modifier=".cg", **fill)
-  p = pltriton.load(p_ref.at[tile], cache_modifier=".cg", **fill)
+  g = _load(g_ref.at[tile], read, cache_modifier=".cg")
+  p = _load(p_ref.at[tile], read, cache_modifier=".cg")
   dl = _dl_tile(g, p, _row_delta(g, p), scale_ref[0], dl_ref.dtype)
-  pltriton.store(dl_ref.at[tile], dl, mask=inside)
+  _store(dl_ref.at[tile], dl, inside)
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "cfg", "interpret"))
@@ -650,7 +660,7 @@ def dl_pass(scale, g, p, *, causal=False, cfg, interpret):
   padded row in registers, :class:`DlConfig`), ``g`` and ``P`` read once. Causal: 0 above
   the diagonal, whatever ``g`` and ``P`` hold there."""
   bh, seq_q, seq_k = g.shape
-  width = max(16, next_power_of_2(seq_k))
+  width = dl_width(seq_k)
   enable_load_cache_modifiers("the dL kernel's .cg loads")
   return pallas_call(
       functools.partial(_dl_kernel, seq_q=seq_q, seq_k=seq_k, block_q=cfg.rows,
@@ -682,30 +692,27 @@ def _dl_matmul_kernel(dl_ref, x_ref, o_ref, *, transpose: bool, causal: bool, se
   out_block, red_block = (block_k, block_q) if transpose else (block_q, block_k)
   out_len, red_len = (seq_k, seq_q) if transpose else (seq_q, seq_k)
 
-  def ok(start, block, length):
+  def ok(start, block, length, axis):
+    """Which of the tile's ``block`` indices from ``start`` lie below ``length``, as a
+    column (``axis=0``) or a row (``axis=1``); ``None``: all of them in every tile."""
     if length % block == 0:
       return None
-    return start + jnp.arange(block, dtype=_I32) < length
+    m = start + jnp.arange(block, dtype=_I32) < length
+    return m[:, None] if axis == 0 else m[None, :]
 
   o0 = i * out_block
-  out_ok = ok(o0, out_block, out_len)
 
   def body(j, acc):
     r0 = j * red_block
-    red_ok = ok(r0, red_block, red_len)
     if transpose:  # dL tile [red (queries), out (keys)]
       idx = (bh, pl.ds(r0, red_block), pl.ds(o0, out_block))
-      a_mask = _and_masks(None if red_ok is None else red_ok[:, None],
-                          None if out_ok is None else out_ok[None, :])
+      a_mask = _and_masks(ok(r0, red_block, red_len, 0), ok(o0, out_block, out_len, 1))
     else:  # dL tile [out (queries), red (keys)]
       idx = (bh, pl.ds(o0, out_block), pl.ds(r0, red_block))
-      a_mask = _and_masks(None if out_ok is None else out_ok[:, None],
-                          None if red_ok is None else red_ok[None, :])
-    x_mask = _and_masks(None if red_ok is None else red_ok[:, None], d_ok)
-    a_fill = {} if a_mask is None else {"mask": a_mask, "other": 0.0}
-    x_fill = {} if x_mask is None else {"mask": x_mask, "other": 0.0}
-    a = pltriton.load(dl_ref.at[idx], **a_fill)
-    x = pltriton.load(x_ref.at[bh, pl.ds(r0, red_block), pl.ds(_ZERO, d_pad)], **x_fill)
+      a_mask = _and_masks(ok(o0, out_block, out_len, 0), ok(r0, red_block, red_len, 1))
+    a = _load(dl_ref.at[idx], a_mask)
+    x = _load(x_ref.at[bh, pl.ds(r0, red_block), pl.ds(_ZERO, d_pad)],
+              _and_masks(ok(r0, red_block, red_len, 0), d_ok))
     return acc + dot(a, x, trans_a=transpose)
 
   lo, hi = 0, pl.cdiv(red_len, red_block)
@@ -714,10 +721,8 @@ def _dl_matmul_kernel(dl_ref, x_ref, o_ref, *, transpose: bool, causal: bool, se
   elif causal:
     hi = _row_num_k_tiles(i, seq_q, seq_k, block_q, block_k)
   acc = _fori_loop(lo, hi, body, jnp.zeros((out_block, d_pad), _F32))
-  o_mask = _and_masks(None if out_ok is None else out_ok[:, None], d_ok)
-  o_fill = {} if o_mask is None else {"mask": o_mask}
-  pltriton.store(o_ref.at[bh, pl.ds(o0, out_block), pl.ds(_ZERO, d_pad)],
-                 acc.astype(o_ref.dtype), **o_fill)
+  _store(o_ref.at[bh, pl.ds(o0, out_block), pl.ds(_ZERO, d_pad)], acc.astype(o_ref.dtype),
+         _and_masks(ok(o0, out_block, out_len, 0), d_ok))
 
 
 @functools.partial(jax.jit, static_argnames=("transpose", "causal", "cfg", "interpret"))
@@ -777,11 +782,11 @@ def _backward(grad_output, query, key, attn_weights, scaling, *, causal, config,
   k = key.reshape(bh, seq_k, head_dim)
   scale = jnp.asarray(scaling, _F32).reshape(1)
   if config.scheme == "dl_gemm":
-    if next_power_of_2(seq_k) > MAX_DL_ROW:
+    width = dl_width(seq_k)
+    if width > MAX_DL_ROW:
       raise ValueError(f"config.scheme: 'dl_gemm' holds whole rows in registers, rows of at "
                        f"most {MAX_DL_ROW} keys; got key of shape {key.shape}")
     dl_cfg = config.dl or default_dl_config(seq_k)
-    width = max(16, next_power_of_2(seq_k))
     if dl_cfg.rows * width > MAX_DL_ELEMENTS:
       raise ValueError(f"config.dl.rows: {dl_cfg.rows} rows of {width} (padded) keys exceed "
                        f"the {MAX_DL_ELEMENTS} elements a dL program may hold; use rows <= "
