@@ -6,8 +6,9 @@ Usage (on a GPU)::
     PYTHONPATH=. python3 -m benchmarks.c_dl_gemm [--workloads 0,1] [--dl 1/8,2/8,1/16]
         [--gemm 128/64/8/3:64/128/8/3] [--causal] [--calls 20] [--out DIR]
 
-``--dl``: ``rows/num_warps`` of the dL kernel (:class:`DlConfig`) per variant; ``dl`` alone
-is :func:`default_dl_config`. ``--gemm``: the default dL kernel, then the Triton GEMMs of
+``--dl``: ``rows/num_warps`` of the dL kernel (:class:`DlConfig`) per variant, ``/nopad``
+appended for ``pad_rows=False`` (ragged rows: ``dL`` unpadded); ``dl`` alone is
+:func:`default_dl_config`. ``--gemm``: the default dL kernel, then the Triton GEMMs of
 :func:`pallas_triton.dl_matmul` (dQ's and dK's tiles) in place of XLA's. Every variant is
 checked against the reference with the workload's tolerance and timed as
 ``benchmarks.run`` times (device time, all kernels of a call, input sets rotated so L2 is
@@ -65,12 +66,14 @@ def parse_gemms(text: str) -> dict:
 
 
 def parse_dls(text: str) -> dict:
-  """``"1/8,2/4"`` -> ``{"dl": None, "dl:1/8": DlConfig(1, 8), "dl:2/4": DlConfig(2, 4)}``
-  (``"dl"``: the default, always first)."""
+  """``"1/8,2/4/nopad"`` -> ``{"dl": None, "dl:1/8": DlConfig(1, 8), "dl:2/4/nopad":
+  DlConfig(2, 4, pad_rows=False)}`` (``"dl"``: the default, always first)."""
   dls = {"dl": None}
   for item in (text.split(",") if text else []):
-    rows, warps = map(int, item.split("/"))
-    dls[f"dl:{rows}/{warps}"] = qks.DlConfig(rows, warps)
+    rows, warps, *rest = item.split("/")
+    if rest not in ([], ["nopad"]):
+      raise ValueError(f"--dl: expected rows/num_warps[/nopad], got {item!r}")
+    dls[f"dl:{item}"] = qks.DlConfig(int(rows), int(warps), pad_rows=not rest)
   return dls
 
 

@@ -96,11 +96,16 @@ class Config:
 class DlConfig:
   """The ``"dl_gemm"`` scheme's ``dL`` kernel: ``rows`` whole rows per program (a power of
   two >= 1; the padded row sits in registers) on ``num_warps`` warps (1-16, a power of
-  two)."""
+  two). ``pad_rows``: rows of ``Sk % 8 != 0`` keys are written to a ``dL`` buffer whose rows
+  are padded with zeros to a multiple of 8 keys, so that the GEMMs read 16-byte aligned rows
+  (``K`` is padded to match, ``grad_key`` sliced back); no effect on other lengths."""
   rows: int = 1
   num_warps: int = 8
+  pad_rows: bool = True
 
   def __post_init__(self):
+    if not isinstance(self.pad_rows, bool):
+      raise ValueError(f"config.dl.pad_rows: expected a bool, got {self.pad_rows!r}")
     for name, top in (("rows", 1 << 12), ("num_warps", 16)):
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v > top or v & (v - 1):

@@ -634,14 +634,21 @@ def _store(ref, value, mask):
 def _dl_kernel(scale_ref, g_ref, p_ref, dl_ref, *, seq_q: int, seq_k: int, block_q: int,
                width: int, causal: bool):
   """``dL`` of ``block_q`` whole rows (``width``: the padded row length) of one head.
-  Causal: ``g`` and ``P`` above the diagonal are not read, and ``dL`` there is written 0."""
+  Causal: ``g`` and ``P`` above the diagonal are not read, and ``dL`` there is written 0.
+  ``dl_ref``'s rows may be longer than ``seq_k`` (a padded row stride): the keys past
+  ``seq_k`` are written 0."""
   q0 = pl.program_id(0) * block_q
   bh = pl.program_id(1)
+  stride = dl_ref.shape[-1]  # >= seq_k
   rows = q0 + jnp.arange(block_q, dtype=jnp.int32)
   cols = jnp.arange(width, dtype=jnp.int32)
-  inside = None
-  if seq_q % block_q or width != seq_k:
-    inside = (rows < seq_q)[:, None] & (cols < seq_k)[None, :]
+
+  def within(length):
+    if seq_q % block_q == 0 and width == length:
+      return None
+    return (rows < seq_q)[:, None] & (cols < length)[None, :]
+
+  inside = within(seq_k)
   read = inside
   if causal:
     below = cols[None, :] <= rows[:, None] + (seq_k - seq_q)
@@ -649,23 +656,32 @@ def _dl_kernel(scale_ref, g_ref, p_ref, dl_ref, *, seq_q: int, seq_k: int, block
   tile = (bh, pl.ds(q0, block_q), pl.ds(_ZERO, width))
   g = _load(g_ref.at[tile], read, cache_modifier=".cg")
   p = _load(p_ref.at[tile], read, cache_modifier=".cg")
-  dl = _dl_tile(g, p, _row_delta(g, p), scale_ref[0], dl_ref.dtype)
-  _store(dl_ref.at[tile], dl, inside)
+  dl = _dl_tile(g, p, _row_delta(g, p), scale_ref[0], dl_ref.dtype)  # 0 where not read
+  _store(dl_ref.at[tile], dl, within(stride))
+
+
+def dl_stride(seq_k: int, cfg: DlConfig) -> int:
+  """The row length of the ``dL`` buffer: ``seq_k`` rounded up to a multiple of 8 keys
+  (16-byte rows in 16-bit dtypes, which the GEMMs read with aligned loads) with
+  ``cfg.pad_rows``, else ``seq_k``."""
+  return -(-seq_k // 8) * 8 if cfg.pad_rows else seq_k
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "cfg", "interpret"))
 def dl_pass(scale, g, p, *, causal=False, cfg, interpret):
-  """``dL [B*H, Sq, Sk]`` (the input dtype, rounded as the reference rounds it) from 3D
+  """``dL [B*H, Sq, S]`` (the input dtype, rounded as the reference rounds it) from 3D
   ``[B*H, Sq, Sk]`` views of ``g`` and ``P``: ``cfg.rows`` whole rows per program (the
-  padded row in registers, :class:`DlConfig`), ``g`` and ``P`` read once. Causal: 0 above
-  the diagonal, whatever ``g`` and ``P`` hold there."""
+  padded row in registers, :class:`DlConfig`), ``g`` and ``P`` read once. ``S`` is
+  :func:`dl_stride` (``Sk``, or ``Sk`` rounded up to a multiple of 8 with
+  ``cfg.pad_rows``; the extra keys hold 0). Causal: 0 above the diagonal, whatever ``g``
+  and ``P`` hold there."""
   bh, seq_q, seq_k = g.shape
   width = dl_width(seq_k)
   enable_load_cache_modifiers("the dL kernel's .cg loads")
   return pallas_call(
       functools.partial(_dl_kernel, seq_q=seq_q, seq_k=seq_k, block_q=cfg.rows,
                         width=width, causal=causal),
-      out_shape=out_struct((bh, seq_q, seq_k), g.dtype, g, p),
+      out_shape=out_struct((bh, seq_q, dl_stride(seq_k, cfg)), g.dtype, g, p),
       grid=(pl.cdiv(seq_q, cfg.rows), bh),
       compiler_params=compiler_params(cfg.num_warps, 1),
       interpret=interpret,
@@ -690,7 +706,10 @@ def _dl_matmul_kernel(dl_ref, x_ref, o_ref, *, transpose: bool, causal: bool, se
   d_pad = _padded_head_dim(head_dim)
   d_ok = None if d_pad == head_dim else (jnp.arange(d_pad, dtype=_I32) < head_dim)[None, :]
   out_block, red_block = (block_k, block_q) if transpose else (block_q, block_k)
+  # dL's rows may be padded past seq_k (zeros): its key masks take its own row length.
+  dl_k = dl_ref.shape[-1]
   out_len, red_len = (seq_k, seq_q) if transpose else (seq_q, seq_k)
+  dl_out, dl_red = (dl_k, seq_q) if transpose else (seq_q, dl_k)
 
   def ok(start, block, length, axis):
     """Which of the tile's ``block`` indices from ``start`` lie below ``length``, as a
@@ -706,10 +725,10 @@ def _dl_matmul_kernel(dl_ref, x_ref, o_ref, *, transpose: bool, causal: bool, se
     r0 = j * red_block
     if transpose:  # dL tile [red (queries), out (keys)]
       idx = (bh, pl.ds(r0, red_block), pl.ds(o0, out_block))
-      a_mask = _and_masks(ok(r0, red_block, red_len, 0), ok(o0, out_block, out_len, 1))
+      a_mask = _and_masks(ok(r0, red_block, dl_red, 0), ok(o0, out_block, dl_out, 1))
     else:  # dL tile [out (queries), red (keys)]
       idx = (bh, pl.ds(o0, out_block), pl.ds(r0, red_block))
-      a_mask = _and_masks(ok(o0, out_block, out_len, 0), ok(r0, red_block, red_len, 1))
+      a_mask = _and_masks(ok(o0, out_block, dl_out, 0), ok(r0, red_block, dl_red, 1))
     a = _load(dl_ref.at[idx], a_mask)
     x = _load(x_ref.at[bh, pl.ds(r0, red_block), pl.ds(_ZERO, d_pad)],
               _and_masks(ok(r0, red_block, red_len, 0), d_ok))
@@ -725,15 +744,20 @@ def _dl_matmul_kernel(dl_ref, x_ref, o_ref, *, transpose: bool, causal: bool, se
          _and_masks(ok(o0, out_block, out_len, 0), d_ok))
 
 
-@functools.partial(jax.jit, static_argnames=("transpose", "causal", "cfg", "interpret"))
-def dl_matmul(dl, x, *, transpose: bool, causal: bool = False, cfg: PassConfig, interpret):
+@functools.partial(jax.jit, static_argnames=("transpose", "causal", "cfg", "interpret",
+                                             "seq_k"))
+def dl_matmul(dl, x, *, transpose: bool, causal: bool = False, cfg: PassConfig, interpret,
+              seq_k: int | None = None):
   """``dL @ K`` (``transpose=False``, ``x = K [B*H, Sk, D]``: ``grad_query``) or
   ``dL^T @ Q`` (``transpose=True``, ``x = Q [B*H, Sq, D]``: ``grad_key``) from
-  ``dL [B*H, Sq, Sk]``, as a Triton kernel: ``cfg.block_q`` x ``cfg.block_k`` tiles of
-  ``dL``, fp32 accumulation, the output rounded once. ``causal``: ``dL`` is 0 above the
-  causal diagonal (:func:`dl_pass` writes it so) and the tiles wholly above it are
+  ``dL [B*H, Sq, S]``, as a Triton kernel: ``cfg.block_q`` x ``cfg.block_k`` tiles of
+  ``dL``, fp32 accumulation, the output rounded once. ``dL``'s rows may be padded with
+  zeros past ``Sk`` (``S >= Sk``; :func:`dl_pass` with ``pad_rows``): ``Sk`` is ``K``'s
+  length, or ``seq_k`` with ``transpose`` (``None``: ``S``). ``causal``: ``dL`` is 0 above
+  the causal diagonal (:func:`dl_pass` writes it so) and the tiles wholly above it are
   skipped."""
-  bh, seq_q, seq_k = dl.shape
+  bh, seq_q, stride = dl.shape
+  seq_k = (seq_k or stride) if transpose else x.shape[1]
   head_dim = x.shape[-1]
   out_len, block = (seq_k, cfg.block_k) if transpose else (seq_q, cfg.block_q)
   return pallas_call(
@@ -754,17 +778,21 @@ def dl_gemm(scale, g, p, q, k, *, causal=False, cfg, interpret, gemm=None):
   accumulation, rounded to the input dtype once), or with ``gemm = (dq_cfg, dk_cfg)``
   (:class:`PassConfig`) as the Triton kernels of :func:`dl_matmul`. 10 B per element in
   bf16: ``g`` and ``P`` read (4), ``dL`` written (2) and read by each GEMM (4)."""
+  seq_k = k.shape[1]
   dl = dl_pass(scale, g, p, causal=causal, cfg=cfg, interpret=interpret)
   if gemm is not None:  # Triton GEMMs: (dQ config, dK config)
     return (dl_matmul(dl, k, transpose=False, causal=causal, cfg=gemm[0], interpret=interpret),
-            dl_matmul(dl, q, transpose=True, causal=causal, cfg=gemm[1], interpret=interpret))
+            dl_matmul(dl, q, transpose=True, causal=causal, cfg=gemm[1], interpret=interpret,
+                      seq_k=seq_k))
   # fp32: full-precision products, as the reference and the Triton dot (not TF32).
   precision = jax.lax.Precision.HIGHEST if dl.dtype == _F32 else None
-  dq = jnp.einsum("bqk,bkd->bqd", dl, k, precision=precision,
+  stride = dl.shape[-1]
+  k_rows = k if stride == seq_k else jnp.pad(k, ((0, 0), (0, stride - seq_k), (0, 0)))
+  dq = jnp.einsum("bqk,bkd->bqd", dl, k_rows, precision=precision,
                   preferred_element_type=_F32).astype(q.dtype)
   dk = jnp.einsum("bqk,bqd->bkd", dl, q, precision=precision,
                   preferred_element_type=_F32).astype(k.dtype)
-  return dq, dk
+  return dq, dk[:, :seq_k]
 
 
 # --------------------------------------------------------------------------- entry point

@@ -138,7 +138,7 @@ def test_dl_pass_rounds_as_reference():
   delta = jnp.sum(g3.astype(jnp.float32) * p3.astype(jnp.float32), -1, keepdims=True)
   want = ((p3.astype(jnp.float32) * (g3.astype(jnp.float32) - delta)).astype(g.dtype)
           .astype(jnp.float32) * 0.125).astype(g.dtype)
-  cfg = qks.DlConfig(4, 4)
+  cfg = qks.DlConfig(4, 4, pad_rows=False)
   got = pallas_triton.dl_pass(scale, g3, p3, cfg=cfg, interpret=INTERPRET)
   np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
   upper = np.arange(sk)[None, :] > np.arange(sq)[:, None] + (sk - sq)
@@ -146,6 +146,12 @@ def test_dl_pass_rounds_as_reference():
                                 jnp.where(upper, jnp.inf, p3).astype(p.dtype), causal=True,
                                 cfg=cfg, interpret=INTERPRET)
   np.testing.assert_array_equal(np.asarray(dirty, np.float32), np.asarray(want, np.float32))
+  # pad_rows: rows of 65 keys padded to 72, the 7 extra keys 0.
+  padded = pallas_triton.dl_pass(scale, g3, p3, cfg=qks.DlConfig(4, 4), interpret=INTERPRET)
+  assert padded.shape == (2, sq, 72) and padded.dtype == g.dtype
+  np.testing.assert_array_equal(np.asarray(padded[..., :sk], np.float32),
+                                np.asarray(want, np.float32))
+  np.testing.assert_array_equal(np.asarray(padded[..., sk:], np.float32), 0.0)
 
 
 @pytest.mark.parametrize("bh, sq, sk, d, cfg", [
@@ -160,10 +166,17 @@ def test_dl_matmul(bh, sq, sk, d, cfg):
   f32 = jnp.float32
   want_q = jnp.einsum("bqk,bkd->bqd", dl, k, preferred_element_type=f32)
   want_k = jnp.einsum("bqk,bqd->bkd", dl, q, preferred_element_type=f32)
+  # dL with its rows padded by zeros to a multiple of 8 keys, as dl_pass(pad_rows=True)
+  # writes it: the same products.
+  dl_pad = jnp.pad(dl, ((0, 0), (0, 0), (0, -sk % 8)))
   for got, want in ((pallas_triton.dl_matmul(dl, k, transpose=False, cfg=cfg,
                                              interpret=INTERPRET), want_q),
                     (pallas_triton.dl_matmul(dl, q, transpose=True, cfg=cfg,
-                                             interpret=INTERPRET), want_k)):
+                                             interpret=INTERPRET), want_k),
+                    (pallas_triton.dl_matmul(dl_pad, k, transpose=False, cfg=cfg,
+                                             interpret=INTERPRET), want_q),
+                    (pallas_triton.dl_matmul(dl_pad, q, transpose=True, cfg=cfg,
+                                             interpret=INTERPRET, seq_k=sk), want_k)):
     assert got.shape == want.shape and got.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(got, f32), np.asarray(want, f32),
                                atol=1e-2 * float(jnp.abs(want).max()), rtol=1e-2)
