@@ -4,12 +4,15 @@ entry point's default kernels, on the benchmark workloads, in one run.
 Usage (on a GPU)::
 
     PYTHONPATH=. python3 -m benchmarks.c_dl_gemm [--workloads 0,1] [--dl 1/8,2/8,1/16]
-        [--gemm 128/64/8/3:64/128/8/3] [--causal] [--calls 20] [--out DIR]
+        [--gemm 128/64/8/3:64/128/8/3] [--chunk 8:128/64/8/3] [--causal] [--calls 20]
+        [--out DIR]
 
 ``--dl``: ``rows/num_warps`` of the dL kernel (:class:`DlConfig`) per variant, ``/nopad``
 appended for ``pad_rows=False`` (ragged rows: ``dL`` unpadded); ``dl`` alone is
 :func:`default_dl_config`. ``--gemm``: the default dL kernel, then the Triton GEMMs of
-:func:`pallas_triton.dl_matmul` (dQ's and dK's tiles) in place of XLA's. Every variant is
+:func:`pallas_triton.dl_matmul` (dQ's and dK's tiles) in place of XLA's. ``--chunk``: the
+scheme over chunks of heads whose ``dL`` may stay in L2 (:func:`pallas_triton.dl_gemm_chunked`:
+heads per chunk, then both GEMMs' tiles). Every variant is
 checked against the reference with the workload's tolerance and timed as
 ``benchmarks.run`` times (device time, all kernels of a call, input sets rotated so L2 is
 cold). Prints one table; writes ``<out>/c_dl_gemm.json``.
@@ -55,6 +58,33 @@ def gemm_fn(gemm, scale, dims, causal=False):
   return jax.jit(fn)
 
 
+def chunk_fn(heads, gemm, scale, dims, causal=False):
+  """:func:`pallas_triton.dl_gemm_chunked`: chunks of ``heads`` heads (fewer where they do
+  not divide ``B*H``: the largest divisor), the GEMM tiles ``gemm``."""
+  b, h, sq, sk, d = dims
+  heads = max(c for c in range(1, heads + 1) if (b * h) % c == 0)
+  dl = qks.default_dl_config(sk)
+  s = jax.numpy.full((1,), scale, jax.numpy.float32)
+
+  def fn(g, q, k, p):
+    dq, dk = pallas_triton.dl_gemm_chunked(
+        s, g.reshape(b * h, sq, sk), p.reshape(b * h, sq, sk), q.reshape(b * h, sq, d),
+        k.reshape(b * h, sk, d), causal=causal, cfg=dl, heads=heads, gemm=gemm,
+        interpret=False)
+    return dq.reshape(q.shape), dk.reshape(k.shape)
+  return jax.jit(fn)
+
+
+def parse_chunks(text: str) -> dict:
+  """``"8:128/64/8/3,..."`` (heads per chunk, then the GEMM tiles ``block_q/block_k/warps/
+  stages``) -> ``{"ch:<item>": (heads, PassConfig)}``."""
+  out = {}
+  for item in (text.split(",") if text else []):
+    heads, tiles = item.split(":")
+    out[f"ch:{item}"] = (int(heads), qks.PassConfig(*map(int, tiles.split("/"))))
+  return out
+
+
 def parse_gemms(text: str) -> dict:
   """``"128/64/8/3:64/128/8/3,..."`` (dQ tiles ``block_q/block_k/warps/stages``, then dK's)
   -> ``{"tg:<item>": (PassConfig, PassConfig)}``."""
@@ -84,6 +114,9 @@ def main(argv=None):
   parser.add_argument("--gemm", default="",
                       help="Triton GEMM variants: dq_cfg:dk_cfg,... each block_q/block_k/"
                            "num_warps/num_stages")
+  parser.add_argument("--chunk", default="",
+                      help="chunked variants (dl_gemm_chunked): heads:block_q/block_k/"
+                           "num_warps/num_stages,...")
   parser.add_argument("--causal", action="store_true",
                       help="a causal P, on the square workloads (c_dl_gemm_causal.json)")
   parser.add_argument("--calls", type=int, default=20)
@@ -91,6 +124,7 @@ def main(argv=None):
   args = parser.parse_args(argv)
   dls = parse_dls(args.dl)
   gemms = parse_gemms(args.gemm)
+  chunks = parse_chunks(args.chunk)
   if no_gpu("timing kernel C's dL + GEMM scheme", "nothing timed"):
     return 2
   spec, idx, ceiling = variants_table.setup("qk_scale_softmax_backward", args.workloads)
@@ -110,11 +144,12 @@ def main(argv=None):
     floor_us = run._c_floor(w, c, causal=causal) / (ceiling["TBps"] * 1e6)
     refs = xla(*sets[0])
     fns = ({"entry": entry} | {n: dl_fn(d, scale, dims, causal) for n, d in dls.items()}
-           | {n: gemm_fn(gm, scale, dims, causal) for n, gm in gemms.items()})
+           | {n: gemm_fn(gm, scale, dims, causal) for n, gm in gemms.items()}
+           | {n: chunk_fn(*ch, scale, dims, causal) for n, ch in chunks.items()})
     row = variants_table.check_and_time(label, w, floor_us, fns, sets, refs, calls=args.calls)
     row["kernels"] = qks.kernels_for(*sets[0], scale, causal=causal)
     rows_out.append(row)
-  variants_table.print_table(rows_out, ["entry", *dls, *gemms])
+  variants_table.print_table(rows_out, ["entry", *dls, *gemms, *chunks])
   name = "c_dl_gemm_causal.json" if causal else "c_dl_gemm.json"
   with open(os.path.join(args.out, name), "w") as f:
     json.dump({"date": datetime.date.today().isoformat(),

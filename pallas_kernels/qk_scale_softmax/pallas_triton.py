@@ -632,13 +632,15 @@ def _store(ref, value, mask):
 
 
 def _dl_kernel(scale_ref, g_ref, p_ref, dl_ref, *, seq_q: int, seq_k: int, block_q: int,
-               width: int, causal: bool):
+               width: int, causal: bool, src_head=None):
   """``dL`` of ``block_q`` whole rows (``width``: the padded row length) of one head.
   Causal: ``g`` and ``P`` above the diagonal are not read, and ``dL`` there is written 0.
   ``dl_ref``'s rows may be longer than ``seq_k`` (a padded row stride): the keys past
-  ``seq_k`` are written 0."""
+  ``seq_k`` are written 0. ``src_head``: the head of ``g`` and ``P`` (``None``: the grid's
+  second index, which is always ``dL``'s head)."""
   q0 = pl.program_id(0) * block_q
   bh = pl.program_id(1)
+  src = bh if src_head is None else src_head
   stride = dl_ref.shape[-1]  # >= seq_k
   rows = q0 + jnp.arange(block_q, dtype=jnp.int32)
   cols = jnp.arange(width, dtype=jnp.int32)
@@ -653,11 +655,11 @@ def _dl_kernel(scale_ref, g_ref, p_ref, dl_ref, *, seq_q: int, seq_k: int, block
   if causal:
     below = cols[None, :] <= rows[:, None] + (seq_k - seq_q)
     read = below if inside is None else inside & below
-  tile = (bh, pl.ds(q0, block_q), pl.ds(_ZERO, width))
-  g = _load(g_ref.at[tile], read, cache_modifier=".cg")
-  p = _load(p_ref.at[tile], read, cache_modifier=".cg")
+  cols_tile = (pl.ds(q0, block_q), pl.ds(_ZERO, width))
+  g = _load(g_ref.at[(src,) + cols_tile], read, cache_modifier=".cg")
+  p = _load(p_ref.at[(src,) + cols_tile], read, cache_modifier=".cg")
   dl = _dl_tile(g, p, _row_delta(g, p), scale_ref[0], dl_ref.dtype)  # 0 where not read
-  _store(dl_ref.at[tile], dl, within(stride))
+  _store(dl_ref.at[(bh,) + cols_tile], dl, within(stride))
 
 
 def dl_stride(seq_k: int, cfg: DlConfig) -> int:
@@ -697,12 +699,18 @@ def _and_masks(*masks):
   return out
 
 
-def _dl_matmul_kernel(dl_ref, x_ref, o_ref, *, transpose: bool, causal: bool, seq_q: int,
-                      seq_k: int, head_dim: int, block_q: int, block_k: int):
+def _dl_matmul_kernel(dl_ref, x_ref, o_ref, **dims):
   """One output tile of ``dL @ K`` (``transpose=False``: ``block_q`` query rows, the loop
   over key tiles) or ``dL^T @ Q`` (``block_k`` key rows, the loop over query tiles).
   Causal: only the tiles that meet the diagonal's lower side (``dL`` is 0 above it)."""
-  i, bh = pl.program_id(0), pl.program_id(1)
+  bh = pl.program_id(1)
+  _dl_matmul_tile(pl.program_id(0), bh, bh, dl_ref, x_ref, o_ref, **dims)
+
+
+def _dl_matmul_tile(i, dl_head, head, dl_ref, x_ref, o_ref, *, transpose: bool, causal: bool,
+                    seq_q: int, seq_k: int, head_dim: int, block_q: int, block_k: int):
+  """Output tile ``i`` of :func:`_dl_matmul_kernel`, from head ``dl_head`` of ``dL`` and
+  head ``head`` of ``x`` and the output."""
   d_pad = _padded_head_dim(head_dim)
   d_ok = None if d_pad == head_dim else (jnp.arange(d_pad, dtype=_I32) < head_dim)[None, :]
   out_block, red_block = (block_k, block_q) if transpose else (block_q, block_k)
@@ -724,13 +732,13 @@ def _dl_matmul_kernel(dl_ref, x_ref, o_ref, *, transpose: bool, causal: bool, se
   def body(j, acc):
     r0 = j * red_block
     if transpose:  # dL tile [red (queries), out (keys)]
-      idx = (bh, pl.ds(r0, red_block), pl.ds(o0, out_block))
+      idx = (dl_head, pl.ds(r0, red_block), pl.ds(o0, out_block))
       a_mask = _and_masks(ok(r0, red_block, dl_red, 0), ok(o0, out_block, dl_out, 1))
     else:  # dL tile [out (queries), red (keys)]
-      idx = (bh, pl.ds(o0, out_block), pl.ds(r0, red_block))
+      idx = (dl_head, pl.ds(o0, out_block), pl.ds(r0, red_block))
       a_mask = _and_masks(ok(o0, out_block, dl_out, 0), ok(r0, red_block, dl_red, 1))
     a = _load(dl_ref.at[idx], a_mask)
-    x = _load(x_ref.at[bh, pl.ds(r0, red_block), pl.ds(_ZERO, d_pad)],
+    x = _load(x_ref.at[head, pl.ds(r0, red_block), pl.ds(_ZERO, d_pad)],
               _and_masks(ok(r0, red_block, red_len, 0), d_ok))
     return acc + dot(a, x, trans_a=transpose)
 
@@ -740,7 +748,7 @@ def _dl_matmul_kernel(dl_ref, x_ref, o_ref, *, transpose: bool, causal: bool, se
   elif causal:
     hi = _row_num_k_tiles(i, seq_q, seq_k, block_q, block_k)
   acc = _fori_loop(lo, hi, body, jnp.zeros((out_block, d_pad), _F32))
-  _store(o_ref.at[bh, pl.ds(o0, out_block), pl.ds(_ZERO, d_pad)], acc.astype(o_ref.dtype),
+  _store(o_ref.at[head, pl.ds(o0, out_block), pl.ds(_ZERO, d_pad)], acc.astype(o_ref.dtype),
          _and_masks(ok(o0, out_block, out_len, 0), d_ok))
 
 
@@ -770,6 +778,80 @@ def dl_matmul(dl, x, *, transpose: bool, causal: bool = False, cfg: PassConfig, 
       interpret=interpret,
       name="qk_scale_softmax_bwd_dl_dk" if transpose else "qk_scale_softmax_bwd_dl_dq",
   )(dl, x)
+
+
+def _dl_chunk_kernel(off_ref, scale_ref, g_ref, p_ref, *refs, **dims):
+  """:func:`_dl_kernel` for the chunk of heads from ``off_ref[0]`` (``refs``: the aliased
+  previous chunk's buffer, if any, then ``dL``)."""
+  _dl_kernel(scale_ref, g_ref, p_ref, refs[-1], src_head=off_ref[0] + pl.program_id(1),
+             **dims)
+
+
+def _dl_chunk_matmul_kernel(off_ref, dl_ref, k_ref, q_ref, *refs, q_tiles: int, dq_dims,
+                            dk_dims):
+  """The chunk's ``grad_query`` tiles (the first ``q_tiles`` programs of the grid's first
+  axis) and ``grad_key`` tiles (the rest), written into the full outputs (``refs``: the
+  aliased previous outputs, if any, then ``dq``, ``dk``)."""
+  dq_ref, dk_ref = refs[-2:]
+  i, c = pl.program_id(0), pl.program_id(1)
+  head = off_ref[0] + c
+
+  @pl.when(i < q_tiles)
+  def _dq():
+    _dl_matmul_tile(i, c, head, dl_ref, k_ref, dq_ref, transpose=False, **dq_dims)
+
+  @pl.when(i >= q_tiles)
+  def _dk():
+    _dl_matmul_tile(i - q_tiles, c, head, dl_ref, q_ref, dk_ref, transpose=True, **dk_dims)
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "cfg", "heads", "gemm", "interpret"))
+def dl_gemm_chunked(scale, g, p, q, k, *, causal=False, cfg, heads: int, gemm: PassConfig,
+                    interpret):
+  """The ``dL`` + GEMM scheme over chunks of ``heads`` heads (dividing ``B*H``), so that a
+  chunk's ``dL`` can stay in L2 between its kernels: per chunk, the ``dL`` kernel rewrites
+  one ``[heads, Sq, S]`` buffer in place (the same addresses each chunk), then one Triton
+  launch computes the chunk's ``grad_query`` and ``grad_key`` tiles from it into the full
+  outputs (updated in place). ``gemm``: ``block_q`` output rows x ``block_k`` reduction
+  steps of both GEMMs (``grad_key``'s tiles transposed), its warps and stages. HBM traffic
+  is ``g`` and ``P`` once (4 B per element in bf16) where ``dL`` stays in L2."""
+  bh, seq_q, seq_k = g.shape
+  if bh % heads:
+    raise ValueError(f"heads: {heads} does not divide the {bh} heads of the problem")
+  head_dim = q.shape[-1]
+  width = dl_width(seq_k)
+  stride = dl_stride(seq_k, cfg)
+  enable_load_cache_modifiers("the dL kernel's .cg loads")
+  dl_kernel = functools.partial(_dl_chunk_kernel, seq_q=seq_q, seq_k=seq_k, block_q=cfg.rows,
+                                width=width, causal=causal)
+  out_block, red_block = gemm.block_q, gemm.block_k
+  common = dict(causal=causal, seq_q=seq_q, seq_k=seq_k, head_dim=head_dim)
+  mm_kernel = functools.partial(
+      _dl_chunk_matmul_kernel, q_tiles=pl.cdiv(seq_q, out_block),
+      dq_dims=dict(common, block_q=out_block, block_k=red_block),
+      dk_dims=dict(common, block_q=red_block, block_k=out_block))
+  mm_grid = (pl.cdiv(seq_q, out_block) + pl.cdiv(seq_k, out_block), heads)
+  mm_out = (out_struct((bh, seq_q, head_dim), q.dtype, g, p, q, k),
+            out_struct((bh, seq_k, head_dim), k.dtype, g, p, q, k))
+  dl = dq = dk = None
+  for c0 in range(0, bh, heads):
+    off = jnp.full((1,), c0, _I32)
+    prev = () if dl is None else (dl,)
+    dl = pallas_call(
+        dl_kernel, out_shape=out_struct((heads, seq_q, stride), g.dtype, g, p),
+        grid=(pl.cdiv(seq_q, cfg.rows), heads),
+        compiler_params=compiler_params(cfg.num_warps, 1),
+        input_output_aliases={4: 0} if prev else {},
+        interpret=interpret, name="qk_scale_softmax_bwd_dl_chunk",
+    )(off, scale, g, p, *prev)
+    prev = () if dq is None else (dq, dk)
+    dq, dk = pallas_call(
+        mm_kernel, out_shape=mm_out, grid=mm_grid,
+        compiler_params=compiler_params(gemm.num_warps, gemm.num_stages),
+        input_output_aliases={4: 0, 5: 1} if prev else {},
+        interpret=interpret, name="qk_scale_softmax_bwd_dl_chunk_gemms",
+    )(off, dl, k, q, *prev)
+  return dq, dk
 
 
 def dl_gemm(scale, g, p, q, k, *, causal=False, cfg, interpret, gemm=None):
