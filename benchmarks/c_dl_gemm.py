@@ -27,7 +27,7 @@ import os
 
 import jax
 
-from benchmarks import run, variants_table
+from benchmarks import run, timing, variants_table
 from benchmarks.timing import no_gpu
 from jax_ops import reference
 from pallas_kernels import qk_scale_softmax as qks
@@ -119,6 +119,8 @@ def main(argv=None):
                            "num_warps/num_stages,...")
   parser.add_argument("--causal", action="store_true",
                       help="a causal P, on the square workloads (c_dl_gemm_causal.json)")
+  parser.add_argument("--breakdown", default="",
+                      help="variant names (comma-separated) whose time per kernel is printed")
   parser.add_argument("--calls", type=int, default=20)
   parser.add_argument("--out", default=".")
   args = parser.parse_args(argv)
@@ -148,6 +150,12 @@ def main(argv=None):
            | {n: chunk_fn(*ch, scale, dims, causal) for n, ch in chunks.items()})
     row = variants_table.check_and_time(label, w, floor_us, fns, sets, refs, calls=args.calls)
     row["kernels"] = qks.kernels_for(*sets[0], scale, causal=causal)
+    for name in filter(None, args.breakdown.split(",")):
+      if name in fns:
+        row[f"breakdown:{name}"] = timing.kernel_breakdown_us(fns[name], sets, calls=10)
+        print(f"  {label} {name} per kernel: " + ", ".join(
+            f"{k['kernel']} {k['median_us']:.1f} us x{k['launches']:g}"
+            for k in row[f"breakdown:{name}"]), flush=True)
     rows_out.append(row)
   variants_table.print_table(rows_out, ["entry", *dls, *gemms, *chunks])
   name = "c_dl_gemm_causal.json" if causal else "c_dl_gemm.json"

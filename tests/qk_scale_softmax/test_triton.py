@@ -209,6 +209,30 @@ def test_dl_gemm_with_triton_gemms(causal, sq, sk):
     assert_close_to_ref("triton gemms", o.reshape(r.shape), r)
 
 
+@pytest.mark.parametrize("causal, b, h, sq, sk, d, heads", [
+    (False, 2, 2, 33, 131, 64, 2), (True, 1, 3, 40, 40, 40, 1), (False, 1, 4, 7, 64, 128, 4)])
+def test_dl_gemm_chunked(causal, b, h, sq, sk, d, heads):
+  """dL and both GEMMs over chunks of heads (one dL buffer and the outputs updated in place
+  chunk by chunk): ragged rows (padded dL), causal, D padding, one chunk of all heads."""
+  g, q, k, p = make_inputs(17, b, h, sq, sk, d, causal=causal)
+  v = lambda x: x.reshape((b * h,) + x.shape[2:])
+  got = pallas_triton.dl_gemm_chunked(jnp.full((1,), 0.125, jnp.float32), v(g), v(p), v(q),
+                                      v(k), causal=causal, cfg=qks.DlConfig(2, 4),
+                                      heads=heads, gemm=qks.PassConfig(32, 16, 4, 2),
+                                      interpret=INTERPRET)
+  for o, r in zip(got, reference(g, q, k, p, 0.125)):
+    assert_close_to_ref("chunked", o.reshape(r.shape), r)
+
+
+def test_dl_gemm_chunked_heads_must_divide():
+  g, q, k, p = make_inputs(18, 1, 3, 8, 8, 16)
+  v = lambda x: x.reshape((3,) + x.shape[2:])
+  with pytest.raises(ValueError, match="heads: 2 does not divide the 3 heads"):
+    pallas_triton.dl_gemm_chunked(jnp.full((1,), 0.125, jnp.float32), v(g), v(p), v(q), v(k),
+                                  cfg=qks.DlConfig(), heads=2,
+                                  gemm=qks.PassConfig(16, 16, 4, 2), interpret=INTERPRET)
+
+
 def test_dl_gemm_row_limit():
   g, q, k, p = make_inputs(6, 1, 1, 1, qks.MAX_DL_ROW + 1, 16)
   with pytest.raises(ValueError, match="config.scheme: 'dl_gemm'"):
