@@ -28,8 +28,8 @@ def test_scripts_exit_2_without_a_gpu(script, argv, capsys):
 
 
 def test_dl_variant_names():
-  assert c_dl_gemm.parse_dls("1/8,4/4/nopad") == {
-      "dl": None, "dl:1/8": DlConfig(1, 8), "dl:4/4/nopad": DlConfig(4, 4, pad_rows=False)}
+  assert c_dl_gemm.parse_dls("1/8,4/4/pad") == {
+      "dl": None, "dl:1/8": DlConfig(1, 8), "dl:4/4/pad": DlConfig(4, 4, pad_rows=True)}
   with pytest.raises(ValueError, match="config.dl.rows"):
     c_dl_gemm.parse_dls("3/8")
 

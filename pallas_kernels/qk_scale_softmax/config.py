@@ -98,10 +98,12 @@ class DlConfig:
   two >= 1; the padded row sits in registers) on ``num_warps`` warps (1-16, a power of
   two). ``pad_rows``: rows of ``Sk % 8 != 0`` keys are written to a ``dL`` buffer whose rows
   are padded with zeros to a multiple of 8 keys, so that the GEMMs read 16-byte aligned rows
-  (``K`` is padded to match, ``grad_key`` sliced back); no effect on other lengths."""
+  (``K`` is padded to match, ``grad_key`` sliced back); no effect on other lengths. Off by
+  default: on the H200 it measured slower than unpadded rows at Sk = 211 and 449 (the padding
+  and slicing copies cost more than the aligned GEMMs gain; ``qk_scale_softmax_design.log``)."""
   rows: int = 1
   num_warps: int = 8
-  pad_rows: bool = True
+  pad_rows: bool = False
 
   def __post_init__(self):
     if not isinstance(self.pad_rows, bool):

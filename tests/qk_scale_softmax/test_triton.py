@@ -138,7 +138,7 @@ def test_dl_pass_rounds_as_reference():
   delta = jnp.sum(g3.astype(jnp.float32) * p3.astype(jnp.float32), -1, keepdims=True)
   want = ((p3.astype(jnp.float32) * (g3.astype(jnp.float32) - delta)).astype(g.dtype)
           .astype(jnp.float32) * 0.125).astype(g.dtype)
-  cfg = qks.DlConfig(4, 4, pad_rows=False)
+  cfg = qks.DlConfig(4, 4)
   got = pallas_triton.dl_pass(scale, g3, p3, cfg=cfg, interpret=INTERPRET)
   np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
   upper = np.arange(sk)[None, :] > np.arange(sq)[:, None] + (sk - sq)
@@ -147,7 +147,8 @@ def test_dl_pass_rounds_as_reference():
                                 cfg=cfg, interpret=INTERPRET)
   np.testing.assert_array_equal(np.asarray(dirty, np.float32), np.asarray(want, np.float32))
   # pad_rows: rows of 65 keys padded to 72, the 7 extra keys 0.
-  padded = pallas_triton.dl_pass(scale, g3, p3, cfg=qks.DlConfig(4, 4), interpret=INTERPRET)
+  padded = pallas_triton.dl_pass(scale, g3, p3, cfg=qks.DlConfig(4, 4, pad_rows=True),
+                                interpret=INTERPRET)
   assert padded.shape == (2, sq, 72) and padded.dtype == g.dtype
   np.testing.assert_array_equal(np.asarray(padded[..., :sk], np.float32),
                                 np.asarray(want, np.float32))
