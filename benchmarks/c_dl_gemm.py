@@ -1,18 +1,18 @@
-"""Kernel C's ``"dl_gemm"`` scheme (a kernel writing dL, then two XLA GEMMs) against the
+"""Kernel C's ``"dl_gemm"`` scheme (a kernel writing dL, then the two GEMMs) against the
 entry point's default kernels, on the benchmark workloads, in one run.
 
 Usage (on a GPU)::
 
     PYTHONPATH=. python3 -m benchmarks.c_dl_gemm [--workloads 0,1] [--dl 1/8,2/8,1/16]
-        [--gemm 128/64/8/3:64/128/8/3] [--chunk 8:128/64/8/3] [--causal] [--calls 20]
-        [--out DIR]
+        [--gemm 128/64/8/3:64/128/8/3] [--fused 128/64/8/3] [--causal] [--calls 20]
+        [--out DIR] [--breakdown dl,...]
 
 ``--dl``: ``rows/num_warps`` of the dL kernel (:class:`DlConfig`) per variant, ``/pad``
-appended for ``pad_rows=True`` (ragged rows: ``dL`` padded to a multiple of 8 keys); ``dl`` alone is
-:func:`default_dl_config`. ``--gemm``: the default dL kernel, then the Triton GEMMs of
-:func:`pallas_triton.dl_matmul` (dQ's and dK's tiles) in place of XLA's. ``--chunk``: the
-scheme over chunks of heads whose ``dL`` may stay in L2 (:func:`pallas_triton.dl_gemm_chunked`:
-heads per chunk, then both GEMMs' tiles). Every variant is
+appended for ``pad_rows=True`` (ragged rows: ``dL`` padded to a multiple of 8 keys), ``/xla``
+for XLA's GEMMs; ``dl`` alone is :func:`default_dl_config`. ``--gemm``: the default dL
+kernel, then the Triton GEMMs of :func:`pallas_triton.dl_matmul` (dQ's and dK's tiles) as
+two launches. ``--fused``: the tiles
+of the default's one GEMM launch (:func:`pallas_triton.dl_gemms`). Every variant is
 checked against the reference with the workload's tolerance and timed as
 ``benchmarks.run`` times (device time, all kernels of a call, input sets rotated so L2 is
 cold). Prints one table; writes ``<out>/c_dl_gemm.json``.
@@ -21,6 +21,7 @@ cold). Prints one table; writes ``<out>/c_dl_gemm.json``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -58,30 +59,12 @@ def gemm_fn(gemm, scale, dims, causal=False):
   return jax.jit(fn)
 
 
-def chunk_fn(heads, gemm, scale, dims, causal=False):
-  """:func:`pallas_triton.dl_gemm_chunked`: chunks of ``heads`` heads (fewer where they do
-  not divide ``B*H``: the largest divisor), the GEMM tiles ``gemm``."""
-  b, h, sq, sk, d = dims
-  heads = max(c for c in range(1, heads + 1) if (b * h) % c == 0)
-  dl = qks.default_dl_config(sk)
-  s = jax.numpy.full((1,), scale, jax.numpy.float32)
-
-  def fn(g, q, k, p):
-    dq, dk = pallas_triton.dl_gemm_chunked(
-        s, g.reshape(b * h, sq, sk), p.reshape(b * h, sq, sk), q.reshape(b * h, sq, d),
-        k.reshape(b * h, sk, d), causal=causal, cfg=dl, heads=heads, gemm=gemm,
-        interpret=False)
-    return dq.reshape(q.shape), dk.reshape(k.shape)
-  return jax.jit(fn)
-
-
-def parse_chunks(text: str) -> dict:
-  """``"8:128/64/8/3,..."`` (heads per chunk, then the GEMM tiles ``block_q/block_k/warps/
-  stages``) -> ``{"ch:<item>": (heads, PassConfig)}``."""
+def parse_fused(text: str) -> dict:
+  """``"128/64/8/3,..."`` (the one GEMM launch's ``block_q/block_k/warps/stages``) ->
+  ``{"fused:<item>": DlConfig}`` (the default dL kernel rows and warps)."""
   out = {}
   for item in (text.split(",") if text else []):
-    heads, tiles = item.split(":")
-    out[f"ch:{item}"] = (int(heads), qks.PassConfig(*map(int, tiles.split("/"))))
+    out[f"fused:{item}"] = qks.PassConfig(*map(int, item.split("/")))
   return out
 
 
@@ -101,9 +84,10 @@ def parse_dls(text: str) -> dict:
   dls = {"dl": None}
   for item in (text.split(",") if text else []):
     rows, warps, *rest = item.split("/")
-    if rest not in ([], ["pad"]):
-      raise ValueError(f"--dl: expected rows/num_warps[/pad], got {item!r}")
-    dls[f"dl:{item}"] = qks.DlConfig(int(rows), int(warps), pad_rows=bool(rest))
+    if not set(rest) <= {"pad", "xla"}:
+      raise ValueError(f"--dl: expected rows/num_warps[/pad][/xla], got {item!r}")
+    dls[f"dl:{item}"] = qks.DlConfig(int(rows), int(warps), pad_rows="pad" in rest,
+                                     gemm=None if "xla" in rest else qks.DL_GEMM)
   return dls
 
 
@@ -114,8 +98,8 @@ def main(argv=None):
   parser.add_argument("--gemm", default="",
                       help="Triton GEMM variants: dq_cfg:dk_cfg,... each block_q/block_k/"
                            "num_warps/num_stages")
-  parser.add_argument("--chunk", default="",
-                      help="chunked variants (dl_gemm_chunked): heads:block_q/block_k/"
+  parser.add_argument("--fused", default="",
+                      help="tiles of the one GEMM launch (dl_gemms): block_q/block_k/"
                            "num_warps/num_stages,...")
   parser.add_argument("--causal", action="store_true",
                       help="a causal P, on the square workloads (c_dl_gemm_causal.json)")
@@ -126,7 +110,7 @@ def main(argv=None):
   args = parser.parse_args(argv)
   dls = parse_dls(args.dl)
   gemms = parse_gemms(args.gemm)
-  chunks = parse_chunks(args.chunk)
+  fused = parse_fused(args.fused)
   if no_gpu("timing kernel C's dL + GEMM scheme", "nothing timed"):
     return 2
   spec, idx, ceiling = variants_table.setup("qk_scale_softmax_backward", args.workloads)
@@ -147,7 +131,8 @@ def main(argv=None):
     refs = xla(*sets[0])
     fns = ({"entry": entry} | {n: dl_fn(d, scale, dims, causal) for n, d in dls.items()}
            | {n: gemm_fn(gm, scale, dims, causal) for n, gm in gemms.items()}
-           | {n: chunk_fn(*ch, scale, dims, causal) for n, ch in chunks.items()})
+           | {n: dl_fn(dataclasses.replace(qks.default_dl_config(dims[3]), gemm=t), scale,
+                       dims, causal) for n, t in fused.items()})
     row = variants_table.check_and_time(label, w, floor_us, fns, sets, refs, calls=args.calls)
     row["kernels"] = qks.kernels_for(*sets[0], scale, causal=causal)
     for name in filter(None, args.breakdown.split(",")):
@@ -161,7 +146,7 @@ def main(argv=None):
             f"{k['kernel']} {k['median_us']:.1f} us x{k['launches']:g}"
             for k in row[f"breakdown:{name}"]), flush=True)
     rows_out.append(row)
-  variants_table.print_table(rows_out, ["entry", *dls, *gemms, *chunks])
+  variants_table.print_table(rows_out, ["entry", *dls, *gemms, *fused])
   name = "c_dl_gemm_causal.json" if causal else "c_dl_gemm.json"
   with open(os.path.join(args.out, name), "w") as f:
     json.dump({"date": datetime.date.today().isoformat(),

@@ -7,6 +7,7 @@ kernels of ``pallas_triton.py`` elsewhere); ``config.py``: the Triton launch con
 """
 
 from pallas_kernels.qk_scale_softmax.config import (
+    DL_GEMM,
     DL_TUNED_MAX_ROW,
     MAX_DL_ELEMENTS,
     MAX_DL_ROW,
@@ -29,6 +30,7 @@ from pallas_kernels.qk_scale_softmax.dispatch import kernels_for, qk_scale_softm
 from pallas_kernels.qk_scale_softmax.pallas_triton import (
     col_pass,
     dl_gemm,
+    dl_gemms,
     dl_pass,
     head_pass,
     row_pass,
@@ -45,6 +47,7 @@ __all__ = [
     "MAX_DL_ROW",
     "MAX_DL_ELEMENTS",
     "DL_TUNED_MAX_ROW",
+    "DL_GEMM",
     "MAX_PER_HEAD_ROW",
     "WHOLE_ROW",
     "default_config",
@@ -60,5 +63,6 @@ __all__ = [
     "head_pass",
     "dl_pass",
     "dl_gemm",
+    "dl_gemms",
     "use_phased",
 ]

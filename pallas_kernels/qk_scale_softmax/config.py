@@ -73,7 +73,8 @@ class Config:
     whole rows as one tile; ``row`` unused). Rows of at most :data:`MAX_PER_HEAD_ROW` keys
     (the tuned table uses it up to 256).
   * ``"dl_gemm"``: the kernel writing ``dL`` (``dl``, :class:`DlConfig`; ``None``:
-    :func:`default_dl_config`), then two XLA GEMMs; ``row`` and ``col`` unused. Rows of at
+    :func:`default_dl_config`), then the two GEMMs (one Triton launch, or XLA's; ``dl.gemm``);
+    ``row`` and ``col`` unused. Rows of at
     most :data:`MAX_DL_ROW` keys.
   """
   row: PassConfig
@@ -92,6 +93,10 @@ class Config:
       raise TypeError(f"config.dl: expected a DlConfig or None, got {type(self.dl).__name__}")
 
 
+# The dl_gemm scheme's one GEMM launch (both GEMMs' tiles): the fastest measured on the H200.
+DL_GEMM = PassConfig(128, 64, 8, 3)
+
+
 @dataclasses.dataclass(frozen=True)
 class DlConfig:
   """The ``"dl_gemm"`` scheme's ``dL`` kernel: ``rows`` whole rows per program (a power of
@@ -100,14 +105,21 @@ class DlConfig:
   are padded with zeros to a multiple of 8 keys, so that the GEMMs read 16-byte aligned rows
   (``K`` is padded to match, ``grad_key`` sliced back); no effect on other lengths. Off by
   default: on the H200 it measured slower than unpadded rows at Sk = 211 and 449 (the padding
-  and slicing copies cost more than the aligned GEMMs gain; ``qk_scale_softmax_design.log``)."""
+  and slicing copies cost more than the aligned GEMMs gain; ``qk_scale_softmax_design.log``).
+  ``gemm``: the tiles of the one Triton launch that computes ``dQ = dL @ K`` and ``dK = dL^T
+  @ Q`` (``block_q`` output rows of either, steps of ``block_k``; :func:`.pallas_triton.dl_gemms`),
+  or ``None`` for two XLA GEMMs (measured 2.5-9% slower in all, on the H200)."""
   rows: int = 1
   num_warps: int = 8
   pad_rows: bool = False
+  gemm: PassConfig | None = DL_GEMM
 
   def __post_init__(self):
     if not isinstance(self.pad_rows, bool):
       raise ValueError(f"config.dl.pad_rows: expected a bool, got {self.pad_rows!r}")
+    if self.gemm is not None and not isinstance(self.gemm, PassConfig):
+      raise TypeError(f"config.dl.gemm: expected a PassConfig or None, got "
+                      f"{type(self.gemm).__name__}")
     for name, top in (("rows", 1 << 12), ("num_warps", 16)):
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v > top or v & (v - 1):
@@ -135,8 +147,10 @@ def dl_config(entry: dict | None, seq_k: int) -> DlConfig:
   if entry is None:
     return default_dl_config(seq_k)
   width = dl_width(seq_k)
+  gemm = entry.get("gemm", DL_GEMM)
   return DlConfig(rows=max(1, min(int(entry["rows"]), (1 << 13) // width)),
-                  num_warps=int(entry["num_warps"]))
+                  num_warps=int(entry["num_warps"]),
+                  gemm=gemm if gemm is None or isinstance(gemm, PassConfig) else PassConfig(**gemm))
 
 
 def length_class(seq_k: int) -> str:

@@ -67,7 +67,7 @@ from pallas_kernels.qk_scale_softmax.config import (MAX_DL_ELEMENTS, MAX_DL_ROW,
                                                     default_dl_config, dl_width)
 
 __all__ = ["qk_scale_softmax_backward", "row_pass", "col_pass", "head_pass", "dl_pass",
-           "dl_gemm", "use_phased"]
+           "dl_gemm", "dl_gemms", "dl_matmul", "use_phased"]
 
 _F32 = jnp.float32
 _I32 = jnp.int32
@@ -632,15 +632,13 @@ def _store(ref, value, mask):
 
 
 def _dl_kernel(scale_ref, g_ref, p_ref, dl_ref, *, seq_q: int, seq_k: int, block_q: int,
-               width: int, causal: bool, src_head=None):
+               width: int, causal: bool):
   """``dL`` of ``block_q`` whole rows (``width``: the padded row length) of one head.
   Causal: ``g`` and ``P`` above the diagonal are not read, and ``dL`` there is written 0.
   ``dl_ref``'s rows may be longer than ``seq_k`` (a padded row stride): the keys past
-  ``seq_k`` are written 0. ``src_head``: the head of ``g`` and ``P`` (``None``: the grid's
-  second index, which is always ``dL``'s head)."""
+  ``seq_k`` are written 0."""
   q0 = pl.program_id(0) * block_q
   bh = pl.program_id(1)
-  src = bh if src_head is None else src_head
   stride = dl_ref.shape[-1]  # >= seq_k
   rows = q0 + jnp.arange(block_q, dtype=jnp.int32)
   cols = jnp.arange(width, dtype=jnp.int32)
@@ -655,11 +653,11 @@ def _dl_kernel(scale_ref, g_ref, p_ref, dl_ref, *, seq_q: int, seq_k: int, block
   if causal:
     below = cols[None, :] <= rows[:, None] + (seq_k - seq_q)
     read = below if inside is None else inside & below
-  cols_tile = (pl.ds(q0, block_q), pl.ds(_ZERO, width))
-  g = _load(g_ref.at[(src,) + cols_tile], read, cache_modifier=".cg")
-  p = _load(p_ref.at[(src,) + cols_tile], read, cache_modifier=".cg")
+  tile = (bh, pl.ds(q0, block_q), pl.ds(_ZERO, width))
+  g = _load(g_ref.at[tile], read, cache_modifier=".cg")
+  p = _load(p_ref.at[tile], read, cache_modifier=".cg")
   dl = _dl_tile(g, p, _row_delta(g, p), scale_ref[0], dl_ref.dtype)  # 0 where not read
-  _store(dl_ref.at[(bh,) + cols_tile], dl, within(stride))
+  _store(dl_ref.at[tile], dl, within(stride))
 
 
 def dl_stride(seq_k: int, cfg: DlConfig) -> int:
@@ -780,88 +778,62 @@ def dl_matmul(dl, x, *, transpose: bool, causal: bool = False, cfg: PassConfig, 
   )(dl, x)
 
 
-def _dl_chunk_kernel(off_ref, scale_ref, g_ref, p_ref, *refs, **dims):
-  """:func:`_dl_kernel` for the chunk of heads from ``off_ref[0]`` (``refs``: the aliased
-  previous chunk's buffer, if any, then ``dL``)."""
-  _dl_kernel(scale_ref, g_ref, p_ref, refs[-1], src_head=off_ref[0] + pl.program_id(1),
-             **dims)
-
-
-def _dl_chunk_matmul_kernel(off_ref, dl_ref, k_ref, q_ref, *refs, q_tiles: int, dq_dims,
-                            dk_dims):
-  """The chunk's ``grad_query`` tiles (the first ``q_tiles`` programs of the grid's first
-  axis) and ``grad_key`` tiles (the rest), written into the full outputs (``refs``: the
-  aliased previous outputs, if any, then ``dq``, ``dk``)."""
-  dq_ref, dk_ref = refs[-2:]
-  i, c = pl.program_id(0), pl.program_id(1)
-  head = off_ref[0] + c
+def _dl_gemms_kernel(dl_ref, k_ref, q_ref, dq_ref, dk_ref, *, q_tiles: int, dq_dims, dk_dims):
+  """The ``grad_query`` tiles (the first ``q_tiles`` programs of the grid's first axis) and
+  the ``grad_key`` tiles (the rest) of one head, in one launch."""
+  i, bh = pl.program_id(0), pl.program_id(1)
 
   @pl.when(i < q_tiles)
   def _dq():
-    _dl_matmul_tile(i, c, head, dl_ref, k_ref, dq_ref, transpose=False, **dq_dims)
+    _dl_matmul_tile(i, bh, bh, dl_ref, k_ref, dq_ref, transpose=False, **dq_dims)
 
   @pl.when(i >= q_tiles)
   def _dk():
-    _dl_matmul_tile(i - q_tiles, c, head, dl_ref, q_ref, dk_ref, transpose=True, **dk_dims)
+    _dl_matmul_tile(i - q_tiles, bh, bh, dl_ref, q_ref, dk_ref, transpose=True, **dk_dims)
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "cfg", "heads", "gemm", "interpret"))
-def dl_gemm_chunked(scale, g, p, q, k, *, causal=False, cfg, heads: int, gemm: PassConfig,
-                    interpret):
-  """The ``dL`` + GEMM scheme over chunks of ``heads`` heads (dividing ``B*H``), so that a
-  chunk's ``dL`` can stay in L2 between its kernels: per chunk, the ``dL`` kernel rewrites
-  one ``[heads, Sq, S]`` buffer in place (the same addresses each chunk), then one Triton
-  launch computes the chunk's ``grad_query`` and ``grad_key`` tiles from it into the full
-  outputs (updated in place). ``gemm``: ``block_q`` output rows x ``block_k`` reduction
-  steps of both GEMMs (``grad_key``'s tiles transposed), its warps and stages. HBM traffic
-  is ``g`` and ``P`` once (4 B per element in bf16) where ``dL`` stays in L2."""
-  bh, seq_q, seq_k = g.shape
-  if bh % heads:
-    raise ValueError(f"heads: {heads} does not divide the {bh} heads of the problem")
+@functools.partial(jax.jit, static_argnames=("causal", "cfg", "interpret", "seq_k"))
+def dl_gemms(dl, q, k, *, causal: bool = False, cfg: PassConfig, interpret,
+             seq_k: int | None = None):
+  """``(dL @ K, dL^T @ Q)`` (``grad_query``, ``grad_key``) from ``dL [B*H, Sq, S]``, ``Q [B*H,
+  Sq, D]`` and ``K [B*H, Sk, D]`` in one Triton launch: a program computes one ``[block_q,
+  D]`` output tile of either (``grad_query``: ``block_q`` query rows, steps of ``block_k``
+  keys; ``grad_key``: ``block_q`` keys, steps of ``block_k`` query rows; tiles capped at the
+  padded lengths), fp32 accumulation, rounded once. One launch fills the GPU where the two
+  GEMMs apart would each leave it part idle. ``dL``'s rows may be padded past ``Sk`` as in
+  :func:`dl_matmul`; ``causal`` as there."""
+  bh, seq_q, stride = dl.shape
+  seq_k = k.shape[1]
   head_dim = q.shape[-1]
-  width = dl_width(seq_k)
-  stride = dl_stride(seq_k, cfg)
-  enable_load_cache_modifiers("the dL kernel's .cg loads")
-  dl_kernel = functools.partial(_dl_chunk_kernel, seq_q=seq_q, seq_k=seq_k, block_q=cfg.rows,
-                                width=width, causal=causal)
-  out_block, red_block = gemm.block_q, gemm.block_k
+  pq, pk = max(16, next_power_of_2(seq_q)), max(16, next_power_of_2(seq_k))
   common = dict(causal=causal, seq_q=seq_q, seq_k=seq_k, head_dim=head_dim)
-  mm_kernel = functools.partial(
-      _dl_chunk_matmul_kernel, q_tiles=pl.cdiv(seq_q, out_block),
-      dq_dims=dict(common, block_q=out_block, block_k=red_block),
-      dk_dims=dict(common, block_q=red_block, block_k=out_block))
-  mm_grid = (pl.cdiv(seq_q, out_block) + pl.cdiv(seq_k, out_block), heads)
-  mm_out = (out_struct((bh, seq_q, head_dim), q.dtype, g, p, q, k),
-            out_struct((bh, seq_k, head_dim), k.dtype, g, p, q, k))
-  dl = dq = dk = None
-  for c0 in range(0, bh, heads):
-    off = jnp.full((1,), c0, _I32)
-    prev = () if dl is None else (dl,)
-    dl = pallas_call(
-        dl_kernel, out_shape=out_struct((heads, seq_q, stride), g.dtype, g, p),
-        grid=(pl.cdiv(seq_q, cfg.rows), heads),
-        compiler_params=compiler_params(cfg.num_warps, 1),
-        input_output_aliases={4: 0} if prev else {},
-        interpret=interpret, name="qk_scale_softmax_bwd_dl_chunk",
-    )(off, scale, g, p, *prev)
-    prev = () if dq is None else (dq, dk)
-    dq, dk = pallas_call(
-        mm_kernel, out_shape=mm_out, grid=mm_grid,
-        compiler_params=compiler_params(gemm.num_warps, gemm.num_stages),
-        input_output_aliases={4: 0, 5: 1} if prev else {},
-        interpret=interpret, name="qk_scale_softmax_bwd_dl_chunk_gemms",
-    )(off, dl, k, q, *prev)
-  return dq, dk
+  dq_dims = dict(common, block_q=min(cfg.block_q, pq), block_k=min(cfg.block_k, pk))
+  dk_dims = dict(common, block_q=min(cfg.block_k, pq), block_k=min(cfg.block_q, pk))
+  q_tiles = pl.cdiv(seq_q, dq_dims["block_q"])
+  grid = (q_tiles + pl.cdiv(seq_k, dk_dims["block_k"]), bh)
+  like = (dl, q, k)
+  return pallas_call(
+      functools.partial(_dl_gemms_kernel, q_tiles=q_tiles, dq_dims=dq_dims, dk_dims=dk_dims),
+      out_shape=(out_struct((bh, seq_q, head_dim), q.dtype, *like),
+                 out_struct((bh, seq_k, head_dim), k.dtype, *like)),
+      grid=grid,
+      compiler_params=compiler_params(cfg.num_warps, cfg.num_stages),
+      interpret=interpret,
+      name="qk_scale_softmax_bwd_dl_gemms",
+  )(dl, k, q)
 
 
 def dl_gemm(scale, g, p, q, k, *, causal=False, cfg, interpret, gemm=None):
   """The ``"dl_gemm"`` scheme on 3D views: ``dL`` from :func:`dl_pass`, then ``grad_query =
-  dL @ K`` and ``grad_key = dL^T @ Q`` as XLA batched GEMMs (XLA picks their kernels; fp32
-  accumulation, rounded to the input dtype once), or with ``gemm = (dq_cfg, dk_cfg)``
-  (:class:`PassConfig`) as the Triton kernels of :func:`dl_matmul`. 10 B per element in
-  bf16: ``g`` and ``P`` read (4), ``dL`` written (2) and read by each GEMM (4)."""
+  dL @ K`` and ``grad_key = dL^T @ Q``: both in one Triton launch (:func:`dl_gemms`, tiles
+  ``cfg.gemm``), or as XLA batched GEMMs where ``cfg.gemm`` is ``None`` (XLA picks their
+  kernels), or with ``gemm = (dq_cfg, dk_cfg)`` (:class:`PassConfig`) as two Triton launches
+  (:func:`dl_matmul`). fp32 accumulation, rounded to the input dtype once. 10 B per element
+  in bf16: ``g`` and ``P`` read (4), ``dL`` written (2) and read by each GEMM (4)."""
   seq_k = k.shape[1]
   dl = dl_pass(scale, g, p, causal=causal, cfg=cfg, interpret=interpret)
+  if gemm is None and cfg.gemm is not None:
+    return dl_gemms(dl, q, k, causal=causal, cfg=cfg.gemm, interpret=interpret)
   if gemm is not None:  # Triton GEMMs: (dQ config, dK config)
     return (dl_matmul(dl, k, transpose=False, causal=causal, cfg=gemm[0], interpret=interpret),
             dl_matmul(dl, q, transpose=True, causal=causal, cfg=gemm[1], interpret=interpret,

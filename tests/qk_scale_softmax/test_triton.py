@@ -193,6 +193,8 @@ def test_dl_matmul_lowers_to_triton(pretend_h200, sq, sk, d):
                                pallas_triton.dl_matmul(dl, q, transpose=True, cfg=cfg,
                                                        interpret=False))
   assert triton_calls_in_gpu_lowering(gemms, shapes) == 2
+  one = lambda dl, k, q, _: pallas_triton.dl_gemms(dl, q, k, cfg=cfg, interpret=False)
+  assert triton_calls_in_gpu_lowering(one, shapes) == 1
 
 
 @pytest.mark.parametrize("causal, sq, sk", [(False, 33, 131), (True, 131, 131), (True, 33, 131),
@@ -210,28 +212,30 @@ def test_dl_gemm_with_triton_gemms(causal, sq, sk):
     assert_close_to_ref("triton gemms", o.reshape(r.shape), r)
 
 
-@pytest.mark.parametrize("causal, b, h, sq, sk, d, heads", [
-    (False, 2, 2, 33, 131, 64, 2), (True, 1, 3, 40, 40, 40, 1), (False, 1, 4, 7, 64, 128, 4)])
-def test_dl_gemm_chunked(causal, b, h, sq, sk, d, heads):
-  """dL and both GEMMs over chunks of heads (one dL buffer and the outputs updated in place
-  chunk by chunk): ragged rows (padded dL), causal, D padding, one chunk of all heads."""
+@pytest.mark.parametrize("causal, b, h, sq, sk, d, gemm", [
+    (False, 2, 2, 33, 131, 64, qks.PassConfig(32, 16, 4, 2)),
+    (True, 1, 3, 40, 40, 40, qks.PassConfig(16, 32, 4, 2)),
+    (False, 1, 2, 7, 64, 128, qks.PassConfig(128, 64, 8, 3)), (True, 1, 2, 70, 9, 64, None)])
+def test_dl_gemm_one_or_xla_gemm_launch(causal, b, h, sq, sk, d, gemm):
+  """Both GEMMs in one Triton launch (ragged tiles, causal skips with Sq != Sk, D padding,
+  tiles larger than the problem), or XLA's GEMMs (``gemm=None``)."""
   g, q, k, p = make_inputs(17, b, h, sq, sk, d, causal=causal)
   v = lambda x: x.reshape((b * h,) + x.shape[2:])
-  got = pallas_triton.dl_gemm_chunked(jnp.full((1,), 0.125, jnp.float32), v(g), v(p), v(q),
-                                      v(k), causal=causal, cfg=qks.DlConfig(2, 4),
-                                      heads=heads, gemm=qks.PassConfig(32, 16, 4, 2),
-                                      interpret=INTERPRET)
+  got = pallas_triton.dl_gemm(jnp.full((1,), 0.125, jnp.float32), v(g), v(p), v(q), v(k),
+                              causal=causal, cfg=qks.DlConfig(2, 4, gemm=gemm),
+                              interpret=INTERPRET)
   for o, r in zip(got, reference(g, q, k, p, 0.125)):
-    assert_close_to_ref("chunked", o.reshape(r.shape), r)
+    assert_close_to_ref("dl_gemm", o.reshape(r.shape), r)
 
 
-def test_dl_gemm_chunked_heads_must_divide():
-  g, q, k, p = make_inputs(18, 1, 3, 8, 8, 16)
-  v = lambda x: x.reshape((3,) + x.shape[2:])
-  with pytest.raises(ValueError, match="heads: 2 does not divide the 3 heads"):
-    pallas_triton.dl_gemm_chunked(jnp.full((1,), 0.125, jnp.float32), v(g), v(p), v(q), v(k),
-                                  cfg=qks.DlConfig(), heads=2,
-                                  gemm=qks.PassConfig(16, 16, 4, 2), interpret=INTERPRET)
+def test_dl_config_gemm_field():
+  assert qks.DlConfig().gemm == qks.DL_GEMM
+  assert qks.dl_config({"rows": 2, "num_warps": 4, "gemm": None}, 512).gemm is None
+  assert qks.dl_config({"rows": 2, "num_warps": 4,
+                        "gemm": {"block_q": 64, "block_k": 64, "num_warps": 4,
+                                 "num_stages": 3}}, 512).gemm == qks.PassConfig(64, 64, 4, 3)
+  with pytest.raises(TypeError, match="config.dl.gemm"):
+    qks.DlConfig(gemm=(64, 64))
 
 
 def test_dl_gemm_row_limit():
