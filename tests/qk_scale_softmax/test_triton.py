@@ -508,7 +508,8 @@ def test_table_entries_round_trip():
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("prefetch, row_align", [(False, -1), (True, 0), (False, 0)])
 def test_lowers_to_triton(pretend_h200, causal, dtype, prefetch, row_align):
-  """Both kernels lower to Triton IR for a GPU (no GPU needed; catches unsupported ops).
+  """The kernels lower to Triton IR for a GPU (no GPU needed; catches unsupported ops; dl_gemm:
+  the dL kernel and the one GEMM launch).
   Rows of 300 keys: dense with ``row_align=-1`` takes the phase-aligned row kernel.
   (Lowers the jitted backward behind the entry point, which says off a GPU that the kernels
   compile only there.)"""
@@ -516,7 +517,7 @@ def test_lowers_to_triton(pretend_h200, causal, dtype, prefetch, row_align):
   shapes = [jax.ShapeDtypeStruct(s, dtype) for s in
             ((b, h, sq, sk), (b, h, sq, d), (b, h, sk, d), (b, h, sq, sk))]
   cfg = qks.PassConfig(32, 64, 4, 2, prefetch, row_align)
-  for scheme, kernels in (("two_pass", 2), ("per_head", 1), ("dl_gemm", 1)):
+  for scheme, kernels in (("two_pass", 2), ("per_head", 1), ("dl_gemm", 2)):
     assert triton_calls_in_gpu_lowering(functools.partial(pallas_triton._backward,
                                                           interpret=False),
                                         shapes, 0.125, causal=causal,
