@@ -217,7 +217,7 @@ def default_config(seq_q: int, seq_k: int, head_dim: int, dtype, device_kind=Non
   table's scheme is used if it is in ``schemes`` (and ``per_head`` only for rows of at
   most 256 keys, and ``dl_gemm`` only dense (``causal=False``: its GEMMs cannot skip the
   upper triangle, the two-pass kernels do) for rows of at most :data:`DL_TUNED_MAX_ROW`
-  keys),
+  keys; where ``dl_gemm`` is not taken, the class's ``per_head`` entry if it has one),
   else its ``two_pass`` entry. A ``dl_gemm`` entry carries its :class:`DlConfig` as ``dl``
   (:func:`dl_config`; absent: :func:`default_dl_config`).
   """
@@ -227,10 +227,12 @@ def default_config(seq_q: int, seq_k: int, head_dim: int, dtype, device_kind=Non
                   heuristic(seq_q, seq_k, head_dim, row=False))
   pk = max(16, next_power_of_2(seq_k))
   scheme = tuned.get("scheme", "two_pass")
+  if scheme == "dl_gemm" and (causal or pk > DL_TUNED_MAX_ROW or scheme not in schemes):
+    scheme = "per_head"  # where the class has a per_head entry, else two_pass below
   if scheme == "per_head" and scheme in schemes and "head" in tuned and pk <= 256:
     head = pass_config(tuned["head"], seq_q, seq_k)
     return Config(head, head, "per_head")
   row, col = pass_config(tuned["row"], seq_q, seq_k), pass_config(tuned["col"], seq_q, seq_k)
-  if scheme == "dl_gemm" and scheme in schemes and not causal and pk <= DL_TUNED_MAX_ROW:
+  if scheme == "dl_gemm":
     return Config(row, col, "dl_gemm", dl_config(tuned.get("dl"), seq_k))
   return Config(row, col)

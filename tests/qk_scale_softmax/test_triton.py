@@ -451,8 +451,9 @@ def test_default_config(device_kind):
 
 def test_tuned_table():
   """The H200 table holds only configs (named fields, whole-row tiles named), and the
-  lookups give the entries' values: per_head with whole-row tiles for short rows, the
-  two-pass kernels (with their row_align) for ragged ones, dL + GEMM for long aligned ones."""
+  lookups give the entries' values: per_head with whole-row tiles for short rows (causal
+  rows of 256 keys too), the two-pass kernels (with their row_align) for ragged ones, dL +
+  GEMM for aligned rows of 256-4096 keys."""
   with open(_tuning.table_path(qks_config.KERNEL, "NVIDIA H200")) as f:
     data = json.load(f)
   assert set(data) == {"device_kind", "date", "jax", "configs"}
@@ -484,6 +485,11 @@ def test_tuned_table():
   assert h200(64, 1 << 15).scheme == "two_pass"
   assert h200(64, 2 * qks.DL_TUNED_MAX_ROW).scheme == "two_pass"  # not measured there
   assert h200(512, 512).scheme == "dl_gemm" and h200(449, 449).scheme == "two_pass"
+  # Rows of 256 keys: dL + GEMM dense; causal: the class's per_head entry.
+  head_256 = qks.PassConfig(64, 256, 8, 2)
+  assert h200(128, 256).scheme == "dl_gemm" and h200(256, 256).scheme == "dl_gemm"
+  assert h200(256, 256, causal=True) == qks.Config(head_256, head_256, "per_head")
+  assert h200(256, 256, schemes=("two_pass", "per_head")).scheme == "per_head"
   # A whole-row entry used for rows longer than MAX_WHOLE_ROW keys (a class borrowing
   # another's entry, _tuning.lookup) takes LONG_ROW_BLOCK_K-key tiles instead.
   whole = {"block_q": 32, "block_k": qks.WHOLE_ROW, "num_warps": 4, "num_stages": 1}
