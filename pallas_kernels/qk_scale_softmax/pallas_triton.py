@@ -27,9 +27,11 @@ scheme (a buffer the size of ``P``). The kernels are:
    (whole rows each), forms ``delta``, ``dL`` and ``grad_query`` from one read of ``g`` and
    ``P``, and keeps ``grad_key`` (``[Sk, D]`` fp32) in registers until the end.
 3. ``"dl_gemm"`` scheme: a row kernel writes ``dL`` (whole rows in registers, ``g`` and
-   ``P`` read once), then ``grad_query = dL @ K`` and ``grad_key = dL^T @ Q`` are XLA
-   batched GEMMs: 10 B per element in bf16. Causal calls write ``dL = 0`` above
-   the diagonal and the GEMMs do the full work (nothing is skipped).
+   ``P`` read once), then one Triton launch computes ``grad_query = dL @ K`` and
+   ``grad_key = dL^T @ Q`` (a program per output tile of either; ``DlConfig.gemm``, or XLA's
+   batched GEMMs with ``gemm=None``): 10 B per element in bf16. Causal calls write ``dL = 0``
+   above the diagonal; the Triton GEMMs skip the tiles wholly above it, XLA's do the full
+   work.
 
 Traffic per attention element in bf16: ``g`` and ``P`` are 4 B per read. The floor (and
 the per-head kernel) reads them once; the two-pass scheme reads them twice (8 B), up to
@@ -916,8 +918,8 @@ def qk_scale_softmax_backward(grad_output, query, key, attn_weights, scaling, *,
   Design (module docstring): one program per head for short rows (``"per_head"``: ``g``
   and ``P`` read once, 4 B per element in bf16); a row kernel (``delta`` and
   ``grad_query``) and a column kernel (``grad_key``), 8-12 B per element (``"two_pass"``);
-  or the ``dL`` kernel and two GEMMs, 10 B per element and a ``dL`` buffer the size of
-  ``P`` (``"dl_gemm"``, the H200 table's choice for dense rows of 512-4096 keys).
+  or the ``dL`` kernel and the two GEMMs, 10 B per element and a ``dL`` buffer the size of
+  ``P`` (``"dl_gemm"``, the H200 table's choice for dense aligned rows of 256-4096 keys).
 
   Returns:
     ``(grad_query [B, H, Sq, D], grad_key [B, H, Sk, D])`` in the inputs' dtype.
