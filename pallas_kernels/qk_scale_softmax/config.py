@@ -108,7 +108,8 @@ class DlConfig:
   and slicing copies cost more than the aligned GEMMs gain; ``qk_scale_softmax_design.log``).
   ``gemm``: the tiles of the one Triton launch that computes ``dQ = dL @ K`` and ``dK = dL^T
   @ Q`` (``block_q`` output rows of either, steps of ``block_k``; :func:`.pallas_triton.dl_gemms`),
-  or ``None`` for two XLA GEMMs (measured 2.5-9% slower in all, on the H200)."""
+  or ``None`` for two XLA GEMMs (2.5-9% slower in all on the five workloads timed on the
+  H200)."""
   rows: int = 1
   num_warps: int = 8
   pad_rows: bool = False

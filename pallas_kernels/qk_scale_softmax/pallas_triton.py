@@ -794,16 +794,15 @@ def _dl_gemms_kernel(dl_ref, k_ref, q_ref, dq_ref, dk_ref, *, q_tiles: int, dq_d
     _dl_matmul_tile(i - q_tiles, bh, bh, dl_ref, q_ref, dk_ref, transpose=True, **dk_dims)
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "cfg", "interpret", "seq_k"))
-def dl_gemms(dl, q, k, *, causal: bool = False, cfg: PassConfig, interpret,
-             seq_k: int | None = None):
+@functools.partial(jax.jit, static_argnames=("causal", "cfg", "interpret"))
+def dl_gemms(dl, q, k, *, causal: bool = False, cfg: PassConfig, interpret):
   """``(dL @ K, dL^T @ Q)`` (``grad_query``, ``grad_key``) from ``dL [B*H, Sq, S]``, ``Q [B*H,
   Sq, D]`` and ``K [B*H, Sk, D]`` in one Triton launch: a program computes one ``[block_q,
   D]`` output tile of either (``grad_query``: ``block_q`` query rows, steps of ``block_k``
   keys; ``grad_key``: ``block_q`` keys, steps of ``block_k`` query rows; tiles capped at the
   padded lengths), fp32 accumulation, rounded once. One launch fills the GPU where the two
-  GEMMs apart would each leave it part idle. ``dL``'s rows may be padded past ``Sk`` as in
-  :func:`dl_matmul`; ``causal`` as there."""
+  GEMMs apart would each leave it part idle. ``dL``'s rows may be padded past ``Sk`` (``K``'s
+  length) as in :func:`dl_matmul`; ``causal`` as there."""
   bh, seq_q, stride = dl.shape
   seq_k = k.shape[1]
   head_dim = q.shape[-1]
