@@ -61,7 +61,7 @@ def gemm_fn(gemm, scale, dims, causal=False):
 
 def parse_fused(text: str) -> dict:
   """``"128/64/8/3,..."`` (the one GEMM launch's ``block_q/block_k/warps/stages``) ->
-  ``{"fused:<item>": DlConfig}`` (the default dL kernel rows and warps)."""
+  ``{"fused:<item>": PassConfig}`` (each run with the default dL kernel rows and warps)."""
   out = {}
   for item in (text.split(",") if text else []):
     out[f"fused:{item}"] = qks.PassConfig(*map(int, item.split("/")))
@@ -83,9 +83,10 @@ def parse_dls(text: str) -> dict:
   DlConfig(2, 4, pad_rows=True)}`` (``"dl"``: the default, always first)."""
   dls = {"dl": None}
   for item in (text.split(",") if text else []):
-    rows, warps, *rest = item.split("/")
-    if not set(rest) <= {"pad", "xla"}:
+    parts = item.split("/")
+    if len(parts) < 2 or not set(parts[2:]) <= {"pad", "xla"}:
       raise ValueError(f"--dl: expected rows/num_warps[/pad][/xla], got {item!r}")
+    rows, warps, rest = parts[0], parts[1], parts[2:]
     dls[f"dl:{item}"] = qks.DlConfig(int(rows), int(warps), pad_rows="pad" in rest,
                                      gemm=None if "xla" in rest else qks.DL_GEMM)
   return dls

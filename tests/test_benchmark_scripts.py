@@ -32,6 +32,8 @@ def test_dl_variant_names():
       "dl": None, "dl:1/8": DlConfig(1, 8), "dl:4/4/pad": DlConfig(4, 4, pad_rows=True)}
   with pytest.raises(ValueError, match="config.dl.rows"):
     c_dl_gemm.parse_dls("3/8")
+  with pytest.raises(ValueError, match="rows/num_warps"):
+    c_dl_gemm.parse_dls("1")
 
 
 def test_sweep_launch_names():

@@ -107,8 +107,8 @@ class DlConfig:
   default: on the H200 it measured slower than unpadded rows at Sk = 211 and 449 (the padding
   and slicing copies cost more than the aligned GEMMs gain; ``qk_scale_softmax_design.log``).
   ``gemm``: the tiles of the one Triton launch that computes ``dQ = dL @ K`` and ``dK = dL^T
-  @ Q`` (``block_q`` output rows of either, steps of ``block_k``; :func:`.pallas_triton.dl_gemms`),
-  or ``None`` for two XLA GEMMs (2.5-9% slower in all on the five workloads timed on the
+  @ Q`` (``block_q`` output rows of either, steps of ``block_k``; :func:`.pallas_triton.dl_gemms`;
+  16-bit inputs with ``D <= 128`` only, others take XLA's), or ``None`` for two XLA GEMMs (2.5-9% slower in all on the five workloads timed on the
   H200)."""
   rows: int = 1
   num_warps: int = 8
@@ -216,8 +216,9 @@ def default_config(seq_q: int, seq_k: int, head_dim: int, dtype, device_kind=Non
 
   ``device_kind``: the kind of the device that runs the call (``None``: the heuristic). The
   table's scheme is used if it is in ``schemes`` (and ``per_head`` only for rows of at
-  most 256 keys, and ``dl_gemm`` only dense (``causal=False``: its GEMMs cannot skip the
-  upper triangle, the two-pass kernels do) for rows of at most :data:`DL_TUNED_MAX_ROW`
+  most 256 keys, and ``dl_gemm`` only dense (``causal=False``: its dL kernel writes the whole
+  buffer and its GEMMs take the diagonal tiles whole; measured slower than the two-pass
+  kernels, which skip the upper triangle) for rows of at most :data:`DL_TUNED_MAX_ROW`
   keys; where ``dl_gemm`` is not taken, the class's ``per_head`` entry if it has one),
   else its ``two_pass`` entry. A ``dl_gemm`` entry carries its :class:`DlConfig` as ``dl``
   (:func:`dl_config`; absent: :func:`default_dl_config`).

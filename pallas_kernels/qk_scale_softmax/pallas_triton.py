@@ -824,16 +824,24 @@ def dl_gemms(dl, q, k, *, causal: bool = False, cfg: PassConfig, interpret):
   )(dl, k, q)
 
 
+def one_launch_takes(dtype, head_dim: int) -> bool:
+  """Whether :func:`dl_gemm` runs its GEMMs as the one Triton launch: 16-bit inputs and a
+  padded head dim of at most 128 (what was measured; fp32 or wider heads would need tiles
+  that fit shared memory), else XLA's GEMMs."""
+  return jnp.dtype(dtype).itemsize <= 2 and _padded_head_dim(head_dim) <= 128
+
+
 def dl_gemm(scale, g, p, q, k, *, causal=False, cfg, interpret, gemm=None):
   """The ``"dl_gemm"`` scheme on 3D views: ``dL`` from :func:`dl_pass`, then ``grad_query =
   dL @ K`` and ``grad_key = dL^T @ Q``: both in one Triton launch (:func:`dl_gemms`, tiles
-  ``cfg.gemm``), or as XLA batched GEMMs where ``cfg.gemm`` is ``None`` (XLA picks their
-  kernels), or with ``gemm = (dq_cfg, dk_cfg)`` (:class:`PassConfig`) as two Triton launches
+  ``cfg.gemm``; 16-bit inputs with ``D <= 128``, :func:`one_launch_takes`), or as XLA batched
+  GEMMs where ``cfg.gemm`` is ``None`` or the launch does not take the problem (XLA picks
+  their kernels), or with ``gemm = (dq_cfg, dk_cfg)`` (:class:`PassConfig`) as two Triton launches
   (:func:`dl_matmul`). fp32 accumulation, rounded to the input dtype once. 10 B per element
   in bf16: ``g`` and ``P`` read (4), ``dL`` written (2) and read by each GEMM (4)."""
   seq_k = k.shape[1]
   dl = dl_pass(scale, g, p, causal=causal, cfg=cfg, interpret=interpret)
-  if gemm is None and cfg.gemm is not None:
+  if gemm is None and cfg.gemm is not None and one_launch_takes(dl.dtype, q.shape[-1]):
     return dl_gemms(dl, q, k, causal=causal, cfg=cfg.gemm, interpret=interpret)
   if gemm is not None:  # Triton GEMMs: (dQ config, dK config)
     return (dl_matmul(dl, k, transpose=False, causal=causal, cfg=gemm[0], interpret=interpret),
@@ -918,7 +926,9 @@ def qk_scale_softmax_backward(grad_output, query, key, attn_weights, scaling, *,
   and ``P`` read once, 4 B per element in bf16); a row kernel (``delta`` and
   ``grad_query``) and a column kernel (``grad_key``), 8-12 B per element (``"two_pass"``);
   or the ``dL`` kernel and the two GEMMs, 10 B per element and a ``dL`` buffer the size of
-  ``P`` (``"dl_gemm"``, the H200 table's choice for dense aligned rows of 256-4096 keys).
+  ``P`` (``"dl_gemm"``, the H200 table's choice for dense rows of a multiple of 8 keys in
+  its classes up to 4096 keys and down to the one of 256, that is 129-4096 keys; timed at
+  256, 512, 1024, 2048 and 4096).
 
   Returns:
     ``(grad_query [B, H, Sq, D], grad_key [B, H, Sk, D])`` in the inputs' dtype.
@@ -939,7 +949,8 @@ def qk_scale_softmax_backward(grad_output, query, key, attn_weights, scaling, *,
                             ("num_stages", num_stages)) if v is not None]
     if given:
       raise ValueError(f"{', '.join(given)}: the 'dl_gemm' scheme's dL kernel takes whole "
-                       f"rows (set config.dl = DlConfig(rows=..., num_warps=...) instead)")
+                       f"rows (set config.dl = DlConfig(rows=..., num_warps=...) instead, "
+                       f"and DlConfig(gemm=PassConfig(...)) for its GEMM launch's tiles)")
     config = dataclasses.replace(config, dl=config.dl or default_dl_config(key.shape[2]))
   config = _tuning.with_overrides(config, block_q=block_q, block_k=block_k,
                                   num_warps=num_warps, num_stages=num_stages)

@@ -215,15 +215,21 @@ def test_dl_gemm_with_triton_gemms(causal, sq, sk):
 @pytest.mark.parametrize("causal, b, h, sq, sk, d, gemm", [
     (False, 2, 2, 33, 131, 64, qks.PassConfig(32, 16, 4, 2)),
     (True, 1, 3, 40, 40, 40, qks.PassConfig(16, 32, 4, 2)),
-    (False, 1, 2, 7, 64, 128, qks.PassConfig(128, 64, 8, 3)), (True, 1, 2, 70, 9, 64, None)])
+    (False, 1, 2, 7, 64, 128, qks.PassConfig(128, 64, 8, 3)), (True, 1, 2, 70, 9, 64, None),
+    (True, 1, 2, 70, 9, 64, "pad"), (False, 1, 2, 33, 131, 40, "pad-xla")])
 def test_dl_gemm_one_or_xla_gemm_launch(causal, b, h, sq, sk, d, gemm):
   """Both GEMMs in one Triton launch (ragged tiles, causal skips with Sq != Sk, D padding,
-  tiles larger than the problem), or XLA's GEMMs (``gemm=None``)."""
+  tiles larger than the problem), or XLA's GEMMs (``gemm=None``); ``"pad"``: dL rows padded
+  to a multiple of 8 keys, through the one launch and (``"pad-xla"``) through XLA's GEMMs
+  (K padded, grad_key sliced)."""
   g, q, k, p = make_inputs(17, b, h, sq, sk, d, causal=causal)
   v = lambda x: x.reshape((b * h,) + x.shape[2:])
+  if isinstance(gemm, str):
+    cfg = qks.DlConfig(2, 4, pad_rows=True, gemm=None if gemm == "pad-xla" else qks.DL_GEMM)
+  else:
+    cfg = qks.DlConfig(2, 4, gemm=gemm)
   got = pallas_triton.dl_gemm(jnp.full((1,), 0.125, jnp.float32), v(g), v(p), v(q), v(k),
-                              causal=causal, cfg=qks.DlConfig(2, 4, gemm=gemm),
-                              interpret=INTERPRET)
+                              causal=causal, cfg=cfg, interpret=INTERPRET)
   for o, r in zip(got, reference(g, q, k, p, 0.125)):
     assert_close_to_ref("dl_gemm", o.reshape(r.shape), r)
 
@@ -523,7 +529,9 @@ def test_lowers_to_triton(pretend_h200, causal, dtype, prefetch, row_align):
   shapes = [jax.ShapeDtypeStruct(s, dtype) for s in
             ((b, h, sq, sk), (b, h, sq, d), (b, h, sk, d), (b, h, sq, sk))]
   cfg = qks.PassConfig(32, 64, 4, 2, prefetch, row_align)
-  for scheme, kernels in (("two_pass", 2), ("per_head", 1), ("dl_gemm", 2)):
+  # dl_gemm: fp32 takes XLA's GEMMs (pallas_triton.one_launch_takes), 16-bit the one launch.
+  for scheme, kernels in (("two_pass", 2), ("per_head", 1),
+                          ("dl_gemm", 1 if dtype == jnp.float32 else 2)):
     assert triton_calls_in_gpu_lowering(functools.partial(pallas_triton._backward,
                                                           interpret=False),
                                         shapes, 0.125, causal=causal,
