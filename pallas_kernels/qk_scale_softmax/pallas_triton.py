@@ -806,10 +806,12 @@ def dl_gemms(dl, q, k, *, causal: bool = False, cfg: PassConfig, interpret):
   bh, seq_q, stride = dl.shape
   seq_k = k.shape[1]
   head_dim = q.shape[-1]
-  pq, pk = max(16, next_power_of_2(seq_q)), max(16, next_power_of_2(seq_k))
+  # grad_key's tiles are cfg's transposed (block_q keys, block_k query rows).
+  dq = cfg.capped(seq_q, seq_k)
+  dk = dataclasses.replace(cfg, block_q=cfg.block_k, block_k=cfg.block_q).capped(seq_q, seq_k)
   common = dict(causal=causal, seq_q=seq_q, seq_k=seq_k, head_dim=head_dim)
-  dq_dims = dict(common, block_q=min(cfg.block_q, pq), block_k=min(cfg.block_k, pk))
-  dk_dims = dict(common, block_q=min(cfg.block_k, pq), block_k=min(cfg.block_q, pk))
+  dq_dims = dict(common, block_q=dq.block_q, block_k=dq.block_k)
+  dk_dims = dict(common, block_q=dk.block_q, block_k=dk.block_k)
   q_tiles = pl.cdiv(seq_q, dq_dims["block_q"])
   grid = (q_tiles + pl.cdiv(seq_k, dk_dims["block_k"]), bh)
   like = (dl, q, k)
