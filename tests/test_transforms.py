@@ -50,8 +50,8 @@ def test_value_and_grad_and_checkpoint_agree():
 def test_shard_map_training_step_matches_one_device():
   """A batch-sharded training step over a 4-device CPU mesh: runs the Pallas kernels
   per shard, all-gathers nothing, and matches the single-device gradients."""
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-             JAX_PLATFORMS="cpu")
+  flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+  env = dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu")
   run = subprocess.run([sys.executable, os.path.join(HERE, "shard_map_check.py")], env=env,
                        capture_output=True, text=True, timeout=600)
   assert run.returncode == 0, run.stderr[-3000:]
