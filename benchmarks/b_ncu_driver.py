@@ -11,11 +11,13 @@ Usage: ``PYTHONPATH=. python3 -m benchmarks.b_ncu_driver 4,4,4096,0.1 [--calls 2
 from __future__ import annotations
 
 import argparse
+import os
 
 import jax
 
 from benchmarks import b_triton_row as row
 from benchmarks.b_backward_sweep import DESIGNS
+from benchmarks.timing import no_gpu
 from pallas_kernels._util import next_power_of_2
 from pallas_kernels.masked_softmax_dropout import Config, pallas_triton
 
@@ -27,6 +29,10 @@ def main(argv=None):
   parser.add_argument("--pub-warps", type=int, default=16)
   args = parser.parse_args(argv)
   b, h, s, p = args.workload.split(",")
+  # Torch and JAX share the GPU: JAX must not take 75% of it at its first use.
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+  if no_gpu("launching kernel B's backward for Nsight Compute", "nothing launched"):
+    return 2
   w = dict(batch_size=int(b), n_heads=int(h), seq_len=int(s), p_dropout=float(p))
   row._import_gpu_libs()
   torch = row.torch
@@ -55,7 +61,8 @@ def main(argv=None):
   torch.cuda.profiler.stop()
   print("launched: pallas default, pallas pub/%d, triton %d warps; %d calls each"
         % (args.pub_warps, warps, args.calls))
+  return 0
 
 
 if __name__ == "__main__":
-  main()
+  raise SystemExit(main())

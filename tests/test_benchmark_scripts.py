@@ -4,8 +4,9 @@ what they are given."""
 import pytest
 
 from conftest import ON_GPU
-from benchmarks import (a_hash_cost, b_backward_sweep, b_triton_row, c_backward_step, c_dl_gemm,
-                        c_dq_atomic, c_forward, ptx_dump, size_ceiling)
+from benchmarks import (a_hash_cost, b_backward_sweep, b_ncu_driver, b_triton_row,
+                        c_backward_step, c_dl_gemm, c_dq_atomic, c_forward, ptx_dump,
+                        size_ceiling)
 from pallas_kernels.qk_scale_softmax import DlConfig
 from pallas_kernels.masked_softmax_dropout import Config
 
@@ -15,6 +16,8 @@ from pallas_kernels.masked_softmax_dropout import Config
     (a_hash_cost, []),
     (b_backward_sweep, ["--configs", "1/8/pub"]),
     (b_triton_row, ["--only", "4,4,4096"]),
+    (b_triton_row, ["--only", "4,4,4096", "--carveout", "100"]),
+    (b_ncu_driver, ["4,4,4096,0.1"]),
     (ptx_dump, ["--out", "/nonexistent"]),
     (size_ceiling, []),
     (c_forward, ["--configs", "64/64/4/3", "--shapes", "1,2,256,1"]),
