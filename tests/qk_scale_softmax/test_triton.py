@@ -457,9 +457,10 @@ def test_default_config(device_kind):
 
 def test_tuned_table():
   """The H200 table holds only configs (named fields, whole-row tiles named), and the
-  lookups give the entries' values: per_head with whole-row tiles for short rows (causal
-  rows of 256 keys too), the two-pass kernels (with their row_align) for ragged ones, dL +
-  GEMM for aligned rows of 256-4096 keys."""
+  lookups give the entries' values: per_head with whole-row tiles for rows of 128 keys
+  (causal rows of <= 256 keys too), dL + GEMM for dense rows of 129-4096 keys (ragged ones
+  included), the two-pass kernels (with their row_align) for causal ragged rows of more than
+  256 keys."""
   with open(_tuning.table_path(qks_config.KERNEL, "NVIDIA H200")) as f:
     data = json.load(f)
   assert set(data) == {"device_kind", "date", "jax", "configs"}
@@ -475,12 +476,19 @@ def test_tuned_table():
       assert block_k == qks.WHOLE_ROW or isinstance(block_k, int)
   h200 = functools.partial(qks.default_config, head_dim=128, dtype=jnp.bfloat16,
                            device_kind="NVIDIA H200")
-  assert h200(211, 211) == qks.Config(qks.PassConfig(32, 256, 8, 3),
-                                      qks.PassConfig(32, 256, 8, 3), "per_head")
-  assert h200(211, 211, schemes=("two_pass",)) == qks.Config(
-      qks.PassConfig(32, 256, 4, 1), qks.PassConfig(32, 128, 4, 3))
-  assert h200(449, 449) == qks.Config(qks.PassConfig(32, 64, 4, 2, row_align=16),
-                                      qks.PassConfig(64, 64, 4, 3))
+  two_pass_211 = qks.Config(qks.PassConfig(32, 256, 4, 1), qks.PassConfig(32, 128, 4, 3))
+  # Ragged rows: dL + GEMM dense (the table's dL rows at 211); causal: per_head at 211,
+  # the two-pass kernels at 449.
+  assert h200(211, 211) == dataclasses.replace(two_pass_211, scheme="dl_gemm",
+                                               dl=qks.DlConfig(8, 8))
+  assert h200(211, 211, causal=True) == qks.Config(qks.PassConfig(32, 256, 8, 3),
+                                                   qks.PassConfig(32, 256, 8, 3), "per_head")
+  assert h200(211, 211, schemes=("two_pass",)) == two_pass_211
+  two_pass_449 = qks.Config(qks.PassConfig(32, 64, 4, 2, row_align=16),
+                            qks.PassConfig(64, 64, 4, 3))
+  assert h200(449, 449) == dataclasses.replace(two_pass_449, scheme="dl_gemm",
+                                               dl=qks.default_dl_config(449))
+  assert h200(449, 449, causal=True) == two_pass_449
   two_pass_4096 = qks.Config(qks.PassConfig(32, 128, 4, 2), qks.PassConfig(32, 64, 4, 3))
   # Dense aligned rows of >= 512 keys: the dL + GEMM scheme; causal: the two-pass kernels
   # (they skip the upper triangle), as for rows too long to hold in registers.
@@ -490,7 +498,7 @@ def test_tuned_table():
   assert h200(4096, 4096, schemes=("two_pass",)) == two_pass_4096
   assert h200(64, 1 << 15).scheme == "two_pass"
   assert h200(64, 2 * qks.DL_TUNED_MAX_ROW).scheme == "two_pass"  # not measured there
-  assert h200(512, 512).scheme == "dl_gemm" and h200(449, 449).scheme == "two_pass"
+  assert h200(512, 512).scheme == "dl_gemm" and h200(449, 449).scheme == "dl_gemm"
   # Rows of 256 keys: dL + GEMM dense; causal: the class's per_head entry.
   head_256 = qks.PassConfig(64, 256, 8, 2)
   assert h200(128, 256).scheme == "dl_gemm" and h200(256, 256).scheme == "dl_gemm"
