@@ -9,11 +9,11 @@ Usage (on a GPU)::
 
 ``--dl``: ``rows/num_warps`` of the dL kernel (:class:`DlConfig`) per variant, ``/pad``
 appended for ``pad_rows=True`` (ragged rows: ``dL`` padded to a multiple of 8 keys), ``/xla``
-for XLA's GEMMs; ``dl`` alone is :func:`default_dl_config`. ``--gemm``: the default dL
-kernel, then the Triton GEMMs of :func:`pallas_triton.dl_matmul` (dQ's and dK's tiles) as
-two launches. ``--fused``: the tiles
-of the default's one GEMM launch (:func:`pallas_triton.dl_gemms`). Every variant is
-checked against the reference with the workload's tolerance and timed as
+for XLA's GEMMs, ``/phased`` for ``phased=True`` (ragged rows on aligned row classes);
+``dl`` alone is :func:`default_dl_config`. ``--gemm``: the default dL kernel, then the
+Triton GEMMs of :func:`pallas_triton.dl_matmul` (dQ's and dK's tiles) as two launches.
+``--fused``: the tiles of the default's one GEMM launch (:func:`pallas_triton.dl_gemms`).
+Every variant is checked against the reference with the workload's tolerance and timed as
 ``benchmarks.run`` times (device time, all kernels of a call, input sets rotated so L2 is
 cold). Prints one table; writes ``<out>/c_dl_gemm.json``.
 """
@@ -80,15 +80,17 @@ def parse_gemms(text: str) -> dict:
 
 def parse_dls(text: str) -> dict:
   """``"1/8,2/4/pad"`` -> ``{"dl": None, "dl:1/8": DlConfig(1, 8), "dl:2/4/pad":
-  DlConfig(2, 4, pad_rows=True)}`` (``"dl"``: the default, always first)."""
+  DlConfig(2, 4, pad_rows=True)}`` (``"dl"``: the default, always first; ``/phased``: the
+  row-class dL kernel, ``DlConfig.phased``)."""
   dls = {"dl": None}
   for item in (text.split(",") if text else []):
     parts = item.split("/")
-    if len(parts) < 2 or not set(parts[2:]) <= {"pad", "xla"}:
-      raise ValueError(f"--dl: expected rows/num_warps[/pad][/xla], got {item!r}")
+    if len(parts) < 2 or not set(parts[2:]) <= {"pad", "xla", "phased"}:
+      raise ValueError(f"--dl: expected rows/num_warps[/pad][/xla][/phased], got {item!r}")
     rows, warps, rest = parts[0], parts[1], parts[2:]
     dls[f"dl:{item}"] = qks.DlConfig(int(rows), int(warps), pad_rows="pad" in rest,
-                                     gemm=None if "xla" in rest else qks.DL_GEMM)
+                                     gemm=None if "xla" in rest else qks.DL_GEMM,
+                                     phased="phased" in rest)
   return dls
 
 

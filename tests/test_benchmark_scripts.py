@@ -31,8 +31,9 @@ def test_scripts_exit_2_without_a_gpu(script, argv, capsys):
 
 
 def test_dl_variant_names():
-  assert c_dl_gemm.parse_dls("1/8,4/4/pad") == {
-      "dl": None, "dl:1/8": DlConfig(1, 8), "dl:4/4/pad": DlConfig(4, 4, pad_rows=True)}
+  assert c_dl_gemm.parse_dls("1/8,4/4/pad,8/8/phased") == {
+      "dl": None, "dl:1/8": DlConfig(1, 8), "dl:4/4/pad": DlConfig(4, 4, pad_rows=True),
+      "dl:8/8/phased": DlConfig(8, 8, phased=True)}
   with pytest.raises(ValueError, match="config.dl.rows"):
     c_dl_gemm.parse_dls("3/8")
   with pytest.raises(ValueError, match="rows/num_warps"):

@@ -109,15 +109,20 @@ class DlConfig:
   ``gemm``: the tiles of the one Triton launch that computes ``dQ = dL @ K`` and ``dK = dL^T
   @ Q`` (``block_q`` output rows of either, steps of ``block_k``; :func:`.pallas_triton.dl_gemms`;
   16-bit inputs with ``D <= 128`` only, others take XLA's), or ``None`` for two XLA GEMMs (2.5-9% slower in all on the five workloads timed on the
-  H200)."""
+  H200). ``phased``: rows of ``Sk % 8 != 0`` keys (without ``pad_rows``) are read and
+  written as row classes on 16-byte aligned tiles (``pallas_kernels._phase``: ``rows`` rows
+  8 apart per program, the row held from up to 7 keys early) instead of with scalar
+  accesses; the same ``dL``, bit for bit. Off by default: not yet timed on a GPU."""
   rows: int = 1
   num_warps: int = 8
   pad_rows: bool = False
   gemm: PassConfig | None = DL_GEMM
+  phased: bool = False
 
   def __post_init__(self):
-    if not isinstance(self.pad_rows, bool):
-      raise ValueError(f"config.dl.pad_rows: expected a bool, got {self.pad_rows!r}")
+    for name in ("pad_rows", "phased"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"config.dl.{name}: expected a bool, got {getattr(self, name)!r}")
     if self.gemm is not None and not isinstance(self.gemm, PassConfig):
       raise TypeError(f"config.dl.gemm: expected a PassConfig or None, got "
                       f"{type(self.gemm).__name__}")
@@ -150,7 +155,7 @@ def dl_config(entry: dict | None, seq_k: int) -> DlConfig:
   width = dl_width(seq_k)
   gemm = entry.get("gemm", DL_GEMM)
   return DlConfig(rows=max(1, min(int(entry["rows"]), (1 << 13) // width)),
-                  num_warps=int(entry["num_warps"]),
+                  num_warps=int(entry["num_warps"]), phased=bool(entry.get("phased", False)),
                   gemm=gemm if gemm is None or isinstance(gemm, PassConfig) else PassConfig(**gemm))
 
 

@@ -662,6 +662,40 @@ def _dl_kernel(scale_ref, g_ref, p_ref, dl_ref, *, seq_q: int, seq_k: int, block
   _store(dl_ref.at[tile], dl, within(stride))
 
 
+def _dl_kernel_phased(scale_ref, g_ref, p_ref, dl_ref, *, seq_q: int, seq_k: int,
+                      block_q: int, width: int, align: int, causal: bool):
+  """:func:`_dl_kernel` for rows of ``Sk % 8 != 0`` keys, on 16-byte aligned tiles: one
+  program = one row class (``block_q`` rows ``align`` apart, ``pallas_kernels._phase``) of
+  one head, the row held from ``phase`` keys early (``width >= Sk + align - 1``), so that
+  ``g`` and ``P`` load as 16-byte vectors (the neighbouring rows' columns zeroed) and ``dL``
+  (unpadded, the same flat offsets) stores its inner vectors whole and at most 7 keys at
+  each end with a scalar mask. All refs but ``scale`` are flat 1D views."""
+  cls, q0, rows = _phase.class_rows(pl.program_id(0), align, block_q)
+  bh = pl.program_id(1)
+  ph = _phase.phase(bh * seq_q + cls, seq_k, align)
+  base = _phase.aligned_base(bh * seq_q + q0, seq_k, ph, align)
+  cols, valid, load, vector = _phase.tile_masks(_ZERO, seq_k, width, ph)
+  row_ok = (rows < seq_q)[:, None]
+  inside = row_ok & valid[None, :]
+  if causal:
+    inside = inside & (cols[None, :] <= rows[:, None] + (seq_k - seq_q))
+  offs = _phase.tile_offsets(base, seq_k, block_q, _ZERO, width, align)
+  mask = row_ok & load[None, :]
+  g = pltriton.load(g_ref.at[offs], mask=mask, other=0.0)
+  p = pltriton.load(p_ref.at[offs], mask=mask, other=0.0)
+  g = jnp.where(inside, g, jnp.zeros_like(g))  # neighbouring rows' keys, keys above the diagonal
+  p = jnp.where(inside, p, jnp.zeros_like(p))
+  dl = _dl_tile(g, p, _row_delta(g, p), scale_ref[0], dl_ref.dtype)
+  _store(dl_ref.at[offs], dl, row_ok & vector[None, :])
+  _store(dl_ref.at[offs], dl, row_ok & (valid & jnp.logical_not(vector))[None, :])
+
+
+def dl_phased(seq_k: int, cfg: DlConfig, *sizes: int) -> bool:
+  """Whether :func:`dl_pass` takes :func:`_dl_kernel_phased`: ``cfg.phased``, rows not
+  16-byte aligned (``Sk % 8 != 0``), no padded rows, and flat views that fit int32 offsets."""
+  return cfg.phased and not cfg.pad_rows and _phase.usable(seq_k, *sizes)
+
+
 def dl_stride(seq_k: int, cfg: DlConfig) -> int:
   """The row length of the ``dL`` buffer: ``seq_k`` rounded up to a multiple of 8 keys
   (16-byte rows in 16-bit dtypes, which the GEMMs read with aligned loads) with
@@ -676,8 +710,22 @@ def dl_pass(scale, g, p, *, causal=False, cfg, interpret):
   padded row in registers, :class:`DlConfig`), ``g`` and ``P`` read once. ``S`` is
   :func:`dl_stride` (``Sk``, or ``Sk`` rounded up to a multiple of 8 with
   ``cfg.pad_rows``; the extra keys hold 0). Causal: 0 above the diagonal, whatever ``g``
-  and ``P`` hold there."""
+  and ``P`` hold there. With ``cfg.phased`` rows of ``Sk % 8 != 0`` keys take
+  :func:`_dl_kernel_phased` (the same ``dL``, on 16-byte aligned tiles; :func:`dl_phased`)."""
   bh, seq_q, seq_k = g.shape
+  if dl_phased(seq_k, cfg, g.size):
+    align, block = _phase.resolve(_phase.ALIGN, seq_q, cfg.rows, _phase.ALIGN)
+    width = max(16, next_power_of_2(seq_k + align - 1))
+    dl = pallas_call(
+        functools.partial(_dl_kernel_phased, seq_q=seq_q, seq_k=seq_k, block_q=block,
+                          width=width, align=align, causal=causal),
+        out_shape=out_struct((bh * seq_q * seq_k,), g.dtype, g, p),
+        grid=(_phase.num_programs(seq_q, align, block), bh),
+        compiler_params=compiler_params(cfg.num_warps, 1),
+        interpret=interpret,
+        name="qk_scale_softmax_bwd_dl",
+    )(scale, g.reshape(-1), p.reshape(-1))
+    return dl.reshape(bh, seq_q, seq_k)
   width = dl_width(seq_k)
   enable_load_cache_modifiers("the dL kernel's .cg loads")
   return pallas_call(

@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import INTERPRET, ON_GPU, assert_configs_fit, triton_calls_in_gpu_lowering
+from conftest import (INTERPRET, ON_GPU, assert_configs_fit, softmax_probs,
+                      triton_calls_in_gpu_lowering)
 from pallas_kernels import _tuning
 from pallas_kernels import qk_scale_softmax as qks
 from pallas_kernels.qk_scale_softmax import config as qks_config
@@ -153,6 +154,44 @@ def test_dl_pass_rounds_as_reference():
   np.testing.assert_array_equal(np.asarray(padded[..., :sk], np.float32),
                                 np.asarray(want, np.float32))
   np.testing.assert_array_equal(np.asarray(padded[..., sk:], np.float32), 0.0)
+
+
+@pytest.mark.parametrize("causal, bh, sq, sk, rows", [
+    (False, 3, 37, 211, 2), (True, 2, 21, 9, 4), (False, 1, 70, 65, 8), (True, 2, 33, 70, 1),
+    (False, 2, 19, 64, 2)])
+def test_dl_pass_phased_equals_the_plain_kernel(causal, bh, sq, sk, rows):
+  """``DlConfig.phased`` (row classes on 16-byte aligned tiles, ragged rows) writes the plain
+  dL kernel's dL bit for bit: every row phase, classes of fewer rows than a program holds,
+  causal with Sq != Sk; aligned rows (Sk % 8 == 0) keep the plain kernel."""
+  ks = jax.random.split(jax.random.key(18), 2)
+  g = jax.random.normal(ks[0], (bh, sq, sk), jnp.float32).astype(jnp.bfloat16)
+  p = softmax_probs(ks[1], (bh, sq, sk), jnp.bfloat16)
+  scale = jnp.full((1,), 0.125, jnp.float32)
+  plain = pallas_triton.dl_pass(scale, g, p, causal=causal, cfg=qks.DlConfig(rows, 4),
+                                interpret=INTERPRET)
+  cfg = qks.DlConfig(rows, 4, phased=True)
+  assert pallas_triton.dl_phased(sk, cfg, g.size) == (sk % 8 != 0)
+  got = pallas_triton.dl_pass(scale, g, p, causal=causal, cfg=cfg, interpret=INTERPRET)
+  assert got.shape == plain.shape and got.dtype == plain.dtype
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(plain, np.float32))
+
+
+def test_dl_pass_phased_lowers_and_runs_the_op(pretend_h200):
+  """The phased dL kernel lowers to Triton IR (one kernel); through the op's dl_gemm scheme
+  it gives the reference's gradients."""
+  shapes = [jax.ShapeDtypeStruct((2, 37, 211), jnp.bfloat16)] * 2
+  cfg = qks.DlConfig(8, 8, phased=True)
+  fn = lambda g, p, scale: pallas_triton.dl_pass(scale.reshape(1), g, p, cfg=cfg, interpret=False)
+  assert triton_calls_in_gpu_lowering(fn, shapes) == 1
+
+
+def test_dl_gemm_phased_matches_reference():
+  args = make_inputs(19, 1, 2, 37, 211, 64)
+  run_and_check(qk_scale_softmax_backward, args, 0.125,
+                config=dataclasses.replace(DL_GEMM, dl=qks.DlConfig(2, 4, phased=True)))
+  assert qks.dl_config({"rows": 8, "num_warps": 8, "phased": True}, 211).phased
+  with pytest.raises(ValueError, match="config.dl.phased"):
+    qks.DlConfig(phased=1)
 
 
 @pytest.mark.parametrize("bh, sq, sk, d, cfg", [
