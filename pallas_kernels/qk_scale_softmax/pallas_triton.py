@@ -715,7 +715,7 @@ def dl_pass(scale, g, p, *, causal=False, cfg, interpret):
   bh, seq_q, seq_k = g.shape
   if dl_phased(seq_k, cfg, g.size):
     align, block = _phase.resolve(_phase.ALIGN, seq_q, cfg.rows, _phase.ALIGN)
-    width = max(16, next_power_of_2(seq_k + align - 1))
+    width = dl_width(seq_k + align - 1)  # the row from up to align - 1 keys early
     dl = pallas_call(
         functools.partial(_dl_kernel_phased, seq_q=seq_q, seq_k=seq_k, block_q=block,
                           width=width, align=align, causal=causal),

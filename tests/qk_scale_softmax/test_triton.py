@@ -176,9 +176,8 @@ def test_dl_pass_phased_equals_the_plain_kernel(causal, bh, sq, sk, rows):
   np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(plain, np.float32))
 
 
-def test_dl_pass_phased_lowers_and_runs_the_op(pretend_h200):
-  """The phased dL kernel lowers to Triton IR (one kernel); through the op's dl_gemm scheme
-  it gives the reference's gradients."""
+def test_dl_pass_phased_lowers_to_triton(pretend_h200):
+  """The phased dL kernel lowers to Triton IR for a GPU: one kernel."""
   shapes = [jax.ShapeDtypeStruct((2, 37, 211), jnp.bfloat16)] * 2
   cfg = qks.DlConfig(8, 8, phased=True)
   fn = lambda g, p, scale: pallas_triton.dl_pass(scale.reshape(1), g, p, cfg=cfg, interpret=False)
@@ -186,6 +185,8 @@ def test_dl_pass_phased_lowers_and_runs_the_op(pretend_h200):
 
 
 def test_dl_gemm_phased_matches_reference():
+  """Through the entry point's dl_gemm scheme the phased dL kernel gives the reference's
+  gradients; the table's ``dl`` field carries ``phased``; a non-bool is refused."""
   args = make_inputs(19, 1, 2, 37, 211, 64)
   run_and_check(qk_scale_softmax_backward, args, 0.125,
                 config=dataclasses.replace(DL_GEMM, dl=qks.DlConfig(2, 4, phased=True)))
