@@ -5,7 +5,10 @@ evict-first store), then the plain Triton row kernel of ``benchmarks/b_triton_ro
 each ``--calls`` times inside a ``cudaProfilerStart/Stop`` range (after warm-up calls), so
 ``ncu --profile-from-start off`` sees those launches only. No timing here.
 
-Usage: ``PYTHONPATH=. python3 -m benchmarks.b_ncu_driver 4,4,4096,0.1 [--calls 2]``
+``--set smem0 [--names a,b]`` launches a ``benchmarks.b_variants`` set's configs instead of
+those two.
+
+Usage: ``PYTHONPATH=. python3 -m benchmarks.b_ncu_driver 4,4,4096,0.1 [--calls 2] [--set S]``
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from benchmarks import b_triton_row as row
 from benchmarks.b_backward_sweep import DESIGNS
 from benchmarks.timing import no_gpu
 from pallas_kernels._util import next_power_of_2
-from pallas_kernels.masked_softmax_dropout import Config, pallas_triton
+from pallas_kernels.masked_softmax_dropout import Config, default_config, pallas_triton
 
 
 def main(argv=None):
@@ -27,6 +30,10 @@ def main(argv=None):
   parser.add_argument("workload", help="B,H,S,p")
   parser.add_argument("--calls", type=int, default=2)
   parser.add_argument("--pub-warps", type=int, default=16)
+  parser.add_argument("--set", default=None,
+                      help="instead of the two above: the configs of this benchmarks.b_variants "
+                           "set (e.g. smem0), in its order; --names picks some")
+  parser.add_argument("--names", default=None, help="comma-separated variant names of --set")
   args = parser.parse_args(argv)
   b, h, s, p = args.workload.split(",")
   # Torch and JAX share the GPU: JAX must not take 75% of it at its first use.
@@ -39,9 +46,20 @@ def main(argv=None):
   xs = row._make_inputs(w)(jax.random.key(0))
   jax.block_until_ready(xs)
   rate = w["p_dropout"]
-  pub = Config(1, args.pub_warps, split=True, **DESIGNS["pub"])
+  if args.set:
+    from benchmarks import b_variants
+    make, _ = b_variants.SETS[args.set]
+    s = w["seq_len"]
+    named = make(s, s, default_config(s, s, jax.devices()[0].device_kind))
+    if args.names:
+      named = {n: named[n] for n in args.names.split(",") if n in named}
+    configs = list(named.values())
+    labels = [f"{n} ({b_variants._label(c)})" for n, c in named.items()]
+  else:
+    configs = [None, Config(1, args.pub_warps, split=True, **DESIGNS["pub"])]
+    labels = ["pallas default", f"pallas pub/{args.pub_warps}"]
   fns = [jax.jit(lambda g, probs, mask, *keep, c=c: pallas_triton.masked_softmax_dropout_backward(
-      g, probs, mask, keep[0] if keep else None, rate, config=c)) for c in (None, pub)]
+      g, probs, mask, keep[0] if keep else None, rate, config=c)) for c in configs]
   ts = tuple(row._torch_view(x) for x in xs)
   out = torch.empty_like(ts[0])
   dims = (w["batch_size"], w["n_heads"], w["seq_len"])
@@ -59,8 +77,8 @@ def main(argv=None):
     row._launch(dims, rate, ts, out, warps)
   torch.cuda.synchronize()
   torch.cuda.profiler.stop()
-  print("launched: pallas default, pallas pub/%d, triton %d warps; %d calls each"
-        % (args.pub_warps, warps, args.calls))
+  print("launched, in this order: " + "; ".join(labels)
+        + "; triton %d warps; %d calls each" % (warps, args.calls))
   return 0
 
 

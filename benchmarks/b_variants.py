@@ -160,6 +160,46 @@ def pipeline_variants(seq_q: int, seq_k: int, default: msd.Config) -> dict[str, 
   return out
 
 
+# The sixth set: launches that need no shared memory (every row inside one warp). XLA sets
+# CU_FUNC_CACHE_PREFER_SHARED on each kernel it launches with dynamic shared memory, which
+# leaves about 23 KB of L1 for the loads in flight on an H200; a kernel without any keeps
+# the driver's carveout. Triton reduces across warps through shared memory, so these are
+# one warp per program (rows of <= 128 fp32 fit one warp at any count).
+SMEM0_NAMES = ["default", "1w", "pub_1w", "pub_2r_1w", "pub_4r_1w", "pub_split_1w",
+               "pub_1w_rows", "tp512_1w", "tp1024_1w", "tp2048_1w", "r8_8w"]
+
+
+def smem0_variants(seq_q: int, seq_k: int, default: msd.Config) -> dict[str, msd.Config]:
+  """The default's tiling on one warp (where it holds <= 2048 elements), the public-like
+  design on one warp at 1, 2 and 4 rows per program (rows fastest: ``_rows``; split columns
+  on ragged rows), rows of >= 2048 walked twice in chunks of 512-2048 columns on one warp,
+  and rows of <= 128 at 8 rows on 8 warps (a row per warp)."""
+  r = dataclasses.replace
+  width = next_power_of_2(seq_k)
+  out = {"default": default}
+  if default.block_rows * sum(w for _, w in msd.column_chunks(seq_k, default.split)) <= 2048:
+    out["1w"] = r(default, num_warps=1)
+  if width <= 2048:
+    out["pub_1w"] = msd.Config(1, 1, **PUBLIC)
+    out["pub_1w_rows"] = msd.Config(1, 1, row_group=ALL, **PUBLIC)
+    if seq_k & (seq_k - 1):
+      out["pub_split_1w"] = msd.Config(1, 1, **{**PUBLIC, "split": True})
+  if width <= 1024 and seq_q > 1:
+    out["pub_2r_1w"] = msd.Config(2, 1, **PUBLIC)
+  if width <= 512 and seq_q > 3:
+    out["pub_4r_1w"] = msd.Config(4, 1, **PUBLIC)
+  if width >= 2048:
+    for chunk in (512, 1024, 2048):
+      if chunk < width:
+        out[f"tp{chunk}_1w"] = msd.Config(1, 1, False, chunk=chunk,
+                                          stream_eviction="evict_last",
+                                          store_eviction="evict_first")
+  if width <= 128:
+    out["r8_8w"] = msd.Config(8, 8, **PUBLIC)
+  assert set(out) <= set(SMEM0_NAMES), set(out) - set(SMEM0_NAMES)
+  return out
+
+
 def variants(seq_q: int, seq_k: int, default: msd.Config) -> dict[str, msd.Config]:
   """The configs to time for rows of ``seq_k`` (``default``: the tuned config), by name."""
   r = dataclasses.replace
@@ -213,7 +253,8 @@ def _input_sets(w, index, count):
 
 SETS = {"loads": (variants, NAMES), "order": (order_variants, ORDER_NAMES),
         "loop": (loop_variants, LOOP_NAMES), "two_pass": (two_pass_variants, TWO_PASS_NAMES),
-        "pipeline": (pipeline_variants, PIPELINE_NAMES)}
+        "pipeline": (pipeline_variants, PIPELINE_NAMES),
+        "smem0": (smem0_variants, SMEM0_NAMES)}
 
 
 def run_workload(index, w, ceiling_tbps, calls, device_kind, make=variants):
@@ -335,7 +376,8 @@ def main(argv=None):
                            "of the programs (row_group) and 32 warps; loop: row blocks walked "
                            "in a loop with a prefetch (blocks_per_program); two_pass: rows "
                            "walked twice in column chunks (chunk); pipeline: the loop with "
-                           "Triton's pipeliner (num_stages)")
+                           "Triton's pipeliner (num_stages); smem0: one warp per row, so "
+                           "no shared memory")
   parser.add_argument("--dry-run", action="store_true",
                       help="no GPU: build the variants, check them on tiny shapes (interpret)")
   args = parser.parse_args(argv)
