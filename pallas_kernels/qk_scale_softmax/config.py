@@ -145,17 +145,28 @@ def default_dl_config(seq_k: int) -> DlConfig:
   return DlConfig(rows=max(1, 4096 // width), num_warps=16 if width >= 8192 else 8)
 
 
+# The most elements of a dL program per warp that a table entry may ask for; an entry that
+# asks for more for some row length gives that length :func:`default_dl_config` instead. On
+# the H200 (benchmarks/results/runs/c_smem0_d28a1c6.log) 1 row of 4096 keys on one warp ran
+# at 5431 us against the default's 5139 (1 row on 8 warps), 8 rows of 449 on one warp at
+# 305 us against 295, while 1024 and 2048 elements per warp were the fastest measured.
+DL_MAX_PER_WARP = 2048
+
+
 def dl_config(entry: dict | None, seq_k: int) -> DlConfig:
   """A table entry's ``dl`` field (``{"rows": r, "num_warps": w}``; ``None``: the default)
   as a :class:`DlConfig` for rows of ``seq_k`` keys; ``rows`` is capped so that a program
   holds at most 8192 elements (2 rows of 4096 keys ran at full speed; 8 rows of 4096 keys on
-  4 warps ran 7.8x slower)."""
+  4 warps ran 7.8x slower), and an entry whose program would hold more than
+  :data:`DL_MAX_PER_WARP` elements per warp at this length takes the default."""
   if entry is None:
     return default_dl_config(seq_k)
   width = dl_width(seq_k)
+  rows, warps = max(1, min(int(entry["rows"]), (1 << 13) // width)), int(entry["num_warps"])
+  if rows * width > DL_MAX_PER_WARP * warps:
+    return default_dl_config(seq_k)
   gemm = entry.get("gemm", DL_GEMM)
-  return DlConfig(rows=max(1, min(int(entry["rows"]), (1 << 13) // width)),
-                  num_warps=int(entry["num_warps"]), phased=bool(entry.get("phased", False)),
+  return DlConfig(rows=rows, num_warps=warps, phased=bool(entry.get("phased", False)),
                   gemm=gemm if gemm is None or isinstance(gemm, PassConfig) else PassConfig(**gemm))
 
 

@@ -520,20 +520,26 @@ def test_tuned_table():
   # Ragged rows: dL + GEMM dense (the table's dL rows at 211); causal: per_head at 211,
   # the two-pass kernels at 449.
   assert h200(211, 211) == dataclasses.replace(two_pass_211, scheme="dl_gemm",
-                                               dl=qks.DlConfig(8, 8))
+                                               dl=qks.DlConfig(2, 1))
   assert h200(211, 211, causal=True) == qks.Config(qks.PassConfig(32, 256, 8, 3),
                                                    qks.PassConfig(32, 256, 8, 3), "per_head")
   assert h200(211, 211, schemes=("two_pass",)) == two_pass_211
   two_pass_449 = qks.Config(qks.PassConfig(32, 64, 4, 2, row_align=16),
                             qks.PassConfig(64, 64, 4, 3))
   assert h200(449, 449) == dataclasses.replace(two_pass_449, scheme="dl_gemm",
-                                               dl=qks.default_dl_config(449))
+                                               dl=qks.DlConfig(2, 1))
   assert h200(449, 449, causal=True) == two_pass_449
   two_pass_4096 = qks.Config(qks.PassConfig(32, 128, 4, 2), qks.PassConfig(32, 64, 4, 3))
   # Dense aligned rows of >= 512 keys: the dL + GEMM scheme; causal: the two-pass kernels
   # (they skip the upper triangle), as for rows too long to hold in registers.
+  # One row on one warp for rows of 512-2048 keys; 4096 keys would be more than
+  # DL_MAX_PER_WARP elements on a warp, so that length takes the default dL config.
   assert h200(4096, 4096) == dataclasses.replace(two_pass_4096, scheme="dl_gemm",
                                                  dl=qks.default_dl_config(4096))
+  for s in (512, 1024, 2048):
+    assert h200(s, s).dl == qks.DlConfig(1, 1), s
+  assert qks.dl_config({"rows": 8, "num_warps": 1}, 449) == qks.default_dl_config(449)
+  assert qks.dl_config({"rows": 4, "num_warps": 1}, 449) == qks.DlConfig(4, 1)
   assert h200(4096, 4096, causal=True) == two_pass_4096
   assert h200(4096, 4096, schemes=("two_pass",)) == two_pass_4096
   assert h200(64, 1 << 15).scheme == "two_pass"
