@@ -527,7 +527,7 @@ def test_tuned_table():
   two_pass_449 = qks.Config(qks.PassConfig(32, 64, 4, 2, row_align=16),
                             qks.PassConfig(64, 64, 4, 3))
   assert h200(449, 449) == dataclasses.replace(two_pass_449, scheme="dl_gemm",
-                                               dl=qks.DlConfig(2, 1))
+                                               dl=qks.DlConfig(1, 1, phased=True))
   assert h200(449, 449, causal=True) == two_pass_449
   two_pass_4096 = qks.Config(qks.PassConfig(32, 128, 4, 2), qks.PassConfig(32, 64, 4, 3))
   # Dense aligned rows of >= 512 keys: the dL + GEMM scheme; causal: the two-pass kernels
