@@ -376,7 +376,8 @@ def a_table_entry(entry: dict) -> dict:
 
 def c_table_entry(entry: dict) -> dict:
   """A class's entry of kernel C's table (``scheme``, ``row``, ``col`` and, if measured,
-  ``head``) as ``default_config`` reads it; raises if it is not one."""
+  ``head``; ``dl`` with its ``phased`` flag) as ``default_config`` reads it; raises if it is
+  not one."""
   scheme = entry.get("scheme", "two_pass")
   if scheme not in qks.SCHEMES:
     raise ValueError(f"scheme: expected one of {qks.SCHEMES}, got {scheme!r}")
@@ -387,8 +388,11 @@ def c_table_entry(entry: dict) -> dict:
     elif name != "head":
       raise KeyError(f"no {name!r} pass")
   if "dl" in entry:
-    dl = qks.DlConfig(int(entry["dl"]["rows"]), int(entry["dl"]["num_warps"]))
+    dl = qks.DlConfig(int(entry["dl"]["rows"]), int(entry["dl"]["num_warps"]),
+                      phased=entry["dl"].get("phased", False))
     out["dl"] = {"rows": dl.rows, "num_warps": dl.num_warps}
+    if dl.phased:
+      out["dl"]["phased"] = True
   return out
 
 
