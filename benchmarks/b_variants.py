@@ -200,6 +200,31 @@ def smem0_variants(seq_q: int, seq_k: int, default: msd.Config) -> dict[str, msd
   return out
 
 
+# The seventh set: one row per program on one warp per 128 columns, the warps' partial row
+# sums meeting through a small global buffer instead of shared memory (Config.warp_rows), so
+# that a multi-warp row needs no shared memory and keeps the driver's carveout.
+WARP_ROWS_NAMES = ["default", "wr", "wr_pub", "wr_cg", "wr_ef_ld"]
+
+
+def warp_rows_variants(seq_q: int, seq_k: int, default: msd.Config) -> dict[str, msd.Config]:
+  """``warp_rows`` with the default's load hints (where they apply), with the public loads
+  (g, P, keep ``.cg``; the mask ``.ca`` after the sum; an evict-first store), with ``.cg``
+  streams and the mask loaded first, and with evict-first loads and store."""
+  del seq_q
+  w = msd.warp_rows_warps(seq_k)
+  wr = dict(block_rows=1, num_warps=w, split=False, warp_rows=True)
+  hints = {k: getattr(default, k) for k in ("stream_cache", "stream_eviction", "mask_cache",
+                                            "mask_eviction", "mask_after_sum",
+                                            "store_eviction")}
+  out = {"default": default, "wr": msd.Config(**wr, **hints),
+         "wr_pub": msd.Config(**{**wr, **PUBLIC}),
+         "wr_cg": msd.Config(**wr, stream_cache=".cg", stream_eviction=None,
+                             store_eviction="evict_first"),
+         "wr_ef_ld": msd.Config(**wr, store_eviction="evict_first")}
+  assert set(out) <= set(WARP_ROWS_NAMES), set(out) - set(WARP_ROWS_NAMES)
+  return out
+
+
 def variants(seq_q: int, seq_k: int, default: msd.Config) -> dict[str, msd.Config]:
   """The configs to time for rows of ``seq_k`` (``default``: the tuned config), by name."""
   r = dataclasses.replace
@@ -254,7 +279,8 @@ def _input_sets(w, index, count):
 SETS = {"loads": (variants, NAMES), "order": (order_variants, ORDER_NAMES),
         "loop": (loop_variants, LOOP_NAMES), "two_pass": (two_pass_variants, TWO_PASS_NAMES),
         "pipeline": (pipeline_variants, PIPELINE_NAMES),
-        "smem0": (smem0_variants, SMEM0_NAMES)}
+        "smem0": (smem0_variants, SMEM0_NAMES),
+        "warp_rows": (warp_rows_variants, WARP_ROWS_NAMES)}
 
 
 def run_workload(index, w, ceiling_tbps, calls, device_kind, make=variants):
@@ -377,7 +403,8 @@ def main(argv=None):
                            "in a loop with a prefetch (blocks_per_program); two_pass: rows "
                            "walked twice in column chunks (chunk); pipeline: the loop with "
                            "Triton's pipeliner (num_stages); smem0: one warp per row, so "
-                           "no shared memory")
+                           "no shared memory; warp_rows: one row per program on one warp "
+                           "per 128 columns, partial sums through global memory")
   parser.add_argument("--dry-run", action="store_true",
                       help="no GPU: build the variants, check them on tiny shapes (interpret)")
   args = parser.parse_args(argv)

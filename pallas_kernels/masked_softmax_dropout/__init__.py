@@ -18,6 +18,7 @@ from pallas_kernels.masked_softmax_dropout.config import (
     heuristic_entry,
     length_class,
     tuned_entry,
+    warp_rows_warps,
 )
 from pallas_kernels.masked_softmax_dropout.pallas_triton import masked_softmax_dropout_backward
 
@@ -31,4 +32,5 @@ __all__ = [
     "length_class",
     "masked_softmax_dropout_backward",
     "tuned_entry",
+    "warp_rows_warps",
 ]

@@ -78,6 +78,17 @@ class Config:
       default: on the H200 it made the backward from the scores 9% slower at S=1024 and 4%
       faster at S=4096 (``benchmarks/results/runs/b_forward_b44b81d.log``; S=1024 at the
       heuristic launch, before the tuned table had a 1024 entry).
+    warp_rows: one row per program on ``next_power_of_2(seq_k) / 128`` warps
+      (:func:`warp_rows_warps`: 1-32, rows of 4096 keys at most; ``num_warps`` must be that),
+      each warp owning 128 columns of the row, so that every reduction stays inside a warp.
+      The warps' partial row sums meet through a small global buffer (``[rows, 32]`` fp32,
+      written, then read back after a barrier) instead of shared memory: the launch uses
+      no shared memory at all, and XLA then leaves the L1 / shared-memory split to the
+      driver (with shared memory it asks for the largest split, which leaves about 23 KB of
+      L1 for the loads in flight on an H200; ``masked_softmax_dropout_design.log``). Needs
+      ``block_rows=1``, one head per program, the default order and no chunks; the
+      backward from the scores, and arrays of ``2**31`` elements or more, take the row
+      kernel at the same warps instead.
   """
   block_rows: int
   num_warps: int
@@ -95,6 +106,7 @@ class Config:
   prefetch: bool = True
   num_stages: int = 1
   pair_hash: bool = False
+  warp_rows: bool = False
 
   def __post_init__(self):
     r = self.block_rows
@@ -103,7 +115,7 @@ class Config:
     if self.num_warps not in NUM_WARPS or isinstance(self.num_warps, bool):
       raise ValueError(
           f"config.num_warps: expected 1, 2, 4, 8, 16 or 32, got {self.num_warps!r}")
-    for name in ("split", "mask_after_sum", "prefetch", "pair_hash"):
+    for name in ("split", "mask_after_sum", "prefetch", "pair_hash", "warp_rows"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"config.{name}: expected a bool, got {getattr(self, name)!r}")
     for name in ("stream_cache", "mask_cache"):
@@ -135,6 +147,15 @@ class Config:
       raise ValueError(f"config.chunk={w} cannot be combined with "
                        f"config.blocks_per_program={n}")
 
+    if self.warp_rows:
+      wrong = [f"{name}={getattr(self, name)!r}" for name, want in
+               (("block_rows", 1), ("heads_per_program", 1), ("row_group", 0),
+                ("blocks_per_program", 1), ("chunk", 0)) if getattr(self, name) != want]
+      if wrong:
+        raise ValueError(f"config.warp_rows needs one row of one head per program in the "
+                         f"default order without chunks (block_rows=1, heads_per_program=1, "
+                         f"row_group=0, blocks_per_program=1, chunk=0), got {', '.join(wrong)}")
+
   @property
   def uses_cache_modifiers(self) -> bool:
     return self.stream_cache is not None or self.mask_cache is not None
@@ -142,6 +163,18 @@ class Config:
 
 # The fields of Config after the launch shape (block_rows, num_warps, split), with defaults.
 VARIANT_FIELDS = {f.name: f.default for f in dataclasses.fields(Config)[3:]}
+
+
+# Columns per warp of a ``warp_rows`` program: 4 elements per thread, so that the fp32 tiles
+# and the 1-byte masks take the same register layout (one 128-column segment per warp).
+SEGMENT = 128
+MAX_WARP_ROWS = 32  # warps per program: rows of up to 4096 keys
+
+
+def warp_rows_warps(seq_k: int) -> int:
+  """The warps of a ``warp_rows`` program for rows of ``seq_k`` keys: one per 128 columns
+  of the padded row (1 for rows of <= 128 keys)."""
+  return max(1, next_power_of_2(seq_k) // SEGMENT)
 
 
 def column_chunks(seq_k: int, split: bool) -> tuple[tuple[int, int], ...]:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +42,9 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import _dropout, _tuning, _util, validation
 from pallas_kernels._util import Dropout, compiler_params, out_struct, pallas_call
-from pallas_kernels.masked_softmax_dropout.config import Config, column_chunks, default_config
+from pallas_kernels.masked_softmax_dropout.config import (MAX_WARP_ROWS, SEGMENT, Config,
+                                                          column_chunks, default_config,
+                                                          warp_rows_warps)
 from pallas_kernels.masked_softmax_dropout.forward import masked_fill
 
 _NAME = "masked_softmax_dropout_backward"
@@ -367,6 +370,114 @@ def _kernel(*refs, num_heads, seq_q, seq_k, config: Config, dropout: Dropout,
   _loop(n, body, block.load(r0))
 
 
+# A warp_rows program's slots in the partial-sums buffer (one per warp).
+_SUM_SLOTS = MAX_WARP_ROWS
+
+
+def _warp_rows_kernel(*refs, num_heads, seq_q, seq_k, warps, config: Config,
+                      dropout: Dropout, hashed: bool, interpret: bool):
+  """One row of one head on ``warps`` warps (:attr:`Config.warp_rows`). The row is a
+  ``[warps, 128]`` tile of flat offsets (warp ``w`` owns columns ``128 w .. 128 w + 127``),
+  so each warp reduces its segment with shuffles. Each warp writes its partial sum to slot
+  ``w`` of the row's ``[32]`` slots in ``sums_ref``; after a barrier every warp reads the
+  row's slots back as a ``[warps, 128]`` tile (slots ``>= warps`` masked off) and sums them
+  in the same order, so all hold the same row sum. Every load and store is a ``[warps, 128]``
+  tile contiguous along the columns: the tiles share one register layout and nothing goes
+  through shared memory."""
+  *refs, sums_ref = refs
+  scale_ref, g_ref, p_ref, mask_ref, keep_ref, o_ref = _unpack_refs(refs, dropout)
+  h, t = pl.program_id(0), pl.program_id(1)
+  b, r = t // seq_q, t % seq_q
+  bh = b * num_heads + h
+  warp = jnp.arange(warps, dtype=jnp.int32)[:, None]
+  lane = jnp.arange(SEGMENT, dtype=jnp.int32)[None, :]
+  cols = warp * SEGMENT + lane
+  valid = cols < seq_k
+  base, mask_base = (bh * seq_q + r) * seq_k, (b * seq_q + r) * seq_k
+  if seq_k % SEGMENT == 0:
+    base, mask_base = pl.multiple_of(base, SEGMENT), pl.multiple_of(mask_base, SEGMENT)
+  stream = dict(cache_modifier=config.stream_cache, eviction_policy=config.stream_eviction)
+  at = base + cols
+  g = pltriton.load(g_ref.at[at], mask=valid, other=0.0, **stream)
+  probs = pltriton.load(p_ref.at[at], mask=valid, other=0.0, **stream).astype(jnp.float32)
+  mask_at = mask_base + cols
+
+  def load_mask():
+    return pltriton.load(mask_ref.at[mask_at], mask=valid, other=False,
+                         cache_modifier=config.mask_cache, eviction_policy=config.mask_eviction)
+
+  attend = None if config.mask_after_sum else load_mask()
+  if dropout.mode == "none":
+    keep = None
+  elif hashed:
+    u32 = jnp.uint32
+    keep = _dropout.bits16(keep_ref[0], keep_ref[1], bh.astype(u32), r.astype(u32),
+                           cols.astype(u32), seq_k) >= keep_ref[2]
+  else:
+    keep = _load_keep(keep_ref, scale_ref, at, valid, dropout, stream)
+  gd = _dropped_grad(g, keep, keep_ref, scale_ref, dropout)
+  if hashed and dropout.mode == "traced":  # 0 * scale: NaN everywhere for an invalid rate
+    gd = jnp.where(keep, gd, 0.0 * scale_ref[0])
+  total = jnp.sum(probs * gd, axis=1, keepdims=True)             # [warps, 1]: per warp
+  if warps > 1:
+    row_slots = (bh * seq_q + r) * _SUM_SLOTS
+    # Every lane of warp w writes the warp's sum to slot w (the same value to one address:
+    # no mask, so no two lanes' masked-off stores can meet in the interpreter's scatter).
+    pltriton.store(sums_ref.at[row_slots + warp + lane * 0],
+                   jnp.broadcast_to(total, cols.shape))
+    slots = row_slots + lane + warp * 0
+    if not interpret:  # the interpreter runs a program's body in order
+      pltriton.debug_barrier()
+    parts = pltriton.load(sums_ref.at[slots], mask=lane < warps, other=0.0,
+                          cache_modifier=".cg")
+    total = jnp.sum(parts, axis=1, keepdims=True)
+  if attend is None:
+    attend = load_mask()
+  fill = 0.0 if dropout.mode != "traced" else 0.0 * scale_ref[0]
+  out = jnp.where(attend, probs * (gd - total), fill)
+  pltriton.store(o_ref.at[at], out.astype(o_ref.dtype), mask=valid,
+                 eviction_policy=config.store_eviction)
+
+
+def _warp_rows_call(args, shape, dtype, *, config, dropout, hashed, interpret):
+  """:func:`_call`'s launch for a ``warp_rows`` config: ``args`` as there (3D views),
+  flattened; one program per row, heads fastest."""
+  b, h, seq_q, seq_k = shape
+  warps = warp_rows_warps(seq_k)
+  flat = [a if a.ndim <= 1 else a.reshape(-1) for a in args]
+  if hashed:   # the key's seeds stay as they are
+    flat[-1] = args[-1]
+  rows = b * h * seq_q
+  out, _ = pallas_call(
+      functools.partial(_warp_rows_kernel, num_heads=h, seq_q=seq_q, seq_k=seq_k,
+                        warps=warps, config=config, dropout=dropout, hashed=hashed,
+                        interpret=interpret),
+      out_shape=(out_struct((rows * seq_k,), dtype, *args),
+                 out_struct((rows * _SUM_SLOTS,), jnp.float32, *args)),
+      grid=(h, b * seq_q),
+      compiler_params=compiler_params(warps, 1),
+      interpret=interpret,
+      name=_NAME,
+  )(*flat)
+  return out.reshape(b, h, seq_q, seq_k)
+
+
+def warp_rows_take(config: Config, shape, *, from_scores: bool = False) -> bool:
+  """Whether ``config`` runs the :attr:`Config.warp_rows` kernel on ``[B, H, Sq, Sk]`` arrays
+  (else the row kernel at the same warps); raises if its warps are not the rows'."""
+  if not config.warp_rows:
+    return False
+  seq_k = shape[-1]
+  warps = warp_rows_warps(seq_k)
+  if warps > MAX_WARP_ROWS:
+    raise ValueError(f"config.warp_rows: rows of {seq_k} keys need {warps} warps, more than "
+                     f"{MAX_WARP_ROWS}; use warp_rows=False")
+  if config.num_warps != warps:
+    raise ValueError(f"config.num_warps={config.num_warps}: a warp_rows config for rows of "
+                     f"{seq_k} keys runs {warps} warps (one per {SEGMENT} columns)")
+  return not from_scores and math.prod(shape) < 2**31
+
+
 @functools.partial(jax.jit, static_argnames=("dropout", "config", "num_stages", "interpret",
                                              "hashed", "from_scores"))
 def _call(grad_output, p_attn, mask, dropout_mask, p_dropout, *, dropout: Dropout,
@@ -390,6 +501,10 @@ def _call(grad_output, p_attn, mask, dropout_mask, p_dropout, *, dropout: Dropou
     args.insert(0, jnp.stack([inv, (p > 0).astype(jnp.float32)]))
   if dropout.mode != "none":
     args.append(dropout_mask if hashed else dropout_mask.reshape(b * h, seq_q, seq_k))
+  if warp_rows_take(config, p_attn.shape, from_scores=from_scores):
+    return _warp_rows_call(args, p_attn.shape, p_attn.dtype, config=config, dropout=dropout,
+                           hashed=hashed, interpret=interpret)
+  config = dataclasses.replace(config, warp_rows=False)
   out = pallas_call(
       kernel,
       out_shape=out_struct((b * h, seq_q, seq_k), p_attn.dtype, *args),

@@ -99,3 +99,14 @@ def test_forward_without_p():
   np.testing.assert_array_equal(np.asarray(y), np.asarray(full[0]))
   with pytest.raises(TypeError, match="store_probs"):
     masked_softmax_dropout_forward(scores, mask, 0.1, rng, store_probs=1, interpret=True)
+
+
+def test_warp_rows_config_takes_the_row_kernel():
+  """A ``warp_rows`` config (no P in memory to sum: the row kernel at the same warps instead)
+  gives the backward fed P."""
+  g, scores, mask, rng = _inputs(1, 2, 3, 300, seed=5)
+  config = Config(1, 4, False, warp_rows=True)
+  _, want = _from_p(g, scores, mask, rng, 0.2, config=config)
+  got = kernels.masked_softmax_dropout_backward_from_scores(g, scores, mask, rng, 0.2,
+                                                            config=config, interpret=INTERPRET)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)

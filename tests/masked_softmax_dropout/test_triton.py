@@ -6,6 +6,7 @@ import json
 import jax
 import jax.numpy as jnp
 import pytest
+import numpy as np
 
 import pallas_kernels
 from conftest import INTERPRET, ON_GPU, assert_close, triton_calls_in_gpu_lowering
@@ -351,3 +352,72 @@ def test_program_orders_and_loops_under_x64(config):
     args = make_inputs(1, 3, 7, 13, seed=2)
     out = kernel(*args, 0.1, config=config, interpret=INTERPRET)
     assert_close(out, reference(*args, 0.1), atol=1e-5, rtol=1e-5)
+
+
+# --- One row per program on one warp per 128 columns (Config.warp_rows) -------------------
+
+def _warp_rows(seq_k, **kw):
+  from pallas_kernels.masked_softmax_dropout.config import warp_rows_warps
+  return Config(1, warp_rows_warps(seq_k), False, warp_rows=True, **kw)
+
+
+@pytest.mark.parametrize("b,h,sq,sk,p", [
+    (2, 3, 5, 7, 0.1),      # 1 warp: no partial sums
+    (1, 2, 3, 200, None),   # 2 warps, a ragged last segment, a traced rate
+    (1, 3, 2, 293, 0.0),    # 4 warps (512 columns), the last one partly past the row
+    (1, 1, 2, 1000, 0.2),   # 8 warps
+    (2, 2, 3, 256, 0.1)])   # 2 full warps
+def test_warp_rows_matches_reference(b, h, sq, sk, p):
+  """The partial row sums meet through the global buffer: every warp count, ragged
+  segments, the three dropout modes; public loads on one of them."""
+  args = make_inputs(b, h, sq, sk, seed=sk)
+  extra = PUBLIC_LOADS if sk == 200 else {}
+  out, ref = _run(args, p, _warp_rows(sk, **extra))
+  assert out.shape == (b, h, sq, sk) and out.dtype == jnp.float32
+  assert_close(out, ref, atol=1e-5, rtol=1e-5)
+  assert float(jnp.abs(out - ref).max()) < 1e-5
+
+
+PUBLIC_LOADS = dict(stream_cache=".cg", stream_eviction=None, mask_cache=".ca",
+                    mask_after_sum=True, store_eviction="evict_first")
+
+
+def test_warp_rows_from_key_equals_the_keep_reading_kernel():
+  """Drawn from the key, the warp_rows kernel gives its keep-reading gradient bit for bit
+  (per-element hash; a traced rate too)."""
+  import jax_ops
+  from pallas_kernels.masked_softmax_dropout import pallas_triton as kernels
+  g, probs, mask, _ = make_inputs(1, 2, 3, 300, seed=4)
+  rng = jax.random.key(11)
+  config = _warp_rows(300)
+  keep = jax_ops.dropout_keep_mask(rng, 0.3, g.shape)
+  want = kernels.masked_softmax_dropout_backward(g, probs, mask, keep,
+                                                 jax_ops.effective_dropout_rate(0.3),
+                                                 config=config, interpret=INTERPRET)
+  got = kernels.masked_softmax_dropout_backward_from_key(g, probs, mask, rng, 0.3,
+                                                         config=config, interpret=INTERPRET)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  traced = jax.jit(lambda r: kernels.masked_softmax_dropout_backward_from_key(
+      g, probs, mask, rng, r, config=config, interpret=INTERPRET))(jnp.float32(0.3))
+  np.testing.assert_array_equal(np.asarray(traced), np.asarray(want))
+
+
+def test_warp_rows_checks_its_launch():
+  with pytest.raises(ValueError, match="config.warp_rows needs one row"):
+    Config(2, 4, False, warp_rows=True)
+  with pytest.raises(ValueError, match="heads_per_program=2"):
+    Config(1, 4, False, warp_rows=True, heads_per_program=2)
+  with pytest.raises(ValueError, match="config.warp_rows"):
+    Config(1, 4, False, warp_rows=1)
+  args = make_inputs(1, 1, 2, 300)
+  with pytest.raises(ValueError, match="runs 4 warps"):
+    kernel(*args, 0.1, config=Config(1, 8, False, warp_rows=True), interpret=INTERPRET)
+
+
+def test_warp_rows_lowers_without_a_cross_warp_reduction(triton_ir):
+  """On a GPU the row sums stay inside each warp: the launch's one-warp-per-row tile
+  ``[4, 128]`` (131 keys -> 256 columns = 2 warps here) is reduced along its columns, and the
+  partial sums go out and come back through the global buffer (a barrier between)."""
+  lines = triton_ir(_warp_rows(131))
+  assert sum(l.startswith("tt.store") for l in lines) == 2  # the partial sums, the output
+  assert any("tensor<2x128x" in l for l in lines if "tt.load" in l)
