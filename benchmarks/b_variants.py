@@ -225,6 +225,33 @@ def warp_rows_variants(seq_q: int, seq_k: int, default: msd.Config) -> dict[str,
   return out
 
 
+# The eighth set: the latency-bound workloads (floors of 1.6-4.2 us). warp_rows on two warps
+# with evict-first streams and the mask loaded with them measured 2.9 against the default's
+# 3.5 us at (2, 4, 256) (fb79d82); which of its parts does that: the streams' hint, the
+# mask's place, or the two warps?
+LATENCY_NAMES = ["default", "ef", "mf", "ef_mf", "1w_ef_mf", "2w_ef_mf", "wr_ef_mf",
+                 "2r_2w_ef_mf"]
+
+
+def latency_variants(seq_q: int, seq_k: int, default: msd.Config) -> dict[str, msd.Config]:
+  """The default with evict-first streams (no cache modifier), with the mask loaded with the
+  streams, and both; one row on one and on two warps (the row kernel, a cross-warp sum in
+  shared memory) and on ``warp_rows`` warps with both; two rows on two warps with both."""
+  r = dataclasses.replace
+  ef = dict(stream_cache=None, stream_eviction="evict_first")
+  mf = dict(mask_cache=None, mask_after_sum=False)
+  plain = dict(block_rows=1, split=False, store_eviction="evict_first", **ef, **mf)
+  out = {"default": default, "ef": r(default, **ef), "mf": r(default, **mf),
+         "ef_mf": r(default, **ef, **mf), "1w_ef_mf": msd.Config(num_warps=1, **plain),
+         "2w_ef_mf": msd.Config(num_warps=2, **plain),
+         "wr_ef_mf": msd.Config(num_warps=msd.warp_rows_warps(seq_k), warp_rows=True,
+                                **plain)}
+  if seq_q > 1:
+    out["2r_2w_ef_mf"] = msd.Config(num_warps=2, **{**plain, "block_rows": 2})
+  assert set(out) <= set(LATENCY_NAMES), set(out) - set(LATENCY_NAMES)
+  return out
+
+
 def variants(seq_q: int, seq_k: int, default: msd.Config) -> dict[str, msd.Config]:
   """The configs to time for rows of ``seq_k`` (``default``: the tuned config), by name."""
   r = dataclasses.replace
@@ -280,7 +307,8 @@ SETS = {"loads": (variants, NAMES), "order": (order_variants, ORDER_NAMES),
         "loop": (loop_variants, LOOP_NAMES), "two_pass": (two_pass_variants, TWO_PASS_NAMES),
         "pipeline": (pipeline_variants, PIPELINE_NAMES),
         "smem0": (smem0_variants, SMEM0_NAMES),
-        "warp_rows": (warp_rows_variants, WARP_ROWS_NAMES)}
+        "warp_rows": (warp_rows_variants, WARP_ROWS_NAMES),
+        "latency": (latency_variants, LATENCY_NAMES)}
 
 
 def run_workload(index, w, ceiling_tbps, calls, device_kind, make=variants):
@@ -404,7 +432,8 @@ def main(argv=None):
                            "walked twice in column chunks (chunk); pipeline: the loop with "
                            "Triton's pipeliner (num_stages); smem0: one warp per row, so "
                            "no shared memory; warp_rows: one row per program on one warp "
-                           "per 128 columns, partial sums through global memory")
+                           "per 128 columns, partial sums through global memory; latency: the "
+                           "latency-bound workloads' loads and warps")
   parser.add_argument("--dry-run", action="store_true",
                       help="no GPU: build the variants, check them on tiny shapes (interpret)")
   args = parser.parse_args(argv)
