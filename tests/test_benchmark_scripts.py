@@ -5,8 +5,8 @@ import pytest
 
 from conftest import ON_GPU
 from benchmarks import (a_hash_cost, b_backward_sweep, b_ncu_driver, b_triton_row,
-                        c_backward_step, c_dl_gemm, c_dq_atomic, c_forward, ptx_dump,
-                        size_ceiling)
+                        c_backward_step, c_dl_gemm, c_dq_atomic, c_forward, l2_read,
+                        ptx_dump, size_ceiling)
 from pallas_kernels.qk_scale_softmax import DlConfig
 from pallas_kernels.masked_softmax_dropout import Config
 
@@ -20,6 +20,7 @@ from pallas_kernels.masked_softmax_dropout import Config
     (b_ncu_driver, ["4,4,4096,0.1"]),
     (ptx_dump, ["--out", "/nonexistent"]),
     (size_ceiling, []),
+    (l2_read, ["--sizes-mb", "8"]),
     (c_forward, ["--configs", "64/64/4/3", "--shapes", "1,2,256,1"]),
     (c_backward_step, ["--shapes", "1,2,256", "--rows", "16/128/4/2"]),
     (c_dq_atomic, ["--shapes", "1,2,256", "--configs", "16/32/4/1"]),
@@ -87,3 +88,18 @@ def test_dq_atomic_variant_lowers_to_triton(pretend_h200, monkeypatch):
             jax.ShapeDtypeStruct((1, 2, 300, 300), jnp.bfloat16)]
   fn = lambda g, q, k, p, s: c_dq_atomic.backward(g, q, k, p, s, cfg=PassConfig(64, 128, 8, 2))
   assert triton_calls_in_gpu_lowering(fn, shapes) == 1
+
+
+def test_l2_read_kernels_read_what_they_say(capsys):
+  """The L2 read kernels in the interpreters: program p sums blocks (p + r P) mod blocks
+  (every block read the same number of times); the TMA ring builds and runs."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  x = jax.random.normal(jax.random.key(0), (l2_read._BLOCK * 6,), jnp.float32)
+  got = np.asarray(l2_read.triton_read(x, repeats=2, programs=4, interpret=True))
+  blocks = np.asarray(x).reshape(6, -1).sum(1)
+  want = [sum(blocks[(p + r * 4) % 6] for r in range(3)) for p in range(4)]
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  y = jnp.ones((l2_read._TILE[0] * 6, l2_read._TILE[1]), jnp.bfloat16)
+  assert l2_read.tma_read(y, repeats=2, programs=4, interpret=True).shape == (4,)
