@@ -43,7 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from benchmarks.timing import copy_ceiling, device_times_us, no_gpu
-from pallas_kernels._util import compiler_params
+from pallas_kernels._util import compiler_params, enable_load_cache_modifiers
 
 _BLOCK = 8192         # fp32 elements per Triton block (32 KB)
 _TILE = (128, 128)    # bf16 TMA tile (32 KB)
@@ -63,6 +63,7 @@ def _triton_kernel(x_ref, o_ref, *, blocks, repeats):
 def triton_read(x, *, repeats, programs, interpret=False):
   """Per program, the sum of the ``repeats * blocks / programs`` blocks it read."""
   blocks = x.size // _BLOCK
+  enable_load_cache_modifiers("l2_read's .cg loads")
   return pl.pallas_call(
       functools.partial(_triton_kernel, blocks=blocks, repeats=repeats),
       out_shape=jax.ShapeDtypeStruct((programs,), jnp.float32),
