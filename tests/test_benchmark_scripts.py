@@ -4,7 +4,7 @@ what they are given."""
 import pytest
 
 from conftest import ON_GPU
-from benchmarks import (a_hash_cost, b_backward_sweep, b_ncu_driver, b_triton_row,
+from benchmarks import (a_hash_cost, b_backward_sweep, b_ncu_driver, b_triton_row, c_band,
                         c_backward_step, c_dl_gemm, c_dq_atomic, c_forward, l2_read,
                         ptx_dump, size_ceiling)
 from pallas_kernels.qk_scale_softmax import DlConfig
@@ -21,6 +21,7 @@ from pallas_kernels.masked_softmax_dropout import Config
     (ptx_dump, ["--out", "/nonexistent"]),
     (size_ceiling, []),
     (l2_read, ["--sizes-mb", "8"]),
+    (c_band, ["--workloads", "2", "--programs", "132,66"]),
     (c_forward, ["--configs", "64/64/4/3", "--shapes", "1,2,256,1"]),
     (c_backward_step, ["--shapes", "1,2,256", "--rows", "16/128/4/2"]),
     (c_dq_atomic, ["--shapes", "1,2,256", "--configs", "16/32/4/1"]),

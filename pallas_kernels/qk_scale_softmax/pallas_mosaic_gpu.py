@@ -328,3 +328,191 @@ def qk_scale_softmax_backward(grad_output, query, key, attn_weights, scaling, *,
                query.reshape(bh, sq, d), key.reshape(bh, sk, d), scale=scale,
                interpret=interpret)
   return dq.reshape(b, h, sq, d), dk.reshape(b, h, sk, d)
+
+
+# --------------------------------------------------------------------------------------
+# Rows of 256-1024 keys: dQ and dL in one kernel, a band's second read from L2.
+# --------------------------------------------------------------------------------------
+BAND_KEYS = 128      # keys per step (64 per consumer warpgroup)
+BAND_STAGES = 2
+
+
+def band_unsupported_reason(b, h, sq, sk, d, dtype, scaling_static) -> str | None:
+  """Why :func:`band_kernel` cannot run a problem (``None``: it can)."""
+  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    return f"dtype {jnp.dtype(dtype)} (bfloat16 or float16 only)"
+  if d != HEAD_DIM:
+    return f"head dim {d} (query.shape[3]: {HEAD_DIM} only)"
+  if sq % ROWS:
+    return f"seq_q {sq} (query.shape[2]: a multiple of {ROWS} only)"
+  if sk % BAND_KEYS:
+    return f"seq_k {sk} (key.shape[2]: a multiple of {BAND_KEYS} only)"
+  if scaling_static is None:
+    return "a traced scaling (static scales only)"
+  return None
+
+
+def _band_kernel(g_ref, p_ref, k_ref, dq_ref, dl_ref, dl_barrier, dq_stage, *, bands,
+                 programs, row_tiles, key_tiles, steps, scale):
+  """Step ``(i, j)`` of a program: key tile ``j`` of its band ``i`` (``g``, ``P``: the row
+  sums, ``delta``) and of its band ``i - 1`` (``g``, ``P`` again, mostly from L2, and ``K``:
+  ``dL`` over ``g``, stored, and ``dQ += dL @ K``). Consumer warpgroup ``w`` owns keys
+  ``[64 w, 64 w + 64)`` of a step's tile and columns ``[64 w, 64 w + 64)`` of dQ; both sum
+  the whole rows of band ``i`` in the same order, so both hold the same ``delta``."""
+  program = lax.axis_index("program")
+  wg = lax.axis_index("wg")
+  half = BAND_KEYS // WGS
+  keys = pl.ds(wg * half, half)
+  cols = pl.ds(wg * (HEAD_DIM // WGS), HEAD_DIM // WGS)
+  dtype = g_ref.dtype
+  layout = plgpu.Layout.WGMMA
+  row_layout = layout.reduce(1)
+
+  def band(i):
+    # A program's bands: program, program + programs, ...; past the last one it redoes the
+    # last band (same values).
+    return lax.min(program + lax.max(i, i32(0)) * programs, i32(bands - 1))
+
+  def where(pred, a, b):
+    """``pred ? a : b`` for arrays in one layout (a predicate array of their shape)."""
+    p = (plgpu.layout_cast(jnp.zeros(a.shape, f32), a_layout(a))
+         + jnp.where(pred, 1.0, 0.0).astype(f32)) > 0.5
+    return jnp.where(p, a, b)
+
+  def a_layout(a):
+    return layout if a.ndim == 2 else row_layout
+
+  def row_sum(g_smem, p_smem, part):
+    k = pl.ds(part * half, half)
+    return jnp.sum(plgpu.load(g_smem.at[:, k], layout=layout).astype(f32)
+                   * plgpu.load(p_smem.at[:, k], layout=layout).astype(f32), axis=1)
+
+  def compute_context(run_pipeline):
+    zero_rows = plgpu.layout_cast(jnp.zeros((ROWS,), f32), row_layout)
+    zero_dq = plgpu.layout_cast(jnp.zeros((ROWS, HEAD_DIM // WGS), f32), layout)
+    run_pipeline((zero_rows, zero_rows, zero_dq))
+    plgpu.wait_smem_to_gmem(0)
+
+  def step(idx, g1, p1, g2, p2, k_smem, g1_done, p1_done, g2_done, p2_done, k_done, carry):
+    i, j = idx
+    delta_acc, delta_prev, dq = carry
+    # Band i: this tile's row sums (both warpgroups, both halves, the same order).
+    part = row_sum(g1, p1, 0) + row_sum(g1, p1, 1)
+    plgpu.barrier_arrive(g1_done)
+    plgpu.barrier_arrive(p1_done)
+    delta_acc = where(j == 0, part, delta_acc + part)
+
+    # Band i - 1: dL of this warpgroup's keys over g, then dQ of its columns.
+    @pl.when(i > 0)
+    def _():
+      g = plgpu.load(g2.at[:, keys], layout=layout).astype(f32)
+      p = plgpu.load(p2.at[:, keys], layout=layout).astype(f32)
+      dl = _round_to(p * (g - lax.broadcast_in_dim(delta_prev, g.shape, [0])), dtype)
+      g2[:, keys] = (dl * scale).astype(dtype)
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(dl_barrier)
+      plgpu.barrier_wait(dl_barrier)
+    plgpu.barrier_arrive(p2_done)
+
+    prev = band(i - 1)
+    head, rows = lax.div(prev, i32(row_tiles)), lax.rem(prev, i32(row_tiles)) * ROWS
+
+    def mm(acc):
+      plgpu.wgmma(acc, g2, k_smem.at[:, cols])
+      plgpu.wgmma_wait(0)
+      return acc[...]
+
+    dq_tile = pl.run_scoped(mm, plgpu.ACC((ROWS, HEAD_DIM // WGS), f32))
+    dq = where(j == 0, dq_tile, dq + dq_tile)
+
+    @pl.when(i > 0)
+    def _():
+      plgpu.copy_smem_to_gmem(
+          g2.at[:, keys], dl_ref.at[head, pl.ds(rows, ROWS), pl.ds(j * BAND_KEYS + wg * half,
+                                                                   half)])
+
+      @pl.when(j == key_tiles - 1)
+      def _():
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        dq_stage[wg] = dq.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(dq_stage.at[wg], dq_ref.at[head, pl.ds(rows, ROWS), cols])
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    plgpu.barrier_arrive(k_done)
+    plgpu.barrier_arrive(g2_done)
+    delta_prev = where(j == key_tiles - 1, delta_acc, delta_prev)
+    return delta_acc, delta_prev, dq
+
+  tiled = _mosaic.tiled(dtype)
+
+  def tile_of(i, j):
+    b = band(i)
+    return (lax.div(b, i32(row_tiles)), lax.rem(b, i32(row_tiles)), j)
+
+  this = lambda i, j: tile_of(i, j)
+  last = lambda i, j: tile_of(i - 1, j)
+  pipeline = plgpu.emit_pipeline_warp_specialized(
+      step, grid=(steps + 1, key_tiles), max_concurrent_steps=BAND_STAGES,
+      memory_registers=_mosaic.MEMORY_REGISTERS, num_compute_wgs=WGS, wg_axis="wg",
+      manual_consumed_barriers=True, compute_context=compute_context,
+      in_specs=[
+          plgpu.BlockSpec((None, ROWS, BAND_KEYS), this, transforms=tiled),    # g, band i
+          plgpu.BlockSpec((None, ROWS, BAND_KEYS), this, transforms=tiled),    # P, band i
+          plgpu.BlockSpec((None, ROWS, BAND_KEYS), last, transforms=tiled),    # g, band i-1
+          plgpu.BlockSpec((None, ROWS, BAND_KEYS), last, transforms=tiled),    # P, band i-1
+          plgpu.BlockSpec((None, BAND_KEYS, HEAD_DIM),
+                          lambda i, j: (tile_of(i - 1, j)[0], j, 0), transforms=tiled),  # K
+      ])
+  pipeline(g_ref, p_ref, g_ref, p_ref, k_ref)
+
+
+def band_kernel(g, p, k, *, scale, programs=None, interpret=False):
+  """``(dQ [BH, Sq, D], dL [BH, Sq, Sk])`` from ``g``, ``P`` ``[BH, Sq, Sk]`` and ``K``
+  ``[BH, Sk, D]`` (one 16-bit dtype), a static ``scale``: ``dL`` rounded as the reference
+  rounds it, ``dQ = dL @ K`` (fp32 accumulation). ``g`` and ``P`` are read from DRAM once
+  and a second time one band later, mostly from L2 (a band: 64 rows of one head; about
+  ``programs * 64 * Sk * 4`` bytes between the two reads)."""
+  bh, sq, sk = g.shape
+  row_tiles = sq // ROWS
+  bands = bh * row_tiles
+  programs = min(bands, programs or _mosaic.SMS)
+  steps = -(-bands // programs)
+  kernel = functools.partial(_band_kernel, bands=bands, programs=programs,
+                             row_tiles=row_tiles, key_tiles=sk // BAND_KEYS, steps=steps,
+                             scale=float(scale))
+  tiled = _mosaic.tiled(g.dtype)
+  like = (g, p, k)
+  out = plgpu.kernel(
+      kernel,
+      out_type=(out_struct((bh, sq, HEAD_DIM), g.dtype, *like),
+                out_struct((bh, sq, sk), g.dtype, *like)),
+      scratch_types=[plgpu.Barrier(num_arrivals=WGS),
+                     plgpu.SMEM((WGS, ROWS, HEAD_DIM // WGS), g.dtype, transforms=tiled)],
+      grid=(programs,), grid_names=("program",),
+      num_threads=WGS + 1, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=_mosaic.interpret_params(interpret),
+  )(g, p, k)
+  return _mosaic.varying_like(out, *like)
+
+
+# grad_key's Triton GEMM after the band kernel: tiles of 128 keys, steps of 64 query rows
+# (the dK half of the dL + GEMM scheme's one launch, pallas_triton.DL_GEMM transposed).
+BAND_DK_GEMM = (64, 128, 8, 3)
+
+
+def band_backward(g, p, q, k, *, scale, programs=None, dk_gemm=BAND_DK_GEMM, interpret=False):
+  """``(dQ, dK)`` on ``[BH, ...]`` views: :func:`band_kernel` (``dQ`` and ``dL``), then
+  ``dK = dL^T @ Q`` as a Triton GEMM (tiles ``dk_gemm``: block_q/block_k/num_warps/
+  num_stages as :class:`.config.PassConfig`; ``None``: XLA's GEMM). 8 B per attention
+  element from DRAM in bf16 (``g`` and ``P`` read, ``dL`` written and read once) against the
+  ``dL`` + GEMM scheme's 10."""
+  from pallas_kernels.qk_scale_softmax import pallas_triton
+  from pallas_kernels.qk_scale_softmax.config import PassConfig
+  dq, dl = band_kernel(g, p, k, scale=scale, programs=programs, interpret=interpret)
+  if dk_gemm is None:
+    dk = jnp.einsum("bqk,bqd->bkd", dl, q, preferred_element_type=f32).astype(k.dtype)
+  else:
+    dk = pallas_triton.dl_matmul(dl, q, transpose=True, cfg=PassConfig(*dk_gemm),
+                                 interpret=interpret)
+  return dq, dk
