@@ -427,9 +427,10 @@ def _band_kernel(g_ref, p_ref, k_ref, dq_ref, dl_ref, dl_barrier, dq_stage, *, b
 
     @pl.when(i > 0)
     def _():
-      plgpu.copy_smem_to_gmem(
-          g2.at[:, keys], dl_ref.at[head, pl.ds(rows, ROWS), pl.ds(j * BAND_KEYS + wg * half,
-                                                                   half)])
+      @pl.when(wg == 0)  # the whole tile (a swizzled half is not contiguous for TMA)
+      def _():
+        plgpu.copy_smem_to_gmem(
+            g2, dl_ref.at[head, pl.ds(rows, ROWS), pl.ds(j * BAND_KEYS, BAND_KEYS)])
 
       @pl.when(j == key_tiles - 1)
       def _():
