@@ -352,13 +352,15 @@ def band_unsupported_reason(b, h, sq, sk, d, dtype, scaling_static) -> str | Non
   return None
 
 
-def _band_kernel(g_ref, p_ref, k_ref, dq_ref, dl_ref, dl_barrier, dq_stage, *, bands,
-                 programs, row_tiles, key_tiles, steps, scale):
+def _band_kernel(g_ref, p_ref, k_ref, dq_ref, dl_ref, dl_barrier, dq_stage, delta_x, *,
+                 bands, programs, row_tiles, key_tiles, steps, scale):
   """Step ``(i, j)`` of a program: key tile ``j`` of its band ``i`` (``g``, ``P``: the row
   sums, ``delta``) and of its band ``i - 1`` (``g``, ``P`` again, mostly from L2, and ``K``:
   ``dL`` over ``g``, stored, and ``dQ += dL @ K``). Consumer warpgroup ``w`` owns keys
-  ``[64 w, 64 w + 64)`` of a step's tile and columns ``[64 w, 64 w + 64)`` of dQ; both sum
-  the whole rows of band ``i`` in the same order, so both hold the same ``delta``."""
+  ``[64 w, 64 w + 64)`` of a step's tile and columns ``[64 w, 64 w + 64)`` of dQ. Each sums
+  its keys of band ``i``'s rows; the two running sums meet in shared memory every step
+  (``delta_x``, two slots by step parity), and at a band's last tile both take ``own +
+  other`` (the same value in both: a sum of two)."""
   program = lax.axis_index("program")
   wg = lax.axis_index("wg")
   half = BAND_KEYS // WGS
@@ -375,17 +377,9 @@ def _band_kernel(g_ref, p_ref, k_ref, dq_ref, dl_ref, dl_barrier, dq_stage, *, b
 
   def where(pred, a, b):
     """``pred ? a : b`` for arrays in one layout (a predicate array of their shape)."""
-    p = (plgpu.layout_cast(jnp.zeros(a.shape, f32), a_layout(a))
+    p = (plgpu.layout_cast(jnp.zeros(a.shape, f32), layout if a.ndim == 2 else row_layout)
          + jnp.where(pred, 1.0, 0.0).astype(f32)) > 0.5
     return jnp.where(p, a, b)
-
-  def a_layout(a):
-    return layout if a.ndim == 2 else row_layout
-
-  def row_sum(g_smem, p_smem, part):
-    k = pl.ds(part * half, half)
-    return jnp.sum(plgpu.load(g_smem.at[:, k], layout=layout).astype(f32)
-                   * plgpu.load(p_smem.at[:, k], layout=layout).astype(f32), axis=1)
 
   def compute_context(run_pipeline):
     zero_rows = plgpu.layout_cast(jnp.zeros((ROWS,), f32), row_layout)
@@ -396,52 +390,54 @@ def _band_kernel(g_ref, p_ref, k_ref, dq_ref, dl_ref, dl_barrier, dq_stage, *, b
   def step(idx, g1, p1, g2, p2, k_smem, g1_done, p1_done, g2_done, p2_done, k_done, carry):
     i, j = idx
     delta_acc, delta_prev, dq = carry
-    # Band i: this tile's row sums (both warpgroups, both halves, the same order).
-    part = row_sum(g1, p1, 0) + row_sum(g1, p1, 1)
+    # Band i: this warpgroup's part of the row sums.
+    part = jnp.sum(plgpu.load(g1.at[:, keys], layout=layout).astype(f32)
+                   * plgpu.load(p1.at[:, keys], layout=layout).astype(f32), axis=1)
     plgpu.barrier_arrive(g1_done)
     plgpu.barrier_arrive(p1_done)
     delta_acc = where(j == 0, part, delta_acc + part)
+    slot = lax.rem(i * key_tiles + j, i32(2))
+    delta_x[slot, wg] = delta_acc
 
-    # Band i - 1: dL of this warpgroup's keys over g, then dQ of its columns.
+    # Band i - 1: dL of this warpgroup's keys over g.
     @pl.when(i > 0)
     def _():
       g = plgpu.load(g2.at[:, keys], layout=layout).astype(f32)
       p = plgpu.load(p2.at[:, keys], layout=layout).astype(f32)
       dl = _round_to(p * (g - lax.broadcast_in_dim(delta_prev, g.shape, [0])), dtype)
       g2[:, keys] = (dl * scale).astype(dtype)
-      plgpu.commit_smem()
-      plgpu.barrier_arrive(dl_barrier)
-      plgpu.barrier_wait(dl_barrier)
+    plgpu.commit_smem()
     plgpu.barrier_arrive(p2_done)
+    plgpu.barrier_arrive(dl_barrier)     # both halves of dL and both running sums written
+    plgpu.barrier_wait(dl_barrier)
+    full = delta_acc + plgpu.load(delta_x.at[slot, 1 - wg], layout=row_layout)
 
     prev = band(i - 1)
     head, rows = lax.div(prev, i32(row_tiles)), lax.rem(prev, i32(row_tiles)) * ROWS
 
-    def mm(acc):
+    @pl.when((i > 0) & (wg == 0))  # the whole tile (a swizzled half is not contiguous)
+    def _():
+      plgpu.copy_smem_to_gmem(
+          g2, dl_ref.at[head, pl.ds(rows, ROWS), pl.ds(j * BAND_KEYS, BAND_KEYS)])
+
+    def mm(acc):                       # dQ[:, cols] of band i - 1 (unused while i == 0)
       plgpu.wgmma(acc, g2, k_smem.at[:, cols])
       plgpu.wgmma_wait(0)
       return acc[...]
 
     dq_tile = pl.run_scoped(mm, plgpu.ACC((ROWS, HEAD_DIM // WGS), f32))
+    plgpu.barrier_arrive(k_done)
     dq = where(j == 0, dq_tile, dq + dq_tile)
 
-    @pl.when(i > 0)
+    @pl.when((i > 0) & (j == key_tiles - 1))
     def _():
-      @pl.when(wg == 0)  # the whole tile (a swizzled half is not contiguous for TMA)
-      def _():
-        plgpu.copy_smem_to_gmem(
-            g2, dl_ref.at[head, pl.ds(rows, ROWS), pl.ds(j * BAND_KEYS, BAND_KEYS)])
-
-      @pl.when(j == key_tiles - 1)
-      def _():
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        dq_stage[wg] = dq.astype(dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(dq_stage.at[wg], dq_ref.at[head, pl.ds(rows, ROWS), cols])
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    plgpu.barrier_arrive(k_done)
+      dq_stage[wg] = dq.astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(dq_stage.at[wg], dq_ref.at[head, pl.ds(rows, ROWS), cols])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # dL's store has read g2
     plgpu.barrier_arrive(g2_done)
-    delta_prev = where(j == key_tiles - 1, delta_acc, delta_prev)
+    delta_prev = where(j == key_tiles - 1, full, delta_prev)
     return delta_acc, delta_prev, dq
 
   tiled = _mosaic.tiled(dtype)
@@ -488,7 +484,8 @@ def band_kernel(g, p, k, *, scale, programs=None, interpret=False):
       out_type=(out_struct((bh, sq, HEAD_DIM), g.dtype, *like),
                 out_struct((bh, sq, sk), g.dtype, *like)),
       scratch_types=[plgpu.Barrier(num_arrivals=WGS),
-                     plgpu.SMEM((WGS, ROWS, HEAD_DIM // WGS), g.dtype, transforms=tiled)],
+                     plgpu.SMEM((WGS, ROWS, HEAD_DIM // WGS), g.dtype, transforms=tiled),
+                     plgpu.SMEM((2, WGS, ROWS), f32)],
       grid=(programs,), grid_names=("program",),
       num_threads=WGS + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
