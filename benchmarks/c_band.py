@@ -11,7 +11,8 @@ Variants: ``band`` (the band kernel on ``--programs`` programs, the first value;
 Triton GEMM), ``band:P`` (other program counts), ``band_xla`` (dK by XLA's GEMM). Every
 variant is checked against the reference with the workload's tolerance and timed as
 ``benchmarks.run`` times (device time, all kernels of a call, input sets rotated so L2 is
-cold). Prints one table; writes ``<out>/c_band.json``.
+cold). ``band_kres`` (rows of 256 keys): one program per head, ``K`` resident in shared
+memory. Prints one table; writes ``<out>/c_band.json``.
 """
 
 from __future__ import annotations
@@ -30,14 +31,14 @@ from pallas_kernels import qk_scale_softmax as qks
 from pallas_kernels.qk_scale_softmax import pallas_mosaic_gpu as mg
 
 
-def band_fn(scale, dims, *, programs=None, dk_gemm=mg.BAND_DK_GEMM):
+def band_fn(scale, dims, *, programs=None, dk_gemm=mg.BAND_DK_GEMM, k_resident=False):
   """The band scheme on ``[B, H, ...]`` arrays (the entry point's signature, minus scale)."""
   b, h, sq, sk, d = dims
 
   def fn(g, q, k, p):
     dq, dk = mg.band_backward(g.reshape(b * h, sq, sk), p.reshape(b * h, sq, sk),
                               q.reshape(b * h, sq, d), k.reshape(b * h, sk, d), scale=scale,
-                              programs=programs, dk_gemm=dk_gemm)
+                              programs=programs, dk_gemm=dk_gemm, k_resident=k_resident)
     return dq.reshape(q.shape), dk.reshape(k.shape)
   return jax.jit(fn)
 
@@ -76,6 +77,8 @@ def main(argv=None):
     for n in programs[1:]:
       fns[f"band:{n}"] = band_fn(scale, dims, programs=n)
     fns["band_xla"] = band_fn(scale, dims, programs=programs[0], dk_gemm=None)
+    if sk == mg.WGS * mg.BAND_KEYS:
+      fns["band_kres"] = band_fn(scale, dims, k_resident=True)
     names = list(dict.fromkeys(names + list(fns)))
     row = variants_table.check_and_time(label, w, floor_us, fns, sets, refs, calls=args.calls)
     row["kernels"] = qks.kernels_for(*sets[0], scale)

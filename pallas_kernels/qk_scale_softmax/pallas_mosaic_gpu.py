@@ -352,8 +352,8 @@ def band_unsupported_reason(b, h, sq, sk, d, dtype, scaling_static) -> str | Non
   return None
 
 
-def _band_kernel(g_ref, p_ref, k_ref, dq_ref, dl_ref, dl_barrier, dq_stage, delta_x, *,
-                 bands, programs, row_tiles, key_tiles, steps, scale):
+def _band_kernel(g_ref, p_ref, k_ref, dq_ref, dl_ref, dl_barrier, dq_stage, delta_x, *k_res,
+                 bands, programs, row_tiles, key_tiles, steps, scale, k_resident):
   """Step ``(i, j)`` of a program: key tile ``j`` of its band ``i`` (``g``, ``P``: the row
   sums, ``delta``) and of its band ``i - 1`` (``g``, ``P`` again, mostly from L2, and ``K``:
   ``dL`` over ``g``, stored, and ``dQ += dL @ K``). Consumer warpgroup ``w`` owns keys
@@ -371,9 +371,12 @@ def _band_kernel(g_ref, p_ref, k_ref, dq_ref, dl_ref, dl_barrier, dq_stage, delt
   row_layout = layout.reduce(1)
 
   def band(i):
+    i = lax.max(i, i32(0))
+    if k_resident:  # one head per program, its row tiles in order (the last one twice)
+      return program * row_tiles + lax.min(i, i32(row_tiles - 1))
     # A program's bands: program, program + programs, ...; past the last one it redoes the
     # last band (same values).
-    return lax.min(program + lax.max(i, i32(0)) * programs, i32(bands - 1))
+    return lax.min(program + i * programs, i32(bands - 1))
 
   def where(pred, a, b):
     """``pred ? a : b`` for arrays in one layout (a predicate array of their shape)."""
@@ -384,8 +387,18 @@ def _band_kernel(g_ref, p_ref, k_ref, dq_ref, dl_ref, dl_barrier, dq_stage, delt
   def compute_context(run_pipeline):
     zero_rows = plgpu.layout_cast(jnp.zeros((ROWS,), f32), row_layout)
     zero_dq = plgpu.layout_cast(jnp.zeros((ROWS, HEAD_DIM // WGS), f32), layout)
+    if k_resident:  # K of the program's head: a half per warpgroup, once
+      k_smem, k_barrier = k_res
+      plgpu.copy_gmem_to_smem(k_ref.at[program, pl.ds(wg * BAND_KEYS, BAND_KEYS)],
+                              k_smem.at[wg], k_barrier.at[wg])
+      plgpu.barrier_wait(k_barrier.at[0])
+      plgpu.barrier_wait(k_barrier.at[1])
     run_pipeline((zero_rows, zero_rows, zero_dq))
     plgpu.wait_smem_to_gmem(0)
+
+  def resident_step(idx, g1, p1, g2, p2, g1_done, p1_done, g2_done, p2_done, carry):
+    return step(idx, g1, p1, g2, p2, k_res[0].at[idx[1]], g1_done, p1_done, g2_done,
+                p2_done, None, carry)
 
   def step(idx, g1, p1, g2, p2, k_smem, g1_done, p1_done, g2_done, p2_done, k_done, carry):
     i, j = idx
@@ -426,7 +439,8 @@ def _band_kernel(g_ref, p_ref, k_ref, dq_ref, dl_ref, dl_barrier, dq_stage, delt
       return acc[...]
 
     dq_tile = pl.run_scoped(mm, plgpu.ACC((ROWS, HEAD_DIM // WGS), f32))
-    plgpu.barrier_arrive(k_done)
+    if k_done is not None:
+      plgpu.barrier_arrive(k_done)
     dq = where(j == 0, dq_tile, dq + dq_tile)
 
     @pl.when((i > 0) & (j == key_tiles - 1))
@@ -448,36 +462,42 @@ def _band_kernel(g_ref, p_ref, k_ref, dq_ref, dl_ref, dl_barrier, dq_stage, delt
 
   this = lambda i, j: tile_of(i, j)
   last = lambda i, j: tile_of(i - 1, j)
+  specs = [plgpu.BlockSpec((None, ROWS, BAND_KEYS), this, transforms=tiled),    # g, band i
+           plgpu.BlockSpec((None, ROWS, BAND_KEYS), this, transforms=tiled),    # P, band i
+           plgpu.BlockSpec((None, ROWS, BAND_KEYS), last, transforms=tiled),    # g, band i-1
+           plgpu.BlockSpec((None, ROWS, BAND_KEYS), last, transforms=tiled)]    # P, band i-1
+  if not k_resident:
+    specs.append(plgpu.BlockSpec((None, BAND_KEYS, HEAD_DIM),
+                                 lambda i, j: (tile_of(i - 1, j)[0], j, 0), transforms=tiled))
   pipeline = plgpu.emit_pipeline_warp_specialized(
-      step, grid=(steps + 1, key_tiles), max_concurrent_steps=BAND_STAGES,
+      resident_step if k_resident else step, grid=(steps + 1, key_tiles),
+      max_concurrent_steps=BAND_STAGES,
       memory_registers=_mosaic.MEMORY_REGISTERS, num_compute_wgs=WGS, wg_axis="wg",
-      manual_consumed_barriers=True, compute_context=compute_context,
-      in_specs=[
-          plgpu.BlockSpec((None, ROWS, BAND_KEYS), this, transforms=tiled),    # g, band i
-          plgpu.BlockSpec((None, ROWS, BAND_KEYS), this, transforms=tiled),    # P, band i
-          plgpu.BlockSpec((None, ROWS, BAND_KEYS), last, transforms=tiled),    # g, band i-1
-          plgpu.BlockSpec((None, ROWS, BAND_KEYS), last, transforms=tiled),    # P, band i-1
-          plgpu.BlockSpec((None, BAND_KEYS, HEAD_DIM),
-                          lambda i, j: (tile_of(i - 1, j)[0], j, 0), transforms=tiled),  # K
-      ])
-  pipeline(g_ref, p_ref, g_ref, p_ref, k_ref)
+      manual_consumed_barriers=True, compute_context=compute_context, in_specs=specs)
+  pipeline(g_ref, p_ref, g_ref, p_ref, *(() if k_resident else (k_ref,)))
 
 
-def band_kernel(g, p, k, *, scale, programs=None, interpret=False):
+def band_kernel(g, p, k, *, scale, programs=None, k_resident=False, interpret=False):
   """``(dQ [BH, Sq, D], dL [BH, Sq, Sk])`` from ``g``, ``P`` ``[BH, Sq, Sk]`` and ``K``
   ``[BH, Sk, D]`` (one 16-bit dtype), a static ``scale``: ``dL`` rounded as the reference
   rounds it, ``dQ = dL @ K`` (fp32 accumulation). ``g`` and ``P`` are read from DRAM once
   and a second time one band later, mostly from L2 (a band: 64 rows of one head; about
-  ``programs * 64 * Sk * 4`` bytes between the two reads)."""
+  ``programs * 64 * Sk * 4`` bytes between the two reads). ``k_resident`` (rows of 256 keys
+  only): one program per head, its ``K`` loaded once into shared memory instead of a ``K``
+  tile riding in every step's ring slot."""
   bh, sq, sk = g.shape
   row_tiles = sq // ROWS
   bands = bh * row_tiles
-  programs = min(bands, programs or _mosaic.SMS)
-  steps = -(-bands // programs)
+  if k_resident and sk != WGS * BAND_KEYS:
+    raise ValueError(f"band_kernel: k_resident takes rows of {WGS * BAND_KEYS} keys, got {sk}")
+  programs = bh if k_resident else min(bands, programs or _mosaic.SMS)
+  steps = row_tiles if k_resident else -(-bands // programs)
   kernel = functools.partial(_band_kernel, bands=bands, programs=programs,
                              row_tiles=row_tiles, key_tiles=sk // BAND_KEYS, steps=steps,
-                             scale=float(scale))
+                             scale=float(scale), k_resident=k_resident)
   tiled = _mosaic.tiled(g.dtype)
+  resident = ([plgpu.SMEM((WGS, BAND_KEYS, HEAD_DIM), g.dtype, transforms=tiled),
+               plgpu.Barrier(num_barriers=WGS)] if k_resident else [])
   like = (g, p, k)
   out = plgpu.kernel(
       kernel,
@@ -485,7 +505,7 @@ def band_kernel(g, p, k, *, scale, programs=None, interpret=False):
                 out_struct((bh, sq, sk), g.dtype, *like)),
       scratch_types=[plgpu.Barrier(num_arrivals=WGS),
                      plgpu.SMEM((WGS, ROWS, HEAD_DIM // WGS), g.dtype, transforms=tiled),
-                     plgpu.SMEM((2, WGS, ROWS), f32)],
+                     plgpu.SMEM((2, WGS, ROWS), f32), *resident],
       grid=(programs,), grid_names=("program",),
       num_threads=WGS + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -499,7 +519,8 @@ def band_kernel(g, p, k, *, scale, programs=None, interpret=False):
 BAND_DK_GEMM = (64, 128, 8, 3)
 
 
-def band_backward(g, p, q, k, *, scale, programs=None, dk_gemm=BAND_DK_GEMM, interpret=False):
+def band_backward(g, p, q, k, *, scale, programs=None, k_resident=False, dk_gemm=BAND_DK_GEMM,
+                  interpret=False):
   """``(dQ, dK)`` on ``[BH, ...]`` views: :func:`band_kernel` (``dQ`` and ``dL``), then
   ``dK = dL^T @ Q`` as a Triton GEMM (tiles ``dk_gemm``: block_q/block_k/num_warps/
   num_stages as :class:`.config.PassConfig`; ``None``: XLA's GEMM). 8 B per attention
@@ -507,7 +528,8 @@ def band_backward(g, p, q, k, *, scale, programs=None, dk_gemm=BAND_DK_GEMM, int
   ``dL`` + GEMM scheme's 10."""
   from pallas_kernels.qk_scale_softmax import pallas_triton
   from pallas_kernels.qk_scale_softmax.config import PassConfig
-  dq, dl = band_kernel(g, p, k, scale=scale, programs=programs, interpret=interpret)
+  dq, dl = band_kernel(g, p, k, scale=scale, programs=programs, k_resident=k_resident,
+                       interpret=interpret)
   if dk_gemm is None:
     dk = jnp.einsum("bqk,bqd->bkd", dl, q, preferred_element_type=f32).astype(k.dtype)
   else:
