@@ -8,11 +8,12 @@ Usage (on a Hopper GPU)::
         [--calls 20] [--out DIR] [--breakdown]
 
 Variants: ``band`` (the band kernel on ``--programs`` programs, the first value; dK by the
-Triton GEMM), ``band:P`` (other program counts), ``band_xla`` (dK by XLA's GEMM). Every
+Triton GEMM), ``band:P`` (other program counts), ``band_staged`` (``stage_dl``: dL through a
+staging tile of its own); with ``--all`` also ``band_xla`` (dK by XLA's GEMM) and
+``band_kres`` (rows of 256 keys: ``k_resident``). Every
 variant is checked against the reference with the workload's tolerance and timed as
 ``benchmarks.run`` times (device time, all kernels of a call, input sets rotated so L2 is
-cold). ``band_kres`` (rows of 256 keys): one program per head, ``K`` resident in shared
-memory. Prints one table; writes ``<out>/c_band.json``.
+cold). Prints one table; writes ``<out>/c_band.json``.
 """
 
 from __future__ import annotations
@@ -31,14 +32,16 @@ from pallas_kernels import qk_scale_softmax as qks
 from pallas_kernels.qk_scale_softmax import pallas_mosaic_gpu as mg
 
 
-def band_fn(scale, dims, *, programs=None, dk_gemm=mg.BAND_DK_GEMM, k_resident=False):
+def band_fn(scale, dims, *, programs=None, dk_gemm=mg.BAND_DK_GEMM, k_resident=False,
+            stage_dl=False):
   """The band scheme on ``[B, H, ...]`` arrays (the entry point's signature, minus scale)."""
   b, h, sq, sk, d = dims
 
   def fn(g, q, k, p):
     dq, dk = mg.band_backward(g.reshape(b * h, sq, sk), p.reshape(b * h, sq, sk),
                               q.reshape(b * h, sq, d), k.reshape(b * h, sk, d), scale=scale,
-                              programs=programs, dk_gemm=dk_gemm, k_resident=k_resident)
+                              programs=programs, dk_gemm=dk_gemm, k_resident=k_resident,
+                              stage_dl=stage_dl)
     return dq.reshape(q.shape), dk.reshape(k.shape)
   return jax.jit(fn)
 
@@ -49,8 +52,10 @@ def main(argv=None):
   parser.add_argument("--programs", default="132",
                       help="program counts of the band kernel (comma-separated; the first "
                            "is 'band')")
+  parser.add_argument("--all", action="store_true",
+                      help="also band_xla and band_kres")
   parser.add_argument("--breakdown", action="store_true",
-                      help="also print the band variant's time per kernel")
+                      help="also print band_staged's time per kernel")
   parser.add_argument("--calls", type=int, default=20)
   parser.add_argument("--out", default=".")
   args = parser.parse_args(argv)
@@ -76,15 +81,17 @@ def main(argv=None):
     fns = {"entry": entry, "band": band_fn(scale, dims, programs=programs[0])}
     for n in programs[1:]:
       fns[f"band:{n}"] = band_fn(scale, dims, programs=n)
-    fns["band_xla"] = band_fn(scale, dims, programs=programs[0], dk_gemm=None)
-    if sk == mg.WGS * mg.BAND_KEYS:
-      fns["band_kres"] = band_fn(scale, dims, k_resident=True)
+    fns["band_staged"] = band_fn(scale, dims, programs=programs[0], stage_dl=True)
+    if args.all:
+      fns["band_xla"] = band_fn(scale, dims, programs=programs[0], dk_gemm=None)
+      if sk == mg.WGS * mg.BAND_KEYS:
+        fns["band_kres"] = band_fn(scale, dims, k_resident=True)
     names = list(dict.fromkeys(names + list(fns)))
     row = variants_table.check_and_time(label, w, floor_us, fns, sets, refs, calls=args.calls)
     row["kernels"] = qks.kernels_for(*sets[0], scale)
     if args.breakdown:
       try:
-        row["breakdown:band"] = timing.kernel_breakdown_us(fns["band"], sets, calls=10)
+        row["breakdown:band"] = timing.kernel_breakdown_us(fns["band_staged"], sets, calls=10)
         print(f"  {label} band per kernel: " + ", ".join(
             f"{k['kernel']} {k['median_us']:.1f} us x{k['launches']:g}"
             for k in row["breakdown:band"]), flush=True)

@@ -352,8 +352,8 @@ def band_unsupported_reason(b, h, sq, sk, d, dtype, scaling_static) -> str | Non
   return None
 
 
-def _band_kernel(g_ref, p_ref, k_ref, dq_ref, dl_ref, dl_barrier, dq_stage, delta_x, *k_res,
-                 bands, programs, row_tiles, key_tiles, steps, scale, k_resident):
+def _band_kernel(g_ref, p_ref, k_ref, dq_ref, dl_ref, dl_barrier, dq_stage, delta_x, *extra,
+                 bands, programs, row_tiles, key_tiles, steps, scale, k_resident, stage_dl):
   """Step ``(i, j)`` of a program: key tile ``j`` of its band ``i`` (``g``, ``P``: the row
   sums, ``delta``) and of its band ``i - 1`` (``g``, ``P`` again, mostly from L2, and ``K``:
   ``dL`` over ``g``, stored, and ``dQ += dL @ K``). Consumer warpgroup ``w`` owns keys
@@ -369,6 +369,9 @@ def _band_kernel(g_ref, p_ref, k_ref, dq_ref, dl_ref, dl_barrier, dq_stage, delt
   dtype = g_ref.dtype
   layout = plgpu.Layout.WGMMA
   row_layout = layout.reduce(1)
+  if stage_dl:
+    dl_stage, dl_free, *extra = extra
+  k_res = extra
 
   def band(i):
     i = lax.max(i, i32(0))
@@ -394,6 +397,8 @@ def _band_kernel(g_ref, p_ref, k_ref, dq_ref, dl_ref, dl_barrier, dq_stage, delt
       plgpu.barrier_wait(k_barrier.at[0])
       plgpu.barrier_wait(k_barrier.at[1])
     run_pipeline((zero_rows, zero_rows, zero_dq))
+    if stage_dl:
+      plgpu.barrier_wait(dl_free)  # the last step's phase (each phase is waited once)
     plgpu.wait_smem_to_gmem(0)
 
   def resident_step(idx, g1, p1, g2, p2, g1_done, p1_done, g2_done, p2_done, carry):
@@ -412,35 +417,62 @@ def _band_kernel(g_ref, p_ref, k_ref, dq_ref, dl_ref, dl_barrier, dq_stage, delt
     slot = lax.rem(i * key_tiles + j, i32(2))
     delta_x[slot, wg] = delta_acc
 
-    # Band i - 1: dL of this warpgroup's keys over g.
-    @pl.when(i > 0)
-    def _():
+    prev = band(i - 1)
+    head, rows = lax.div(prev, i32(row_tiles)), lax.rem(prev, i32(row_tiles)) * ROWS
+    if stage_dl:
+      # Band i - 1: dL of this warpgroup's keys into its half of dl_stage (g2 and P2 are
+      # handed back as soon as they are read), stored from there.
       g = plgpu.load(g2.at[:, keys], layout=layout).astype(f32)
       p = plgpu.load(p2.at[:, keys], layout=layout).astype(f32)
+      plgpu.barrier_arrive(g2_done)
+      plgpu.barrier_arrive(p2_done)
       dl = _round_to(p * (g - lax.broadcast_in_dim(delta_prev, g.shape, [0])), dtype)
-      g2[:, keys] = (dl * scale).astype(dtype)
-    plgpu.commit_smem()
-    plgpu.barrier_arrive(p2_done)
+
+      @pl.when(i * key_tiles + j > 0)   # both read the last step's dL: it may be replaced
+      def _():
+        plgpu.barrier_wait(dl_free)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # and its store has read it
+      dl_stage[wg] = (dl * scale).astype(dtype)
+      plgpu.commit_smem()
+
+      @pl.when(i > 0)
+      def _():
+        plgpu.copy_smem_to_gmem(dl_stage.at[wg], dl_ref.at[head, pl.ds(rows, ROWS),
+                                                          pl.ds(j * BAND_KEYS + wg * half, half)])
+    else:
+      # Band i - 1: dL of this warpgroup's keys over g.
+      @pl.when(i > 0)
+      def _():
+        g = plgpu.load(g2.at[:, keys], layout=layout).astype(f32)
+        p = plgpu.load(p2.at[:, keys], layout=layout).astype(f32)
+        dl = _round_to(p * (g - lax.broadcast_in_dim(delta_prev, g.shape, [0])), dtype)
+        g2[:, keys] = (dl * scale).astype(dtype)
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(p2_done)
     plgpu.barrier_arrive(dl_barrier)     # both halves of dL and both running sums written
     plgpu.barrier_wait(dl_barrier)
     full = delta_acc + plgpu.load(delta_x.at[slot, 1 - wg], layout=row_layout)
 
-    prev = band(i - 1)
-    head, rows = lax.div(prev, i32(row_tiles)), lax.rem(prev, i32(row_tiles)) * ROWS
-
-    @pl.when((i > 0) & (wg == 0))  # the whole tile (a swizzled half is not contiguous)
-    def _():
-      plgpu.copy_smem_to_gmem(
-          g2, dl_ref.at[head, pl.ds(rows, ROWS), pl.ds(j * BAND_KEYS, BAND_KEYS)])
+    if not stage_dl:
+      @pl.when((i > 0) & (wg == 0))  # the whole tile (a swizzled half is not contiguous)
+      def _():
+        plgpu.copy_smem_to_gmem(
+            g2, dl_ref.at[head, pl.ds(rows, ROWS), pl.ds(j * BAND_KEYS, BAND_KEYS)])
 
     def mm(acc):                       # dQ[:, cols] of band i - 1 (unused while i == 0)
-      plgpu.wgmma(acc, g2, k_smem.at[:, cols])
+      if stage_dl:
+        for h in range(WGS):
+          plgpu.wgmma(acc, dl_stage.at[h], k_smem.at[pl.ds(h * half, half), cols])
+      else:
+        plgpu.wgmma(acc, g2, k_smem.at[:, cols])
       plgpu.wgmma_wait(0)
       return acc[...]
 
     dq_tile = pl.run_scoped(mm, plgpu.ACC((ROWS, HEAD_DIM // WGS), f32))
     if k_done is not None:
       plgpu.barrier_arrive(k_done)
+    if stage_dl:
+      plgpu.barrier_arrive(dl_free)
     dq = where(j == 0, dq_tile, dq + dq_tile)
 
     @pl.when((i > 0) & (j == key_tiles - 1))
@@ -449,8 +481,9 @@ def _band_kernel(g_ref, p_ref, k_ref, dq_ref, dl_ref, dl_barrier, dq_stage, delt
       dq_stage[wg] = dq.astype(dtype)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(dq_stage.at[wg], dq_ref.at[head, pl.ds(rows, ROWS), cols])
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # dL's store has read g2
-    plgpu.barrier_arrive(g2_done)
+    if not stage_dl:
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # dL's store has read g2
+      plgpu.barrier_arrive(g2_done)
     delta_prev = where(j == key_tiles - 1, full, delta_prev)
     return delta_acc, delta_prev, dq
 
@@ -477,14 +510,17 @@ def _band_kernel(g_ref, p_ref, k_ref, dq_ref, dl_ref, dl_barrier, dq_stage, delt
   pipeline(g_ref, p_ref, g_ref, p_ref, *(() if k_resident else (k_ref,)))
 
 
-def band_kernel(g, p, k, *, scale, programs=None, k_resident=False, interpret=False):
+def band_kernel(g, p, k, *, scale, programs=None, k_resident=False, stage_dl=False,
+                interpret=False):
   """``(dQ [BH, Sq, D], dL [BH, Sq, Sk])`` from ``g``, ``P`` ``[BH, Sq, Sk]`` and ``K``
   ``[BH, Sk, D]`` (one 16-bit dtype), a static ``scale``: ``dL`` rounded as the reference
   rounds it, ``dQ = dL @ K`` (fp32 accumulation). ``g`` and ``P`` are read from DRAM once
   and a second time one band later, mostly from L2 (a band: 64 rows of one head; about
   ``programs * 64 * Sk * 4`` bytes between the two reads). ``k_resident`` (rows of 256 keys
   only): one program per head, its ``K`` loaded once into shared memory instead of a ``K``
-  tile riding in every step's ring slot."""
+  tile riding in every step's ring slot. ``stage_dl``: ``dL`` goes to a staging tile of its
+  own (each warpgroup stores its half), so ``g`` and ``P`` of band ``i - 1`` go back to the
+  ring as soon as they are read, instead of after ``dL``'s store has read them."""
   bh, sq, sk = g.shape
   row_tiles = sq // ROWS
   bands = bh * row_tiles
@@ -494,8 +530,10 @@ def band_kernel(g, p, k, *, scale, programs=None, k_resident=False, interpret=Fa
   steps = row_tiles if k_resident else -(-bands // programs)
   kernel = functools.partial(_band_kernel, bands=bands, programs=programs,
                              row_tiles=row_tiles, key_tiles=sk // BAND_KEYS, steps=steps,
-                             scale=float(scale), k_resident=k_resident)
+                             scale=float(scale), k_resident=k_resident, stage_dl=stage_dl)
   tiled = _mosaic.tiled(g.dtype)
+  staged = ([plgpu.SMEM((WGS, ROWS, BAND_KEYS // WGS), g.dtype, transforms=tiled),
+             plgpu.Barrier(num_arrivals=WGS)] if stage_dl else [])
   resident = ([plgpu.SMEM((WGS, BAND_KEYS, HEAD_DIM), g.dtype, transforms=tiled),
                plgpu.Barrier(num_barriers=WGS)] if k_resident else [])
   like = (g, p, k)
@@ -505,7 +543,7 @@ def band_kernel(g, p, k, *, scale, programs=None, k_resident=False, interpret=Fa
                 out_struct((bh, sq, sk), g.dtype, *like)),
       scratch_types=[plgpu.Barrier(num_arrivals=WGS),
                      plgpu.SMEM((WGS, ROWS, HEAD_DIM // WGS), g.dtype, transforms=tiled),
-                     plgpu.SMEM((2, WGS, ROWS), f32), *resident],
+                     plgpu.SMEM((2, WGS, ROWS), f32), *staged, *resident],
       grid=(programs,), grid_names=("program",),
       num_threads=WGS + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -519,8 +557,8 @@ def band_kernel(g, p, k, *, scale, programs=None, k_resident=False, interpret=Fa
 BAND_DK_GEMM = (64, 128, 8, 3)
 
 
-def band_backward(g, p, q, k, *, scale, programs=None, k_resident=False, dk_gemm=BAND_DK_GEMM,
-                  interpret=False):
+def band_backward(g, p, q, k, *, scale, programs=None, k_resident=False, stage_dl=False,
+                  dk_gemm=BAND_DK_GEMM, interpret=False):
   """``(dQ, dK)`` on ``[BH, ...]`` views: :func:`band_kernel` (``dQ`` and ``dL``), then
   ``dK = dL^T @ Q`` as a Triton GEMM (tiles ``dk_gemm``: block_q/block_k/num_warps/
   num_stages as :class:`.config.PassConfig`; ``None``: XLA's GEMM). 8 B per attention
@@ -529,7 +567,7 @@ def band_backward(g, p, q, k, *, scale, programs=None, k_resident=False, dk_gemm
   from pallas_kernels.qk_scale_softmax import pallas_triton
   from pallas_kernels.qk_scale_softmax.config import PassConfig
   dq, dl = band_kernel(g, p, k, scale=scale, programs=programs, k_resident=k_resident,
-                       interpret=interpret)
+                       stage_dl=stage_dl, interpret=interpret)
   if dk_gemm is None:
     dk = jnp.einsum("bqk,bqd->bkd", dl, q, preferred_element_type=f32).astype(k.dtype)
   else:
