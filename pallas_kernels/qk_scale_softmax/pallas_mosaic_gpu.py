@@ -414,8 +414,10 @@ def _band_kernel(g_ref, p_ref, k_ref, dq_ref, dl_ref, dl_barrier, dq_stage, delt
     plgpu.barrier_arrive(g1_done)
     plgpu.barrier_arrive(p1_done)
     delta_acc = where(j == 0, part, delta_acc + part)
-    slot = lax.rem(i * key_tiles + j, i32(2))
-    delta_x[slot, wg] = delta_acc
+    # stage_dl: one slot, written after dl_free (the other warpgroup has read it by then).
+    slot = i32(0) if stage_dl else lax.rem(i * key_tiles + j, i32(2))
+    if not stage_dl:
+      delta_x[slot, wg] = delta_acc
 
     prev = band(i - 1)
     head, rows = lax.div(prev, i32(row_tiles)), lax.rem(prev, i32(row_tiles)) * ROWS
@@ -431,6 +433,7 @@ def _band_kernel(g_ref, p_ref, k_ref, dq_ref, dl_ref, dl_barrier, dq_stage, delt
       @pl.when(i * key_tiles + j > 0)   # both read the last step's dL: it may be replaced
       def _():
         plgpu.barrier_wait(dl_free)
+      delta_x[slot, wg] = delta_acc
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # and its store has read it
       dl_stage[wg] = (dl * scale).astype(dtype)
       plgpu.commit_smem()
@@ -543,7 +546,7 @@ def band_kernel(g, p, k, *, scale, programs=None, k_resident=False, stage_dl=Fal
                 out_struct((bh, sq, sk), g.dtype, *like)),
       scratch_types=[plgpu.Barrier(num_arrivals=WGS),
                      plgpu.SMEM((WGS, ROWS, HEAD_DIM // WGS), g.dtype, transforms=tiled),
-                     plgpu.SMEM((2, WGS, ROWS), f32), *staged, *resident],
+                     plgpu.SMEM((1 if stage_dl else 2, WGS, ROWS), f32), *staged, *resident],
       grid=(programs,), grid_names=("program",),
       num_threads=WGS + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
