@@ -352,7 +352,7 @@ def band_unsupported_reason(b, h, sq, sk, d, dtype, scaling_static) -> str | Non
   return None
 
 
-def _band_kernel(g_ref, p_ref, k_ref, dq_ref, dl_ref, dl_barrier, dq_stage, delta_x, *extra,
+def _band_kernel(g_ref, p_ref, k_ref, dq_ref, dl_ref, dl_barrier, delta_x, *extra,
                  bands, programs, row_tiles, key_tiles, steps, scale, k_resident, stage_dl):
   """Step ``(i, j)`` of a program: key tile ``j`` of its band ``i`` (``g``, ``P``: the row
   sums, ``delta``) and of its band ``i - 1`` (``g``, ``P`` again, mostly from L2, and ``K``:
@@ -369,8 +369,11 @@ def _band_kernel(g_ref, p_ref, k_ref, dq_ref, dl_ref, dl_barrier, dq_stage, delt
   dtype = g_ref.dtype
   layout = plgpu.Layout.WGMMA
   row_layout = layout.reduce(1)
-  if stage_dl:
+  if stage_dl:  # dQ leaves through dl_stage too
     dl_stage, dl_free, *extra = extra
+    dq_stage = dl_stage
+  else:
+    dq_stage, *extra = extra
   k_res = extra
 
   def band(i):
@@ -397,8 +400,6 @@ def _band_kernel(g_ref, p_ref, k_ref, dq_ref, dl_ref, dl_barrier, dq_stage, delt
       plgpu.barrier_wait(k_barrier.at[0])
       plgpu.barrier_wait(k_barrier.at[1])
     run_pipeline((zero_rows, zero_rows, zero_dq))
-    if stage_dl:
-      plgpu.barrier_wait(dl_free)  # the last step's phase (each phase is waited once)
     plgpu.wait_smem_to_gmem(0)
 
   def resident_step(idx, g1, p1, g2, p2, g1_done, p1_done, g2_done, p2_done, carry):
@@ -430,7 +431,9 @@ def _band_kernel(g_ref, p_ref, k_ref, dq_ref, dl_ref, dl_barrier, dq_stage, delt
       plgpu.barrier_arrive(p2_done)
       dl = _round_to(p * (g - lax.broadcast_in_dim(delta_prev, g.shape, [0])), dtype)
 
-      @pl.when(i * key_tiles + j > 0)   # both read the last step's dL: it may be replaced
+      # Both have read the last step's dL: it may be replaced (a band's last step waits
+      # for that itself, before dQ goes out through the same tile).
+      @pl.when(j > 0)
       def _():
         plgpu.barrier_wait(dl_free)
       delta_x[slot, wg] = delta_acc
@@ -476,6 +479,10 @@ def _band_kernel(g_ref, p_ref, k_ref, dq_ref, dl_ref, dl_barrier, dq_stage, delt
       plgpu.barrier_arrive(k_done)
     if stage_dl:
       plgpu.barrier_arrive(dl_free)
+
+      @pl.when(j == key_tiles - 1)
+      def _():
+        plgpu.barrier_wait(dl_free)
     dq = where(j == 0, dq_tile, dq + dq_tile)
 
     @pl.when((i > 0) & (j == key_tiles - 1))
@@ -535,8 +542,10 @@ def band_kernel(g, p, k, *, scale, programs=None, k_resident=False, stage_dl=Fal
                              row_tiles=row_tiles, key_tiles=sk // BAND_KEYS, steps=steps,
                              scale=float(scale), k_resident=k_resident, stage_dl=stage_dl)
   tiled = _mosaic.tiled(g.dtype)
+  # dL's (and dQ's) staging tile, or dQ's alone.
   staged = ([plgpu.SMEM((WGS, ROWS, BAND_KEYS // WGS), g.dtype, transforms=tiled),
-             plgpu.Barrier(num_arrivals=WGS)] if stage_dl else [])
+             plgpu.Barrier(num_arrivals=WGS)] if stage_dl else
+            [plgpu.SMEM((WGS, ROWS, HEAD_DIM // WGS), g.dtype, transforms=tiled)])
   resident = ([plgpu.SMEM((WGS, BAND_KEYS, HEAD_DIM), g.dtype, transforms=tiled),
                plgpu.Barrier(num_barriers=WGS)] if k_resident else [])
   like = (g, p, k)
@@ -545,7 +554,6 @@ def band_kernel(g, p, k, *, scale, programs=None, k_resident=False, stage_dl=Fal
       out_type=(out_struct((bh, sq, HEAD_DIM), g.dtype, *like),
                 out_struct((bh, sq, sk), g.dtype, *like)),
       scratch_types=[plgpu.Barrier(num_arrivals=WGS),
-                     plgpu.SMEM((WGS, ROWS, HEAD_DIM // WGS), g.dtype, transforms=tiled),
                      plgpu.SMEM((1 if stage_dl else 2, WGS, ROWS), f32), *staged, *resident],
       grid=(programs,), grid_names=("program",),
       num_threads=WGS + 1, thread_name="wg",
