@@ -177,3 +177,32 @@ def test_lowers_for_a_gpu(sk):
   fn = jax.jit(lambda g, p, q, k: kernel(g, p, q, k, scale=0.1))
   text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
+
+
+# --- The band kernel (dQ and dL in one launch; not the entry point's choice) ---------------
+
+@needs_kernels
+@pytest.mark.parametrize("bh,sq,sk,programs,options", [
+    (3, 128, 384, 4, {}),                    # 6 bands on 4 programs: the last ones redo one
+    (3, 64, 256, 2, {"stage_dl": True}),     # dL (and dQ) through the staging tile
+    (2, 128, 256, None, {"k_resident": True})])
+def test_band_backward_matches_reference(bh, sq, sk, programs, options):
+  """dL rounded as the reference rounds it, dQ from it in the kernel, and dK by the Triton
+  GEMM from the dL it writes, against the reference."""
+  g, q, k, p = make_inputs(3, 1, bh, sq, sk, 128)
+  dq, dk = mg.band_backward(g.reshape(bh, sq, sk), p.reshape(bh, sq, sk),
+                            q.reshape(bh, sq, 128), k.reshape(bh, sk, 128), scale=SCALE,
+                            programs=programs, interpret=INTERPRET, **options)
+  ref_q, ref_k = reference(g, q, k, p, SCALE)
+  assert_close("grad_query", dq.reshape(ref_q.shape), ref_q)
+  assert_close("grad_key", dk.reshape(ref_k.shape), ref_k)
+
+
+def test_band_kernel_says_what_it_takes():
+  assert mg.band_unsupported_reason(1, 2, 128, 384, 128, jnp.bfloat16, 0.1) is None
+  assert "seq_k 449" in mg.band_unsupported_reason(1, 2, 128, 449, 128, jnp.bfloat16, 0.1)
+  assert "head dim" in mg.band_unsupported_reason(1, 2, 128, 256, 64, jnp.bfloat16, 0.1)
+  x = jnp.zeros((1, 64, 384), jnp.bfloat16)
+  with pytest.raises(ValueError, match="k_resident takes rows of 256"):
+    mg.band_kernel(x, x, jnp.zeros((1, 384, 128), jnp.bfloat16), scale=0.1, k_resident=True,
+                   interpret=True)
