@@ -103,9 +103,12 @@ class DlConfig:
   two >= 1; the padded row sits in registers) on ``num_warps`` warps (1-16, a power of
   two). ``pad_rows``: rows of ``Sk % 8 != 0`` keys are written to a ``dL`` buffer whose rows
   are padded with zeros to a multiple of 8 keys, so that the GEMMs read 16-byte aligned rows
-  (``K`` is padded to match, ``grad_key`` sliced back); no effect on other lengths. Off by
-  default: on the H200 it measured slower than unpadded rows at Sk = 211 and 449 (the padding
-  and slicing copies cost more than the aligned GEMMs gain; ``qk_scale_softmax_design.log``).
+  (the one GEMM launch masks ``K``'s rows past ``Sk`` itself; XLA's GEMMs take ``K`` padded to
+  match and ``grad_key`` sliced back); no effect on other lengths, and ``phased`` is then
+  off. Off by default: on the H200 it measured slower than unpadded rows at Sk = 211 and 449,
+  with XLA's GEMMs (the padding and slicing copies) and with the one launch (the plain dL
+  kernel's unaligned loads: 290 against 224 us at (2, 449, 449);
+  ``qk_scale_softmax_design.log``).
   ``gemm``: the tiles of the one Triton launch that computes ``dQ = dL @ K`` and ``dK = dL^T
   @ Q`` (``block_q`` output rows of either, steps of ``block_k``; :func:`.pallas_triton.dl_gemms`;
   16-bit inputs with ``D <= 128`` only, others take XLA's), or ``None`` for two XLA GEMMs (2.5-9% slower in all on the five workloads timed on the
