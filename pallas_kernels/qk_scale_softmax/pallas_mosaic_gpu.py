@@ -62,20 +62,28 @@ PAIR_SEQ_K = 256    # two programs per head
 STAGES = 2
 
 
-def unsupported_reason(b, h, sq, sk, d, dtype, scaling_static) -> str | None:
-  """Why this kernel cannot run a problem (``None``: it can). ``scaling_static`` is the
-  scale as a float, ``None`` when traced."""
+def _reason(sq, sk, d, dtype, scaling_static, keys_ok: bool, keys_taken: str) -> str | None:
+  """The checks every kernel here makes; ``keys_ok``: whether it takes rows of ``sk`` keys
+  (``keys_taken`` says which it takes)."""
   if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return f"dtype {jnp.dtype(dtype)} (bfloat16 or float16 only)"
   if d != HEAD_DIM:
     return f"head dim {d} (query.shape[3]: {HEAD_DIM} only)"
   if sq % ROWS:
     return f"seq_q {sq} (query.shape[2]: a multiple of {ROWS} only)"
-  if sk not in (SEQ_K, PAIR_SEQ_K):
-    return f"seq_k {sk} (key.shape[2]: {SEQ_K} or {PAIR_SEQ_K} only)"
+  if not keys_ok:
+    return f"seq_k {sk} (key.shape[2]: {keys_taken} only)"
   if scaling_static is None:
     return "a traced scaling (static scales only)"
   return None
+
+
+def unsupported_reason(b, h, sq, sk, d, dtype, scaling_static) -> str | None:
+  """Why this kernel cannot run a problem (``None``: it can). ``scaling_static`` is the
+  scale as a float, ``None`` when traced."""
+  del b, h
+  return _reason(sq, sk, d, dtype, scaling_static, sk in (SEQ_K, PAIR_SEQ_K),
+                 f"{SEQ_K} or {PAIR_SEQ_K}")
 
 
 def _round_to(x, dtype):
@@ -339,17 +347,9 @@ BAND_STAGES = 2
 
 def band_unsupported_reason(b, h, sq, sk, d, dtype, scaling_static) -> str | None:
   """Why :func:`band_kernel` cannot run a problem (``None``: it can)."""
-  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-    return f"dtype {jnp.dtype(dtype)} (bfloat16 or float16 only)"
-  if d != HEAD_DIM:
-    return f"head dim {d} (query.shape[3]: {HEAD_DIM} only)"
-  if sq % ROWS:
-    return f"seq_q {sq} (query.shape[2]: a multiple of {ROWS} only)"
-  if sk % BAND_KEYS:
-    return f"seq_k {sk} (key.shape[2]: a multiple of {BAND_KEYS} only)"
-  if scaling_static is None:
-    return "a traced scaling (static scales only)"
-  return None
+  del b, h
+  return _reason(sq, sk, d, dtype, scaling_static, sk % BAND_KEYS == 0,
+                 f"a multiple of {BAND_KEYS}")
 
 
 def _band_kernel(g_ref, p_ref, k_ref, dq_ref, dl_ref, dl_barrier, delta_x, *extra,
