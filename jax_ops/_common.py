@@ -56,7 +56,11 @@ def dropout_scale(keep, p, p_static):
 def effective_dropout_rate(rate):
   """The rate the dropout mask draws: ``rate`` rounded to a multiple of ``2**-16``, which
   the ops scale by (``1 / (1 - effective_dropout_rate(rate))``) so that the expectation is
-  exact. A Python float gives a Python float; a NaN stays NaN."""
+  exact. A Python float gives a Python float. A concrete rate outside [0, 1) (NaN included)
+  raises ``ValueError``; a traced one gives NaN."""
+  if validation.check_dropout_rate("rate", rate) is None:  # traced
+    rate = jnp.asarray(rate, f32)
+    rate = validation.nan_unless_rate_valid(rate, rate)
   return _dropout.effective_rate(rate)
 
 
@@ -75,7 +79,16 @@ def dropout_keep_mask(rng, rate, shape):
   elements, the rate is rounded to a multiple of ``2**-16`` (:func:`effective_dropout_rate`; a rate
   under ``2**-17`` drops nothing), and the counter wraps past ``2**32`` pairs in one
   ``[rows, cols]`` slice. These are not the masks of ``jax.random.bernoulli``.
+
+  A concrete ``rate`` outside [0, 1) (NaN included) raises ``ValueError``; a traced one is
+  clipped to [0, 1 - 2**-16] (NaN: 0), since nothing can raise when it runs (the ops make
+  their outputs NaN for such a rate instead).
   """
+  validation.check_dropout_rate("rate", rate)
+  if (not isinstance(shape, (tuple, list)) or len(shape) < 2
+      or not all(isinstance(d, (int, np.integer)) and d >= 0 for d in shape)):
+    raise ValueError(f"shape: expected a tuple [..., rows, cols] of at least 2 non-negative "
+                     f"ints, got {shape!r}")
   *lead, rows, cols = shape
   n_lead = int(np.prod(lead)) if lead else 1
   k0, k1 = _dropout.key_words(rng)
@@ -85,6 +98,16 @@ def dropout_keep_mask(rng, rate, shape):
   n, r, c = (jax.lax.broadcasted_iota(jnp.uint32, dims, i) for i in range(3))
   u = _dropout.bits16(k0, k1, n, r, c, cols).reshape(shape)
   return u >= jnp.asarray(_dropout.rate_threshold(rate), jnp.uint32)
+
+
+def check_keep(keep, shape, rate) -> None:
+  """A jnp forward's ``keep`` (``None``, or a bool mask of the scores' ``shape``) and, with
+  a mask, its dropout ``rate`` (in [0, 1) when concrete)."""
+  if keep is None:
+    return
+  validation.check_array("keep", keep, ("B", "H", "Sq", "Sk"), tuple(shape),
+                         dtypes=(jnp.bool_,))
+  validation.check_dropout_rate("rate", rate)
 
 
 def apply_dropout(probs, keep, rate):

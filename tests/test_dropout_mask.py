@@ -72,8 +72,27 @@ def test_rate_rounding():
   assert _common.effective_dropout_rate(1e-6) == 0.0            # under 2**-17: nothing dropped
   assert _common.effective_dropout_rate(0.99999) == 65535 / 65536
   assert float(_common.effective_dropout_rate(jnp.float32(0.1))) == pytest.approx(6554 / 65536)
-  assert np.isnan(float(_common.effective_dropout_rate(jnp.float32(np.nan))))
+  # A traced rate outside [0, 1) gives NaN; a concrete one raises, naming the argument.
+  for bad in (np.nan, -0.1, 1.0, 1.5):
+    traced = jax.jit(_common.effective_dropout_rate)(jnp.float32(bad))
+    assert np.isnan(float(traced)), bad
+    for concrete in (bad, jnp.float32(bad)):
+      with pytest.raises(ValueError, match=r"rate: expected a dropout rate in \[0, 1\)"):
+        _common.effective_dropout_rate(concrete)
   assert _mask(6, 1e-6).all()
+
+
+def test_keep_mask_checks_its_arguments():
+  rng = jax.random.key(0)
+  for bad in (np.nan, -0.1, 1.0, 1.5):
+    with pytest.raises(ValueError, match=r"rate: expected a dropout rate in \[0, 1\)"):
+      _common.dropout_keep_mask(rng, bad, (1, 1, 4, 4))
+  for shape in ((4,), 4, (2, -1), (2, 3.0)):
+    with pytest.raises(ValueError, match=r"shape: expected a tuple \[\.\.\., rows, cols\]"):
+      _common.dropout_keep_mask(rng, 0.1, shape)
+  # Traced: clipped, since nothing can raise when it runs.
+  draw = jax.jit(lambda r: _common.dropout_keep_mask(rng, r, (1, 1, 4, 4)))
+  assert bool(draw(jnp.float32(-0.1)).all()) and not bool(draw(jnp.float32(1.5)).any())
 
 
 def test_the_ops_drop_with_it_and_scale_by_the_rate_drawn():

@@ -216,3 +216,34 @@ def test_kernel_b_blames_the_argument_that_disagrees():
                                                    interpret=True)
   with pytest.raises(ValueError, match=r"p_attn: expected"):
     jax_ops.masked_softmax_dropout_backward_reference(g, jnp.ones((2, 1, 3, 5)), mask, keep, 0.1)
+
+
+def test_reference_forwards_check_their_inputs():
+  """The plain-jnp forwards name the bad argument, as the ops do."""
+  from jax_ops import reference as R
+  bf = jnp.bfloat16
+  with pytest.raises(ValueError, match="KVH"):
+    R.attention_softmax_dropout_value_forward(jnp.zeros((1, 3, 4, 4), bf),
+                                              jnp.zeros((1, 2, 4, 8), bf), None, 0.0)
+  with pytest.raises(ValueError, match="value_states"):
+    R.attention_softmax_dropout_value_forward(jnp.zeros((1, 2, 4, 4), bf),
+                                              jnp.zeros((1, 1, 5, 8), bf), None, 0.0)
+  with pytest.raises(ValueError, match="keep"):
+    R.attention_softmax_dropout_value_forward(jnp.zeros((1, 2, 4, 4), bf),
+                                              jnp.zeros((1, 1, 4, 8), bf),
+                                              jnp.ones((1, 2, 4, 5), bool), 0.1)
+  with pytest.raises(ValueError, match="rate"):
+    R.attention_softmax_dropout_value_forward(jnp.zeros((1, 2, 4, 4), bf),
+                                              jnp.zeros((1, 1, 4, 8), bf),
+                                              jnp.ones((1, 2, 4, 4), bool), 1.0)
+  with pytest.raises(ValueError, match="mask"):
+    R.masked_softmax_dropout_forward(jnp.zeros((1, 2, 4, 4)), jnp.zeros((1, 1, 4, 3), bool),
+                                     None, 0.0)
+  with pytest.raises((ValueError, TypeError), match="mask"):
+    R.masked_softmax_dropout_forward(jnp.zeros((1, 1, 2, 2)), jnp.ones((1, 1, 2, 2)), None, 0.0)
+  with pytest.raises((ValueError, TypeError), match="scaling"):
+    R.qk_scale_softmax_forward(jnp.zeros((1, 2, 5, 8)), jnp.zeros((1, 2, 5, 8)), None, False)
+  with pytest.raises(ValueError, match="causal: needs Sq <= Sk"):
+    R.qk_scale_softmax_forward(jnp.ones((1, 1, 5, 8)), jnp.ones((1, 1, 3, 8)), 0.5, True)
+  with pytest.raises(ValueError, match="key"):
+    R.qk_scale_softmax_forward(jnp.ones((1, 1, 5, 8)), jnp.ones((1, 2, 3, 8)), 0.5)

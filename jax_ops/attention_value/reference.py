@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_ops._common import apply_dropout, dropout_scale, f32, mm
+from jax_ops._common import FLOATS, apply_dropout, check_keep, dropout_scale, f32, mm
 from pallas_kernels import validation
 
 
@@ -61,6 +61,8 @@ def attention_softmax_dropout_value_forward(scores, value_states, keep, rate, *,
   bool ``[B, H, Sq, Skv]`` mask or ``None`` for no dropout. The softmax runs in
   fp32 and is rounded to the input dtype; the matmul accumulates in fp32.
   """
+  validation.check_scores_and_value(scores, value_states, dtypes=FLOATS)
+  check_keep(keep, scores.shape, rate)
   b, h, sq, skv = scores.shape
   kvh, d = value_states.shape[1], value_states.shape[3]
   # The barrier keeps XLA from making Pd out of the unrounded fp32 softmax (on a GPU it

@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_ops._common import apply_dropout, dropout_scale, f32
+from jax_ops._common import FLOATS, apply_dropout, check_keep, dropout_scale, f32
 from pallas_kernels import validation
 
 
@@ -44,6 +44,8 @@ def masked_softmax_dropout_forward(scores, mask, keep, rate):
   ``scores [B, H, Sq, Sk]``, ``mask [B, 1, Sq, Sk]`` bool (True = attend),
   ``keep`` a bool ``[B, H, Sq, Sk]`` mask or ``None``. Computed in fp32.
   """
+  validation.check_scores_and_mask(scores, mask, dtypes=FLOATS)
+  check_keep(keep, scores.shape, rate)
   filled = jnp.where(mask, scores.astype(f32), -1e4)
   probs = jax.nn.softmax(filled, axis=-1).astype(scores.dtype)
   return apply_dropout(probs, keep, rate), probs

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_ops._common import causal_mask, f32, mm, round_to
+from jax_ops._common import FLOATS, causal_mask, f32, mm, round_to
 from pallas_kernels import validation
 
 
@@ -47,6 +47,13 @@ def qk_scale_softmax_forward(query, key, scaling, causal=False):
   ``query [B, H, Sq, D]``, ``key [B, H, Sk, D]``; with ``causal`` the keys
   ``k > q + (Sk - Sq)`` get probability exactly 0.
   """
+  validation.check_array("query", query, ("B", "H", "Sq", "D"), dtypes=FLOATS)
+  validation.check_positive("query", query, ("B", "H", "Sq", "D"))
+  b, h, _, d = query.shape
+  validation.check_array("key", key, ("B", "H", "Sk", "D"), (b, h, None, d),
+                         dtypes=(query.dtype,))
+  causal = validation.check_causal(causal, query.shape[2], key.shape[2])
+  validation.check_scaling("scaling", scaling)
   logits = mm("bhqd,bhkd->bhqk", query, key) * scaling
   if causal:
     logits = jnp.where(causal_mask(query.shape[2], key.shape[2]), logits, -jnp.inf)
