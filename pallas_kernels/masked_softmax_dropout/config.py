@@ -88,9 +88,9 @@ class Config:
       L1 for the loads in flight on an H200; ``masked_softmax_dropout_design.log``). Needs
       ``block_rows=1``, one head per program, the default order and no chunks; the
       backward from the scores, and arrays of ``2**31`` elements or more, take the row
-      kernel at the same warps instead. Off by default: on the H200 it measured slower than the tuned table on
-      15 of the 16 workloads (936-995 against 926 us at (4, 4, 4096); the exchange through
-      global memory costs more than the carveout gives; ``masked_softmax_dropout_design.log``).
+      kernel at the same warps instead. Off by default: on the H200 it measured slower
+      than the tuned table on 15 of the 16 workloads (936-995 against 926 us at
+      (4, 4, 4096); ``masked_softmax_dropout_design.log``).
   """
   block_rows: int
   num_warps: int
