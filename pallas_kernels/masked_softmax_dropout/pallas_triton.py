@@ -102,22 +102,28 @@ def _load_keep(keep_ref, scale_ref, tile, valid, dropout: Dropout, stream: dict)
   return pltriton.load(keep_ref.at[tile], mask=valid, other=False, **stream)
 
 
-def _dropped_grad(g, keep, keep_ref, scale_ref, dropout: Dropout, hashed=None):
+def _dropped_grad(g, keep, keep_ref, scale_ref, dropout: Dropout, hashed=None,
+                  drawn: bool = False):
   """``gd = g * keep / (1 - p)`` for one tile (``g`` when the rate is a concrete 0), fp32.
-  ``keep``: the tile's mask as read; ``hashed``: ``_hashed_keep``'s arguments
-  (:func:`_draw`) when ``keep_ref`` holds the key's seeds and the mask is drawn here
-  instead."""
+  ``keep``: the tile's mask, as read or (``drawn``) as drawn from the key; ``hashed``:
+  ``_hashed_keep``'s arguments (:func:`_draw`) when ``keep_ref`` holds the key's seeds and
+  the mask is drawn here instead."""
   g = g.astype(jnp.float32)
   if dropout.mode == "none":
     return g
   if hashed is not None:
-    keep = _hashed_keep(keep_ref, *hashed)
-    if dropout.mode == "traced":   # 0 * scale: NaN everywhere for an invalid rate
-      return jnp.where(keep, g * scale_ref[0], 0.0 * scale_ref[0])
-    return jnp.where(keep, g * dropout.scale, 0.0)
+    keep, drawn = _hashed_keep(keep_ref, *hashed), True
   if dropout.mode == "traced":
-    return jnp.where(keep, g * scale_ref[0], 0.0)
+    # Drawn from the key: 0 * scale, NaN everywhere for an invalid rate (a read mask's
+    # loads are predicated off at rate 0 instead).
+    return jnp.where(keep, g * scale_ref[0], _fill(dropout, scale_ref) if drawn else 0.0)
   return jnp.where(keep, g * dropout.scale, 0.0)
+
+
+def _fill(dropout: Dropout, scale_ref):
+  """The value of masked elements: 0; with a traced rate, 0 * (1 / (1 - p)): NaN for an
+  invalid rate, so that then every element is NaN, as in the reference."""
+  return 0.0 if dropout.mode != "traced" else 0.0 * scale_ref[0]
 
 
 def _load_mask(mask_ref, b, r0, c0, block_rows, width, valid, config):
@@ -270,9 +276,8 @@ class _Block:
       self.store(r0, c0, width, valid, attend, sums, gds, fill)
 
   def fill(self):
-    """The value of masked elements: 0; with a traced rate, 0 * (1 / (1 - p)): NaN for an
-    invalid rate, so that then every element is NaN, as in the reference."""
-    return 0.0 if self.dropout.mode != "traced" else 0.0 * self.scale_ref[0]
+    """The value of masked elements (:func:`_fill`)."""
+    return _fill(self.dropout, self.scale_ref)
 
   def store(self, r0, c0, width, valid, attend, sums, gds, fill):
     """Writes ``dS = where(mask, P * (gd - s), fill)`` of one chunk, per head."""
@@ -415,9 +420,7 @@ def _warp_rows_kernel(*refs, num_heads, seq_q, seq_k, warps, config: Config,
                            cols.astype(u32), seq_k) >= keep_ref[2]
   else:
     keep = _load_keep(keep_ref, scale_ref, at, valid, dropout, stream)
-  gd = _dropped_grad(g, keep, keep_ref, scale_ref, dropout)
-  if hashed and dropout.mode == "traced":  # 0 * scale: NaN everywhere for an invalid rate
-    gd = jnp.where(keep, gd, 0.0 * scale_ref[0])
+  gd = _dropped_grad(g, keep, keep_ref, scale_ref, dropout, drawn=hashed)
   total = jnp.sum(probs * gd, axis=1, keepdims=True)             # [warps, 1]: per warp
   if warps > 1:
     row_slots = (bh * seq_q + r) * _SUM_SLOTS
@@ -433,7 +436,7 @@ def _warp_rows_kernel(*refs, num_heads, seq_q, seq_k, warps, config: Config,
     total = jnp.sum(parts, axis=1, keepdims=True)
   if attend is None:
     attend = load_mask()
-  fill = 0.0 if dropout.mode != "traced" else 0.0 * scale_ref[0]
+  fill = _fill(dropout, scale_ref)
   out = jnp.where(attend, probs * (gd - total), fill)
   pltriton.store(o_ref.at[at], out.astype(o_ref.dtype), mask=valid,
                  eviction_policy=config.store_eviction)
