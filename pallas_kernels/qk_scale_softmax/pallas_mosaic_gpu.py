@@ -91,6 +91,21 @@ def _round_to(x, dtype):
   return x.astype(dtype).astype(f32)
 
 
+def _scaled_dl(g, p, delta, scale, dtype):
+  """``dtype(dtype(P * (g - delta)) * scale)`` of a tile (``g``, ``P`` fp32, ``delta`` its
+  row sums): ``dL`` rounded as the reference rounds it."""
+  dl = _round_to(p * (g - lax.broadcast_in_dim(delta, g.shape, [0])), dtype)
+  return (dl * scale).astype(dtype)
+
+
+def _equals(index, value, shape, layout):
+  """``index == value`` (scalars) as a bool array of ``shape`` in ``layout``, for
+  ``jnp.where`` on arrays in that layout (Mosaic GPU selects need a predicate array of the
+  operands' shape)."""
+  zero = plgpu.layout_cast(jnp.zeros(shape, f32), layout)
+  return zero + jnp.where(index == value, 1.0, 0.0).astype(f32) > 0.5
+
+
 def _dl_over_g(g_smem, p_smem, keys, other, p_done, read_barrier, dl_barrier, *, scale):
   """One consumer warpgroup's half of a step's ``dL``, written over its half of the ``g``
   tile; returns once both halves are written.
@@ -110,8 +125,7 @@ def _dl_over_g(g_smem, p_smem, keys, other, p_done, read_barrier, dl_barrier, *,
   plgpu.barrier_arrive(p_done)
   plgpu.barrier_arrive(read_barrier)
   plgpu.barrier_wait(read_barrier)
-  dl = _round_to(p * (g - lax.broadcast_in_dim(delta, g.shape, [0])), dtype)
-  g_smem[:, keys] = (dl * scale).astype(dtype)
+  g_smem[:, keys] = _scaled_dl(g, p, delta, scale, dtype)
   plgpu.commit_smem()
   plgpu.barrier_arrive(dl_barrier)
   plgpu.barrier_wait(dl_barrier)
@@ -153,9 +167,8 @@ def _kernel(g_ref, p_ref, q_ref, k_ref, dq_ref, dk_ref, read_barrier, dl_barrier
     plgpu.barrier_arrive(q_done)
     plgpu.barrier_arrive(k_done)
     # t == 0: a new head. A select, not carry * 0: a NaN or Inf of the last head must not
-    # reach this one. (Mosaic GPU selects need a predicate array of the operands' shape.)
-    zero = plgpu.layout_cast(jnp.zeros(dk_tile.shape, f32), wgmma_layout)
-    first = zero + jnp.where(t == 0, 1.0, 0.0).astype(f32) > 0.5
+    # reach this one.
+    first = _equals(t, 0, dk_tile.shape, wgmma_layout)
     dk = jnp.where(first, dk_tile, carry + dk_tile)
     # Stores through shared memory with TMA (from registers they are uncoalesced writes:
     # measured 1.5x slower in all). The staging tiles are free once the previous step's
@@ -384,11 +397,10 @@ def _band_kernel(g_ref, p_ref, k_ref, dq_ref, dl_ref, dl_barrier, delta_x, *extr
     # last band (same values).
     return lax.min(program + i * programs, i32(bands - 1))
 
-  def where(pred, a, b):
-    """``pred ? a : b`` for arrays in one layout (a predicate array of their shape)."""
-    p = (plgpu.layout_cast(jnp.zeros(a.shape, f32), layout if a.ndim == 2 else row_layout)
-         + jnp.where(pred, 1.0, 0.0).astype(f32)) > 0.5
-    return jnp.where(p, a, b)
+  def where(index, value, a, b):
+    """``a`` where ``index == value``, else ``b`` (arrays in the WGMMA layout or its rows')."""
+    return jnp.where(_equals(index, value, a.shape, layout if a.ndim == 2 else row_layout),
+                     a, b)
 
   def compute_context(run_pipeline):
     zero_rows = plgpu.layout_cast(jnp.zeros((ROWS,), f32), row_layout)
@@ -414,7 +426,7 @@ def _band_kernel(g_ref, p_ref, k_ref, dq_ref, dl_ref, dl_barrier, delta_x, *extr
                    * plgpu.load(p1.at[:, keys], layout=layout).astype(f32), axis=1)
     plgpu.barrier_arrive(g1_done)
     plgpu.barrier_arrive(p1_done)
-    delta_acc = where(j == 0, part, delta_acc + part)
+    delta_acc = where(j, 0, part, delta_acc + part)
     # stage_dl: one slot, written after dl_free (the other warpgroup has read it by then).
     slot = i32(0) if stage_dl else lax.rem(i * key_tiles + j, i32(2))
     if not stage_dl:
@@ -429,7 +441,7 @@ def _band_kernel(g_ref, p_ref, k_ref, dq_ref, dl_ref, dl_barrier, delta_x, *extr
       p = plgpu.load(p2.at[:, keys], layout=layout).astype(f32)
       plgpu.barrier_arrive(g2_done)
       plgpu.barrier_arrive(p2_done)
-      dl = _round_to(p * (g - lax.broadcast_in_dim(delta_prev, g.shape, [0])), dtype)
+      dl = _scaled_dl(g, p, delta_prev, scale, dtype)
 
       # Both have read the last step's dL: it may be replaced (a band's last step waits
       # for that itself, before dQ goes out through the same tile).
@@ -438,7 +450,7 @@ def _band_kernel(g_ref, p_ref, k_ref, dq_ref, dl_ref, dl_barrier, delta_x, *extr
         plgpu.barrier_wait(dl_free)
       delta_x[slot, wg] = delta_acc
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # and its store has read it
-      dl_stage[wg] = (dl * scale).astype(dtype)
+      dl_stage[wg] = dl
       plgpu.commit_smem()
 
       @pl.when(i > 0)
@@ -451,8 +463,7 @@ def _band_kernel(g_ref, p_ref, k_ref, dq_ref, dl_ref, dl_barrier, delta_x, *extr
       def _():
         g = plgpu.load(g2.at[:, keys], layout=layout).astype(f32)
         p = plgpu.load(p2.at[:, keys], layout=layout).astype(f32)
-        dl = _round_to(p * (g - lax.broadcast_in_dim(delta_prev, g.shape, [0])), dtype)
-        g2[:, keys] = (dl * scale).astype(dtype)
+        g2[:, keys] = _scaled_dl(g, p, delta_prev, scale, dtype)
       plgpu.commit_smem()
       plgpu.barrier_arrive(p2_done)
     plgpu.barrier_arrive(dl_barrier)     # both halves of dL and both running sums written
@@ -483,7 +494,7 @@ def _band_kernel(g_ref, p_ref, k_ref, dq_ref, dl_ref, dl_barrier, delta_x, *extr
       @pl.when(j == key_tiles - 1)
       def _():
         plgpu.barrier_wait(dl_free)
-    dq = where(j == 0, dq_tile, dq + dq_tile)
+    dq = where(j, 0, dq_tile, dq + dq_tile)
 
     @pl.when((i > 0) & (j == key_tiles - 1))
     def _():
@@ -494,7 +505,7 @@ def _band_kernel(g_ref, p_ref, k_ref, dq_ref, dl_ref, dl_barrier, delta_x, *extr
     if not stage_dl:
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # dL's store has read g2
       plgpu.barrier_arrive(g2_done)
-    delta_prev = where(j == key_tiles - 1, full, delta_prev)
+    delta_prev = where(j, key_tiles - 1, full, delta_prev)
     return delta_acc, delta_prev, dq
 
   tiled = _mosaic.tiled(dtype)
