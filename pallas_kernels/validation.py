@@ -214,14 +214,21 @@ def check_problem_b(grad_output, p_attn, mask, dropout_mask, p_dropout, *,
   return p
 
 
+def check_query_and_key(query, key, *, dtypes=_LOW) -> None:
+  """Checks the inputs of the QK-scale-softmax forward (problem C): ``query``
+  ``[B, H, Sq, D]`` float, ``key`` ``[B, H, Sk, D]`` of its dtype."""
+  check_array("query", query, ("B", "H", "Sq", "D"), dtypes=dtypes)
+  check_positive("query", query, ("B", "H", "Sq", "D"))
+  b, h, _, d = query.shape
+  check_array("key", key, ("B", "H", "Sk", "D"), (b, h, None, d), dtypes=(query.dtype,))
+  check_positive("key", key, ("B", "H", "Sk", "D"))
+
+
 def check_problem_c(grad_output, query, key, attn_weights, scaling, *,
                     dtypes=_LOW) -> float | None:
   """Checks the arguments of the QK-scale-softmax backward (problem C)."""
-  check_array("query", query, ("B", "H", "Sq", "D"), dtypes=dtypes)
-  check_positive("query", query, ("B", "H", "Sq", "D"))
+  check_query_and_key(query, key, dtypes=dtypes)
   b, h, sq, d = query.shape
-  check_array("key", key, ("B", "H", "Sk", "D"), (b, h, None, d), dtypes=(query.dtype,))
-  check_positive("key", key, ("B", "H", "Sk", "D"))
   sk = key.shape[2]
   check_array("attn_weights", attn_weights, ("B", "H", "Sq", "Sk"), (b, h, sq, sk),
               dtypes=(query.dtype,))

@@ -40,12 +40,8 @@ def qk_scale_softmax(query, key, *, scaling: float | None = None, causal: bool =
   Returns:
     ``[B, H, Sq, Sk]`` in the dtype of ``query`` (fp32 logits and softmax).
   """
-  validation.check_array("query", query, ("B", "H", "Sq", "D"), dtypes=_common.FLOATS)
-  validation.check_positive("query", query, ("B", "H", "Sq", "D"))
-  b, h, sq, d = query.shape
-  validation.check_array("key", key, ("B", "H", "Sk", "D"), (b, h, None, d),
-                         dtypes=(query.dtype,))
-  validation.check_positive("key", key, ("B", "H", "Sk", "D"))
+  validation.check_query_and_key(query, key, dtypes=_common.FLOATS)
+  _, _, sq, d = query.shape
   causal = validation.check_causal(causal, sq, key.shape[2])
   if scaling is None:
     scaling = 1.0 / math.sqrt(d)

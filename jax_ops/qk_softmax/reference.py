@@ -47,11 +47,7 @@ def qk_scale_softmax_forward(query, key, scaling, causal=False):
   ``query [B, H, Sq, D]``, ``key [B, H, Sk, D]``; with ``causal`` the keys
   ``k > q + (Sk - Sq)`` get probability exactly 0.
   """
-  validation.check_array("query", query, ("B", "H", "Sq", "D"), dtypes=FLOATS)
-  validation.check_positive("query", query, ("B", "H", "Sq", "D"))
-  b, h, _, d = query.shape
-  validation.check_array("key", key, ("B", "H", "Sk", "D"), (b, h, None, d),
-                         dtypes=(query.dtype,))
+  validation.check_query_and_key(query, key, dtypes=FLOATS)
   causal = validation.check_causal(causal, query.shape[2], key.shape[2])
   validation.check_scaling("scaling", scaling)
   logits = mm("bhqd,bhkd->bhqk", query, key) * scaling
