@@ -75,8 +75,7 @@ def main(argv=None):
     if mg.band_unsupported_reason(b, h, sq, sk, d, "bfloat16", scale):
       continue
     label = run._c_problem(False).label(w)
-    sets = run.input_sets(lambda key: run._c_inputs(dims, False, key), i)
-    floor_us = run._c_floor(w, c, causal=False) / (ceiling["TBps"] * 1e6)
+    sets, floor_us = run.c_sets_and_floor(w, c, i, ceiling["TBps"])
     refs = xla(*sets[0])
     fns = {"entry": entry, "band": band_fn(scale, dims, programs=programs[0])}
     for n in programs[1:]:

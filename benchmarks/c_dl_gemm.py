@@ -129,8 +129,7 @@ def main(argv=None):
     if causal and dims[2] != dims[3]:
       continue
     label = run._c_problem(causal).label(w)
-    sets = run.input_sets(lambda key: run._c_inputs(dims, causal, key), i)
-    floor_us = run._c_floor(w, c, causal=causal) / (ceiling["TBps"] * 1e6)
+    sets, floor_us = run.c_sets_and_floor(w, c, i, ceiling["TBps"], causal=causal)
     refs = xla(*sets[0])
     fns = ({"entry": entry} | {n: dl_fn(d, scale, dims, causal) for n, d in dls.items()}
            | {n: gemm_fn(gm, scale, dims, causal) for n, gm in gemms.items()}

@@ -68,8 +68,7 @@ def main(argv=None):
     if why:
       print(f"{label}: skipped ({why})", flush=True)
       continue
-    sets = run.input_sets(lambda key: run._c_inputs(dims, False, key), i)
-    floor_us = run._c_floor(w, c) / (ceiling["TBps"] * 1e6)
+    sets, floor_us = run.c_sets_and_floor(w, c, i, ceiling["TBps"])
     refs = xla(*sets[0])
     fns = {"triton": triton} | {v: mosaic_fn(VARIANTS[v], scale) for v in variants}
     rows.append(variants_table.check_and_time(label, w, floor_us, fns, sets, refs,

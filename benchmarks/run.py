@@ -194,6 +194,14 @@ def _c_floor(w, c, causal=False):
   return 4 * b * h * elements + 2 * 2 * b * h * (sq + sk) * d
 
 
+def c_sets_and_floor(w, c, index, ceiling_tbps, causal=False):
+  """A C workload's rotated input sets (``g, Q, K, P``; :func:`input_sets`) and its floor
+  in microseconds at ``ceiling_tbps``, for the variant scripts that time it."""
+  dims = _c_dims(w, c)
+  sets = input_sets(lambda key: _c_inputs(dims, causal, key), index)
+  return sets, _c_floor(w, c, causal=causal) / (ceiling_tbps * 1e6)
+
+
 def _c_problem(causal):
   return Problem(
       "qk_scale_softmax",
