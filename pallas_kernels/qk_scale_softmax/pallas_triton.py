@@ -634,11 +634,13 @@ def _store(ref, value, mask):
 
 
 def _dl_kernel(scale_ref, g_ref, p_ref, dl_ref, *, seq_q: int, seq_k: int, block_q: int,
-               width: int, causal: bool):
+               width: int, causal: bool, write_upper: bool = True):
   """``dL`` of ``block_q`` whole rows (``width``: the padded row length) of one head.
-  Causal: ``g`` and ``P`` above the diagonal are not read, and ``dL`` there is written 0.
-  ``dl_ref``'s rows may be longer than ``seq_k`` (a padded row stride): the keys past
-  ``seq_k`` are written 0."""
+  Causal: ``g`` and ``P`` above the diagonal are not read (loads stop at the first multiple
+  of 8 keys past it, so that they stay 16-byte vectors), and ``dL`` there is written 0, or,
+  with ``write_upper=False``, not written past that multiple of 8 (the GEMMs of
+  :func:`_dl_matmul_tile` mask what they read there). ``dl_ref``'s rows may be longer than
+  ``seq_k`` (a padded row stride): the keys past ``seq_k`` are written 0."""
   q0 = pl.program_id(0) * block_q
   bh = pl.program_id(1)
   stride = dl_ref.shape[-1]  # >= seq_k
@@ -651,15 +653,23 @@ def _dl_kernel(scale_ref, g_ref, p_ref, dl_ref, *, seq_q: int, seq_k: int, block
     return (rows < seq_q)[:, None] & (cols < length)[None, :]
 
   inside = within(seq_k)
-  read = inside
+  read, store = inside, within(stride)
   if causal:
-    below = cols[None, :] <= rows[:, None] + (seq_k - seq_q)
-    read = below if inside is None else inside & below
+    # Keys j <= i + (Sk - Sq) of row i, and the vector of 8 keys holding the last of them.
+    end = rows[:, None] + (seq_k - seq_q + 1)
+    near = cols[None, :] < (end + 7) // 8 * 8
+    read = near if inside is None else inside & near
+    if not write_upper:
+      store = near if store is None else store & near
   tile = (bh, pl.ds(q0, block_q), pl.ds(_ZERO, width))
   g = _load(g_ref.at[tile], read, cache_modifier=".cg")
   p = _load(p_ref.at[tile], read, cache_modifier=".cg")
+  if causal:  # the keys past the diagonal that the vectors brought in
+    below = cols[None, :] < end
+    g = jnp.where(below, g, jnp.zeros_like(g))
+    p = jnp.where(below, p, jnp.zeros_like(p))
   dl = _dl_tile(g, p, _row_delta(g, p), scale_ref[0], dl_ref.dtype)  # 0 where not read
-  _store(dl_ref.at[tile], dl, within(stride))
+  _store(dl_ref.at[tile], dl, store)
 
 
 def _dl_kernel_phased(scale_ref, g_ref, p_ref, dl_ref, *, seq_q: int, seq_k: int,
@@ -703,14 +713,16 @@ def dl_stride(seq_k: int, cfg: DlConfig) -> int:
   return -(-seq_k // 8) * 8 if cfg.pad_rows else seq_k
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "cfg", "interpret"))
-def dl_pass(scale, g, p, *, causal=False, cfg, interpret):
+@functools.partial(jax.jit, static_argnames=("causal", "cfg", "interpret", "write_upper"))
+def dl_pass(scale, g, p, *, causal=False, cfg, interpret, write_upper=True):
   """``dL [B*H, Sq, S]`` (the input dtype, rounded as the reference rounds it) from 3D
   ``[B*H, Sq, Sk]`` views of ``g`` and ``P``: ``cfg.rows`` whole rows per program (the
   padded row in registers, :class:`DlConfig`), ``g`` and ``P`` read once. ``S`` is
   :func:`dl_stride` (``Sk``, or ``Sk`` rounded up to a multiple of 8 with
   ``cfg.pad_rows``; the extra keys hold 0). Causal: 0 above the diagonal, whatever ``g``
-  and ``P`` hold there. With ``cfg.phased`` rows of ``Sk % 8 != 0`` keys take
+  and ``P`` hold there; with ``write_upper=False`` (the plain kernel only) the keys above
+  the diagonal past its vector of 8 keys are left unwritten (for :func:`dl_gemms` and
+  :func:`dl_matmul`, which do not read them: about half the writes). With ``cfg.phased`` rows of ``Sk % 8 != 0`` keys take
   :func:`_dl_kernel_phased` (the same ``dL``, on 16-byte aligned tiles; :func:`dl_phased`)."""
   bh, seq_q, seq_k = g.shape
   if dl_phased(seq_k, cfg, g.size):
@@ -730,7 +742,7 @@ def dl_pass(scale, g, p, *, causal=False, cfg, interpret):
   enable_load_cache_modifiers("the dL kernel's .cg loads")
   return pallas_call(
       functools.partial(_dl_kernel, seq_q=seq_q, seq_k=seq_k, block_q=cfg.rows,
-                        width=width, causal=causal),
+                        width=width, causal=causal, write_upper=write_upper),
       out_shape=out_struct((bh, seq_q, dl_stride(seq_k, cfg)), g.dtype, g, p),
       grid=(pl.cdiv(seq_q, cfg.rows), bh),
       compiler_params=compiler_params(cfg.num_warps, 1),
@@ -750,7 +762,9 @@ def _and_masks(*masks):
 def _dl_matmul_kernel(dl_ref, x_ref, o_ref, **dims):
   """One output tile of ``dL @ K`` (``transpose=False``: ``block_q`` query rows, the loop
   over key tiles) or ``dL^T @ Q`` (``block_k`` key rows, the loop over query tiles).
-  Causal: only the tiles that meet the diagonal's lower side (``dL`` is 0 above it)."""
+  Causal: only the tiles that meet the diagonal's lower side, ``dL`` taken as 0 above it
+  whatever the buffer holds there (:func:`dl_pass` with ``write_upper=False`` leaves it
+  unwritten)."""
   bh = pl.program_id(1)
   _dl_matmul_tile(pl.program_id(0), bh, bh, dl_ref, x_ref, o_ref, **dims)
 
@@ -786,6 +800,11 @@ def _dl_matmul_tile(i, dl_head, head, dl_ref, x_ref, o_ref, *, transpose: bool, 
       idx = (dl_head, pl.ds(o0, out_block), pl.ds(r0, red_block))
       a_mask = _and_masks(ok(o0, out_block, dl_out, 0), ok(r0, red_block, dl_red, 1))
     a = _load(dl_ref.at[idx], a_mask)
+    if causal:  # dL above the diagonal may be unwritten (dl_pass(write_upper=False))
+      q_idx = (r0 if transpose else o0) + jnp.arange(a.shape[0], dtype=_I32)
+      k_idx = (o0 if transpose else r0) + jnp.arange(a.shape[1], dtype=_I32)
+      below = k_idx[None, :] <= q_idx[:, None] + (seq_k - seq_q)
+      a = jnp.where(below, a, jnp.zeros_like(a))
     x = _load(x_ref.at[head, pl.ds(r0, red_block), pl.ds(_ZERO, d_pad)],
               _and_masks(ok(r0, red_block, red_len, 0), d_ok))
     return acc + dot(a, x, trans_a=transpose)
@@ -890,8 +909,11 @@ def dl_gemm(scale, g, p, q, k, *, causal=False, cfg, interpret, gemm=None):
   (:func:`dl_matmul`). fp32 accumulation, rounded to the input dtype once. 10 B per element
   in bf16: ``g`` and ``P`` read (4), ``dL`` written (2) and read by each GEMM (4)."""
   seq_k = k.shape[1]
-  dl = dl_pass(scale, g, p, causal=causal, cfg=cfg, interpret=interpret)
-  if gemm is None and cfg.gemm is not None and one_launch_takes(dl.dtype, q.shape[-1]):
+  one_launch = gemm is None and cfg.gemm is not None and one_launch_takes(g.dtype, q.shape[-1])
+  # Causal: the Triton GEMMs mask dL above the diagonal, so the dL kernel need not write it.
+  dl = dl_pass(scale, g, p, causal=causal, cfg=cfg, interpret=interpret,
+               write_upper=not (one_launch or gemm is not None))
+  if one_launch:
     return dl_gemms(dl, q, k, causal=causal, cfg=cfg.gemm, interpret=interpret)
   if gemm is not None:  # Triton GEMMs: (dQ config, dK config)
     return (dl_matmul(dl, k, transpose=False, causal=causal, cfg=gemm[0], interpret=interpret),

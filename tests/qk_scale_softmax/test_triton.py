@@ -590,3 +590,34 @@ def test_lowers_to_triton(pretend_h200, causal, dtype, prefetch, row_align):
                                                           interpret=False),
                                         shapes, 0.125, causal=causal,
                                         config=qks.Config(cfg, cfg, scheme)) == kernels, scheme
+
+
+@pytest.mark.parametrize("sq, sk", [(40, 40), (70, 33), (33, 70)])
+def test_causal_gemms_ignore_dl_above_the_diagonal(sq, sk):
+  """Causal: the one GEMM launch and the two Triton GEMMs take dL as 0 above the diagonal
+  whatever the buffer holds there (``dl_pass(write_upper=False)`` leaves it unwritten), and
+  that dL kernel writes the same dL on and below the diagonal."""
+  g, q, k, p = make_inputs(21, 1, 2, sq, sk, 64, causal=True)
+  v = lambda x: x.reshape((2,) + x.shape[2:])
+  g3, p3, q3, k3 = v(g), v(p), v(q), v(k)
+  scale = jnp.full((1,), 0.125, jnp.float32)
+  cfg = qks.DlConfig(2, 4)
+  full = pallas_triton.dl_pass(scale, g3, p3, causal=True, cfg=cfg, interpret=INTERPRET)
+  part = pallas_triton.dl_pass(scale, g3, p3, causal=True, cfg=cfg, interpret=INTERPRET,
+                               write_upper=False)
+  upper = np.arange(sk)[None, :] > np.arange(sq)[:, None] + (sk - sq)
+  np.testing.assert_array_equal(np.where(upper, 0, np.asarray(part, np.float32)),
+                                np.asarray(full, np.float32))
+  dirty = jnp.where(upper, jnp.nan, full).astype(full.dtype)
+  tiles = qks.PassConfig(16, 32, 4, 2)
+  want_q = jnp.einsum("bqk,bkd->bqd", full, k3, preferred_element_type=jnp.float32)
+  want_k = jnp.einsum("bqk,bqd->bkd", full, q3, preferred_element_type=jnp.float32)
+  got = [*pallas_triton.dl_gemms(dirty, q3, k3, causal=True, cfg=tiles, interpret=INTERPRET),
+         pallas_triton.dl_matmul(dirty, k3, transpose=False, causal=True, cfg=tiles,
+                                 interpret=INTERPRET),
+         pallas_triton.dl_matmul(dirty, q3, transpose=True, causal=True, cfg=tiles,
+                                 interpret=INTERPRET)]
+  for o, want in zip(got, (want_q, want_k, want_q, want_k)):
+    assert np.isfinite(np.asarray(o, np.float32)).all()
+    np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(want, np.float32),
+                               atol=1e-2 * float(jnp.abs(want).max()), rtol=1e-2)
