@@ -4,7 +4,8 @@ entry point's default kernels, on the benchmark workloads, in one run.
 Usage (on a GPU)::
 
     PYTHONPATH=. python3 -m benchmarks.c_dl_gemm [--workloads 0,1] [--dl 1/8,2/8,1/16]
-        [--gemm 128/64/8/3:64/128/8/3] [--fused 128/64/8/3] [--causal] [--calls 20]
+        [--gemm 128/64/8/3:64/128/8/3] [--fused 128/64/8/3] [--mosaic 4,2] [--causal]
+        [--calls 20]
         [--out DIR] [--breakdown dl,...]
 
 ``--dl``: ``rows/num_warps`` of the dL kernel (:class:`DlConfig`) per variant, ``/pad``
@@ -13,6 +14,8 @@ for XLA's GEMMs, ``/phased`` for ``phased=True`` (ragged rows on aligned row cla
 ``dl`` alone is :func:`default_dl_config`. ``--gemm``: the default dL kernel, then the
 Triton GEMMs of :func:`pallas_triton.dl_matmul` (dQ's and dK's tiles) as two launches.
 ``--fused``: the tiles of the default's one GEMM launch (:func:`pallas_triton.dl_gemms`).
+``--mosaic``: the table's dL kernel, then the GEMMs as one Mosaic GPU launch
+(:func:`gemm_mosaic_gpu.dl_gemms`) with each ring depth given (aligned workloads only).
 Every variant is checked against the reference with the workload's tolerance and timed as
 ``benchmarks.run`` times (device time, all kernels of a call, input sets rotated so L2 is
 cold). Prints one table; writes ``<out>/c_dl_gemm.json``.
@@ -32,7 +35,7 @@ from benchmarks import run, timing, variants_table
 from benchmarks.timing import no_gpu
 from jax_ops import reference
 from pallas_kernels import qk_scale_softmax as qks
-from pallas_kernels.qk_scale_softmax import pallas_triton
+from pallas_kernels.qk_scale_softmax import gemm_mosaic_gpu, pallas_triton
 
 
 def dl_fn(dl, scale, dims, causal=False):
@@ -55,6 +58,27 @@ def gemm_fn(gemm, scale, dims, causal=False):
     dq, dk = pallas_triton.dl_gemm(s, g.reshape(b * h, sq, sk), p.reshape(b * h, sq, sk),
                                    q.reshape(b * h, sq, d), k.reshape(b * h, sk, d),
                                    causal=causal, cfg=dl, interpret=False, gemm=gemm)
+    return dq.reshape(q.shape), dk.reshape(k.shape)
+  return jax.jit(fn)
+
+
+def mosaic_fn(stages, scale, dims, causal=False):
+  """The entry's dL kernel (its table config on this GPU) then the two GEMMs as one Mosaic
+  GPU launch (:func:`gemm_mosaic_gpu.dl_gemms` with ``stages`` ring slots); ``None`` where
+  that launch does not take the problem."""
+  b, h, sq, sk, d = dims
+  if gemm_mosaic_gpu.unsupported_reason(sq, sk, d, jax.numpy.bfloat16, causal):
+    return None
+  base = qks.default_config(sq, sk, d, "bfloat16", jax.devices()[0].device_kind)
+  dl_cfg = base.dl if base.scheme == "dl_gemm" else qks.default_dl_config(sk)
+  s = jax.numpy.full((1,), scale, jax.numpy.float32)
+  tile = gemm_mosaic_gpu.CAUSAL_TILE if causal else None
+
+  def fn(g, q, k, p):
+    dl = pallas_triton.dl_pass(s, g.reshape(b * h, sq, sk), p.reshape(b * h, sq, sk),
+                               causal=causal, cfg=dl_cfg, interpret=False, causal_tile=tile)
+    dq, dk = gemm_mosaic_gpu.dl_gemms(dl, q.reshape(b * h, sq, d), k.reshape(b * h, sk, d),
+                                      causal=causal, stages=stages)
     return dq.reshape(q.shape), dk.reshape(k.shape)
   return jax.jit(fn)
 
@@ -104,6 +128,9 @@ def main(argv=None):
   parser.add_argument("--fused", default="",
                       help="tiles of the one GEMM launch (dl_gemms): block_q/block_k/"
                            "num_warps/num_stages,...")
+  parser.add_argument("--mosaic", default="",
+                      help="ring depths of the Mosaic GPU GEMM launch after the table's dL "
+                           "kernel: 4,2,...")
   parser.add_argument("--causal", action="store_true",
                       help="a causal P, on the square workloads (c_dl_gemm_causal.json)")
   parser.add_argument("--breakdown", default="",
@@ -114,6 +141,7 @@ def main(argv=None):
   dls = parse_dls(args.dl)
   gemms = parse_gemms(args.gemm)
   fused = parse_fused(args.fused)
+  mosaic = [int(x) for x in args.mosaic.split(",") if x]
   if no_gpu("timing kernel C's dL + GEMM scheme", "nothing timed"):
     return 2
   spec, idx, ceiling = variants_table.setup("qk_scale_softmax_backward", args.workloads)
@@ -135,6 +163,10 @@ def main(argv=None):
            | {n: gemm_fn(gm, scale, dims, causal) for n, gm in gemms.items()}
            | {n: dl_fn(dataclasses.replace(qks.default_dl_config(dims[3]), gemm=t), scale,
                        dims, causal) for n, t in fused.items()})
+    for st in mosaic:
+      fn = mosaic_fn(st, scale, dims, causal)
+      if fn is not None:
+        fns[f"mgpu:{st}"] = fn
     row = variants_table.check_and_time(label, w, floor_us, fns, sets, refs, calls=args.calls)
     row["kernels"] = qks.kernels_for(*sets[0], scale, causal=causal)
     for name in filter(None, args.breakdown.split(",")):
@@ -148,7 +180,8 @@ def main(argv=None):
             f"{k['kernel']} {k['median_us']:.1f} us x{k['launches']:g}"
             for k in row[f"breakdown:{name}"]), flush=True)
     rows_out.append(row)
-  variants_table.print_table(rows_out, ["entry", *dls, *gemms, *fused])
+  variants_table.print_table(rows_out, ["entry", *dls, *gemms, *fused,
+                                        *(f"mgpu:{st}" for st in mosaic)])
   name = "c_dl_gemm_causal.json" if causal else "c_dl_gemm.json"
   with open(os.path.join(args.out, name), "w") as f:
     json.dump({"date": datetime.date.today().isoformat(),

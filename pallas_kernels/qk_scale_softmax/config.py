@@ -117,15 +117,20 @@ class DlConfig:
   8 apart per program, the row held from up to 7 keys early) instead of with scalar
   accesses; the same ``dL``, bit for bit. The H200
   table turns it on for ragged rows of 257-512 keys (225 against 238 us unphased at
-  (2, 449, 449), one row on one warp; ``qk_scale_softmax_design.log``)."""
+  (2, 449, 449), one row on one warp; ``qk_scale_softmax_design.log``).
+  ``mosaic_gemm``: the two GEMMs run as one Pallas Mosaic GPU launch (TMA and wgmma;
+  :func:`.gemm_mosaic_gpu.dl_gemms`) where it takes the problem (bf16/fp16, ``D`` of 64 or
+  128, ``Sq`` and ``Sk`` multiples of 128, ``Sq <= Sk`` when causal), else as ``gemm`` says.
+  Compiles for a Hopper GPU only (the entry point raises elsewhere unless ``interpret``)."""
   rows: int = 1
   num_warps: int = 8
   pad_rows: bool = False
   gemm: PassConfig | None = DL_GEMM
   phased: bool = False
+  mosaic_gemm: bool = False
 
   def __post_init__(self):
-    for name in ("pad_rows", "phased"):
+    for name in ("pad_rows", "phased", "mosaic_gemm"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"config.dl.{name}: expected a bool, got {getattr(self, name)!r}")
     if self.gemm is not None and not isinstance(self.gemm, PassConfig):
@@ -172,7 +177,8 @@ def dl_config(entry: dict | None, seq_k: int) -> DlConfig:
     return default_dl_config(seq_k)
   gemm = entry.get("gemm", DL_GEMM)
   return DlConfig(rows=rows, num_warps=warps, phased=bool(entry.get("phased", False)),
-                  gemm=gemm if gemm is None or isinstance(gemm, PassConfig) else PassConfig(**gemm))
+                  gemm=gemm if gemm is None or isinstance(gemm, PassConfig) else PassConfig(**gemm),
+                  mosaic_gemm=bool(entry.get("mosaic_gemm", False)))
 
 
 def length_class(seq_k: int) -> str:

@@ -59,7 +59,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels import _phase, _tuning, validation
+from pallas_kernels import _mosaic, _phase, _tuning, validation
 from pallas_kernels._util import (check_can_compile, compiler_params, dot,
                                   enable_load_cache_modifiers, next_power_of_2, out_struct,
                                   pallas_call)
@@ -67,6 +67,7 @@ from pallas_kernels.qk_scale_softmax.config import (MAX_DL_ELEMENTS, MAX_DL_ROW,
                                                     MAX_PER_HEAD_ROW, Config, DlConfig,
                                                     PassConfig, default_config,
                                                     default_dl_config, dl_width)
+from pallas_kernels.qk_scale_softmax import gemm_mosaic_gpu
 
 __all__ = ["qk_scale_softmax_backward", "row_pass", "col_pass", "head_pass", "dl_pass",
            "dl_gemm", "dl_gemms", "dl_matmul", "use_phased"]
@@ -634,12 +635,12 @@ def _store(ref, value, mask):
 
 
 def _dl_kernel(scale_ref, g_ref, p_ref, dl_ref, *, seq_q: int, seq_k: int, block_q: int,
-               width: int, causal: bool, write_upper: bool = True):
+               width: int, causal: bool, causal_tile: tuple[int, int] | None = None):
   """``dL`` of ``block_q`` whole rows (``width``: the padded row length) of one head.
   Causal: ``g`` and ``P`` above the diagonal are not read (loads stop at the first multiple
   of 8 keys past it, so that they stay 16-byte vectors), and ``dL`` there is written 0, or,
-  with ``write_upper=False``, not written past that multiple of 8 (the GEMMs of
-  :func:`_dl_matmul_tile` mask what they read there). ``dl_ref``'s rows may be longer than
+  with ``causal_tile = (R, T)``, written 0 only up to the multiple of ``T`` keys past the
+  diagonal of the last row of the row's group of ``R`` rows (:func:`dl_pass`). ``dl_ref``'s rows may be longer than
   ``seq_k`` (a padded row stride): the keys past ``seq_k`` are written 0."""
   q0 = pl.program_id(0) * block_q
   bh = pl.program_id(1)
@@ -659,8 +660,11 @@ def _dl_kernel(scale_ref, g_ref, p_ref, dl_ref, *, seq_q: int, seq_k: int, block
     end = rows[:, None] + (seq_k - seq_q + 1)
     near = cols[None, :] < (end + 7) // 8 * 8
     read = near if inside is None else inside & near
-    if not write_upper:
-      store = near if store is None else store & near
+    if causal_tile is not None:
+      group, keys = causal_tile
+      last = rows // group * group + group  # 1 + the last row of the row's group
+      written = cols[None, :] < (last[:, None] + (seq_k - seq_q) + keys - 1) // keys * keys
+      store = written if store is None else store & written
   tile = (bh, pl.ds(q0, block_q), pl.ds(_ZERO, width))
   g = _load(g_ref.at[tile], read, cache_modifier=".cg")
   p = _load(p_ref.at[tile], read, cache_modifier=".cg")
@@ -713,16 +717,19 @@ def dl_stride(seq_k: int, cfg: DlConfig) -> int:
   return -(-seq_k // 8) * 8 if cfg.pad_rows else seq_k
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "cfg", "interpret", "write_upper"))
-def dl_pass(scale, g, p, *, causal=False, cfg, interpret, write_upper=True):
+@functools.partial(jax.jit, static_argnames=("causal", "cfg", "interpret", "causal_tile"))
+def dl_pass(scale, g, p, *, causal=False, cfg, interpret, causal_tile=None):
   """``dL [B*H, Sq, S]`` (the input dtype, rounded as the reference rounds it) from 3D
   ``[B*H, Sq, Sk]`` views of ``g`` and ``P``: ``cfg.rows`` whole rows per program (the
   padded row in registers, :class:`DlConfig`), ``g`` and ``P`` read once. ``S`` is
   :func:`dl_stride` (``Sk``, or ``Sk`` rounded up to a multiple of 8 with
   ``cfg.pad_rows``; the extra keys hold 0). Causal: 0 above the diagonal, whatever ``g``
-  and ``P`` hold there; with ``write_upper=False`` (the plain kernel only) the keys above
-  the diagonal past its vector of 8 keys are left unwritten (for :func:`dl_gemms` and
-  :func:`dl_matmul`, which do not read them: about half the writes). With ``cfg.phased`` rows of ``Sk % 8 != 0`` keys take
+  and ``P`` hold there; with ``causal_tile = (R, T)`` (the plain kernel only) a row's keys
+  are written (0 above the diagonal) only up to the first multiple of ``T`` keys past the
+  diagonal of the last row of its group of ``R`` rows (``r // R * R + R - 1``), and left
+  unwritten past it: about half the writes. GEMMs that read ``dL`` only there need no more:
+  ``(1, 8)`` for :func:`dl_gemms` and :func:`dl_matmul` (which mask what they read past the
+  diagonal), ``gemm_mosaic_gpu.CAUSAL_TILE`` for the Mosaic GPU GEMMs. With ``cfg.phased`` rows of ``Sk % 8 != 0`` keys take
   :func:`_dl_kernel_phased` (the same ``dL``, on 16-byte aligned tiles; :func:`dl_phased`)."""
   bh, seq_q, seq_k = g.shape
   if dl_phased(seq_k, cfg, g.size):
@@ -742,7 +749,7 @@ def dl_pass(scale, g, p, *, causal=False, cfg, interpret, write_upper=True):
   enable_load_cache_modifiers("the dL kernel's .cg loads")
   return pallas_call(
       functools.partial(_dl_kernel, seq_q=seq_q, seq_k=seq_k, block_q=cfg.rows,
-                        width=width, causal=causal, write_upper=write_upper),
+                        width=width, causal=causal, causal_tile=causal_tile),
       out_shape=out_struct((bh, seq_q, dl_stride(seq_k, cfg)), g.dtype, g, p),
       grid=(pl.cdiv(seq_q, cfg.rows), bh),
       compiler_params=compiler_params(cfg.num_warps, 1),
@@ -763,8 +770,8 @@ def _dl_matmul_kernel(dl_ref, x_ref, o_ref, **dims):
   """One output tile of ``dL @ K`` (``transpose=False``: ``block_q`` query rows, the loop
   over key tiles) or ``dL^T @ Q`` (``block_k`` key rows, the loop over query tiles).
   Causal: only the tiles that meet the diagonal's lower side, ``dL`` taken as 0 above it
-  whatever the buffer holds there (:func:`dl_pass` with ``write_upper=False`` leaves it
-  unwritten)."""
+  whatever the buffer holds there (:func:`dl_pass` with ``causal_tile=(1, 8)`` leaves it
+  unwritten past the diagonal's vector of 8 keys)."""
   bh = pl.program_id(1)
   _dl_matmul_tile(pl.program_id(0), bh, bh, dl_ref, x_ref, o_ref, **dims)
 
@@ -800,7 +807,7 @@ def _dl_matmul_tile(i, dl_head, head, dl_ref, x_ref, o_ref, *, transpose: bool, 
       idx = (dl_head, pl.ds(o0, out_block), pl.ds(r0, red_block))
       a_mask = _and_masks(ok(o0, out_block, dl_out, 0), ok(r0, red_block, dl_red, 1))
     a = _load(dl_ref.at[idx], a_mask)
-    if causal:  # dL above the diagonal may be unwritten (dl_pass(write_upper=False))
+    if causal:  # dL above the diagonal may be unwritten (dl_pass(causal_tile=(1, 8)))
       q_idx = (r0 if transpose else o0) + jnp.arange(a.shape[0], dtype=_I32)
       k_idx = (o0 if transpose else r0) + jnp.arange(a.shape[1], dtype=_I32)
       below = k_idx[None, :] <= q_idx[:, None] + (seq_k - seq_q)
@@ -902,17 +909,25 @@ def one_launch_takes(dtype, head_dim: int) -> bool:
 
 def dl_gemm(scale, g, p, q, k, *, causal=False, cfg, interpret, gemm=None):
   """The ``"dl_gemm"`` scheme on 3D views: ``dL`` from :func:`dl_pass`, then ``grad_query =
-  dL @ K`` and ``grad_key = dL^T @ Q``: both in one Triton launch (:func:`dl_gemms`, tiles
+  dL @ K`` and ``grad_key = dL^T @ Q``: both in one Mosaic GPU launch with
+  ``cfg.mosaic_gemm`` where it takes the problem (:func:`.gemm_mosaic_gpu.dl_gemms`), else both in one Triton launch (:func:`dl_gemms`, tiles
   ``cfg.gemm``; 16-bit inputs with ``D <= 128``, :func:`one_launch_takes`), or as XLA batched
   GEMMs where ``cfg.gemm`` is ``None`` or the launch does not take the problem (XLA picks
   their kernels), or with ``gemm = (dq_cfg, dk_cfg)`` (:class:`PassConfig`) as two Triton launches
   (:func:`dl_matmul`). fp32 accumulation, rounded to the input dtype once. 10 B per element
   in bf16: ``g`` and ``P`` read (4), ``dL`` written (2) and read by each GEMM (4)."""
   seq_k = k.shape[1]
+  mosaic = (gemm is None and cfg.mosaic_gemm and gemm_mosaic_gpu.unsupported_reason(
+      g.shape[1], seq_k, q.shape[-1], g.dtype, causal) is None)
   one_launch = gemm is None and cfg.gemm is not None and one_launch_takes(g.dtype, q.shape[-1])
-  # Causal: the Triton GEMMs mask dL above the diagonal, so the dL kernel need not write it.
+  # Causal: the GEMMs read dL above the diagonal only near it (the Triton ones mask it), so
+  # the dL kernel need not write the rest.
+  causal_tile = (gemm_mosaic_gpu.CAUSAL_TILE if mosaic else
+                 (1, 8) if one_launch or gemm is not None else None)
   dl = dl_pass(scale, g, p, causal=causal, cfg=cfg, interpret=interpret,
-               write_upper=not (one_launch or gemm is not None))
+               causal_tile=causal_tile)
+  if mosaic:
+    return gemm_mosaic_gpu.dl_gemms(dl, q, k, causal=causal, interpret=interpret)
   if one_launch:
     return dl_gemms(dl, q, k, causal=causal, cfg=cfg.gemm, interpret=interpret)
   if gemm is not None:  # Triton GEMMs: (dQ config, dK config)
@@ -1024,6 +1039,9 @@ def qk_scale_softmax_backward(grad_output, query, key, attn_weights, scaling, *,
                        f"rows (set config.dl = DlConfig(rows=..., num_warps=...) instead, "
                        f"and DlConfig(gemm=PassConfig(...)) for its GEMM launch's tiles)")
     config = dataclasses.replace(config, dl=config.dl or default_dl_config(key.shape[2]))
+    if config.dl.mosaic_gemm:
+      _mosaic.check_hopper("qk_scale_softmax_backward (config.dl.mosaic_gemm)", interpret,
+                           grad_output, query, key, attn_weights)
   config = _tuning.with_overrides(config, block_q=block_q, block_k=block_k,
                                   num_warps=num_warps, num_stages=num_stages)
   return _backward(grad_output, query, key, attn_weights, scaling, causal=causal,

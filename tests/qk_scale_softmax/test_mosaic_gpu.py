@@ -206,3 +206,83 @@ def test_band_kernel_says_what_it_takes():
   with pytest.raises(ValueError, match="k_resident takes rows of 256"):
     mg.band_kernel(x, x, jnp.zeros((1, 384, 128), jnp.bfloat16), scale=0.1, k_resident=True,
                    interpret=True)
+
+
+# --- The dl_gemm scheme's GEMMs as one Mosaic GPU launch (DlConfig.mosaic_gemm) -------------
+
+from pallas_kernels import qk_scale_softmax as qks  # noqa: E402
+from pallas_kernels.qk_scale_softmax import gemm_mosaic_gpu, pallas_triton  # noqa: E402
+
+
+@needs_kernels
+@pytest.mark.parametrize("bh,sq,sk,d,causal,stages", [
+    (2, 128, 256, 128, False, 4), (1, 256, 128, 64, False, 2), (1, 256, 256, 64, True, 4),
+    (2, 128, 384, 128, True, 3)])
+def test_mosaic_gemms_match_xla(bh, sq, sk, d, causal, stages):
+  """dQ and dK tiles in one launch (more dK than dQ tiles and the reverse, D of 64 and
+  128, ring depths). Causal: dL as the dL kernel writes it for these GEMMs (NaN past what
+  it writes: the GEMMs must not read it), the steps above the diagonal skipped."""
+  g, q, k, p = make_inputs(4, 1, bh, sq, sk, d, causal=causal)
+  v = lambda x: x.reshape((bh,) + x.shape[2:])
+  g3, p3, q3, k3 = v(g), v(p), v(q), v(k)
+  scale = jnp.full((1,), SCALE, jnp.float32)
+  cfg = qks.DlConfig(2, 4)
+  full = pallas_triton.dl_pass(scale, g3, p3, causal=causal, cfg=cfg, interpret=INTERPRET)
+  dl = full
+  if causal:
+    part = pallas_triton.dl_pass(scale, g3, p3, causal=True, cfg=cfg, interpret=INTERPRET,
+                                 causal_tile=gemm_mosaic_gpu.CAUSAL_TILE)
+    rows, cols = np.arange(sq)[:, None], np.arange(sk)[None, :]
+    written = cols < -(-((rows // 64 + 1) * 64 + sk - sq) // 128) * 128
+    np.testing.assert_array_equal(np.asarray(part, np.float32)[:, written],
+                                  np.asarray(full, np.float32)[:, written])
+    dl = jnp.where(written, part, jnp.nan).astype(part.dtype)
+  got_q, got_k = gemm_mosaic_gpu.dl_gemms(dl, q3, k3, causal=causal, stages=stages,
+                                          interpret=INTERPRET)
+  f32 = jnp.float32
+  want_q = jnp.einsum("bqk,bkd->bqd", full, k3, preferred_element_type=f32)
+  want_k = jnp.einsum("bqk,bqd->bkd", full, q3, preferred_element_type=f32)
+  for got, want in ((got_q, want_q), (got_k, want_k)):
+    assert got.shape == want.shape and got.dtype == q.dtype
+    np.testing.assert_allclose(np.asarray(got, f32), np.asarray(want, f32),
+                               atol=1e-2 * float(jnp.abs(want).max()), rtol=1e-2)
+
+
+@needs_kernels
+@pytest.mark.parametrize("causal", [False, True])
+def test_dl_gemm_with_mosaic_gemms_through_the_entry_point(causal):
+  """``DlConfig(mosaic_gemm=True)`` through the Triton entry point: the reference's
+  gradients, dense and causal; a problem the launch does not take (Sq = 192) falls back to
+  the Triton GEMMs."""
+  for sq in (128, 192):
+    args = make_inputs(5, 1, 2, sq, 256, 128, causal=causal)
+    config = qks.Config(qks.PassConfig(64, 64, 4, 2), qks.PassConfig(64, 64, 4, 2), "dl_gemm",
+                        qks.DlConfig(1, 4, mosaic_gemm=True))
+    out = pallas_kernels.qk_scale_softmax_backward(*args, SCALE, causal=causal, config=config,
+                                                   interpret=INTERPRET)
+    for name, o, r in zip(("grad_query", "grad_key"), out, reference(*args, SCALE)):
+      assert_close(name, o, r)
+
+
+def test_mosaic_gemms_say_what_they_take():
+  assert gemm_mosaic_gpu.unsupported_reason(128, 256, 128, jnp.bfloat16) is None
+  assert "multiples of 128" in gemm_mosaic_gpu.unsupported_reason(192, 256, 128, jnp.bfloat16)
+  assert "head dim 96" in gemm_mosaic_gpu.unsupported_reason(128, 256, 96, jnp.bfloat16)
+  assert "float32" in gemm_mosaic_gpu.unsupported_reason(128, 256, 128, jnp.float32)
+  assert "rows with no keys" in gemm_mosaic_gpu.unsupported_reason(256, 128, 128, jnp.float16,
+                                                                    causal=True)
+  x = jnp.zeros((1, 192, 256), jnp.bfloat16)
+  with pytest.raises(ValueError, match="multiples of 128"):
+    gemm_mosaic_gpu.dl_gemms(x, jnp.zeros((1, 192, 128), x.dtype),
+                             jnp.zeros((1, 256, 128), x.dtype), interpret=True)
+  with pytest.raises(ValueError, match="config.dl.mosaic_gemm"):
+    qks.DlConfig(mosaic_gemm=1)
+
+
+def test_mosaic_gemms_lower_for_a_gpu():
+  s = jax.ShapeDtypeStruct
+  args = [s((2, 256, 512), jnp.bfloat16), s((2, 256, 128), jnp.bfloat16),
+          s((2, 512, 128), jnp.bfloat16)]
+  for causal in (False, True):
+    fn = jax.jit(lambda dl, q, k: gemm_mosaic_gpu.dl_gemms(dl, q, k, causal=causal))
+    assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()

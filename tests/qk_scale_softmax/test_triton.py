@@ -595,7 +595,7 @@ def test_lowers_to_triton(pretend_h200, causal, dtype, prefetch, row_align):
 @pytest.mark.parametrize("sq, sk", [(40, 40), (70, 33), (33, 70)])
 def test_causal_gemms_ignore_dl_above_the_diagonal(sq, sk):
   """Causal: the one GEMM launch and the two Triton GEMMs take dL as 0 above the diagonal
-  whatever the buffer holds there (``dl_pass(write_upper=False)`` leaves it unwritten), and
+  whatever the buffer holds there (``dl_pass(causal_tile=(1, 8))`` leaves it unwritten), and
   that dL kernel writes the same dL on and below the diagonal."""
   g, q, k, p = make_inputs(21, 1, 2, sq, sk, 64, causal=True)
   v = lambda x: x.reshape((2,) + x.shape[2:])
@@ -604,7 +604,7 @@ def test_causal_gemms_ignore_dl_above_the_diagonal(sq, sk):
   cfg = qks.DlConfig(2, 4)
   full = pallas_triton.dl_pass(scale, g3, p3, causal=True, cfg=cfg, interpret=INTERPRET)
   part = pallas_triton.dl_pass(scale, g3, p3, causal=True, cfg=cfg, interpret=INTERPRET,
-                               write_upper=False)
+                               causal_tile=(1, 8))
   upper = np.arange(sk)[None, :] > np.arange(sq)[:, None] + (sk - sq)
   np.testing.assert_array_equal(np.where(upper, 0, np.asarray(part, np.float32)),
                                 np.asarray(full, np.float32))

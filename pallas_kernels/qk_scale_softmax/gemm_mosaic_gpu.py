@@ -1,0 +1,146 @@
+"""The two GEMMs of the ``"dl_gemm"`` scheme as one Pallas Mosaic GPU launch (Hopper, sm_90a).
+
+``grad_query = dL @ K`` and ``grad_key = dL^T @ Q`` from ``dL [BH, Sq, Sk]`` (written by
+:func:`.pallas_triton.dl_pass`), ``Q [BH, Sq, D]`` and ``K [BH, Sk, D]``: the same products
+as :func:`.pallas_triton.dl_gemms`, with TMA copies and wgmma instead of Triton loads and
+dots. A program computes one ``[128, D]`` output tile of either (the first ``Sq / 128``
+programs of a head's row of the grid take ``grad_query``'s tiles, the rest ``grad_key``'s):
+
+- one TMA producer warpgroup streams the tile's ``dL`` (``[128 rows, 64 keys]`` for
+  ``grad_query``, ``[64 rows, 128 keys]`` for ``grad_key``) and the matching 64 rows of ``K``
+  or ``Q`` through a ring of ``stages`` slots;
+- two consumer warpgroups each accumulate 64 output rows in fp32 (``dL`` as the wgmma's A
+  operand, transposed from shared memory for ``grad_key``), then round once and store through
+  shared memory with TMA.
+
+Causal (``P_ij = 0`` for ``j > i + Sk - Sq``): a tile's loop covers only the steps that meet
+the diagonal's lower side. The steps it reads across the diagonal must hold 0 there:
+:func:`.pallas_triton.dl_pass` with ``causal_tile=CAUSAL_TILE`` writes them so (it writes each
+row's keys up to the 128-key boundary past the diagonal of the last row of its 64-row group).
+
+Supported (:func:`unsupported_reason`): bf16 or fp16, ``D`` of 64 or 128, ``Sq`` and ``Sk``
+multiples of 128, and ``Sq <= Sk`` when causal.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import _mosaic
+from pallas_kernels._util import out_struct
+
+f32 = jnp.float32
+i32 = np.int32
+
+TILE = 128   # output rows per program (64 per consumer warpgroup)
+STEP = 64    # reduction elements per pipeline step
+WGS = 2
+STAGES = 4
+# dl_pass's causal_tile for these GEMMs: (rows of a group, keys written past the diagonal up
+# to a multiple of).
+CAUSAL_TILE = (STEP, TILE)
+
+
+def unsupported_reason(sq: int, sk: int, d: int, dtype, causal: bool = False) -> str | None:
+  """Why :func:`dl_gemms` cannot take a problem (``None``: it can)."""
+  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    return f"dtype {jnp.dtype(dtype)} (bfloat16 or float16 only)"
+  if d not in (64, 128):
+    return f"head dim {d} (64 or 128 only)"
+  if sq % TILE or sk % TILE:
+    return f"seq_q {sq}, seq_k {sk} (multiples of {TILE} only)"
+  if causal and sq > sk:
+    return f"causal with seq_q {sq} > seq_k {sk} (rows with no keys)"
+  return None
+
+
+def _kernel(dl_ref, k_ref, q_ref, dq_ref, dk_ref, stage, *, q_tiles: int, seq_q: int,
+            seq_k: int, causal: bool, stages: int):
+  i = lax.axis_index("tile")
+  head = lax.axis_index("head")
+  wg = lax.axis_index("wg")
+  dtype = dl_ref.dtype
+  d = q_ref.shape[-1]
+  mine = pl.ds(wg * STEP, STEP)   # this warpgroup's 64 rows of the tile (or keys of dL's)
+  tiled = _mosaic.tiled(dtype)
+  off = seq_k - seq_q
+
+  def run(out_ref, o0, specs, operands, steps, mma):
+    def compute_context(run_pipeline):
+      def scope(acc_ref):
+        run_pipeline(acc_ref)
+        stage[wg] = acc_ref[...].astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(stage.at[wg], out_ref.at[head, pl.ds(o0 + wg * STEP, STEP)])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      pl.run_scoped(scope, plgpu.ACC((STEP, d), f32))
+
+    def body(idx, a_smem, b_smem, acc_ref):
+      del idx
+      mma(acc_ref, a_smem, b_smem)
+      plgpu.wgmma_wait(0)
+      return acc_ref
+
+    plgpu.emit_pipeline_warp_specialized(
+        body, grid=(steps,), max_concurrent_steps=stages,
+        memory_registers=_mosaic.MEMORY_REGISTERS, num_compute_wgs=WGS, wg_axis="wg",
+        compute_context=compute_context, in_specs=specs)(*operands)
+
+  @pl.when(i < q_tiles)
+  def _dq():
+    # grad_query rows [128 i, +128): dL [128, 64 keys] @ K [64 keys, D] per step.
+    steps = seq_k // STEP
+    if causal:
+      steps = lax.min(lax.div((i + 1) * TILE + off + STEP - 1, i32(STEP)), i32(steps))
+    specs = [plgpu.BlockSpec((None, TILE, STEP), lambda s: (head, i, s), transforms=tiled),
+             plgpu.BlockSpec((None, STEP, d), lambda s: (head, s, 0), transforms=tiled)]
+    run(dq_ref, i * TILE, specs, (dl_ref, k_ref), steps,
+        lambda acc, a, b: plgpu.wgmma(acc, a.at[mine], b))
+
+  @pl.when(i >= q_tiles)
+  def _dk():
+    # grad_key keys [128 j, +128): dL^T [128 keys, 64 rows] @ Q [64 rows, D] per step.
+    j = i - q_tiles
+    first = i32(0)
+    steps = seq_q // STEP
+    if causal:  # rows r with a key in the tile: r >= 128 j - off
+      first = lax.div(lax.max(j * TILE - off, i32(0)), i32(STEP))
+      steps = steps - first
+    specs = [plgpu.BlockSpec((None, STEP, TILE), lambda s: (head, first + s, j),
+                             transforms=tiled),
+             plgpu.BlockSpec((None, STEP, d), lambda s: (head, first + s, 0), transforms=tiled)]
+    run(dk_ref, j * TILE, specs, (dl_ref, q_ref), steps,
+        lambda acc, a, b: plgpu.wgmma(acc, a.at[:, mine].T, b))
+
+
+def dl_gemms(dl, q, k, *, causal: bool = False, stages: int = STAGES, interpret=False):
+  """``(dL @ K, dL^T @ Q)`` (``grad_query [BH, Sq, D]``, ``grad_key [BH, Sk, D]``) from
+  ``dL [BH, Sq, Sk]``, ``Q [BH, Sq, D]``, ``K [BH, Sk, D]`` (one 16-bit dtype) in one
+  launch: fp32 accumulation, rounded once. ``causal``: ``dL`` is 0 above the diagonal in
+  every step a tile reads (:data:`CAUSAL_TILE`), and the steps wholly above it are skipped.
+  ``stages``: ring slots (32 KB each)."""
+  bh, seq_q, seq_k = dl.shape
+  d = q.shape[-1]
+  reason = unsupported_reason(seq_q, seq_k, d, dl.dtype, causal)
+  if reason is not None:
+    raise ValueError(f"gemm_mosaic_gpu.dl_gemms: {reason}")
+  q_tiles = seq_q // TILE
+  kernel = functools.partial(_kernel, q_tiles=q_tiles, seq_q=seq_q, seq_k=seq_k,
+                             causal=causal, stages=stages)
+  like = (dl, q, k)
+  out = plgpu.kernel(
+      kernel,
+      out_type=(out_struct(q.shape, dl.dtype, *like), out_struct(k.shape, dl.dtype, *like)),
+      scratch_types=[plgpu.SMEM((WGS, STEP, d), dl.dtype, transforms=_mosaic.tiled(dl.dtype))],
+      grid=(q_tiles + seq_k // TILE, bh), grid_names=("tile", "head"),
+      num_threads=WGS + 1, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=_mosaic.interpret_params(interpret),
+  )(dl, k, q)
+  return _mosaic.varying_like(out, *like)
