@@ -15,7 +15,8 @@ for XLA's GEMMs, ``/phased`` for ``phased=True`` (ragged rows on aligned row cla
 Triton GEMMs of :func:`pallas_triton.dl_matmul` (dQ's and dK's tiles) as two launches.
 ``--fused``: the tiles of the default's one GEMM launch (:func:`pallas_triton.dl_gemms`).
 ``--mosaic``: the table's dL kernel, then the GEMMs as one Mosaic GPU launch
-(:func:`gemm_mosaic_gpu.dl_gemms`) with each ring depth given (aligned workloads only).
+(:func:`gemm_mosaic_gpu.dl_gemms`), ``stages[/tile|/programs]`` per variant (aligned
+workloads only).
 Every variant is checked against the reference with the workload's tolerance and timed as
 ``benchmarks.run`` times (device time, all kernels of a call, input sets rotated so L2 is
 cold). Prints one table; writes ``<out>/c_dl_gemm.json``.
@@ -62,10 +63,14 @@ def gemm_fn(gemm, scale, dims, causal=False):
   return jax.jit(fn)
 
 
-def mosaic_fn(stages, scale, dims, causal=False):
+def mosaic_fn(item, scale, dims, causal=False):
   """The entry's dL kernel (its table config on this GPU) then the two GEMMs as one Mosaic
-  GPU launch (:func:`gemm_mosaic_gpu.dl_gemms` with ``stages`` ring slots); ``None`` where
-  that launch does not take the problem."""
+  GPU launch (:func:`gemm_mosaic_gpu.dl_gemms`); ``item``: ``"stages"`` (persistent, one
+  program per SM), ``"stages/tile"`` (one program per tile) or ``"stages/P"`` (``P``
+  persistent programs). ``None`` where that launch does not take the problem."""
+  stages, _, how = item.partition("/")
+  stages = int(stages)
+  programs = None if how == "tile" else int(how or 0)
   b, h, sq, sk, d = dims
   if gemm_mosaic_gpu.unsupported_reason(sq, sk, d, jax.numpy.bfloat16, causal):
     return None
@@ -78,7 +83,7 @@ def mosaic_fn(stages, scale, dims, causal=False):
     dl = pallas_triton.dl_pass(s, g.reshape(b * h, sq, sk), p.reshape(b * h, sq, sk),
                                causal=causal, cfg=dl_cfg, interpret=False, causal_tile=tile)
     dq, dk = gemm_mosaic_gpu.dl_gemms(dl, q.reshape(b * h, sq, d), k.reshape(b * h, sk, d),
-                                      causal=causal, stages=stages)
+                                      causal=causal, stages=stages, programs=programs)
     return dq.reshape(q.shape), dk.reshape(k.shape)
   return jax.jit(fn)
 
@@ -129,8 +134,8 @@ def main(argv=None):
                       help="tiles of the one GEMM launch (dl_gemms): block_q/block_k/"
                            "num_warps/num_stages,...")
   parser.add_argument("--mosaic", default="",
-                      help="ring depths of the Mosaic GPU GEMM launch after the table's dL "
-                           "kernel: 4,2,...")
+                      help="the Mosaic GPU GEMM launch after the table's dL kernel: "
+                           "stages[/tile|/programs],...")
   parser.add_argument("--causal", action="store_true",
                       help="a causal P, on the square workloads (c_dl_gemm_causal.json)")
   parser.add_argument("--breakdown", default="",
@@ -141,7 +146,7 @@ def main(argv=None):
   dls = parse_dls(args.dl)
   gemms = parse_gemms(args.gemm)
   fused = parse_fused(args.fused)
-  mosaic = [int(x) for x in args.mosaic.split(",") if x]
+  mosaic = [x for x in args.mosaic.split(",") if x]
   if no_gpu("timing kernel C's dL + GEMM scheme", "nothing timed"):
     return 2
   spec, idx, ceiling = variants_table.setup("qk_scale_softmax_backward", args.workloads)

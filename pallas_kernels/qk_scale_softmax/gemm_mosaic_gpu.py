@@ -13,6 +13,10 @@ programs of a head's row of the grid take ``grad_query``'s tiles, the rest ``gra
   operand, transposed from shared memory for ``grad_key``), then round once and store through
   shared memory with TMA.
 
+Dense calls run a persistent launch by default (:func:`_persistent_kernel`): one program per
+SM walks its tiles in one pipeline, so short rows (a few steps per tile) pay no ramp per
+tile.
+
 Causal (``P_ij = 0`` for ``j > i + Sk - Sq``): a tile's loop covers only the steps that meet
 the diagonal's lower side. The steps it reads across the diagonal must hold 0 there:
 :func:`.pallas_triton.dl_pass` with ``causal_tile=CAUSAL_TILE`` writes them so (it writes each
@@ -119,26 +123,116 @@ def _kernel(dl_ref, k_ref, q_ref, dq_ref, dk_ref, stage, *, q_tiles: int, seq_q:
         lambda acc, a, b: plgpu.wgmma(acc, a.at[:, mine].T, b))
 
 
-def dl_gemms(dl, q, k, *, causal: bool = False, stages: int = STAGES, interpret=False):
+def _persistent_kernel(dl_ref, k_ref, q_ref, dq_ref, dk_ref, stage, *, bh: int, seq_q: int,
+                       seq_k: int, q_programs: int, k_programs: int, stages: int):
+  """Dense: each program walks a list of output tiles of one kind in one pipeline (no ramp
+  between tiles): programs ``[0, q_programs)`` take ``grad_query``'s ``bh * Sq / 128`` tiles
+  (tile ``p + q_programs * n``), the others ``grad_key``'s. The last program of a kind may
+  walk past its last tile: it redoes that tile (the same values)."""
+  program = lax.axis_index("program")
+  wg = lax.axis_index("wg")
+  dtype = dl_ref.dtype
+  d = q_ref.shape[-1]
+  mine = pl.ds(wg * STEP, STEP)
+  tiled = _mosaic.tiled(dtype)
+  layout = plgpu.Layout.WGMMA
+
+  def run(out_ref, first_tile, stride, n_tiles, out_tiles, steps, specs, operands, mma):
+    per_program = -(-n_tiles // stride)
+
+    def tile_of(n):
+      t = lax.min(first_tile + stride * n, i32(n_tiles - 1))
+      return lax.div(t, i32(out_tiles)), lax.rem(t, i32(out_tiles))
+
+    def compute_context(run_pipeline):
+      run_pipeline(plgpu.layout_cast(jnp.zeros((STEP, d), f32), layout))
+      plgpu.wait_smem_to_gmem(0)
+
+    def body(idx, a_smem, b_smem, carry):
+      n, s = idx
+
+      def mm(acc_ref):
+        mma(acc_ref, a_smem, b_smem)
+        plgpu.wgmma_wait(0)
+        return acc_ref[...]
+      part = pl.run_scoped(mm, plgpu.ACC((STEP, d), f32))
+      # s == 0: a new tile. A select, not carry * 0: a NaN of the last tile stays there.
+      zero = plgpu.layout_cast(jnp.zeros((STEP, d), f32), layout)
+      start = zero + jnp.where(s == 0, 1.0, 0.0).astype(f32) > 0.5
+      acc = jnp.where(start, part, carry + part)
+
+      @pl.when(s == steps - 1)
+      def _():
+        head, o = tile_of(n)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store has read it
+        stage[wg] = acc.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(stage.at[wg], out_ref.at[head, pl.ds(o * TILE + wg * STEP, STEP)])
+      return acc
+
+    def spec(block, index):
+      return plgpu.BlockSpec(block, lambda n, s: index(*tile_of(n), s), transforms=tiled)
+
+    plgpu.emit_pipeline_warp_specialized(
+        body, grid=(per_program, steps), max_concurrent_steps=stages,
+        memory_registers=_mosaic.MEMORY_REGISTERS, num_compute_wgs=WGS, wg_axis="wg",
+        compute_context=compute_context, in_specs=[spec(*x) for x in specs])(*operands)
+
+  @pl.when(program < q_programs)
+  def _dq():
+    specs = [((None, TILE, STEP), lambda h, o, s: (h, o, s)),       # dL [128 rows, 64 keys]
+             ((None, STEP, d), lambda h, o, s: (h, s, 0))]          # K [64 keys, D]
+    run(dq_ref, program, q_programs, bh * (seq_q // TILE), seq_q // TILE, seq_k // STEP,
+        specs, (dl_ref, k_ref), lambda acc, a, b: plgpu.wgmma(acc, a.at[mine], b))
+
+  @pl.when(program >= q_programs)
+  def _dk():
+    specs = [((None, STEP, TILE), lambda h, o, s: (h, s, o)),       # dL [64 rows, 128 keys]
+             ((None, STEP, d), lambda h, o, s: (h, s, 0))]          # Q [64 rows, D]
+    run(dk_ref, program - q_programs, k_programs, bh * (seq_k // TILE), seq_k // TILE,
+        seq_q // STEP, specs, (dl_ref, q_ref),
+        lambda acc, a, b: plgpu.wgmma(acc, a.at[:, mine].T, b))
+
+
+def split_programs(bh: int, seq_q: int, seq_k: int, programs: int) -> tuple[int, int]:
+  """Programs for ``grad_query``'s and ``grad_key``'s tiles, in proportion to their steps
+  (``Sq * Sk`` each way: the same), at least 1 each and at most one per tile."""
+  q_tiles, k_tiles = bh * (seq_q // TILE), bh * (seq_k // TILE)
+  q_programs = max(1, min(q_tiles, round(programs * q_tiles / (q_tiles + k_tiles))))
+  k_programs = max(1, min(k_tiles, programs - q_programs))
+  return q_programs, k_programs
+
+
+def dl_gemms(dl, q, k, *, causal: bool = False, stages: int = STAGES, programs: int | None = 0,
+             interpret=False):
   """``(dL @ K, dL^T @ Q)`` (``grad_query [BH, Sq, D]``, ``grad_key [BH, Sk, D]``) from
   ``dL [BH, Sq, Sk]``, ``Q [BH, Sq, D]``, ``K [BH, Sk, D]`` (one 16-bit dtype) in one
   launch: fp32 accumulation, rounded once. ``causal``: ``dL`` is 0 above the diagonal in
   every step a tile reads (:data:`CAUSAL_TILE`), and the steps wholly above it are skipped.
-  ``stages``: ring slots (32 KB each)."""
+  ``stages``: ring slots (32 KB each). ``programs`` (dense only): a persistent launch of
+  that many programs, each walking its tiles in one pipeline (``0``: one per SM; ``None``:
+  one program per output tile, as causal calls always run)."""
   bh, seq_q, seq_k = dl.shape
   d = q.shape[-1]
   reason = unsupported_reason(seq_q, seq_k, d, dl.dtype, causal)
   if reason is not None:
     raise ValueError(f"gemm_mosaic_gpu.dl_gemms: {reason}")
   q_tiles = seq_q // TILE
-  kernel = functools.partial(_kernel, q_tiles=q_tiles, seq_q=seq_q, seq_k=seq_k,
-                             causal=causal, stages=stages)
+  if causal or programs is None:
+    kernel = functools.partial(_kernel, q_tiles=q_tiles, seq_q=seq_q, seq_k=seq_k,
+                               causal=causal, stages=stages)
+    grid, names = (q_tiles + seq_k // TILE, bh), ("tile", "head")
+  else:
+    q_programs, k_programs = split_programs(bh, seq_q, seq_k, programs or _mosaic.SMS)
+    kernel = functools.partial(_persistent_kernel, bh=bh, seq_q=seq_q, seq_k=seq_k,
+                               q_programs=q_programs, k_programs=k_programs, stages=stages)
+    grid, names = (q_programs + k_programs,), ("program",)
   like = (dl, q, k)
   out = plgpu.kernel(
       kernel,
       out_type=(out_struct(q.shape, dl.dtype, *like), out_struct(k.shape, dl.dtype, *like)),
       scratch_types=[plgpu.SMEM((WGS, STEP, d), dl.dtype, transforms=_mosaic.tiled(dl.dtype))],
-      grid=(q_tiles + seq_k // TILE, bh), grid_names=("tile", "head"),
+      grid=grid, grid_names=names,
       num_threads=WGS + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=_mosaic.interpret_params(interpret),

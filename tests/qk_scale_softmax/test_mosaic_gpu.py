@@ -215,12 +215,15 @@ from pallas_kernels.qk_scale_softmax import gemm_mosaic_gpu, pallas_triton  # no
 
 
 @needs_kernels
-@pytest.mark.parametrize("bh,sq,sk,d,causal,stages", [
-    (2, 128, 256, 128, False, 4), (1, 256, 128, 64, False, 2), (1, 256, 256, 64, True, 4),
-    (2, 128, 384, 128, True, 3)])
-def test_mosaic_gemms_match_xla(bh, sq, sk, d, causal, stages):
+@pytest.mark.parametrize("bh,sq,sk,d,causal,stages,programs", [
+    (2, 128, 256, 128, False, 4, 0), (1, 256, 128, 64, False, 2, 3),
+    (3, 256, 128, 128, False, 3, 4), (1, 128, 256, 64, False, 2, None),
+    (1, 256, 256, 64, True, 4, 0), (2, 128, 384, 128, True, 3, 0)])
+def test_mosaic_gemms_match_xla(bh, sq, sk, d, causal, stages, programs):
   """dQ and dK tiles in one launch (more dK than dQ tiles and the reverse, D of 64 and
-  128, ring depths). Causal: dL as the dL kernel writes it for these GEMMs (NaN past what
+  128, ring depths); dense: persistent programs walking several tiles (the last program of
+  a kind redoing its last tile: 6 dQ tiles on 3 programs, 3 dK tiles on 1), or one program
+  per tile (``None``). Causal: dL as the dL kernel writes it for these GEMMs (NaN past what
   it writes: the GEMMs must not read it), the steps above the diagonal skipped."""
   g, q, k, p = make_inputs(4, 1, bh, sq, sk, d, causal=causal)
   v = lambda x: x.reshape((bh,) + x.shape[2:])
@@ -238,7 +241,7 @@ def test_mosaic_gemms_match_xla(bh, sq, sk, d, causal, stages):
                                   np.asarray(full, np.float32)[:, written])
     dl = jnp.where(written, part, jnp.nan).astype(part.dtype)
   got_q, got_k = gemm_mosaic_gpu.dl_gemms(dl, q3, k3, causal=causal, stages=stages,
-                                          interpret=INTERPRET)
+                                          programs=programs, interpret=INTERPRET)
   f32 = jnp.float32
   want_q = jnp.einsum("bqk,bkd->bqd", full, k3, preferred_element_type=f32)
   want_k = jnp.einsum("bqk,bqd->bkd", full, q3, preferred_element_type=f32)
@@ -262,6 +265,13 @@ def test_dl_gemm_with_mosaic_gemms_through_the_entry_point(causal):
                                                    interpret=INTERPRET)
     for name, o, r in zip(("grad_query", "grad_key"), out, reference(*args, SCALE)):
       assert_close(name, o, r)
+
+
+def test_mosaic_gemm_programs_split_by_tiles():
+  assert gemm_mosaic_gpu.split_programs(3, 256, 128, 4) == (3, 1)
+  assert gemm_mosaic_gpu.split_programs(8, 512, 512, 132) == (32, 32)  # one per tile at most
+  assert gemm_mosaic_gpu.split_programs(1024, 256, 512, 132) == (44, 88)
+  assert gemm_mosaic_gpu.split_programs(1, 128, 128, 132) == (1, 1)
 
 
 def test_mosaic_gemms_say_what_they_take():
