@@ -592,24 +592,28 @@ def test_lowers_to_triton(pretend_h200, causal, dtype, prefetch, row_align):
                                         config=qks.Config(cfg, cfg, scheme)) == kernels, scheme
 
 
-@pytest.mark.parametrize("sq, sk", [(40, 40), (70, 33), (33, 70)])
-def test_causal_gemms_ignore_dl_above_the_diagonal(sq, sk):
-  """Causal: the one GEMM launch and the two Triton GEMMs take dL as 0 above the diagonal
-  whatever the buffer holds there (``dl_pass(causal_tile=(1, 8))`` leaves it unwritten), and
-  that dL kernel writes the same dL on and below the diagonal."""
+@pytest.mark.parametrize("sq, sk, rows", [(40, 40, 1), (70, 33, 2), (33, 70, 4), (97, 97, 8)])
+def test_causal_gemms_read_only_what_dl_pass_writes(sq, sk, rows):
+  """Causal: with ``causal_tile=causal_tile_of(tiles)`` the dL kernel (two row blocks per
+  program, an odd count of blocks too) writes dL on and below the diagonal as with
+  ``causal_tile=None``, 0 above it up to the tile boundary the GEMMs read, and the one GEMM
+  launch and the two Triton GEMMs read nothing past that (NaN there)."""
   g, q, k, p = make_inputs(21, 1, 2, sq, sk, 64, causal=True)
   v = lambda x: x.reshape((2,) + x.shape[2:])
   g3, p3, q3, k3 = v(g), v(p), v(q), v(k)
   scale = jnp.full((1,), 0.125, jnp.float32)
-  cfg = qks.DlConfig(2, 4)
+  cfg = qks.DlConfig(rows, 4)
+  tiles = qks.PassConfig(16, 32, 4, 2)
+  side = pallas_triton.causal_tile_of(tiles)[0]
+  assert pallas_triton.causal_tile_of(tiles, qks.PassConfig(64, 16, 4, 2)) == (64, 64)
   full = pallas_triton.dl_pass(scale, g3, p3, causal=True, cfg=cfg, interpret=INTERPRET)
   part = pallas_triton.dl_pass(scale, g3, p3, causal=True, cfg=cfg, interpret=INTERPRET,
-                               causal_tile=(1, 8))
-  upper = np.arange(sk)[None, :] > np.arange(sq)[:, None] + (sk - sq)
-  np.testing.assert_array_equal(np.where(upper, 0, np.asarray(part, np.float32)),
-                                np.asarray(full, np.float32))
-  dirty = jnp.where(upper, jnp.nan, full).astype(full.dtype)
-  tiles = qks.PassConfig(16, 32, 4, 2)
+                               causal_tile=(side, side))
+  r, c = np.arange(sq)[:, None], np.arange(sk)[None, :]
+  written = c < -(-(r // side * side + side + sk - sq) // side) * side
+  np.testing.assert_array_equal(np.asarray(part, np.float32)[:, written],
+                                np.asarray(full, np.float32)[:, written])
+  dirty = jnp.where(written, part, jnp.nan).astype(full.dtype)
   want_q = jnp.einsum("bqk,bkd->bqd", full, k3, preferred_element_type=jnp.float32)
   want_k = jnp.einsum("bqk,bqd->bkd", full, q3, preferred_element_type=jnp.float32)
   got = [*pallas_triton.dl_gemms(dirty, q3, k3, causal=True, cfg=tiles, interpret=INTERPRET),
