@@ -498,18 +498,18 @@ def test_default_config(device_kind):
 def test_tuned_table():
   """The H200 table holds only configs (named fields, whole-row tiles named), and the
   lookups give the entries' values: per_head with whole-row tiles for rows of 128 keys
-  (causal rows of <= 256 keys too), dL + GEMM for dense rows of 129-4096 keys (ragged ones
-  included), the two-pass kernels (with their row_align) for causal ragged rows of more than
-  256 keys."""
+  (causal ones too), dL + GEMM for dense and causal rows of 129-4096 keys (ragged ones
+  included), with the class's causal_dl for causal calls where it has one."""
   with open(_tuning.table_path(qks_config.KERNEL, "NVIDIA H200")) as f:
     data = json.load(f)
   assert set(data) == {"device_kind", "date", "jax", "configs"}
   for entry in data["configs"].values():
-    assert set(entry) <= {"scheme", "row", "col", "head", "dl"} and entry["scheme"] in qks.SCHEMES
-    if "dl" in entry:
-      assert entry["scheme"] == "dl_gemm" and isinstance(qks.dl_config(entry["dl"], 4096),
+    assert (set(entry) <= {"scheme", "row", "col", "head", "dl", "causal_dl"}
+            and entry["scheme"] in qks.SCHEMES)
+    for name in {"dl", "causal_dl"} & set(entry):
+      assert entry["scheme"] == "dl_gemm" and isinstance(qks.dl_config(entry[name], 4096),
                                                           qks.DlConfig)
-    for name in set(entry) - {"scheme", "dl"}:
+    for name in set(entry) - {"scheme", "dl", "causal_dl"}:
       for seq in (100, 211, 449, 4096):  # every entry builds a valid config
         assert isinstance(qks.pass_config(entry[name], seq, seq), qks.PassConfig)
       block_k = entry[name]["block_k"]
@@ -517,21 +517,21 @@ def test_tuned_table():
   h200 = functools.partial(qks.default_config, head_dim=128, dtype=jnp.bfloat16,
                            device_kind="NVIDIA H200")
   two_pass_211 = qks.Config(qks.PassConfig(32, 256, 4, 1), qks.PassConfig(32, 128, 4, 3))
-  # Ragged rows: dL + GEMM dense (the table's dL rows at 211); causal: per_head at 211,
-  # the two-pass kernels at 449.
+  # Ragged rows: dL + GEMM (the table's dL rows at 211; causal: one row per warp, unphased).
   assert h200(211, 211) == dataclasses.replace(two_pass_211, scheme="dl_gemm",
                                                dl=qks.DlConfig(2, 1))
-  assert h200(211, 211, causal=True) == qks.Config(qks.PassConfig(32, 256, 8, 3),
-                                                   qks.PassConfig(32, 256, 8, 3), "per_head")
+  assert h200(211, 211, causal=True) == dataclasses.replace(two_pass_211, scheme="dl_gemm",
+                                                            dl=qks.DlConfig(1, 1))
   assert h200(211, 211, schemes=("two_pass",)) == two_pass_211
   two_pass_449 = qks.Config(qks.PassConfig(32, 64, 4, 2, row_align=16),
                             qks.PassConfig(64, 64, 4, 3))
   assert h200(449, 449) == dataclasses.replace(two_pass_449, scheme="dl_gemm",
                                                dl=qks.DlConfig(1, 1, phased=True))
-  assert h200(449, 449, causal=True) == two_pass_449
+  assert h200(449, 449, causal=True) == dataclasses.replace(two_pass_449, scheme="dl_gemm",
+                                                            dl=qks.DlConfig(1, 1))
   two_pass_4096 = qks.Config(qks.PassConfig(32, 128, 4, 2), qks.PassConfig(32, 64, 4, 3))
-  # Dense aligned rows of >= 512 keys: the dL + GEMM scheme; causal: the two-pass kernels
-  # (they skip the upper triangle), as for rows too long to hold in registers.
+  # Aligned rows of >= 512 keys: the dL + GEMM scheme, dense and causal (rows too long to
+  # hold in registers: the two-pass kernels).
   # One row on one warp for rows of 512-2048 keys; 4096 keys would be more than
   # DL_MAX_PER_WARP elements on a warp, so that length takes the default dL config.
   assert h200(4096, 4096) == dataclasses.replace(two_pass_4096, scheme="dl_gemm",
@@ -540,16 +540,19 @@ def test_tuned_table():
     assert h200(s, s).dl == qks.DlConfig(1, 1), s
   assert qks.dl_config({"rows": 8, "num_warps": 1}, 449) == qks.default_dl_config(449)
   assert qks.dl_config({"rows": 4, "num_warps": 1}, 449) == qks.DlConfig(4, 1)
-  assert h200(4096, 4096, causal=True) == two_pass_4096
+  assert h200(4096, 4096, causal=True) == h200(4096, 4096)
+  assert h200(512, 512, causal=True).dl == qks.DlConfig(1, 1)
+  assert h200(2048, 2048, causal=True).dl == qks.default_dl_config(2048)  # causal_dl: null
   assert h200(4096, 4096, schemes=("two_pass",)) == two_pass_4096
   assert h200(64, 1 << 15).scheme == "two_pass"
   assert h200(64, 2 * qks.DL_TUNED_MAX_ROW).scheme == "two_pass"  # not measured there
   assert h200(512, 512).scheme == "dl_gemm" and h200(449, 449).scheme == "dl_gemm"
-  # Rows of 256 keys: dL + GEMM dense; causal: the class's per_head entry.
+  # Rows of 256 keys: dL + GEMM, dense and causal; the class's per_head entry by name.
   head_256 = qks.PassConfig(64, 256, 8, 2)
   assert h200(128, 256).scheme == "dl_gemm" and h200(256, 256).scheme == "dl_gemm"
-  assert h200(256, 256, causal=True) == qks.Config(head_256, head_256, "per_head")
-  assert h200(256, 256, schemes=("two_pass", "per_head")).scheme == "per_head"
+  assert h200(256, 256, causal=True) == h200(256, 256)
+  assert h200(256, 256, schemes=("two_pass", "per_head")) == qks.Config(head_256, head_256,
+                                                                         "per_head")
   # A whole-row entry used for rows longer than MAX_WHOLE_ROW keys (a class borrowing
   # another's entry, _tuning.lookup) takes LONG_ROW_BLOCK_K-key tiles instead.
   whole = {"block_q": 32, "block_k": qks.WHOLE_ROW, "num_warps": 4, "num_stages": 1}
