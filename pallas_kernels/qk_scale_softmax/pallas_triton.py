@@ -641,31 +641,28 @@ def _dl_kernel(scale_ref, g_ref, p_ref, dl_ref, *, seq_q: int, seq_k: int, block
   of 8 keys past it, so that they stay 16-byte vectors), and ``dL`` there is written 0, or,
   with ``causal_tile = (R, T)``, written 0 only up to the multiple of ``T`` keys past the
   diagonal of the last row of the row's group of ``R`` rows (:func:`dl_pass`); and a program
-  takes two blocks of rows, block ``p`` and block ``n - 1 - p`` of the ``n``, both loaded
-  before either is computed, so that every program has about one full block's bytes in
-  flight (a program per block ran at 0.64x the dense time instead of 0.5x at (1, 4096, 4096)
-  on the H200). ``dl_ref``'s rows may be longer than ``seq_k`` (a padded row stride): the
-  keys past ``seq_k`` are written 0."""
+  takes two blocks of rows, block ``p`` and block ``n - 1 - p`` of the ``n``, so that every
+  program moves about one full block's bytes (a program per block ran at 0.64x the dense
+  time instead of 0.5x at (1, 4096, 4096) on the H200: the short rows' programs cost about
+  as much as the long ones'). ``dl_ref``'s rows may be longer than ``seq_k`` (a padded row
+  stride): the keys past ``seq_k`` are written 0."""
   bh = pl.program_id(1)
-  dims = dict(seq_q=seq_q, seq_k=seq_k, block_q=block_q, width=width, causal=causal,
-              causal_tile=causal_tile)
   if causal:
     blocks = pl.cdiv(seq_q, block_q)
+    _dl_block(pl.program_id(0) * block_q, bh, scale_ref, g_ref, p_ref, dl_ref, seq_q=seq_q,
+              seq_k=seq_k, block_q=block_q, width=width, causal=True, causal_tile=causal_tile)
     # The middle block of an odd count is its own partner: written twice, the same values.
-    first = _dl_load(pl.program_id(0) * block_q, bh, g_ref, p_ref, dl_ref, **dims)
-    second = _dl_load((blocks - 1 - pl.program_id(0)) * block_q, bh, g_ref, p_ref, dl_ref,
-                      **dims)
-    _dl_store(*first, scale_ref, dl_ref)
-    _dl_store(*second, scale_ref, dl_ref)
+    _dl_block((blocks - 1 - pl.program_id(0)) * block_q, bh, scale_ref, g_ref, p_ref, dl_ref,
+              seq_q=seq_q, seq_k=seq_k, block_q=block_q, width=width, causal=True,
+              causal_tile=causal_tile)
   else:
-    _dl_store(*_dl_load(pl.program_id(0) * block_q, bh, g_ref, p_ref, dl_ref, **dims),
-              scale_ref, dl_ref)
+    _dl_block(pl.program_id(0) * block_q, bh, scale_ref, g_ref, p_ref, dl_ref, seq_q=seq_q,
+              seq_k=seq_k, block_q=block_q, width=width, causal=False, causal_tile=None)
 
 
-def _dl_load(q0, bh, g_ref, p_ref, dl_ref, *, seq_q: int, seq_k: int, block_q: int,
-             width: int, causal: bool, causal_tile):
-  """``g`` and ``P`` of the rows ``[q0, q0 + block_q)`` of :func:`_dl_kernel` (0 where not
-  read), with where their ``dL`` goes (``(g, p, tile, store mask)``)."""
+def _dl_block(q0, bh, scale_ref, g_ref, p_ref, dl_ref, *, seq_q: int, seq_k: int, block_q: int,
+              width: int, causal: bool, causal_tile):
+  """The rows ``[q0, q0 + block_q)`` of :func:`_dl_kernel`."""
   stride = dl_ref.shape[-1]  # >= seq_k
   rows = q0 + jnp.arange(block_q, dtype=jnp.int32)
   cols = jnp.arange(width, dtype=jnp.int32)
@@ -694,11 +691,6 @@ def _dl_load(q0, bh, g_ref, p_ref, dl_ref, *, seq_q: int, seq_k: int, block_q: i
     below = cols[None, :] < end
     g = jnp.where(below, g, jnp.zeros_like(g))
     p = jnp.where(below, p, jnp.zeros_like(p))
-  return g, p, tile, store
-
-
-def _dl_store(g, p, tile, store, scale_ref, dl_ref):
-  """``dL`` of the rows :func:`_dl_load` read, written."""
   dl = _dl_tile(g, p, _row_delta(g, p), scale_ref[0], dl_ref.dtype)  # 0 where not read
   _store(dl_ref.at[tile], dl, store)
 
