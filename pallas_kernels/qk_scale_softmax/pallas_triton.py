@@ -29,9 +29,13 @@ scheme (a buffer the size of ``P``). The kernels are:
 3. ``"dl_gemm"`` scheme: a row kernel writes ``dL`` (whole rows in registers, ``g`` and
    ``P`` read once), then one Triton launch computes ``grad_query = dL @ K`` and
    ``grad_key = dL^T @ Q`` (a program per output tile of either; ``DlConfig.gemm``, or XLA's
-   batched GEMMs with ``gemm=None``): 10 B per element in bf16. Causal calls write ``dL = 0``
-   above the diagonal; the Triton GEMMs skip the tiles wholly above it, XLA's do the full
-   work.
+   batched GEMMs with ``gemm=None``; or one Mosaic GPU launch with ``DlConfig.mosaic_gemm``,
+   :mod:`.gemm_mosaic_gpu`): 10 B per element in bf16. Causal calls read ``g`` and ``P``
+   only up to the diagonal; with the Triton GEMMs (which skip the tiles wholly above it) the
+   ``dL`` kernel writes 0 only up to their tile boundary past the diagonal and pairs a short
+   and a long block of rows per program, about half the dense bytes (the H200 table's choice
+   for causal rows of more than 128 keys); with XLA's GEMMs, which do the full work, it
+   writes ``dL = 0`` over the whole upper triangle.
 
 Traffic per attention element in bf16: ``g`` and ``P`` are 4 B per read. The floor (and
 the per-head kernel) reads them once; the two-pass scheme reads them twice (8 B), up to
