@@ -595,13 +595,13 @@ def test_lowers_to_triton(pretend_h200, causal, dtype, prefetch, row_align):
                                         config=qks.Config(cfg, cfg, scheme)) == kernels, scheme
 
 
-@pytest.mark.parametrize("sq, sk, rows", [(40, 40, 1), (70, 33, 2), (33, 70, 4), (97, 97, 8)])
+@pytest.mark.parametrize("sq, sk, rows", [(70, 33, 2), (33, 70, 1), (97, 97, 8)])
 def test_causal_gemms_read_only_what_dl_pass_writes(sq, sk, rows):
   """Causal: with ``causal_tile=causal_tile_of(tiles)`` the dL kernel (two row blocks per
   program, an odd count of blocks too) writes dL on and below the diagonal as with
   ``causal_tile=None``, 0 above it up to the tile boundary the GEMMs read, and the one GEMM
   launch and the two Triton GEMMs read nothing past that (NaN there)."""
-  g, q, k, p = make_inputs(21, 1, 2, sq, sk, 64, causal=True)
+  g, q, k, p = make_inputs(21, 1, 2, sq, sk, 32, causal=True)
   v = lambda x: x.reshape((2,) + x.shape[2:])
   g3, p3, q3, k3 = v(g), v(p), v(q), v(k)
   scale = jnp.full((1,), 0.125, jnp.float32)
