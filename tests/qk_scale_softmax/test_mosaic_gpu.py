@@ -289,6 +289,31 @@ def test_mosaic_gemms_say_what_they_take():
     qks.DlConfig(mosaic_gemm=1)
 
 
+@needs_kernels
+def test_mosaic_gemms_under_x64():
+  """Dense calls run under x64; causal ones (a step count per tile) are refused by name, and
+  the dl_gemm scheme then takes the Triton GEMMs (the reference's gradients)."""
+  jax.config.update("jax_enable_x64", True)  # the global flag: the interpreter traces later
+  try:
+    x = jnp.ones((1, 128, 256), jnp.bfloat16)
+    q, k = jnp.ones((1, 128, 64), x.dtype), jnp.ones((1, 256, 64), x.dtype)
+    dq, dk = gemm_mosaic_gpu.dl_gemms(x, q, k, interpret=INTERPRET)
+    np.testing.assert_array_equal(np.asarray(dq, np.float32), 256.0)
+    np.testing.assert_array_equal(np.asarray(dk, np.float32), 128.0)
+    assert "x64" in gemm_mosaic_gpu.unsupported_reason(128, 256, 64, x.dtype, causal=True)
+    with pytest.raises(ValueError, match="jax_enable_x64"):
+      gemm_mosaic_gpu.dl_gemms(x, q, k, causal=True, interpret=INTERPRET)
+    args = make_inputs(6, 1, 1, 128, 256, 128, causal=True)
+    config = qks.Config(qks.PassConfig(64, 64, 4, 2), qks.PassConfig(64, 64, 4, 2), "dl_gemm",
+                        qks.DlConfig(1, 4, mosaic_gemm=True))
+    out = pallas_kernels.qk_scale_softmax_backward(*args, SCALE, causal=True, config=config,
+                                                   interpret=INTERPRET)
+    for name, o, r in zip(("grad_query", "grad_key"), out, reference(*args, SCALE)):
+      assert_close(name, o, r)
+  finally:
+    jax.config.update("jax_enable_x64", False)
+
+
 def test_mosaic_gemms_lower_for_a_gpu():
   s = jax.ShapeDtypeStruct
   args = [s((2, 256, 512), jnp.bfloat16), s((2, 256, 128), jnp.bfloat16),
