@@ -36,6 +36,21 @@ def varying_like(out, *like):
   return jax.tree.map(mark, out)
 
 
+def equals(index, value, shape, layout):
+  """``index == value`` (scalars) as a bool array of ``shape`` in ``layout``, for
+  ``jnp.where`` on arrays in that layout (Mosaic GPU selects need a predicate array of the
+  operands' shape)."""
+  zero = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), layout)
+  return zero + jnp.where(index == value, 1.0, 0.0).astype(jnp.float32) > 0.5
+
+
+def restart_sum(step, part, carry, layout=plgpu.Layout.WGMMA):
+  """``part`` at ``step == 0`` (a new output tile), else ``carry + part``: a sum carried over
+  a pipeline's steps. A select, not ``carry * 0``: a NaN or Inf of the last tile must not
+  reach this one."""
+  return jnp.where(equals(step, 0, part.shape, layout), part, carry + part)
+
+
 def interpret_params(interpret):
   """``plgpu.kernel``'s ``interpret``: the Mosaic GPU interpreter for ``True``."""
   if interpret is True:

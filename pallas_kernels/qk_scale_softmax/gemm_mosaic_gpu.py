@@ -73,24 +73,55 @@ def unsupported_reason(sq: int, sk: int, d: int, dtype, causal: bool = False) ->
   return None
 
 
+def _products(d: int, wg):
+  """The two products, each as ``(dL's block, the other operand's block, mma)``: blocks as
+  ``(shape, index)`` with ``index(head, output tile, step)`` giving the block's indices, and
+  ``mma(acc, dl_smem, x_smem)`` this warpgroup's wgmma (its 64 output rows)."""
+  mine = pl.ds(wg * STEP, STEP)
+  dq = (((None, TILE, STEP), lambda h, o, s: (h, o, s)),      # dL [128 rows, 64 keys]
+        ((None, STEP, d), lambda h, o, s: (h, s, 0)),         # K [64 keys, D]
+        lambda acc, a, b: plgpu.wgmma(acc, a.at[mine], b))
+  dk = (((None, STEP, TILE), lambda h, o, s: (h, s, o)),      # dL [64 rows, 128 keys]
+        ((None, STEP, d), lambda h, o, s: (h, s, 0)),         # Q [64 rows, D]
+        lambda acc, a, b: plgpu.wgmma(acc, a.at[:, mine].T, b))   # dL^T from shared memory
+  return dq, dk
+
+
+def _pipeline(body, grid, specs, compute_context, stages, index, dtype):
+  """The warp-specialized pipeline over ``grid`` of ``specs`` (``(shape, index)`` pairs, as
+  :func:`_products` gives), ``index(block_index, *grid indices)`` mapping its steps."""
+  return plgpu.emit_pipeline_warp_specialized(
+      body, grid=grid, max_concurrent_steps=stages,
+      memory_registers=_mosaic.MEMORY_REGISTERS, num_compute_wgs=WGS, wg_axis="wg",
+      compute_context=compute_context,
+      in_specs=[plgpu.BlockSpec(shape, functools.partial(index, block),
+                                transforms=_mosaic.tiled(dtype))
+                for shape, block in specs])
+
+
 def _kernel(dl_ref, k_ref, q_ref, dq_ref, dk_ref, stage, *, q_tiles: int, seq_q: int,
             seq_k: int, causal: bool, stages: int):
+  """One program per output tile (grid ``(Sq / 128 + Sk / 128, BH)``); causal tiles run only
+  their steps that meet the diagonal."""
   i = lax.axis_index("tile")
   head = lax.axis_index("head")
   wg = lax.axis_index("wg")
-  dtype = dl_ref.dtype
   d = q_ref.shape[-1]
-  mine = pl.ds(wg * STEP, STEP)   # this warpgroup's 64 rows of the tile (or keys of dL's)
-  tiled = _mosaic.tiled(dtype)
   off = seq_k - seq_q
+  dq, dk = _products(d, wg)
 
-  def run(out_ref, o0, specs, operands, steps, mma):
+  def run(product, out_ref, o, first, steps, operands):
+    """Output tile ``o`` of ``product`` over ``steps`` steps from step ``first`` (``None``:
+    0)."""
+    dl_block, x_block, mma = product
+
     def compute_context(run_pipeline):
       def scope(acc_ref):
         run_pipeline(acc_ref)
-        stage[wg] = acc_ref[...].astype(dtype)
+        stage[wg] = acc_ref[...].astype(dl_ref.dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(stage.at[wg], out_ref.at[head, pl.ds(o0 + wg * STEP, STEP)])
+        plgpu.copy_smem_to_gmem(stage.at[wg],
+                                out_ref.at[head, pl.ds(o * TILE + wg * STEP, STEP)])
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       pl.run_scoped(scope, plgpu.ACC((STEP, d), f32))
 
@@ -100,36 +131,27 @@ def _kernel(dl_ref, k_ref, q_ref, dq_ref, dk_ref, stage, *, q_tiles: int, seq_q:
       plgpu.wgmma_wait(0)
       return acc_ref
 
-    plgpu.emit_pipeline_warp_specialized(
-        body, grid=(steps,), max_concurrent_steps=stages,
-        memory_registers=_mosaic.MEMORY_REGISTERS, num_compute_wgs=WGS, wg_axis="wg",
-        compute_context=compute_context, in_specs=specs)(*operands)
+    _pipeline(body, (steps,), (dl_block, x_block), compute_context, stages,
+              lambda block, s: block(head, o, s if first is None else first + s),
+              dl_ref.dtype)(*operands)
 
   @pl.when(i < q_tiles)
   def _dq():
-    # grad_query rows [128 i, +128): dL [128, 64 keys] @ K [64 keys, D] per step.
+    # grad_query rows [128 i, +128): keys up to the diagonal of its last row when causal.
     steps = seq_k // STEP
     if causal:
       steps = lax.min(lax.div((i + 1) * TILE + off + STEP - 1, i32(STEP)), i32(steps))
-    specs = [plgpu.BlockSpec((None, TILE, STEP), lambda s: (head, i, s), transforms=tiled),
-             plgpu.BlockSpec((None, STEP, d), lambda s: (head, s, 0), transforms=tiled)]
-    run(dq_ref, i * TILE, specs, (dl_ref, k_ref), steps,
-        lambda acc, a, b: plgpu.wgmma(acc, a.at[mine], b))
+    run(dq, dq_ref, i, None, steps, (dl_ref, k_ref))
 
   @pl.when(i >= q_tiles)
   def _dk():
-    # grad_key keys [128 j, +128): dL^T [128 keys, 64 rows] @ Q [64 rows, D] per step.
+    # grad_key keys [128 j, +128): when causal, rows r >= 128 j - off only.
     j = i - q_tiles
-    first = i32(0)
-    steps = seq_q // STEP
-    if causal:  # rows r with a key in the tile: r >= 128 j - off
+    first, steps = i32(0), seq_q // STEP   # static steps: a dynamic count only when causal
+    if causal:
       first = lax.div(lax.max(j * TILE - off, i32(0)), i32(STEP))
       steps = steps - first
-    specs = [plgpu.BlockSpec((None, STEP, TILE), lambda s: (head, first + s, j),
-                             transforms=tiled),
-             plgpu.BlockSpec((None, STEP, d), lambda s: (head, first + s, 0), transforms=tiled)]
-    run(dk_ref, j * TILE, specs, (dl_ref, q_ref), steps,
-        lambda acc, a, b: plgpu.wgmma(acc, a.at[:, mine].T, b))
+    run(dk, dk_ref, j, first, steps, (dl_ref, q_ref))
 
 
 def _persistent_kernel(dl_ref, k_ref, q_ref, dq_ref, dk_ref, stage, *, bh: int, seq_q: int,
@@ -140,21 +162,19 @@ def _persistent_kernel(dl_ref, k_ref, q_ref, dq_ref, dk_ref, stage, *, bh: int, 
   walk past its last tile: it redoes that tile (the same values)."""
   program = lax.axis_index("program")
   wg = lax.axis_index("wg")
-  dtype = dl_ref.dtype
   d = q_ref.shape[-1]
-  mine = pl.ds(wg * STEP, STEP)
-  tiled = _mosaic.tiled(dtype)
-  layout = plgpu.Layout.WGMMA
+  dq, dk = _products(d, wg)
 
-  def run(out_ref, first_tile, stride, n_tiles, out_tiles, steps, specs, operands, mma):
-    per_program = -(-n_tiles // stride)
+  def run(product, out_ref, first_tile, stride, out_tiles, steps, operands):
+    dl_block, x_block, mma = product
+    n_tiles = bh * out_tiles
 
     def tile_of(n):
       t = lax.min(first_tile + stride * n, i32(n_tiles - 1))
       return lax.div(t, i32(out_tiles)), lax.rem(t, i32(out_tiles))
 
     def compute_context(run_pipeline):
-      run_pipeline(plgpu.layout_cast(jnp.zeros((STEP, d), f32), layout))
+      run_pipeline(plgpu.layout_cast(jnp.zeros((STEP, d), f32), plgpu.Layout.WGMMA))
       plgpu.wait_smem_to_gmem(0)
 
     def body(idx, a_smem, b_smem, carry):
@@ -164,43 +184,29 @@ def _persistent_kernel(dl_ref, k_ref, q_ref, dq_ref, dk_ref, stage, *, bh: int, 
         mma(acc_ref, a_smem, b_smem)
         plgpu.wgmma_wait(0)
         return acc_ref[...]
-      part = pl.run_scoped(mm, plgpu.ACC((STEP, d), f32))
-      # s == 0: a new tile. A select, not carry * 0: a NaN of the last tile stays there.
-      zero = plgpu.layout_cast(jnp.zeros((STEP, d), f32), layout)
-      start = zero + jnp.where(s == 0, 1.0, 0.0).astype(f32) > 0.5
-      acc = jnp.where(start, part, carry + part)
+      acc = _mosaic.restart_sum(s, pl.run_scoped(mm, plgpu.ACC((STEP, d), f32)), carry)
 
       @pl.when(s == steps - 1)
       def _():
         head, o = tile_of(n)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store has read it
-        stage[wg] = acc.astype(dtype)
+        stage[wg] = acc.astype(dl_ref.dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(stage.at[wg], out_ref.at[head, pl.ds(o * TILE + wg * STEP, STEP)])
+        plgpu.copy_smem_to_gmem(stage.at[wg],
+                                out_ref.at[head, pl.ds(o * TILE + wg * STEP, STEP)])
       return acc
 
-    def spec(block, index):
-      return plgpu.BlockSpec(block, lambda n, s: index(*tile_of(n), s), transforms=tiled)
-
-    plgpu.emit_pipeline_warp_specialized(
-        body, grid=(per_program, steps), max_concurrent_steps=stages,
-        memory_registers=_mosaic.MEMORY_REGISTERS, num_compute_wgs=WGS, wg_axis="wg",
-        compute_context=compute_context, in_specs=[spec(*x) for x in specs])(*operands)
+    _pipeline(body, (-(-n_tiles // stride), steps), (dl_block, x_block), compute_context,
+              stages, lambda block, n, s: block(*tile_of(n), s), dl_ref.dtype)(*operands)
 
   @pl.when(program < q_programs)
   def _dq():
-    specs = [((None, TILE, STEP), lambda h, o, s: (h, o, s)),       # dL [128 rows, 64 keys]
-             ((None, STEP, d), lambda h, o, s: (h, s, 0))]          # K [64 keys, D]
-    run(dq_ref, program, q_programs, bh * (seq_q // TILE), seq_q // TILE, seq_k // STEP,
-        specs, (dl_ref, k_ref), lambda acc, a, b: plgpu.wgmma(acc, a.at[mine], b))
+    run(dq, dq_ref, program, q_programs, seq_q // TILE, seq_k // STEP, (dl_ref, k_ref))
 
   @pl.when(program >= q_programs)
   def _dk():
-    specs = [((None, STEP, TILE), lambda h, o, s: (h, s, o)),       # dL [64 rows, 128 keys]
-             ((None, STEP, d), lambda h, o, s: (h, s, 0))]          # Q [64 rows, D]
-    run(dk_ref, program - q_programs, k_programs, bh * (seq_k // TILE), seq_k // TILE,
-        seq_q // STEP, specs, (dl_ref, q_ref),
-        lambda acc, a, b: plgpu.wgmma(acc, a.at[:, mine].T, b))
+    run(dk, dk_ref, program - q_programs, k_programs, seq_k // TILE, seq_q // STEP,
+        (dl_ref, q_ref))
 
 
 def split_programs(bh: int, seq_q: int, seq_k: int, programs: int) -> tuple[int, int]:

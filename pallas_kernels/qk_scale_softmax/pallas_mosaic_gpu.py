@@ -98,14 +98,6 @@ def _scaled_dl(g, p, delta, scale, dtype):
   return (dl * scale).astype(dtype)
 
 
-def _equals(index, value, shape, layout):
-  """``index == value`` (scalars) as a bool array of ``shape`` in ``layout``, for
-  ``jnp.where`` on arrays in that layout (Mosaic GPU selects need a predicate array of the
-  operands' shape)."""
-  zero = plgpu.layout_cast(jnp.zeros(shape, f32), layout)
-  return zero + jnp.where(index == value, 1.0, 0.0).astype(f32) > 0.5
-
-
 def _dl_over_g(g_smem, p_smem, keys, other, p_done, read_barrier, dl_barrier, *, scale):
   """One consumer warpgroup's half of a step's ``dL``, written over its half of the ``g``
   tile; returns once both halves are written.
@@ -166,10 +158,7 @@ def _kernel(g_ref, p_ref, q_ref, k_ref, dq_ref, dk_ref, read_barrier, dl_barrier
     plgpu.barrier_arrive(g_done)
     plgpu.barrier_arrive(q_done)
     plgpu.barrier_arrive(k_done)
-    # t == 0: a new head. A select, not carry * 0: a NaN or Inf of the last head must not
-    # reach this one.
-    first = _equals(t, 0, dk_tile.shape, wgmma_layout)
-    dk = jnp.where(first, dk_tile, carry + dk_tile)
+    dk = _mosaic.restart_sum(t, dk_tile, carry, wgmma_layout)  # t == 0: a new head
     # Stores through shared memory with TMA (from registers they are uncoalesced writes:
     # measured 1.5x slower in all). The staging tiles are free once the previous step's
     # copies have read them.
@@ -399,8 +388,8 @@ def _band_kernel(g_ref, p_ref, k_ref, dq_ref, dl_ref, dl_barrier, delta_x, *extr
 
   def where(index, value, a, b):
     """``a`` where ``index == value``, else ``b`` (arrays in the WGMMA layout or its rows')."""
-    return jnp.where(_equals(index, value, a.shape, layout if a.ndim == 2 else row_layout),
-                     a, b)
+    return jnp.where(_mosaic.equals(index, value, a.shape,
+                                    layout if a.ndim == 2 else row_layout), a, b)
 
   def compute_context(run_pipeline):
     zero_rows = plgpu.layout_cast(jnp.zeros((ROWS,), f32), row_layout)

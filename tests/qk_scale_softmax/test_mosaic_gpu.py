@@ -251,6 +251,17 @@ def test_mosaic_gemms_match_xla(bh, sq, sk, d, causal, stages, programs):
                                atol=1e-2 * float(jnp.abs(want).max()), rtol=1e-2)
 
 
+def check_dl_gemm_with_mosaic_gemms(args, causal):
+  """The Triton entry point's dl_gemm scheme with ``DlConfig(mosaic_gemm=True)`` against the
+  reference."""
+  config = qks.Config(qks.PassConfig(64, 64, 4, 2), qks.PassConfig(64, 64, 4, 2), "dl_gemm",
+                      qks.DlConfig(1, 4, mosaic_gemm=True))
+  out = pallas_kernels.qk_scale_softmax_backward(*args, SCALE, causal=causal, config=config,
+                                                 interpret=INTERPRET)
+  for name, o, r in zip(("grad_query", "grad_key"), out, reference(*args, SCALE)):
+    assert_close(name, o, r)
+
+
 @needs_kernels
 @pytest.mark.parametrize("causal", [False, True])
 def test_dl_gemm_with_mosaic_gemms_through_the_entry_point(causal):
@@ -258,13 +269,7 @@ def test_dl_gemm_with_mosaic_gemms_through_the_entry_point(causal):
   gradients, dense and causal; a problem the launch does not take (Sq = 192, dense) falls
   back to the Triton GEMMs."""
   for sq in (128,) if causal else (128, 192):
-    args = make_inputs(5, 1, 2, sq, 256, 128, causal=causal)
-    config = qks.Config(qks.PassConfig(64, 64, 4, 2), qks.PassConfig(64, 64, 4, 2), "dl_gemm",
-                        qks.DlConfig(1, 4, mosaic_gemm=True))
-    out = pallas_kernels.qk_scale_softmax_backward(*args, SCALE, causal=causal, config=config,
-                                                   interpret=INTERPRET)
-    for name, o, r in zip(("grad_query", "grad_key"), out, reference(*args, SCALE)):
-      assert_close(name, o, r)
+    check_dl_gemm_with_mosaic_gemms(make_inputs(5, 1, 2, sq, 256, 128, causal=causal), causal)
 
 
 def test_mosaic_gemm_programs_split_by_tiles():
@@ -303,13 +308,7 @@ def test_mosaic_gemms_under_x64():
     assert "x64" in gemm_mosaic_gpu.unsupported_reason(128, 256, 64, x.dtype, causal=True)
     with pytest.raises(ValueError, match="jax_enable_x64"):
       gemm_mosaic_gpu.dl_gemms(x, q, k, causal=True, interpret=INTERPRET)
-    args = make_inputs(6, 1, 1, 128, 256, 128, causal=True)
-    config = qks.Config(qks.PassConfig(64, 64, 4, 2), qks.PassConfig(64, 64, 4, 2), "dl_gemm",
-                        qks.DlConfig(1, 4, mosaic_gemm=True))
-    out = pallas_kernels.qk_scale_softmax_backward(*args, SCALE, causal=True, config=config,
-                                                   interpret=INTERPRET)
-    for name, o, r in zip(("grad_query", "grad_key"), out, reference(*args, SCALE)):
-      assert_close(name, o, r)
+    check_dl_gemm_with_mosaic_gemms(make_inputs(6, 1, 1, 128, 256, 128, causal=True), True)
   finally:
     jax.config.update("jax_enable_x64", False)
 
