@@ -121,13 +121,19 @@ class DlConfig:
   ``mosaic_gemm``: the two GEMMs run as one Pallas Mosaic GPU launch (TMA and wgmma;
   :func:`.gemm_mosaic_gpu.dl_gemms`) where it takes the problem (bf16/fp16, ``D`` of 64 or
   128, ``Sq`` and ``Sk`` multiples of 128, ``Sq <= Sk`` when causal), else as ``gemm`` says.
-  Compiles for a Hopper GPU only (the entry point raises elsewhere unless ``interpret``)."""
+  Compiles for a Hopper GPU only (the entry point raises elsewhere unless ``interpret``).
+  ``chunk``: 0, or the row in chunks of ``chunk`` keys (a power of two in [8, 8192]) in two
+  loops, the second reading the chunks again from L2, pipelined over ``stages`` (1-4); a
+  causal program's loops stop at the diagonal, so its time follows its rows' length
+  (:func:`.pallas_triton.dl_pass`). Not with ``phased``."""
   rows: int = 1
   num_warps: int = 8
   pad_rows: bool = False
   gemm: PassConfig | None = DL_GEMM
   phased: bool = False
   mosaic_gemm: bool = False
+  chunk: int = 0
+  stages: int = 1
 
   def __post_init__(self):
     for name in ("pad_rows", "phased", "mosaic_gemm"):
@@ -136,6 +142,16 @@ class DlConfig:
     if self.gemm is not None and not isinstance(self.gemm, PassConfig):
       raise TypeError(f"config.dl.gemm: expected a PassConfig or None, got "
                       f"{type(self.gemm).__name__}")
+    if self.chunk and self.phased:
+      raise ValueError("config.dl: chunk and phased do not combine (chunk=0 or phased=False)")
+    if self.chunk != 0:
+      c = self.chunk
+      if isinstance(c, bool) or not isinstance(c, int) or c < 8 or c > 8192 or c & (c - 1):
+        raise ValueError(f"config.dl.chunk: expected 0 or a power of two in [8, 8192], "
+                         f"got {c!r}")
+    st = self.stages
+    if isinstance(st, bool) or not isinstance(st, int) or not 1 <= st <= 4:
+      raise ValueError(f"config.dl.stages: expected an int in [1, 4], got {st!r}")
     for name, top in (("rows", 1 << 12), ("num_warps", 16)):
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v > top or v & (v - 1):

@@ -694,6 +694,77 @@ def _dl_block(q0, *, bh, scale_ref, g_ref, p_ref, dl_ref, seq_q: int, seq_k: int
   _store(dl_ref.at[tile], dl, store)
 
 
+def _dl_kernel_chunked(scale_ref, g_ref, p_ref, dl_ref, *, seq_q: int, seq_k: int,
+                       block_q: int, chunk: int, causal: bool,
+                       causal_tile: tuple[int, int] | None = None):
+  """:func:`_dl_kernel` with the row in chunks of ``chunk`` keys, in two loops: the first
+  sums ``delta`` (``g`` and ``P`` from HBM), the second reads the chunks again (from L2,
+  where the block's rows were just read) and writes ``dL``. A causal program's loops stop at
+  the diagonal (reads) and at the GEMM tiles' boundary (writes, ``causal_tile``), so its
+  work follows its rows' length, and every warp holds keys; programs take the longest rows
+  first. Same masks and zeros as :func:`_dl_kernel`."""
+  stride = dl_ref.shape[-1]  # >= seq_k
+  n_blocks = pl.cdiv(seq_q, block_q)
+  blk = n_blocks - 1 - pl.program_id(0) if causal else pl.program_id(0)
+  q0 = blk * block_q
+  bh = pl.program_id(1)
+  rows = q0 + jnp.arange(block_q, dtype=jnp.int32)
+  offs = jnp.arange(chunk, dtype=jnp.int32)
+  row_ok = None if seq_q % block_q == 0 else (rows < seq_q)[:, None]
+  last = jnp.minimum(q0 + block_q, seq_q)  # 1 + the block's last row
+  if causal:
+    end = rows[:, None] + (seq_k - seq_q + 1)  # row i's keys: j < end
+    read_end = jnp.clip(last + (seq_k - seq_q), 0, seq_k)
+    write_end = stride
+    if causal_tile is not None:
+      group, keys = causal_tile
+      group_last = rows // group * group + group
+      row_write = (group_last[:, None] + (seq_k - seq_q) + keys - 1) // keys * keys
+      last_group = (last - 1) // group * group + group
+      write_end = jnp.minimum((last_group + (seq_k - seq_q) + keys - 1) // keys * keys, stride)
+      write_end = jnp.maximum(write_end, 0)
+  else:
+    read_end, write_end = seq_k, stride
+
+  def masks(t):
+    cols = t * chunk + offs
+    read = _and_masks(row_ok, None if seq_k % chunk == 0 else (cols < seq_k)[None, :])
+    store = _and_masks(row_ok, None if stride % chunk == 0 else (cols < stride)[None, :])
+    if causal:
+      read = _and_masks(read, cols[None, :] < (end + 7) // 8 * 8)
+      if causal_tile is not None:
+        store = _and_masks(store, cols[None, :] < row_write)
+    return cols, read, store
+
+  def load(t, policy):
+    cols, read, _ = masks(t)
+    tile = (bh, pl.ds(q0, block_q), pl.ds(t * chunk, chunk))
+    g = _load(g_ref.at[tile], read, cache_modifier=".cg", eviction_policy=policy)
+    p = _load(p_ref.at[tile], read, cache_modifier=".cg", eviction_policy=policy)
+    if causal:
+      below = cols[None, :] < end
+      g = jnp.where(below, g, jnp.zeros_like(g))
+      p = jnp.where(below, p, jnp.zeros_like(p))
+    return g, p
+
+  def pass_delta(t, acc):
+    g, p = load(t, "evict_last")  # read again by pass_dl
+    return acc + g.astype(_F32) * p.astype(_F32)
+
+  acc = _fori_loop(_ZERO, pl.cdiv(read_end, chunk), pass_delta,
+                   jnp.zeros((block_q, chunk), _F32))
+  delta = jnp.sum(acc, axis=1)
+
+  def pass_dl(t, carry):
+    g, p = load(t, "evict_first")
+    _, _, store = masks(t)
+    dl = _dl_tile(g, p, delta, scale_ref[0], dl_ref.dtype)  # 0 where not read
+    _store(dl_ref.at[bh, pl.ds(q0, block_q), pl.ds(t * chunk, chunk)], dl, store)
+    return carry
+
+  _fori_loop(_ZERO, pl.cdiv(write_end, chunk), pass_dl, _ZERO)
+
+
 def _dl_kernel_phased(scale_ref, g_ref, p_ref, dl_ref, *, seq_q: int, seq_k: int,
                       block_q: int, width: int, align: int, causal: bool):
   """:func:`_dl_kernel` for rows of ``Sk % 8 != 0`` keys, on 16-byte aligned tiles: one
@@ -766,6 +837,16 @@ def dl_pass(scale, g, p, *, causal=False, cfg, interpret, causal_tile=None):
     return dl.reshape(bh, seq_q, seq_k)
   width = dl_width(seq_k)
   enable_load_cache_modifiers("the dL kernel's .cg loads")
+  if cfg.chunk:
+    return pallas_call(
+        functools.partial(_dl_kernel_chunked, seq_q=seq_q, seq_k=seq_k, block_q=cfg.rows,
+                          chunk=min(cfg.chunk, width), causal=causal, causal_tile=causal_tile),
+        out_shape=out_struct((bh, seq_q, dl_stride(seq_k, cfg)), g.dtype, g, p),
+        grid=(pl.cdiv(seq_q, cfg.rows), bh),
+        compiler_params=compiler_params(cfg.num_warps, cfg.stages),
+        interpret=interpret,
+        name="qk_scale_softmax_bwd_dl",
+    )(scale, g, p)
   return pallas_call(
       functools.partial(_dl_kernel, seq_q=seq_q, seq_k=seq_k, block_q=cfg.rows,
                         width=width, causal=causal, causal_tile=causal_tile),

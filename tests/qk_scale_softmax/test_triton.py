@@ -176,6 +176,40 @@ def test_dl_pass_phased_equals_the_plain_kernel(causal, bh, sq, sk, rows):
   np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(plain, np.float32))
 
 
+@pytest.mark.parametrize("causal, bh, sq, sk, rows, chunk, tile", [
+    (False, 2, 37, 211, 2, 64, None), (True, 2, 21, 9, 4, 8, None), (True, 1, 70, 70, 8, 16, None),
+    (True, 2, 33, 70, 1, 32, (16, 16)), (True, 1, 64, 64, 4, 16, (32, 32)),
+    (True, 1, 40, 24, 2, 8, (8, 8))])
+def test_dl_pass_chunked_equals_the_plain_kernel(causal, bh, sq, sk, rows, chunk, tile):
+  """``DlConfig.chunk`` (the row in chunks, two loops) writes the plain dL kernel's dL bit
+  for bit wherever the plain kernel writes it: ragged rows and programs past the last row,
+  causal with Sq != Sk (rows with no keys), and with ``causal_tile`` (the entries written
+  only up to the GEMM tiles' boundary, compared there)."""
+  ks = jax.random.split(jax.random.key(21), 2)
+  g = jax.random.normal(ks[0], (bh, sq, sk), jnp.float32).astype(jnp.bfloat16)
+  p = softmax_probs(ks[1], (bh, sq, sk), jnp.bfloat16)
+  scale = jnp.full((1,), 0.125, jnp.float32)
+  run = functools.partial(pallas_triton.dl_pass, scale, g, p, causal=causal, causal_tile=tile,
+                          interpret=INTERPRET)
+  plain = np.asarray(run(cfg=qks.DlConfig(rows, 4)), np.float32)
+  got = np.asarray(run(cfg=qks.DlConfig(rows, 4, chunk=chunk, stages=2)), np.float32)
+  assert got.shape == plain.shape
+  written = np.ones(plain.shape[1:], bool)
+  if tile is not None:  # dl_pass's docstring: up to the T-multiple past the group's last row
+    group, keys = tile
+    last = np.arange(sq) // group * group + group
+    end = (last + (sk - sq) + keys - 1) // keys * keys
+    written = np.arange(sk)[None, :] < end[:, None]
+  np.testing.assert_array_equal(got[:, written], plain[:, written])
+  if causal:
+    upper = np.arange(sk)[None, :] > np.arange(sq)[:, None] + (sk - sq)
+    assert (got[:, written & upper] == 0).all()
+  with pytest.raises(ValueError, match="config.dl.chunk"):
+    qks.DlConfig(chunk=12)
+  with pytest.raises(ValueError, match="config.dl.stages"):
+    qks.DlConfig(stages=5)
+
+
 def test_dl_pass_phased_lowers_to_triton(pretend_h200):
   """The phased dL kernel lowers to Triton IR for a GPU: one kernel."""
   shapes = [jax.ShapeDtypeStruct((2, 37, 211), jnp.bfloat16)] * 2
