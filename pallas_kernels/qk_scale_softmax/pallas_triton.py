@@ -736,11 +736,11 @@ def _dl_kernel_chunked(scale_ref, g_ref, p_ref, dl_ref, *, seq_q: int, seq_k: in
         store = _and_masks(store, cols[None, :] < row_write)
     return cols, read, store
 
-  def load(t, policy):
+  def load(t):
     cols, read, _ = masks(t)
     tile = (bh, pl.ds(q0, block_q), pl.ds(t * chunk, chunk))
-    g = _load(g_ref.at[tile], read, cache_modifier=".cg", eviction_policy=policy)
-    p = _load(p_ref.at[tile], read, cache_modifier=".cg", eviction_policy=policy)
+    g = _load(g_ref.at[tile], read, cache_modifier=".cg")
+    p = _load(p_ref.at[tile], read, cache_modifier=".cg")
     if causal:
       below = cols[None, :] < end
       g = jnp.where(below, g, jnp.zeros_like(g))
@@ -748,7 +748,7 @@ def _dl_kernel_chunked(scale_ref, g_ref, p_ref, dl_ref, *, seq_q: int, seq_k: in
     return g, p
 
   def pass_delta(t, acc):
-    g, p = load(t, "evict_last")  # read again by pass_dl
+    g, p = load(t)  # read again by pass_dl, from L2
     return acc + g.astype(_F32) * p.astype(_F32)
 
   acc = _fori_loop(_ZERO, pl.cdiv(read_end, chunk), pass_delta,
@@ -756,7 +756,7 @@ def _dl_kernel_chunked(scale_ref, g_ref, p_ref, dl_ref, *, seq_q: int, seq_k: in
   delta = jnp.sum(acc, axis=1)
 
   def pass_dl(t, carry):
-    g, p = load(t, "evict_first")
+    g, p = load(t)
     _, _, store = masks(t)
     dl = _dl_tile(g, p, delta, scale_ref[0], dl_ref.dtype)  # 0 where not read
     _store(dl_ref.at[bh, pl.ds(q0, block_q), pl.ds(t * chunk, chunk)], dl, store)
