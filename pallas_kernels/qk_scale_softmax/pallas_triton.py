@@ -660,16 +660,21 @@ def _dl_kernel(scale_ref, g_ref, p_ref, dl_ref, *, seq_q: int, seq_k: int, block
 
 
 def _dl_block(q0, *, bh, scale_ref, g_ref, p_ref, dl_ref, seq_q: int, seq_k: int,
-              block_q: int, width: int, causal: bool, causal_tile):
-  """The rows ``[q0, q0 + block_q)`` of :func:`_dl_kernel`."""
+              block_q: int, width: int, causal: bool, causal_tile, row_end: int | None = None,
+              whole_blocks: bool | None = None):
+  """The rows ``[q0, q0 + block_q)`` of :func:`_dl_kernel`, those below ``row_end`` (default
+  ``seq_q``; ``whole_blocks``: no row past it, statically)."""
   stride = dl_ref.shape[-1]  # >= seq_k
   rows = q0 + jnp.arange(block_q, dtype=jnp.int32)
   cols = jnp.arange(width, dtype=jnp.int32)
+  row_end = seq_q if row_end is None else row_end
+  if whole_blocks is None:
+    whole_blocks = seq_q % block_q == 0 and row_end == seq_q
 
   def within(length):
-    if seq_q % block_q == 0 and width == length:
+    if whole_blocks and width == length:
       return None
-    return (rows < seq_q)[:, None] & (cols < length)[None, :]
+    return (rows < row_end)[:, None] & (cols < length)[None, :]
 
   inside = within(seq_k)
   read, store = inside, within(stride)
@@ -692,6 +697,56 @@ def _dl_block(q0, *, bh, scale_ref, g_ref, p_ref, dl_ref, seq_q: int, seq_k: int
     p = jnp.where(below, p, jnp.zeros_like(p))
   dl = _dl_tile(g, p, _row_delta(g, p), scale_ref[0], dl_ref.dtype)  # 0 where not read
   _store(dl_ref.at[tile], dl, store)
+
+
+def dl_classes(seq_q: int, seq_k: int, stride: int, rows: int,
+               causal_tile: tuple[int, int]) -> list[tuple[int, int, int, int]]:
+  """The row classes of :func:`_dl_kernel_classes` (causal, ``causal_tile = (R, T)``):
+  ``(lo, hi, width, block_q)`` per class, longest rows first. Row ``i`` is read up to the
+  vector of 8 keys holding its diagonal and written up to the multiple of ``T`` keys past
+  the diagonal of its group's last row (:func:`dl_pass`); a class holds the rows whose extent
+  fits ``width`` (a power of two, halving from :func:`dl_width`, down to 64 keys) but not
+  half of it, ``block_q`` rows per program, so that every program holds ``rows *
+  dl_width(seq_k)`` elements. Static (Python ints)."""
+  group, keys = causal_tile
+  top = dl_width(seq_k)
+  i = np.arange(seq_q)
+  shift = seq_k - seq_q
+  read = np.clip((np.minimum(i + shift + 1, seq_k) + 7) // 8 * 8, 0, None)
+  written = np.clip((i // group * group + group + shift + keys - 1) // keys * keys, 0, stride)
+  extent = np.minimum(np.maximum(read, written), top)
+  widths = [top]
+  while widths[-1] > 64 and len(widths) < 8:
+    widths.append(widths[-1] // 2)
+  out, hi = [], seq_q
+  for k, width in enumerate(widths):
+    last = k == len(widths) - 1
+    lo = 0 if last else int(np.searchsorted(extent, width // 2, side="right"))
+    lo = min(lo, hi)
+    if hi > lo:
+      out.append((lo, hi, width, max(1, rows * top // width)))
+    hi = lo
+  return out
+
+
+def _dl_kernel_classes(scale_ref, g_ref, p_ref, dl_ref, *, seq_q: int, seq_k: int,
+                       classes, causal_tile: tuple[int, int]):
+  """:func:`_dl_kernel` (causal, with ``causal_tile``) in row classes (:func:`dl_classes`):
+  a program holds ``block_q`` rows of its class's ``width``, so that every warp holds keys of
+  its rows; one program id range per class, longest rows first."""
+  pid, bh = pl.program_id(0), pl.program_id(1)  # outside the branches (the interpreter)
+  start = 0
+  for lo, hi, width, block_q in classes:
+    n = pl.cdiv(hi - lo, block_q)
+
+    @pl.when((pid >= start) & (pid < start + n))
+    def _(lo=lo, hi=hi, width=width, block_q=block_q, start=start):
+      _dl_block((pid - start) * block_q + lo, bh=bh, scale_ref=scale_ref,
+                g_ref=g_ref, p_ref=p_ref, dl_ref=dl_ref, seq_q=seq_q, seq_k=seq_k,
+                block_q=block_q, width=width, causal=True, causal_tile=causal_tile,
+                row_end=hi, whole_blocks=(hi - lo) % block_q == 0)
+
+    start += n
 
 
 def _dl_kernel_chunked(scale_ref, g_ref, p_ref, dl_ref, *, seq_q: int, seq_k: int,
@@ -837,6 +892,17 @@ def dl_pass(scale, g, p, *, causal=False, cfg, interpret, causal_tile=None):
     return dl.reshape(bh, seq_q, seq_k)
   width = dl_width(seq_k)
   enable_load_cache_modifiers("the dL kernel's .cg loads")
+  if causal and causal_tile is not None and cfg.classes:
+    classes = dl_classes(seq_q, seq_k, dl_stride(seq_k, cfg), cfg.rows, causal_tile)
+    return pallas_call(
+        functools.partial(_dl_kernel_classes, seq_q=seq_q, seq_k=seq_k, classes=classes,
+                          causal_tile=causal_tile),
+        out_shape=out_struct((bh, seq_q, dl_stride(seq_k, cfg)), g.dtype, g, p),
+        grid=(sum(-(-(hi - lo) // r) for lo, hi, _, r in classes), bh),
+        compiler_params=compiler_params(cfg.num_warps, 1),
+        interpret=interpret,
+        name="qk_scale_softmax_bwd_dl",
+    )(scale, g, p)
   if cfg.chunk:
     return pallas_call(
         functools.partial(_dl_kernel_chunked, seq_q=seq_q, seq_k=seq_k, block_q=cfg.rows,

@@ -176,6 +176,45 @@ def test_dl_pass_phased_equals_the_plain_kernel(causal, bh, sq, sk, rows):
   np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(plain, np.float32))
 
 
+def _assert_dl_where_written(got, plain, causal, tile):
+  """``got == plain`` wherever ``dl_pass`` writes dL (with ``causal_tile = tile``: up to
+  the multiple of T keys past the diagonal of the row's group's last row), 0 there above a
+  causal diagonal."""
+  assert got.shape == plain.shape
+  _, sq, sk = plain.shape
+  written = np.ones(plain.shape[1:], bool)
+  if tile is not None:
+    group, keys = tile
+    last = np.arange(sq) // group * group + group
+    end = (last + (sk - sq) + keys - 1) // keys * keys
+    written = np.arange(sk)[None, :] < end[:, None]
+  np.testing.assert_array_equal(got[:, written], plain[:, written])
+  if causal:
+    upper = np.arange(sk)[None, :] > np.arange(sq)[:, None] + (sk - sq)
+    assert (got[:, written & upper] == 0).all()
+
+
+@pytest.mark.parametrize("bh, sq, sk, rows, tile", [
+    (1, 300, 300, 1, (16, 16)), (2, 130, 200, 2, (32, 32)), (1, 200, 72, 1, (16, 16)),
+    (1, 64, 64, 4, (64, 64))])
+def test_dl_pass_classes_equals_the_plain_kernel(bh, sq, sk, rows, tile):
+  """``DlConfig.classes`` (causal rows in classes of halving lengths) writes the plain dL
+  kernel's dL wherever the GEMMs read it: several classes down to 64 keys, classes that
+  end mid-block, Sq < Sk and Sq > Sk (rows with no keys), one class."""
+  ks = jax.random.split(jax.random.key(22), 2)
+  g = jax.random.normal(ks[0], (bh, sq, sk), jnp.float32).astype(jnp.bfloat16)
+  p = softmax_probs(ks[1], (bh, sq, sk), jnp.bfloat16)
+  scale = jnp.full((1,), 0.125, jnp.float32)
+  run = functools.partial(pallas_triton.dl_pass, scale, g, p, causal=True, causal_tile=tile,
+                          interpret=INTERPRET)
+  classes = pallas_triton.dl_classes(sq, sk, sk, rows, tile)
+  assert classes[-1][0] == 0 and classes[0][1] == sq
+  assert all(a[0] == b[1] for a, b in zip(classes, classes[1:]))
+  plain = np.asarray(run(cfg=qks.DlConfig(rows, 4)), np.float32)
+  got = np.asarray(run(cfg=qks.DlConfig(rows, 4, classes=True)), np.float32)
+  _assert_dl_where_written(got, plain, True, tile)
+
+
 @pytest.mark.parametrize("causal, bh, sq, sk, rows, chunk, tile", [
     (False, 2, 37, 211, 2, 64, None), (True, 2, 21, 9, 4, 8, None), (True, 1, 70, 70, 8, 16, None),
     (True, 2, 33, 70, 1, 32, (16, 16)), (True, 1, 64, 64, 4, 16, (32, 32)),
@@ -193,17 +232,7 @@ def test_dl_pass_chunked_equals_the_plain_kernel(causal, bh, sq, sk, rows, chunk
                           interpret=INTERPRET)
   plain = np.asarray(run(cfg=qks.DlConfig(rows, 4)), np.float32)
   got = np.asarray(run(cfg=qks.DlConfig(rows, 4, chunk=chunk, stages=2)), np.float32)
-  assert got.shape == plain.shape
-  written = np.ones(plain.shape[1:], bool)
-  if tile is not None:  # dl_pass's docstring: up to the T-multiple past the group's last row
-    group, keys = tile
-    last = np.arange(sq) // group * group + group
-    end = (last + (sk - sq) + keys - 1) // keys * keys
-    written = np.arange(sk)[None, :] < end[:, None]
-  np.testing.assert_array_equal(got[:, written], plain[:, written])
-  if causal:
-    upper = np.arange(sk)[None, :] > np.arange(sq)[:, None] + (sk - sq)
-    assert (got[:, written & upper] == 0).all()
+  _assert_dl_where_written(got, plain, causal, tile)
   with pytest.raises(ValueError, match="config.dl.chunk"):
     qks.DlConfig(chunk=12)
   with pytest.raises(ValueError, match="config.dl.stages"):
