@@ -125,11 +125,12 @@ class DlConfig:
   ``chunk``: 0, or the row in chunks of ``chunk`` keys (a power of two in [8, 8192]) in two
   loops, the second reading the chunks again from L2, pipelined over ``stages`` (1-4); a
   causal program's loops stop at the diagonal, so its time follows its rows' length
-  (:func:`.pallas_triton.dl_pass`). Not with ``phased``. ``classes``: causal calls whose
-  GEMMs read ``dL`` only up to their tiles (:func:`.pallas_triton.causal_tile_of`) take the
-  rows in classes of halving row lengths, ``rows * dl_width(Sk)`` elements per program
-  (:func:`.pallas_triton.dl_classes`), instead of a short and a long block per program; no
-  effect on dense calls or ``phased`` rows."""
+  (:func:`.pallas_triton.dl_pass`). Not with ``phased``. ``classes`` (0, 1 or 2): causal
+  calls whose GEMMs read ``dL`` only up to their tiles (:func:`.pallas_triton.causal_tile_of`)
+  take the rows in classes of row lengths, at most ``rows * dl_width(Sk)`` elements per
+  program (:func:`.pallas_triton.dl_classes`), instead of a short and a long block per
+  program: lengths halving (1), or with three quarters between (2); 0: off. No effect on
+  dense calls or ``phased`` rows."""
   rows: int = 1
   num_warps: int = 8
   pad_rows: bool = False
@@ -138,10 +139,12 @@ class DlConfig:
   mosaic_gemm: bool = False
   chunk: int = 0
   stages: int = 1
-  classes: bool = False
+  classes: int = 0
 
   def __post_init__(self):
-    for name in ("pad_rows", "phased", "mosaic_gemm", "classes"):
+    if isinstance(self.classes, bool) or self.classes not in (0, 1, 2):
+      raise ValueError(f"config.dl.classes: expected 0, 1 or 2, got {self.classes!r}")
+    for name in ("pad_rows", "phased", "mosaic_gemm"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"config.dl.{name}: expected a bool, got {getattr(self, name)!r}")
     if self.gemm is not None and not isinstance(self.gemm, PassConfig):

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -661,53 +662,92 @@ def _dl_kernel(scale_ref, g_ref, p_ref, dl_ref, *, seq_q: int, seq_k: int, block
 
 def _dl_block(q0, *, bh, scale_ref, g_ref, p_ref, dl_ref, seq_q: int, seq_k: int,
               block_q: int, width: int, causal: bool, causal_tile, row_end: int | None = None,
-              whole_blocks: bool | None = None):
+              whole_blocks: bool | None = None, pieces=None):
   """The rows ``[q0, q0 + block_q)`` of :func:`_dl_kernel`, those below ``row_end`` (default
-  ``seq_q``; ``whole_blocks``: no row past it, statically)."""
+  ``seq_q``; ``whole_blocks``: no row past it, statically), their first ``width`` keys as
+  one tile, or as the tiles ``pieces`` (``(first key, keys)`` each, a power of two keys)."""
   stride = dl_ref.shape[-1]  # >= seq_k
   rows = q0 + jnp.arange(block_q, dtype=jnp.int32)
-  cols = jnp.arange(width, dtype=jnp.int32)
   row_end = seq_q if row_end is None else row_end
   if whole_blocks is None:
     whole_blocks = seq_q % block_q == 0 and row_end == seq_q
-
-  def within(length):
-    if whole_blocks and width == length:
-      return None
-    return (rows < row_end)[:, None] & (cols < length)[None, :]
-
-  inside = within(seq_k)
-  read, store = inside, within(stride)
   if causal:
-    # Keys j <= i + (Sk - Sq) of row i, and the vector of 8 keys holding the last of them.
-    end = rows[:, None] + (seq_k - seq_q + 1)
-    near = cols[None, :] < (end + 7) // 8 * 8
-    read = near if inside is None else inside & near
+    end = rows[:, None] + (seq_k - seq_q + 1)  # keys j <= i + (Sk - Sq) of row i
     if causal_tile is not None:
       group, keys = causal_tile
       last = rows // group * group + group  # 1 + the last row of the row's group
-      written = cols[None, :] < (last[:, None] + (seq_k - seq_q) + keys - 1) // keys * keys
-      store = written if store is None else store & written
-  tile = (bh, pl.ds(q0, block_q), pl.ds(_ZERO, width))
-  g = _load(g_ref.at[tile], read, cache_modifier=".cg")
-  p = _load(p_ref.at[tile], read, cache_modifier=".cg")
-  if causal:  # the keys past the diagonal that the vectors brought in
-    below = cols[None, :] < end
-    g = jnp.where(below, g, jnp.zeros_like(g))
-    p = jnp.where(below, p, jnp.zeros_like(p))
-  dl = _dl_tile(g, p, _row_delta(g, p), scale_ref[0], dl_ref.dtype)  # 0 where not read
-  _store(dl_ref.at[tile], dl, store)
+      row_write = (last[:, None] + (seq_k - seq_q) + keys - 1) // keys * keys
+
+  def tile(first, size):
+    first = np.int32(first)  # int32 offsets under x64 too
+    cols = jnp.arange(size, dtype=jnp.int32)
+    cols = cols + first if first else cols
+
+    def within(length):
+      if whole_blocks and first + size == length:
+        return None
+      return (rows < row_end)[:, None] & (cols < length)[None, :]
+
+    inside = within(seq_k)
+    read, store = inside, within(stride)
+    if causal:
+      # ... and the vector of 8 keys holding the last of them.
+      near = cols[None, :] < (end + 7) // 8 * 8
+      read = near if inside is None else inside & near
+      if causal_tile is not None:
+        written = cols[None, :] < row_write
+        store = written if store is None else store & written
+    # A tile may run past the row (masked); a static start past 0 would be checked as a
+    # static slice, so it goes in as a traced value.
+    at = (bh, pl.ds(q0, block_q), pl.ds(pl.multiple_of(first, size) if first else first, size))
+    g = _load(g_ref.at[at], read, cache_modifier=".cg")
+    p = _load(p_ref.at[at], read, cache_modifier=".cg")
+    if causal:  # the keys past the diagonal that the vectors brought in
+      below = cols[None, :] < end
+      g = jnp.where(below, g, jnp.zeros_like(g))
+      p = jnp.where(below, p, jnp.zeros_like(p))
+    return at, g, p, store
+
+  tiles = [tile(first, size) for first, size in (pieces or ((_ZERO, width),))]
+  delta = functools.reduce(operator.add, [_row_delta(g, p) for _, g, p, _ in tiles])
+  for at, g, p, store in tiles:
+    dl = _dl_tile(g, p, delta, scale_ref[0], dl_ref.dtype)  # 0 where not read
+    _store(dl_ref.at[at], dl, store)
+
+
+def class_widths(top: int, steps: int) -> list[int]:
+  """:func:`dl_classes`' row widths from ``top`` (a power of two) down to 64 keys: halving
+  (``steps=1``), or with three quarters of each power of two of at least 512 keys between
+  (``steps=2``: 4096, 3072, 2048, 1536, 1024, 768, 512, 384, 256, 128, 64)."""
+  widths = [top]
+  while widths[-1] > 64:
+    w = widths[-1]
+    pow2 = w & (w - 1) == 0
+    if steps == 2 and pow2 and w >= 512:
+      widths.append(w // 4 * 3)
+    else:
+      widths.append(w // 2 if pow2 else w // 3 * 2)
+  return widths
+
+
+def class_pieces(width: int) -> tuple[tuple[int, int], ...]:
+  """A class width as power-of-two tiles ``(first key, keys)``: ``3 * 2**k`` keys as ``2**(k
+  + 1)`` then ``2**k``."""
+  if width & (width - 1) == 0:
+    return ((0, width),)
+  big = width // 3 * 2
+  return ((0, big), (big, width - big))
 
 
 def dl_classes(seq_q: int, seq_k: int, stride: int, rows: int,
-               causal_tile: tuple[int, int]) -> list[tuple[int, int, int, int]]:
+               causal_tile: tuple[int, int], steps: int = 1):
   """The row classes of :func:`_dl_kernel_classes` (causal, ``causal_tile = (R, T)``):
   ``(lo, hi, width, block_q)`` per class, longest rows first. Row ``i`` is read up to the
   vector of 8 keys holding its diagonal and written up to the multiple of ``T`` keys past
   the diagonal of its group's last row (:func:`dl_pass`); a class holds the rows whose extent
-  fits ``width`` (a power of two, halving from :func:`dl_width`, down to 64 keys) but not
-  half of it, ``block_q`` rows per program, so that every program holds ``rows *
-  dl_width(seq_k)`` elements. Static (Python ints)."""
+  fits its ``width`` but not the next class's (:func:`class_widths`: from
+  :func:`dl_width` down to 64 keys), ``block_q`` rows per program (a power of two), so that
+  a program holds at most ``rows * dl_width(seq_k)`` elements. Static (Python ints)."""
   group, keys = causal_tile
   top = dl_width(seq_k)
   i = np.arange(seq_q)
@@ -715,16 +755,15 @@ def dl_classes(seq_q: int, seq_k: int, stride: int, rows: int,
   read = np.clip((np.minimum(i + shift + 1, seq_k) + 7) // 8 * 8, 0, None)
   written = np.clip((i // group * group + group + shift + keys - 1) // keys * keys, 0, stride)
   extent = np.minimum(np.maximum(read, written), top)
-  widths = [top]
-  while widths[-1] > 64 and len(widths) < 8:
-    widths.append(widths[-1] // 2)
+  widths = class_widths(top, steps)
   out, hi = [], seq_q
   for k, width in enumerate(widths):
     last = k == len(widths) - 1
-    lo = 0 if last else int(np.searchsorted(extent, width // 2, side="right"))
+    lo = 0 if last else int(np.searchsorted(extent, widths[k + 1], side="right"))
     lo = min(lo, hi)
     if hi > lo:
-      out.append((lo, hi, width, max(1, rows * top // width)))
+      block_q = 1 << (max(1, rows * top // width).bit_length() - 1)
+      out.append((lo, hi, width, block_q))
     hi = lo
   return out
 
@@ -732,8 +771,8 @@ def dl_classes(seq_q: int, seq_k: int, stride: int, rows: int,
 def _dl_kernel_classes(scale_ref, g_ref, p_ref, dl_ref, *, seq_q: int, seq_k: int,
                        classes, causal_tile: tuple[int, int]):
   """:func:`_dl_kernel` (causal, with ``causal_tile``) in row classes (:func:`dl_classes`):
-  a program holds ``block_q`` rows of its class's ``width``, so that every warp holds keys of
-  its rows; one program id range per class, longest rows first."""
+  a program holds ``block_q`` rows of its class's ``width`` (:func:`class_pieces`), so that
+  every warp holds keys of its rows; one program id range per class, longest rows first."""
   pid, bh = pl.program_id(0), pl.program_id(1)  # outside the branches (the interpreter)
   start = 0
   for lo, hi, width, block_q in classes:
@@ -744,7 +783,8 @@ def _dl_kernel_classes(scale_ref, g_ref, p_ref, dl_ref, *, seq_q: int, seq_k: in
       _dl_block((pid - start) * block_q + lo, bh=bh, scale_ref=scale_ref,
                 g_ref=g_ref, p_ref=p_ref, dl_ref=dl_ref, seq_q=seq_q, seq_k=seq_k,
                 block_q=block_q, width=width, causal=True, causal_tile=causal_tile,
-                row_end=hi, whole_blocks=(hi - lo) % block_q == 0)
+                row_end=hi, whole_blocks=(hi - lo) % block_q == 0,
+                pieces=class_pieces(width))
 
     start += n
 
@@ -893,7 +933,8 @@ def dl_pass(scale, g, p, *, causal=False, cfg, interpret, causal_tile=None):
   width = dl_width(seq_k)
   enable_load_cache_modifiers("the dL kernel's .cg loads")
   if causal and causal_tile is not None and cfg.classes:
-    classes = dl_classes(seq_q, seq_k, dl_stride(seq_k, cfg), cfg.rows, causal_tile)
+    classes = dl_classes(seq_q, seq_k, dl_stride(seq_k, cfg), cfg.rows, causal_tile,
+                         cfg.classes)
     return pallas_call(
         functools.partial(_dl_kernel_classes, seq_q=seq_q, seq_k=seq_k, classes=classes,
                           causal_tile=causal_tile),

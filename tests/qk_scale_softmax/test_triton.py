@@ -194,10 +194,10 @@ def _assert_dl_where_written(got, plain, causal, tile):
     assert (got[:, written & upper] == 0).all()
 
 
-@pytest.mark.parametrize("bh, sq, sk, rows, tile", [
-    (1, 300, 300, 1, (16, 16)), (2, 130, 200, 2, (32, 32)), (1, 200, 72, 1, (16, 16)),
-    (1, 64, 64, 4, (64, 64))])
-def test_dl_pass_classes_equals_the_plain_kernel(bh, sq, sk, rows, tile):
+@pytest.mark.parametrize("bh, sq, sk, rows, tile, steps", [
+    (1, 300, 300, 1, (16, 16), 2), (2, 130, 200, 2, (32, 32), 1), (1, 200, 72, 1, (16, 16), 1),
+    (1, 64, 64, 4, (64, 64), 2), (1, 520, 520, 1, (16, 16), 2)])
+def test_dl_pass_classes_equals_the_plain_kernel(bh, sq, sk, rows, tile, steps):
   """``DlConfig.classes`` (causal rows in classes of halving lengths) writes the plain dL
   kernel's dL wherever the GEMMs read it: several classes down to 64 keys, classes that
   end mid-block, Sq < Sk and Sq > Sk (rows with no keys), one class."""
@@ -207,12 +207,32 @@ def test_dl_pass_classes_equals_the_plain_kernel(bh, sq, sk, rows, tile):
   scale = jnp.full((1,), 0.125, jnp.float32)
   run = functools.partial(pallas_triton.dl_pass, scale, g, p, causal=True, causal_tile=tile,
                           interpret=INTERPRET)
-  classes = pallas_triton.dl_classes(sq, sk, sk, rows, tile)
+  classes = pallas_triton.dl_classes(sq, sk, sk, rows, tile, steps)
   assert classes[-1][0] == 0 and classes[0][1] == sq
   assert all(a[0] == b[1] for a, b in zip(classes, classes[1:]))
   plain = np.asarray(run(cfg=qks.DlConfig(rows, 4)), np.float32)
-  got = np.asarray(run(cfg=qks.DlConfig(rows, 4, classes=True)), np.float32)
+  got = np.asarray(run(cfg=qks.DlConfig(rows, 4, classes=steps)), np.float32)
   _assert_dl_where_written(got, plain, True, tile)
+  with pytest.raises(ValueError, match="config.dl.classes"):
+    qks.DlConfig(classes=True)
+
+
+def test_dl_pass_classes_lowers_to_triton(pretend_h200):
+  """The row-class dL kernel (three-quarter classes: two tiles per row) lowers to Triton IR
+  for a GPU: one kernel."""
+  shapes = [jax.ShapeDtypeStruct((2, 520, 520), jnp.bfloat16)] * 2
+  cfg = qks.DlConfig(1, 8, classes=2)
+  fn = lambda g, p, scale: pallas_triton.dl_pass(scale.reshape(1), g, p, causal=True, cfg=cfg,
+                                                 causal_tile=(128, 128), interpret=False)
+  assert triton_calls_in_gpu_lowering(fn, shapes) == 1
+
+
+def test_dl_class_widths():
+  """Class widths and their power-of-two tiles."""
+  assert pallas_triton.class_widths(1024, 1) == [1024, 512, 256, 128, 64]
+  assert pallas_triton.class_widths(1024, 2) == [1024, 768, 512, 384, 256, 128, 64]
+  assert pallas_triton.class_pieces(768) == ((0, 512), (512, 256))
+  assert pallas_triton.class_pieces(256) == ((0, 256),)
 
 
 @pytest.mark.parametrize("causal, bh, sq, sk, rows, chunk, tile", [
