@@ -699,7 +699,7 @@ def _dl_block(q0, *, bh, scale_ref, g_ref, p_ref, dl_ref, seq_q: int, seq_k: int
         store = written if store is None else store & written
     # A tile may run past the row (masked); a static start past 0 would be checked as a
     # static slice, so it goes in as a traced value.
-    at = (bh, pl.ds(q0, block_q), pl.ds(pl.multiple_of(first, size) if first else first, size))
+    at = (bh, pl.ds(q0, block_q), pl.ds(bh * 0 + first if first else first, size))
     g = _load(g_ref.at[at], read, cache_modifier=".cg")
     p = _load(p_ref.at[at], read, cache_modifier=".cg")
     if causal:  # the keys past the diagonal that the vectors brought in
