@@ -10,8 +10,7 @@ Usage (on a GPU)::
 
 ``--dl``: ``rows/num_warps`` of the dL kernel (:class:`DlConfig`) per variant, ``/pad``
 appended for ``pad_rows=True`` (ragged rows: ``dL`` padded to a multiple of 8 keys),
-``/c<chunk>`` and ``/s<stages>`` for ``DlConfig.chunk``/``stages``, ``/classes`` and
-``/classes2`` for ``DlConfig.classes`` 1 and 2 (causal rows in classes of lengths), ``/xla``
+``/classes`` for ``DlConfig.classes`` (causal rows in classes of halving lengths), ``/xla``
 for XLA's GEMMs, ``/phased`` for ``phased=True`` (ragged rows on aligned row classes);
 ``dl`` alone is :func:`default_dl_config`. ``--gemm``: the default dL kernel, then the
 Triton GEMMs of :func:`pallas_triton.dl_matmul` (dQ's and dK's tiles) as two launches.
@@ -116,19 +115,13 @@ def parse_dls(text: str) -> dict:
   dls = {"dl": None}
   for item in (text.split(",") if text else []):
     parts = item.split("/")
-    numbered = {x[0]: int(x[1:]) for x in parts[2:] if x[:1] in "cs" and x[1:].isdigit()}
-    flags = {x for x in parts[2:] if not (x[:1] in "cs" and x[1:].isdigit())}
-    if len(parts) < 2 or not flags <= {"pad", "xla", "phased", "classes", "classes2"}:
-      raise ValueError(f"--dl: expected rows/num_warps[/pad][/xla][/phased][/classes][/cCHUNK]"
-                       f"[/sSTAGES],"
-                       f" got {item!r}")
-    rows, warps = parts[0], parts[1]
-    dls[f"dl:{item}"] = qks.DlConfig(int(rows), int(warps), pad_rows="pad" in flags,
-                                     gemm=None if "xla" in flags else qks.DL_GEMM,
-                                     phased="phased" in flags,
-                                     classes=2 if "classes2" in flags else int("classes" in flags),
-                                     chunk=numbered.get("c", 0),
-                                     stages=numbered.get("s", 1))
+    if len(parts) < 2 or not set(parts[2:]) <= {"pad", "xla", "phased", "classes"}:
+      raise ValueError(f"--dl: expected rows/num_warps[/pad][/xla][/phased][/classes], "
+                       f"got {item!r}")
+    rows, warps, rest = parts[0], parts[1], parts[2:]
+    dls[f"dl:{item}"] = qks.DlConfig(int(rows), int(warps), pad_rows="pad" in rest,
+                                     gemm=None if "xla" in rest else qks.DL_GEMM,
+                                     phased="phased" in rest, classes="classes" in rest)
   return dls
 
 

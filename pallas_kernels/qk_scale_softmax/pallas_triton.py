@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import operator
 
 import jax
 import jax.numpy as jnp
@@ -662,92 +661,53 @@ def _dl_kernel(scale_ref, g_ref, p_ref, dl_ref, *, seq_q: int, seq_k: int, block
 
 def _dl_block(q0, *, bh, scale_ref, g_ref, p_ref, dl_ref, seq_q: int, seq_k: int,
               block_q: int, width: int, causal: bool, causal_tile, row_end: int | None = None,
-              whole_blocks: bool | None = None, pieces=None):
+              whole_blocks: bool | None = None):
   """The rows ``[q0, q0 + block_q)`` of :func:`_dl_kernel`, those below ``row_end`` (default
-  ``seq_q``; ``whole_blocks``: no row past it, statically), their first ``width`` keys as
-  one tile, or as the tiles ``pieces`` (``(first key, keys)`` each, a power of two keys)."""
+  ``seq_q``; ``whole_blocks``: no row past it, statically)."""
   stride = dl_ref.shape[-1]  # >= seq_k
   rows = q0 + jnp.arange(block_q, dtype=jnp.int32)
+  cols = jnp.arange(width, dtype=jnp.int32)
   row_end = seq_q if row_end is None else row_end
   if whole_blocks is None:
     whole_blocks = seq_q % block_q == 0 and row_end == seq_q
+
+  def within(length):
+    if whole_blocks and width == length:
+      return None
+    return (rows < row_end)[:, None] & (cols < length)[None, :]
+
+  inside = within(seq_k)
+  read, store = inside, within(stride)
   if causal:
-    end = rows[:, None] + (seq_k - seq_q + 1)  # keys j <= i + (Sk - Sq) of row i
+    # Keys j <= i + (Sk - Sq) of row i, and the vector of 8 keys holding the last of them.
+    end = rows[:, None] + (seq_k - seq_q + 1)
+    near = cols[None, :] < (end + 7) // 8 * 8
+    read = near if inside is None else inside & near
     if causal_tile is not None:
       group, keys = causal_tile
       last = rows // group * group + group  # 1 + the last row of the row's group
-      row_write = (last[:, None] + (seq_k - seq_q) + keys - 1) // keys * keys
-
-  def tile(first, size):
-    first = np.int32(first)  # int32 offsets under x64 too
-    cols = jnp.arange(size, dtype=jnp.int32)
-    cols = cols + first if first else cols
-
-    def within(length):
-      if whole_blocks and first + size == length:
-        return None
-      return (rows < row_end)[:, None] & (cols < length)[None, :]
-
-    inside = within(seq_k)
-    read, store = inside, within(stride)
-    if causal:
-      # ... and the vector of 8 keys holding the last of them.
-      near = cols[None, :] < (end + 7) // 8 * 8
-      read = near if inside is None else inside & near
-      if causal_tile is not None:
-        written = cols[None, :] < row_write
-        store = written if store is None else store & written
-    # A tile may run past the row (masked); a static start past 0 would be checked as a
-    # static slice, so it goes in as a traced value.
-    at = (bh, pl.ds(q0, block_q), pl.ds(bh * 0 + first if first else first, size))
-    g = _load(g_ref.at[at], read, cache_modifier=".cg")
-    p = _load(p_ref.at[at], read, cache_modifier=".cg")
-    if causal:  # the keys past the diagonal that the vectors brought in
-      below = cols[None, :] < end
-      g = jnp.where(below, g, jnp.zeros_like(g))
-      p = jnp.where(below, p, jnp.zeros_like(p))
-    return at, g, p, store
-
-  tiles = [tile(first, size) for first, size in (pieces or ((_ZERO, width),))]
-  delta = functools.reduce(operator.add, [_row_delta(g, p) for _, g, p, _ in tiles])
-  for at, g, p, store in tiles:
-    dl = _dl_tile(g, p, delta, scale_ref[0], dl_ref.dtype)  # 0 where not read
-    _store(dl_ref.at[at], dl, store)
-
-
-def class_widths(top: int, steps: int) -> list[int]:
-  """:func:`dl_classes`' row widths from ``top`` (a power of two) down to 64 keys: halving
-  (``steps=1``), or with three quarters of each power of two of at least 512 keys between
-  (``steps=2``: 4096, 3072, 2048, 1536, 1024, 768, 512, 384, 256, 128, 64)."""
-  widths = [top]
-  while widths[-1] > 64:
-    w = widths[-1]
-    pow2 = w & (w - 1) == 0
-    if steps == 2 and pow2 and w >= 512:
-      widths.append(w // 4 * 3)
-    else:
-      widths.append(w // 2 if pow2 else w // 3 * 2)
-  return widths
-
-
-def class_pieces(width: int) -> tuple[tuple[int, int], ...]:
-  """A class width as power-of-two tiles ``(first key, keys)``: ``3 * 2**k`` keys as ``2**(k
-  + 1)`` then ``2**k``."""
-  if width & (width - 1) == 0:
-    return ((0, width),)
-  big = width // 3 * 2
-  return ((0, big), (big, width - big))
+      written = cols[None, :] < (last[:, None] + (seq_k - seq_q) + keys - 1) // keys * keys
+      store = written if store is None else store & written
+  tile = (bh, pl.ds(q0, block_q), pl.ds(_ZERO, width))
+  g = _load(g_ref.at[tile], read, cache_modifier=".cg")
+  p = _load(p_ref.at[tile], read, cache_modifier=".cg")
+  if causal:  # the keys past the diagonal that the vectors brought in
+    below = cols[None, :] < end
+    g = jnp.where(below, g, jnp.zeros_like(g))
+    p = jnp.where(below, p, jnp.zeros_like(p))
+  dl = _dl_tile(g, p, _row_delta(g, p), scale_ref[0], dl_ref.dtype)  # 0 where not read
+  _store(dl_ref.at[tile], dl, store)
 
 
 def dl_classes(seq_q: int, seq_k: int, stride: int, rows: int,
-               causal_tile: tuple[int, int], steps: int = 1):
+               causal_tile: tuple[int, int]) -> list[tuple[int, int, int, int]]:
   """The row classes of :func:`_dl_kernel_classes` (causal, ``causal_tile = (R, T)``):
   ``(lo, hi, width, block_q)`` per class, longest rows first. Row ``i`` is read up to the
   vector of 8 keys holding its diagonal and written up to the multiple of ``T`` keys past
   the diagonal of its group's last row (:func:`dl_pass`); a class holds the rows whose extent
-  fits its ``width`` but not the next class's (:func:`class_widths`: from
-  :func:`dl_width` down to 64 keys), ``block_q`` rows per program (a power of two), so that
-  a program holds at most ``rows * dl_width(seq_k)`` elements. Static (Python ints)."""
+  fits ``width`` (a power of two, halving from :func:`dl_width`, down to 64 keys) but not
+  half of it, ``block_q`` rows per program, so that every program holds ``rows *
+  dl_width(seq_k)`` elements. Static (Python ints)."""
   group, keys = causal_tile
   top = dl_width(seq_k)
   i = np.arange(seq_q)
@@ -755,15 +715,16 @@ def dl_classes(seq_q: int, seq_k: int, stride: int, rows: int,
   read = np.clip((np.minimum(i + shift + 1, seq_k) + 7) // 8 * 8, 0, None)
   written = np.clip((i // group * group + group + shift + keys - 1) // keys * keys, 0, stride)
   extent = np.minimum(np.maximum(read, written), top)
-  widths = class_widths(top, steps)
+  widths = [top]
+  while widths[-1] > 64 and len(widths) < 8:
+    widths.append(widths[-1] // 2)
   out, hi = [], seq_q
   for k, width in enumerate(widths):
     last = k == len(widths) - 1
-    lo = 0 if last else int(np.searchsorted(extent, widths[k + 1], side="right"))
+    lo = 0 if last else int(np.searchsorted(extent, width // 2, side="right"))
     lo = min(lo, hi)
     if hi > lo:
-      block_q = 1 << (max(1, rows * top // width).bit_length() - 1)
-      out.append((lo, hi, width, block_q))
+      out.append((lo, hi, width, max(1, rows * top // width)))
     hi = lo
   return out
 
@@ -771,8 +732,8 @@ def dl_classes(seq_q: int, seq_k: int, stride: int, rows: int,
 def _dl_kernel_classes(scale_ref, g_ref, p_ref, dl_ref, *, seq_q: int, seq_k: int,
                        classes, causal_tile: tuple[int, int]):
   """:func:`_dl_kernel` (causal, with ``causal_tile``) in row classes (:func:`dl_classes`):
-  a program holds ``block_q`` rows of its class's ``width`` (:func:`class_pieces`), so that
-  every warp holds keys of its rows; one program id range per class, longest rows first."""
+  a program holds ``block_q`` rows of its class's ``width``, so that every warp holds keys of
+  its rows; one program id range per class, longest rows first."""
   pid, bh = pl.program_id(0), pl.program_id(1)  # outside the branches (the interpreter)
   start = 0
   for lo, hi, width, block_q in classes:
@@ -783,81 +744,9 @@ def _dl_kernel_classes(scale_ref, g_ref, p_ref, dl_ref, *, seq_q: int, seq_k: in
       _dl_block((pid - start) * block_q + lo, bh=bh, scale_ref=scale_ref,
                 g_ref=g_ref, p_ref=p_ref, dl_ref=dl_ref, seq_q=seq_q, seq_k=seq_k,
                 block_q=block_q, width=width, causal=True, causal_tile=causal_tile,
-                row_end=hi, whole_blocks=(hi - lo) % block_q == 0,
-                pieces=class_pieces(width))
+                row_end=hi, whole_blocks=(hi - lo) % block_q == 0)
 
     start += n
-
-
-def _dl_kernel_chunked(scale_ref, g_ref, p_ref, dl_ref, *, seq_q: int, seq_k: int,
-                       block_q: int, chunk: int, causal: bool,
-                       causal_tile: tuple[int, int] | None = None):
-  """:func:`_dl_kernel` with the row in chunks of ``chunk`` keys, in two loops: the first
-  sums ``delta`` (``g`` and ``P`` from HBM), the second reads the chunks again (from L2,
-  where the block's rows were just read) and writes ``dL``. A causal program's loops stop at
-  the diagonal (reads) and at the GEMM tiles' boundary (writes, ``causal_tile``), so its
-  work follows its rows' length, and every warp holds keys; programs take the longest rows
-  first. Same masks and zeros as :func:`_dl_kernel`."""
-  stride = dl_ref.shape[-1]  # >= seq_k
-  n_blocks = pl.cdiv(seq_q, block_q)
-  blk = n_blocks - 1 - pl.program_id(0) if causal else pl.program_id(0)
-  q0 = blk * block_q
-  bh = pl.program_id(1)
-  rows = q0 + jnp.arange(block_q, dtype=jnp.int32)
-  offs = jnp.arange(chunk, dtype=jnp.int32)
-  row_ok = None if seq_q % block_q == 0 else (rows < seq_q)[:, None]
-  last = jnp.minimum(q0 + block_q, seq_q)  # 1 + the block's last row
-  if causal:
-    end = rows[:, None] + (seq_k - seq_q + 1)  # row i's keys: j < end
-    read_end = jnp.clip(last + (seq_k - seq_q), 0, seq_k)
-    write_end = stride
-    if causal_tile is not None:
-      group, keys = causal_tile
-      group_last = rows // group * group + group
-      row_write = (group_last[:, None] + (seq_k - seq_q) + keys - 1) // keys * keys
-      last_group = (last - 1) // group * group + group
-      write_end = jnp.minimum((last_group + (seq_k - seq_q) + keys - 1) // keys * keys, stride)
-      write_end = jnp.maximum(write_end, 0)
-  else:
-    read_end, write_end = seq_k, stride
-
-  def masks(t):
-    cols = t * chunk + offs
-    read = _and_masks(row_ok, None if seq_k % chunk == 0 else (cols < seq_k)[None, :])
-    store = _and_masks(row_ok, None if stride % chunk == 0 else (cols < stride)[None, :])
-    if causal:
-      read = _and_masks(read, cols[None, :] < (end + 7) // 8 * 8)
-      if causal_tile is not None:
-        store = _and_masks(store, cols[None, :] < row_write)
-    return cols, read, store
-
-  def load(t):
-    cols, read, _ = masks(t)
-    tile = (bh, pl.ds(q0, block_q), pl.ds(t * chunk, chunk))
-    g = _load(g_ref.at[tile], read, cache_modifier=".cg")
-    p = _load(p_ref.at[tile], read, cache_modifier=".cg")
-    if causal:
-      below = cols[None, :] < end
-      g = jnp.where(below, g, jnp.zeros_like(g))
-      p = jnp.where(below, p, jnp.zeros_like(p))
-    return g, p
-
-  def pass_delta(t, acc):
-    g, p = load(t)  # read again by pass_dl, from L2
-    return acc + g.astype(_F32) * p.astype(_F32)
-
-  acc = _fori_loop(_ZERO, pl.cdiv(read_end, chunk), pass_delta,
-                   jnp.zeros((block_q, chunk), _F32))
-  delta = jnp.sum(acc, axis=1)
-
-  def pass_dl(t, carry):
-    g, p = load(t)
-    _, _, store = masks(t)
-    dl = _dl_tile(g, p, delta, scale_ref[0], dl_ref.dtype)  # 0 where not read
-    _store(dl_ref.at[bh, pl.ds(q0, block_q), pl.ds(t * chunk, chunk)], dl, store)
-    return carry
-
-  _fori_loop(_ZERO, pl.cdiv(write_end, chunk), pass_dl, _ZERO)
 
 
 def _dl_kernel_phased(scale_ref, g_ref, p_ref, dl_ref, *, seq_q: int, seq_k: int,
@@ -933,24 +822,13 @@ def dl_pass(scale, g, p, *, causal=False, cfg, interpret, causal_tile=None):
   width = dl_width(seq_k)
   enable_load_cache_modifiers("the dL kernel's .cg loads")
   if causal and causal_tile is not None and cfg.classes:
-    classes = dl_classes(seq_q, seq_k, dl_stride(seq_k, cfg), cfg.rows, causal_tile,
-                         cfg.classes)
+    classes = dl_classes(seq_q, seq_k, dl_stride(seq_k, cfg), cfg.rows, causal_tile)
     return pallas_call(
         functools.partial(_dl_kernel_classes, seq_q=seq_q, seq_k=seq_k, classes=classes,
                           causal_tile=causal_tile),
         out_shape=out_struct((bh, seq_q, dl_stride(seq_k, cfg)), g.dtype, g, p),
         grid=(sum(-(-(hi - lo) // r) for lo, hi, _, r in classes), bh),
         compiler_params=compiler_params(cfg.num_warps, 1),
-        interpret=interpret,
-        name="qk_scale_softmax_bwd_dl",
-    )(scale, g, p)
-  if cfg.chunk:
-    return pallas_call(
-        functools.partial(_dl_kernel_chunked, seq_q=seq_q, seq_k=seq_k, block_q=cfg.rows,
-                          chunk=min(cfg.chunk, width), causal=causal, causal_tile=causal_tile),
-        out_shape=out_struct((bh, seq_q, dl_stride(seq_k, cfg)), g.dtype, g, p),
-        grid=(pl.cdiv(seq_q, cfg.rows), bh),
-        compiler_params=compiler_params(cfg.num_warps, cfg.stages),
         interpret=interpret,
         name="qk_scale_softmax_bwd_dl",
     )(scale, g, p)

@@ -194,10 +194,10 @@ def _assert_dl_where_written(got, plain, causal, tile):
     assert (got[:, written & upper] == 0).all()
 
 
-@pytest.mark.parametrize("bh, sq, sk, rows, tile, steps", [
-    (1, 300, 300, 1, (16, 16), 2), (2, 130, 200, 2, (32, 32), 1), (1, 200, 72, 1, (16, 16), 1),
-    (1, 64, 64, 4, (64, 64), 2), (1, 520, 520, 1, (16, 16), 2)])
-def test_dl_pass_classes_equals_the_plain_kernel(bh, sq, sk, rows, tile, steps):
+@pytest.mark.parametrize("bh, sq, sk, rows, tile", [
+    (1, 300, 300, 1, (16, 16)), (2, 130, 200, 2, (32, 32)), (1, 200, 72, 1, (16, 16)),
+    (1, 64, 64, 4, (64, 64))])
+def test_dl_pass_classes_equals_the_plain_kernel(bh, sq, sk, rows, tile):
   """``DlConfig.classes`` (causal rows in classes of halving lengths) writes the plain dL
   kernel's dL wherever the GEMMs read it: several classes down to 64 keys, classes that
   end mid-block, Sq < Sk and Sq > Sk (rows with no keys), one class."""
@@ -207,56 +207,23 @@ def test_dl_pass_classes_equals_the_plain_kernel(bh, sq, sk, rows, tile, steps):
   scale = jnp.full((1,), 0.125, jnp.float32)
   run = functools.partial(pallas_triton.dl_pass, scale, g, p, causal=True, causal_tile=tile,
                           interpret=INTERPRET)
-  classes = pallas_triton.dl_classes(sq, sk, sk, rows, tile, steps)
+  classes = pallas_triton.dl_classes(sq, sk, sk, rows, tile)
   assert classes[-1][0] == 0 and classes[0][1] == sq
   assert all(a[0] == b[1] for a, b in zip(classes, classes[1:]))
   plain = np.asarray(run(cfg=qks.DlConfig(rows, 4)), np.float32)
-  got = np.asarray(run(cfg=qks.DlConfig(rows, 4, classes=steps)), np.float32)
+  got = np.asarray(run(cfg=qks.DlConfig(rows, 4, classes=True)), np.float32)
   _assert_dl_where_written(got, plain, True, tile)
   with pytest.raises(ValueError, match="config.dl.classes"):
-    qks.DlConfig(classes=True)
+    qks.DlConfig(classes=1)
 
 
 def test_dl_pass_classes_lowers_to_triton(pretend_h200):
-  """The row-class dL kernel (three-quarter classes: two tiles per row) lowers to Triton IR
-  for a GPU: one kernel."""
+  """The row-class dL kernel lowers to Triton IR for a GPU: one kernel."""
   shapes = [jax.ShapeDtypeStruct((2, 520, 520), jnp.bfloat16)] * 2
-  cfg = qks.DlConfig(1, 8, classes=2)
+  cfg = qks.DlConfig(1, 8, classes=True)
   fn = lambda g, p, scale: pallas_triton.dl_pass(scale.reshape(1), g, p, causal=True, cfg=cfg,
                                                  causal_tile=(128, 128), interpret=False)
   assert triton_calls_in_gpu_lowering(fn, shapes) == 1
-
-
-def test_dl_class_widths():
-  """Class widths and their power-of-two tiles."""
-  assert pallas_triton.class_widths(1024, 1) == [1024, 512, 256, 128, 64]
-  assert pallas_triton.class_widths(1024, 2) == [1024, 768, 512, 384, 256, 128, 64]
-  assert pallas_triton.class_pieces(768) == ((0, 512), (512, 256))
-  assert pallas_triton.class_pieces(256) == ((0, 256),)
-
-
-@pytest.mark.parametrize("causal, bh, sq, sk, rows, chunk, tile", [
-    (False, 2, 37, 211, 2, 64, None), (True, 2, 21, 9, 4, 8, None), (True, 1, 70, 70, 8, 16, None),
-    (True, 2, 33, 70, 1, 32, (16, 16)), (True, 1, 64, 64, 4, 16, (32, 32)),
-    (True, 1, 40, 24, 2, 8, (8, 8))])
-def test_dl_pass_chunked_equals_the_plain_kernel(causal, bh, sq, sk, rows, chunk, tile):
-  """``DlConfig.chunk`` (the row in chunks, two loops) writes the plain dL kernel's dL bit
-  for bit wherever the plain kernel writes it: ragged rows and programs past the last row,
-  causal with Sq != Sk (rows with no keys), and with ``causal_tile`` (the entries written
-  only up to the GEMM tiles' boundary, compared there)."""
-  ks = jax.random.split(jax.random.key(21), 2)
-  g = jax.random.normal(ks[0], (bh, sq, sk), jnp.float32).astype(jnp.bfloat16)
-  p = softmax_probs(ks[1], (bh, sq, sk), jnp.bfloat16)
-  scale = jnp.full((1,), 0.125, jnp.float32)
-  run = functools.partial(pallas_triton.dl_pass, scale, g, p, causal=causal, causal_tile=tile,
-                          interpret=INTERPRET)
-  plain = np.asarray(run(cfg=qks.DlConfig(rows, 4)), np.float32)
-  got = np.asarray(run(cfg=qks.DlConfig(rows, 4, chunk=chunk, stages=2)), np.float32)
-  _assert_dl_where_written(got, plain, causal, tile)
-  with pytest.raises(ValueError, match="config.dl.chunk"):
-    qks.DlConfig(chunk=12)
-  with pytest.raises(ValueError, match="config.dl.stages"):
-    qks.DlConfig(stages=5)
 
 
 def test_dl_pass_phased_lowers_to_triton(pretend_h200):
@@ -623,9 +590,16 @@ def test_tuned_table():
     assert h200(s, s).dl == qks.DlConfig(1, 1), s
   assert qks.dl_config({"rows": 8, "num_warps": 1}, 449) == qks.default_dl_config(449)
   assert qks.dl_config({"rows": 4, "num_warps": 1}, 449) == qks.DlConfig(4, 1)
-  assert h200(4096, 4096, causal=True) == h200(4096, 4096)
-  assert h200(512, 512, causal=True).dl == qks.DlConfig(1, 1)
-  assert h200(2048, 2048, causal=True).dl == qks.default_dl_config(2048)  # causal_dl: null
+  # Causal: the dL kernel's row classes, the default's rows for rows of 1024-4096 keys
+  # (an entry without rows), 2 rows on 4 warps for 512, 8 rows on 8 warps for 256.
+  classes = functools.partial(dataclasses.replace, classes=True)
+  assert h200(4096, 4096, causal=True) == dataclasses.replace(
+      h200(4096, 4096), dl=classes(qks.default_dl_config(4096)))
+  assert h200(2048, 2048, causal=True).dl == classes(qks.default_dl_config(2048))
+  assert h200(512, 512, causal=True).dl == qks.DlConfig(2, 4, classes=True)
+  assert h200(256, 256, causal=True).dl == qks.DlConfig(8, 8, classes=True)
+  assert qks.dl_config({"phased": True}, 449) == classes(qks.default_dl_config(449),
+                                                         classes=False, phased=True)
   assert h200(4096, 4096, schemes=("two_pass",)) == two_pass_4096
   assert h200(64, 1 << 15).scheme == "two_pass"
   assert h200(64, 2 * qks.DL_TUNED_MAX_ROW).scheme == "two_pass"  # not measured there
@@ -633,7 +607,6 @@ def test_tuned_table():
   # Rows of 256 keys: dL + GEMM, dense and causal; the class's per_head entry by name.
   head_256 = qks.PassConfig(64, 256, 8, 2)
   assert h200(128, 256).scheme == "dl_gemm" and h200(256, 256).scheme == "dl_gemm"
-  assert h200(256, 256, causal=True) == h200(256, 256)
   assert h200(256, 256, schemes=("two_pass", "per_head")) == qks.Config(head_256, head_256,
                                                                          "per_head")
   # A whole-row entry used for rows longer than MAX_WHOLE_ROW keys (a class borrowing
