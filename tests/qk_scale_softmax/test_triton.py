@@ -567,18 +567,18 @@ def test_tuned_table():
   h200 = functools.partial(qks.default_config, head_dim=128, dtype=jnp.bfloat16,
                            device_kind="NVIDIA H200")
   two_pass_211 = qks.Config(qks.PassConfig(32, 256, 4, 1), qks.PassConfig(32, 128, 4, 3))
-  # Ragged rows: dL + GEMM (the table's dL rows at 211; causal: one row per warp, unphased).
+  # Ragged rows: dL + GEMM (the table's dL rows at 211; causal: unphased, in row classes).
   assert h200(211, 211) == dataclasses.replace(two_pass_211, scheme="dl_gemm",
                                                dl=qks.DlConfig(2, 1))
   assert h200(211, 211, causal=True) == dataclasses.replace(two_pass_211, scheme="dl_gemm",
-                                                            dl=qks.DlConfig(1, 1))
+                                                            dl=qks.DlConfig(2, 1, classes=True))
   assert h200(211, 211, schemes=("two_pass",)) == two_pass_211
   two_pass_449 = qks.Config(qks.PassConfig(32, 64, 4, 2, row_align=16),
                             qks.PassConfig(64, 64, 4, 3))
   assert h200(449, 449) == dataclasses.replace(two_pass_449, scheme="dl_gemm",
                                                dl=qks.DlConfig(1, 1, phased=True))
   assert h200(449, 449, causal=True) == dataclasses.replace(two_pass_449, scheme="dl_gemm",
-                                                            dl=qks.DlConfig(1, 1))
+                                                            dl=qks.DlConfig(1, 1, classes=True))
   two_pass_4096 = qks.Config(qks.PassConfig(32, 128, 4, 2), qks.PassConfig(32, 64, 4, 3))
   # Aligned rows of >= 512 keys: the dL + GEMM scheme, dense and causal (rows too long to
   # hold in registers: the two-pass kernels).
