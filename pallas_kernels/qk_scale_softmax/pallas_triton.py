@@ -33,8 +33,10 @@ scheme (a buffer the size of ``P``). The kernels are:
    :mod:`.gemm_mosaic_gpu`): 10 B per element in bf16. Causal calls read ``g`` and ``P``
    only up to the diagonal; with the Triton GEMMs (which skip the tiles wholly above it) the
    ``dL`` kernel writes 0 only up to their tile boundary past the diagonal and pairs a short
-   and a long block of rows per program, about half the dense bytes (the H200 table's choice
-   for causal rows of more than 128 keys); with XLA's GEMMs, which do the full work, it
+   and a long block of rows per program, or (``DlConfig.classes``, the H200 table's choice)
+   takes the rows in classes of halving lengths, about half the dense bytes (the H200
+   table's choice for causal rows of more than 128 keys); with XLA's GEMMs, which do the
+   full work, it
    writes ``dL = 0`` over the whole upper triangle.
 
 Traffic per attention element in bf16: ``g`` and ``P`` are 4 B per read. The floor (and
@@ -802,9 +804,10 @@ def dl_pass(scale, g, p, *, causal=False, cfg, interpret, causal_tile=None):
   diagonal of the last row of its group of ``R`` rows (``r // R * R + R - 1``), and left
   unwritten past it: about half the writes. GEMMs that read ``dL`` only there need no more:
   :func:`causal_tile_of` their tiles for :func:`dl_gemms` and :func:`dl_matmul`,
-  ``gemm_mosaic_gpu.CAUSAL_TILE`` for the Mosaic GPU GEMMs. With ``cfg.phased`` rows of
-  ``Sk % 8 != 0`` keys take :func:`_dl_kernel_phased` (the same ``dL``, on 16-byte aligned
-  tiles; :func:`dl_phased`)."""
+  ``gemm_mosaic_gpu.CAUSAL_TILE`` for the Mosaic GPU GEMMs; there ``cfg.classes`` takes the
+  rows in classes of halving lengths (:func:`_dl_kernel_classes`, the same ``dL`` where it
+  is written). With ``cfg.phased`` rows of ``Sk % 8 != 0`` keys take
+  :func:`_dl_kernel_phased` (the same ``dL``, on 16-byte aligned tiles; :func:`dl_phased`)."""
   bh, seq_q, seq_k = g.shape
   if dl_phased(seq_k, cfg, g.size):
     align, block = _phase.resolve(_phase.ALIGN, seq_q, cfg.rows, _phase.ALIGN)
