@@ -33,11 +33,10 @@ scheme (a buffer the size of ``P``). The kernels are:
    :mod:`.gemm_mosaic_gpu`): 10 B per element in bf16. Causal calls read ``g`` and ``P``
    only up to the diagonal; with the Triton GEMMs (which skip the tiles wholly above it) the
    ``dL`` kernel writes 0 only up to their tile boundary past the diagonal and pairs a short
-   and a long block of rows per program, or (``DlConfig.classes``)
-   takes the rows in classes of halving lengths, about half the dense bytes (the H200
-   table's choice for causal rows of more than 128 keys); with XLA's GEMMs, which do the
-   full work, it
-   writes ``dL = 0`` over the whole upper triangle.
+   and a long block of rows per program, or (``DlConfig.classes``) takes the rows in
+   classes of halving lengths, about half the dense bytes (the H200 table's choice for
+   causal rows of more than 128 keys); with XLA's GEMMs, which do the full work, it writes
+   ``dL = 0`` over the whole upper triangle.
 
 Traffic per attention element in bf16: ``g`` and ``P`` are 4 B per read. The floor (and
 the per-head kernel) reads them once; the two-pass scheme reads them twice (8 B), up to
