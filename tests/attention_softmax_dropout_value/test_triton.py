@@ -68,10 +68,11 @@ def test_block_kv_is_an_alias_of_block_k():
                                               (3, True, 0.1)])
 def test_ds_pass_heads_per_program(heads, prefetch, p):
   """The dS pass with several query heads of a kv group per program (V tiles shared),
-  ragged tiles, many delta partials (several chunks of the partials' 2D loads). Rows of
-  1100 keys are not 16-byte aligned: ``row_align=0`` keeps them on this path."""
+  ragged tiles, many delta partials (34 of 16 keys: two chunks of the partials' 2D loads of
+  up to 32). Rows of 530 keys are not 16-byte aligned: ``row_align=0`` keeps them on this
+  path."""
   rate = 0.1 if p == "traced" else p
-  args = make_inputs(2, 8, 2, 19, 1100, 64, rate, seed=8)  # G = 4; 3 heads -> 2
+  args = make_inputs(2, 8, 2, 19, 530, 64, rate, seed=8)  # G = 4; 3 heads -> 2
   config = asdv.Config(asdv.PassConfig(16, 16, 4, 2),
                        asdv.PassConfig(16, 32, 4, 2, prefetch=prefetch, heads=heads,
                                        row_align=0))
