@@ -413,10 +413,12 @@ def test_backend_scheme_option():
     ("per_head", True, qks.Config(qks.PassConfig(16, 16, 4, 2), qks.PassConfig(16, 16, 4, 2),
                                   "per_head")),
     ("dl_gemm", True, dataclasses.replace(DL_GEMM, dl=qks.DlConfig(2, 4))),
+    ("dl_classes", True, dataclasses.replace(DL_GEMM, dl=qks.DlConfig(2, 4, classes=True))),
 ])
 def test_x64_loop_strategies(name, causal, config):
-  """Under x64: the phase-aligned row kernel, the prefetch loops (causal: traced bounds)
-  and the per-head kernel; ragged rows of several key tiles."""
+  """Under x64: the phase-aligned row kernel, the prefetch loops (causal: traced bounds),
+  the per-head kernel and the dL + GEMM scheme (causal: the dL kernel's pairs of row blocks
+  and its row classes), against the reference; ragged rows of several key tiles."""
   with jax.enable_x64(True):
     args = make_inputs(11, 1, 2, 33, 45, 40, causal=causal)
     if name == "phased":
