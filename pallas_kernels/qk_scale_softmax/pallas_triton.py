@@ -706,9 +706,10 @@ def dl_classes(seq_q: int, seq_k: int, stride: int, rows: int,
   ``(lo, hi, width, block_q)`` per class, longest rows first. Row ``i`` is read up to the
   vector of 8 keys holding its diagonal and written up to the multiple of ``T`` keys past
   the diagonal of its group's last row (:func:`dl_pass`); a class holds the rows whose extent
-  fits ``width`` (a power of two, halving from :func:`dl_width`, down to 64 keys) but not
-  half of it, ``block_q`` rows per program, so that every program holds ``rows *
-  dl_width(seq_k)`` elements. Static (Python ints)."""
+  fits ``width`` (a power of two, halving from :func:`dl_width`, down to 64 keys, at most 8
+  widths: the last class takes every shorter row too) but not half of it, ``block_q`` rows
+  per program, so that every program holds ``rows * dl_width(seq_k)`` elements. Static
+  (Python ints)."""
   group, keys = causal_tile
   top = dl_width(seq_k)
   i = np.arange(seq_q)
@@ -825,21 +826,18 @@ def dl_pass(scale, g, p, *, causal=False, cfg, interpret, causal_tile=None):
   enable_load_cache_modifiers("the dL kernel's .cg loads")
   if causal and causal_tile is not None and cfg.classes:
     classes = dl_classes(seq_q, seq_k, dl_stride(seq_k, cfg), cfg.rows, causal_tile)
-    return pallas_call(
-        functools.partial(_dl_kernel_classes, seq_q=seq_q, seq_k=seq_k, classes=classes,
-                          causal_tile=causal_tile),
-        out_shape=out_struct((bh, seq_q, dl_stride(seq_k, cfg)), g.dtype, g, p),
-        grid=(sum(-(-(hi - lo) // r) for lo, hi, _, r in classes), bh),
-        compiler_params=compiler_params(cfg.num_warps, 1),
-        interpret=interpret,
-        name="qk_scale_softmax_bwd_dl",
-    )(scale, g, p)
+    kernel = functools.partial(_dl_kernel_classes, seq_q=seq_q, seq_k=seq_k, classes=classes,
+                               causal_tile=causal_tile)
+    programs = sum(pl.cdiv(hi - lo, block_q) for lo, hi, _, block_q in classes)
+  else:
+    kernel = functools.partial(_dl_kernel, seq_q=seq_q, seq_k=seq_k, block_q=cfg.rows,
+                               width=width, causal=causal, causal_tile=causal_tile)
+    # Causal: a program takes two blocks of rows, a short and a long one (_dl_kernel).
+    programs = pl.cdiv(pl.cdiv(seq_q, cfg.rows), 2) if causal else pl.cdiv(seq_q, cfg.rows)
   return pallas_call(
-      functools.partial(_dl_kernel, seq_q=seq_q, seq_k=seq_k, block_q=cfg.rows,
-                        width=width, causal=causal, causal_tile=causal_tile),
+      kernel,
       out_shape=out_struct((bh, seq_q, dl_stride(seq_k, cfg)), g.dtype, g, p),
-      # Causal: a program takes two blocks of rows, a short and a long one (_dl_kernel).
-      grid=(pl.cdiv(pl.cdiv(seq_q, cfg.rows), 2) if causal else pl.cdiv(seq_q, cfg.rows), bh),
+      grid=(programs, bh),
       compiler_params=compiler_params(cfg.num_warps, 1),
       interpret=interpret,
       name="qk_scale_softmax_bwd_dl",
