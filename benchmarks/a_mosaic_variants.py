@@ -36,6 +36,9 @@ VARIANTS = {
     "bits_dk128": mg.Config(keep_bits=True, delta_rows=64, delta_block_k=128, delta_stages=2),
     "nofence": mg.Config(proxy_fence=False),   # no fence.proxy.async before slot releases
     "two_kernels": mg.Config(mirror_delta=False),   # rows of 256 keys: the delta kernel too
+    # rows of 256-1024 keys: one kernel, the key blocks' programs a cluster exchanging delta
+    "cluster": mg.Config(cluster_delta=True),
+    "cluster_s3": mg.Config(cluster_delta=True, stages=3),
 }
 
 

@@ -58,6 +58,22 @@ def interpret_params(interpret):
   return interpret or None
 
 
+def cluster_fence(interpret) -> None:
+  """``fence.acq_rel.cluster``: orders this thread's memory accesses before and after it at
+  cluster scope (around a data exchange through a cluster's shared memory); nothing in the
+  interpreter, whose memory is sequentially consistent."""
+  if interpret:
+    return
+
+  @plgpu.inline_mgpu()
+  def fence(ctx):
+    del ctx
+    from jax.experimental.mosaic.gpu.utils import inline_ptx
+    inline_ptx("fence.acq_rel.cluster;", has_side_effects=True)
+
+  fence()
+
+
 def check_hopper(entry_point: str, interpret, *arrays) -> None:
   """Raises a clear ``ValueError`` when a Mosaic GPU kernel would compile off a Hopper GPU
   (wgmma is sm_90a-only); under ``interpret`` any machine runs the Mosaic GPU interpreter."""

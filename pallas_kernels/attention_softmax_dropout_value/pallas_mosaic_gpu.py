@@ -58,6 +58,7 @@ i32 = np.int32  # index constants: int32 under x64 too (lax.div/rem need one dty
 ROWS = 64          # rows per consumer warpgroup (one wgmma M)
 KEYS = 64          # keys per consumer warpgroup in the dS/dV kernel
 WGS = 2            # consumer warpgroups per program
+MAX_CLUSTER = 8    # programs per cluster (the portable limit): rows of up to 1024 keys
 MEMORY_REGISTERS = _mosaic.MEMORY_REGISTERS
 _tiled = _mosaic.tiled
 _varying_like = _mosaic.varying_like
@@ -259,8 +260,17 @@ def _drawn_keep(seeds_ref, t, b, kvh, key0, keep_hash):
 
 def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale, stages,
                   split, fused_delta, keep_bits, keep_hash=None, delay_dv=False,
-                  mirror=False, proxy_fence=True):
-  if fused_delta:   # rows of one key block: delta from the two warpgroups' halves
+                  mirror=False, cluster=0, proxy_fence=True, interpret=False):
+  xg_ref = None
+  if cluster:   # the exchange's slots; in the interpreter, through global memory
+    *refs, xchg_barrier = refs
+    refs, xchg_smem = refs[:-2 * WGS], refs[-2 * WGS:]
+    if interpret:
+      v_ref, ds_ref, dv_ref, xg_ref, v_smem, ds_smem, barrier = refs
+    else:
+      v_ref, ds_ref, dv_ref, v_smem, ds_smem, barrier = refs
+    delta_ref = None
+  elif fused_delta:   # rows of one key block: delta from the two warpgroups' halves
     v_ref, ds_ref, dv_ref, v_smem, ds_smem, barrier, xchg_smem, xchg_barrier = refs
     delta_ref = None
   elif keep_hash is not None:   # keep drawn again from the seeds (pd_ref holds them)
@@ -388,16 +398,22 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
         return plgpu.wgmma_accumulator_load(acc, wait_n=1)
       dpd = pl.run_scoped(mm, plgpu.ACC((ROWS, KEYS), f32))
       p = plgpu.load(p_smem.at[:, wg_keys], layout=plgpu.Layout.WGMMA).astype(f32)
+      if keep_scale is not None or cluster:
+        pd = plgpu.load(pd_smem.at[:, wg_keys], layout=plgpu.Layout.WGMMA)
+      if cluster:   # this warpgroup's part of delta = rowsum(dPd * Pd), as the delta kernel
+        part = jnp.sum(dpd * pd.astype(f32), axis=1)
       if keep_scale is None:       # p == 0: no dropout
         dw = dpd
       else:
-        pd = plgpu.load(pd_smem.at[:, wg_keys], layout=plgpu.Layout.WGMMA)
         dw = jnp.where(pd != 0, dpd * keep_scale, 0.0)
     if not delay_dv:
       _fence(proxy_fence)
       plgpu.barrier_arrive(p_consumed)
     slot = lax.rem(t, i32(2))
-    if mirror:
+    if cluster:
+      delta = _exchange_delta(part, xchg_smem, xchg_barrier, xg_ref, slot, kb, wg,
+                              (bk, share), cluster=cluster, interpret=interpret)
+    elif mirror:
       # delta = rowsum(dPd * Pd) over the 256 keys (as the delta kernel takes it): each
       # warpgroup's two 64-key sums, exchanged, in the same order in both programs.
       for blk in range(2):
@@ -465,9 +481,50 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
   pipeline(*operands)
 
 
+def _exchange_delta(part, xchg_smem, xchg_barrier, xg_ref, slot, kb, wg, program, *, cluster,
+                    interpret):
+  """``delta`` of a row tile from the parts of the ``cluster`` programs of a row (one per
+  key block) and their two warpgroups: each warpgroup writes its part into slot ``slot`` of
+  its program's shared memory (``xchg_smem``: ``2 * WGS`` refs of ``[64]``, slot-major),
+  arrives on the cluster barrier (every program's), waits for all ``WGS * cluster``
+  arrivals and reads the parts from the cluster's shared memory, adding them in the same
+  order in every program (the same delta in all). Two slots: a program writes slot ``s``
+  again two steps later, after every warpgroup of the cluster has arrived for the step
+  between, that is after each has read slot ``s``. (One ref per part: jax 0.11.2 lowers a
+  peer's ref only at offset 0.) The interpreter (no shared memory across a cluster) takes
+  the same steps through ``xg_ref`` in global memory, one slab per cluster (``program``)."""
+  row_layout = plgpu.Layout.WGMMA.reduce(1)
+  if interpret:
+    xg_ref.at[program + (slot, kb, wg)][...] = part
+  else:
+    for s in range(2):
+      for w in range(WGS):
+        @pl.when((slot == s) & (wg == w))
+        def _write():
+          xchg_smem[s * WGS + w][...] = part
+  _mosaic.cluster_fence(interpret)
+  plgpu.commit_smem()   # a warpgroup barrier: all its threads' parts before its arrivals
+  plgpu.barrier_arrive(xchg_barrier)
+  plgpu.barrier_wait(xchg_barrier)
+  _mosaic.cluster_fence(interpret)
+
+  def read(s):
+    delta = None
+    for c in range(cluster):
+      for w in range(WGS):
+        x = (xg_ref[program + (s, c, w)] if interpret else
+             plgpu.load(plgpu.cluster_ref(xchg_smem[s * WGS + w], {"keys": c}), (),
+                        layout=row_layout))
+        delta = x if delta is None else delta + x
+    return delta
+  if interpret:
+    return read(slot)
+  return lax.cond(slot == 0, lambda: read(0), lambda: read(1))
+
+
 def ds_dv_pass(do, p_groups, pd_groups, delta, v, *, rate, stages=3, split=1,
                keep_bits=None, keep_seeds=None, pair_hash=True, delay_dv=True,
-               proxy_fence=True, interpret=False):
+               cluster=False, proxy_fence=True, interpret=False):
   """``(dS [B, KVH, G * seq_q, seq_k], dV [B, KVH, seq_k, D])`` from the group slabs of P
   and Pd, ``delta [B, KVH, G * seq_q]`` and V.
 
@@ -487,6 +544,11 @@ def ds_dv_pass(do, p_groups, pd_groups, delta, v, *, rate, stages=3, split=1,
   ``rowsum(dPd * Pd)`` (as the delta kernel does), and writes its own block's dS: 8 B per
   element in one launch (``keep_seeds`` / ``keep_bits`` go with a delta; ``delay_dv``, with
   ``keep_seeds`` only).
+  ``cluster`` (with ``delta=None``, ``seq_k`` of 256 to 1024 keys): the programs of a row's
+  ``seq_k / 128`` key blocks run as one cluster and walk its row tiles together; each
+  computes its keys' part of ``rowsum(dPd * Pd)`` and they exchange the parts through their
+  shared memory at every step (:func:`_exchange_delta`): P and Pd read once, dS written once
+  (6 B per element), one launch.
   ``split`` programs share each key block's rows (``G * seq_q / 64`` a multiple of it);
   above 1 each adds an fp32 partial dV, summed here.
   """
@@ -496,9 +558,14 @@ def ds_dv_pass(do, p_groups, pd_groups, delta, v, *, rate, stages=3, split=1,
   if (rows // ROWS) % split:
     raise ValueError(f"split={split} must divide the {rows // ROWS} row tiles")
   fused_delta = delta is None
-  if fused_delta and skv not in (WGS * KEYS, 2 * WGS * KEYS):
-    raise ValueError(f"delta=None needs seq_k == {WGS * KEYS} or {2 * WGS * KEYS}, got {skv}")
-  mirror = fused_delta and skv == 2 * WGS * KEYS
+  blocks = skv // (WGS * KEYS)
+  if cluster and not (fused_delta and skv % (WGS * KEYS) == 0 and 2 <= blocks <= MAX_CLUSTER):
+    raise ValueError(f"cluster=True needs delta=None and seq_k a multiple of {WGS * KEYS} "
+                     f"in [{2 * WGS * KEYS}, {MAX_CLUSTER * WGS * KEYS}], got {skv}")
+  if fused_delta and not cluster and skv not in (WGS * KEYS, 2 * WGS * KEYS):
+    raise ValueError(f"delta=None needs seq_k == {WGS * KEYS} or {2 * WGS * KEYS} (or "
+                     f"cluster=True), got {skv}")
+  mirror = fused_delta and not cluster and skv == 2 * WGS * KEYS
   if (keep_bits is not None or keep_seeds is not None) and (fused_delta or rate == 0):
     raise ValueError("keep_bits and keep_seeds go with a delta and a rate > 0")
   if keep_bits is not None and keep_seeds is not None:
@@ -515,7 +582,8 @@ def ds_dv_pass(do, p_groups, pd_groups, delta, v, *, rate, stages=3, split=1,
                              keep_scale=keep_scale, stages=stages, split=split,
                              proxy_fence=proxy_fence,
                              fused_delta=fused_delta, keep_bits=keep_bits is not None,
-                             keep_hash=keep_hash, delay_dv=delay_dv, mirror=mirror)
+                             keep_hash=keep_hash, delay_dv=delay_dv, mirror=mirror,
+                             cluster=blocks if cluster else 0, interpret=bool(interpret))
   dtype = p_groups.dtype
   like = tuple(x for x in (do, p_groups, pd_groups, delta, keep_bits, keep_seeds, v)
                if x is not None)
@@ -528,7 +596,10 @@ def ds_dv_pass(do, p_groups, pd_groups, delta, v, *, rate, stages=3, split=1,
                  transforms=_tiled(dtype)),
       plgpu.Barrier(num_barriers=2 * WGS if mirror else WGS),
   ]
-  if fused_delta:
+  if cluster:
+    scratch += [plgpu.SMEM((ROWS,), f32) for _ in range(2 * WGS)]
+    scratch.append(plgpu.ClusterBarrier(collective_axes=("keys",), num_arrivals=WGS))
+  elif fused_delta:
     scratch += [plgpu.SMEM((2, WGS, 2, ROWS) if mirror else (2, WGS, ROWS), f32),
                 plgpu.Barrier(num_arrivals=WGS)]
   if rebuild:
@@ -537,11 +608,19 @@ def ds_dv_pass(do, p_groups, pd_groups, delta, v, *, rate, stages=3, split=1,
   second = (keep_seeds if keep_seeds is not None
             else pd_groups if keep_bits is None else keep_bits)
   operands = [do, p_groups, second] + ([] if fused_delta else [delta]) + [v]
-  ds, dv = plgpu.kernel(
+  out_type = (out_struct((b, kvh, rows, skv), dtype, *like), dv_type)
+  if cluster:   # one cluster per row slab and share: its programs are the key blocks
+    launch = dict(grid=(b * kvh, split), grid_names=("bk", "split"), cluster=(blocks,),
+                  cluster_names=("keys",))
+    if interpret:   # the exchange's stand-in for the cluster's shared memory
+      out_type += (jax.ShapeDtypeStruct((b * kvh, split, 2, blocks, WGS, ROWS), f32),)
+  else:
+    launch = dict(grid=(b * kvh, blocks, split), grid_names=("bk", "keys", "split"))
+  ds, dv, *_ = plgpu.kernel(
       kernel,
-      out_type=(out_struct((b, kvh, rows, skv), dtype, *like), dv_type),
+      out_type=out_type,
       scratch_types=scratch,
-      grid=(b * kvh, skv // (WGS * KEYS), split), grid_names=("bk", "keys", "split"),
+      **launch,
       num_threads=WGS + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=_interpret_params(interpret),
@@ -597,6 +676,10 @@ class Config:
   slots (2 to 8). The bits mode keeps ``stages``: at 3 slots it hung in the Mosaic GPU
   interpreter on a ``(1, 4, 2, 128, 256, 64)`` problem (delayed or not; 2 kv heads, 4 row
   tiles), which is not understood yet.
+  ``cluster_delta``: rows of 256 to 1024 keys (2 to 8 key blocks, :data:`MAX_CLUSTER`) in one
+  kernel, no delta kernel (``ds_dv_pass(cluster=True)``): the programs of a row's key blocks
+  run as one cluster and exchange their parts of delta through shared memory at every step,
+  6 B per element (without ``keep_bits``; ahead of ``mirror_delta`` at 256 keys).
   """
   delta_rows: int = 128
   delta_block_k: int = 64
@@ -609,6 +692,7 @@ class Config:
   pair_hash: bool = True
   delay_dv: bool = True
   rebuild_stages: int = 3
+  cluster_delta: bool = False
 
   def __post_init__(self):
     for name, allowed in (("delta_rows", (64, 128)), ("delta_block_k", (64, 128))):
@@ -623,7 +707,8 @@ class Config:
     if self.split != "auto" and (isinstance(self.split, bool) or not isinstance(self.split, int)
                                  or self.split < 1):
       raise ValueError(f"config.split: expected 'auto' or an int >= 1, got {self.split!r}")
-    for name in ("keep_bits", "proxy_fence", "pair_hash", "delay_dv", "mirror_delta"):
+    for name in ("keep_bits", "proxy_fence", "pair_hash", "delay_dv", "mirror_delta",
+                 "cluster_delta"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"config.{name}: expected a bool, got {getattr(self, name)!r}")
 
@@ -704,9 +789,11 @@ def _backward(grad_attn_output, attn_weights, attn_weights_dropped, value_states
         f"G * seq_q = {g * sq} (not a multiple of {WGS * ROWS}) at seq_k = {skv} takes the "
         "one-kernel mode only: it needs config.keep_bits=False and, at D = 128, "
         f"config.stages=2 (got keep_bits={config.keep_bits}, stages={config.stages})")
-  if skv == WGS * KEYS or (skv == 2 * WGS * KEYS and not bits and mirror_fits
-                           and (config.mirror_delta or not rows_fit)):
-    delta = None            # one or two key blocks: the dS-dV kernel computes delta itself
+  cluster = (config.cluster_delta and not bits
+             and 2 * WGS * KEYS <= skv <= MAX_CLUSTER * WGS * KEYS)
+  if cluster or skv == WGS * KEYS or (skv == 2 * WGS * KEYS and not bits and mirror_fits
+                                      and (config.mirror_delta or not rows_fit)):
+    delta = None            # the dS-dV kernel (or its cluster) computes delta itself
   else:
     rows = config.delta_rows
     if sq % rows or (g * sq) % (WGS * rows):
@@ -721,7 +808,7 @@ def _backward(grad_attn_output, attn_weights, attn_weights_dropped, value_states
   split = resolve_split(config.split, b, kvh, skv, g * sq // ROWS)
   ds, dv = ds_dv_pass(grad_attn_output, groups(attn_weights), pd_groups, delta, value_states,
                       rate=rate, stages=config.stages, split=split, keep_bits=keep_bits,
-                      delay_dv=config.delay_dv,
+                      delay_dv=config.delay_dv, cluster=cluster,
                       proxy_fence=config.proxy_fence, interpret=interpret)
   return ds.reshape(b, h, sq, skv), dv
 

@@ -66,6 +66,24 @@ def test_configs(config):
 
 
 @needs_kernels
+@pytest.mark.parametrize("b,h,kvh,sq,skv,d,p,stages", [
+    (1, 2, 1, 64, 512, 64, 0.1, 2),     # 4 key blocks, G = 2
+    (2, 4, 2, 64, 256, 128, 0.0, 3),    # 2 key blocks, D = 128, no dropout, 3 slots
+    (1, 10, 1, 64, 384, 64, 0.2, 2),    # 3 key blocks, G = 10
+])
+def test_cluster_delta_matches_reference(b, h, kvh, sq, skv, d, p, stages):
+  """Rows of 2-4 key blocks in one kernel, the blocks' programs a cluster exchanging their
+  parts of delta (in the interpreter through global memory; compiled, through the
+  cluster's shared memory); the same gradients as the two-kernel path."""
+  args = make_inputs(b, h, kvh, sq, skv, d, p, seed=5)
+  config = mg.Config(cluster_delta=True, stages=stages)
+  got = backward(*args, p, config=config)
+  check(got, reference(*args, p))
+  two = backward(*args, p, config=mg.Config(mirror_delta=False))
+  np.testing.assert_array_equal(np.asarray(got[1], np.float32), np.asarray(two[1], np.float32))
+
+
+@needs_kernels
 def test_one_key_block_delta_is_the_references():
   """Rows of 128 keys: delta = rowsum(dW * P) across the two warpgroups, as the reference
   sums it, so dS is exact wherever the reference's rounding is (no Pd rounding in delta)."""
@@ -199,6 +217,13 @@ def test_config_errors():
     mg.Config(keep_bits=1)
   with pytest.raises(ValueError, match="config.delay_dv"):
     mg.Config(delay_dv=None)
+  with pytest.raises(ValueError, match="config.cluster_delta"):
+    mg.Config(cluster_delta="yes")
+  with pytest.raises(ValueError, match="cluster=True needs"):
+    x = jnp.zeros((1, 1, 64, 2048), jnp.bfloat16)
+    mg.ds_dv_pass(jnp.zeros((1, 64, 1, 64), jnp.bfloat16), x, x, None,
+                  jnp.zeros((1, 1, 2048, 64), jnp.bfloat16), rate=0.1, cluster=True,
+                  interpret=True)
   with pytest.raises(ValueError, match="config.rebuild_stages"):
     mg.Config(rebuild_stages=9)
   args = make_inputs(1, 2, 1, 64, 128, 64, 0.1)
@@ -239,6 +264,7 @@ def test_dispatch(monkeypatch):
 
 @pytest.mark.parametrize("skv,config", [(256, mg.Config()), (128, mg.Config()),
                                         (256, mg.Config(mirror_delta=False)),
+                                        (512, mg.Config(cluster_delta=True)),
                                         (256, mg.Config(keep_bits=True, delta_rows=64)),
                                         (256, mg.Config(proxy_fence=False))])
 def test_lowers_for_a_gpu(skv, config):
