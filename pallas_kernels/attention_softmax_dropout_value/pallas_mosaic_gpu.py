@@ -493,7 +493,6 @@ def _exchange_delta(part, xchg_smem, xchg_barrier, xg_ref, slot, kb, wg, program
   between, that is after each has read slot ``s``. (One ref per part: jax 0.11.2 lowers a
   peer's ref only at offset 0.) The interpreter (no shared memory across a cluster) takes
   the same steps through ``xg_ref`` in global memory, one slab per cluster (``program``)."""
-  row_layout = plgpu.Layout.WGMMA.reduce(1)
   if interpret:
     xg_ref.at[program + (slot, kb, wg)][...] = part
   else:
@@ -508,17 +507,14 @@ def _exchange_delta(part, xchg_smem, xchg_barrier, xg_ref, slot, kb, wg, program
   plgpu.barrier_wait(xchg_barrier)
   _mosaic.cluster_fence(interpret)
 
-  def read(s):
+  if interpret:
     delta = None
     for c in range(cluster):
       for w in range(WGS):
-        x = (xg_ref[program + (s, c, w)] if interpret else
-             plgpu.load(plgpu.cluster_ref(xchg_smem[s * WGS + w], {"keys": c}), (),
-                        layout=row_layout))
+        x = xg_ref[program + (slot, c, w)]
         delta = x if delta is None else delta + x
     return delta
-  if interpret:
-    return read(slot)
+  read = lambda s: _mosaic.cluster_sum(xchg_smem[s * WGS:(s + 1) * WGS], cluster)
   return lax.cond(slot == 0, lambda: read(0), lambda: read(1))
 
 
