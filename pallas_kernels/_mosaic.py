@@ -58,20 +58,87 @@ def interpret_params(interpret):
   return interpret or None
 
 
-def cluster_fence(interpret) -> None:
-  """``fence.acq_rel.cluster``: orders this thread's memory accesses before and after it at
-  cluster scope (around a data exchange through a cluster's shared memory); nothing in the
-  interpreter, whose memory is sequentially consistent."""
-  if interpret:
-    return
+def _asm(ptx: str, *args, constraints: str) -> None:
+  """Inline PTX with side effects that also clobbers memory (the compiler moves no memory
+  access across it)."""
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import llvm
+  llvm.inline_asm(ir.Type.parse("!llvm.void"), list(args), ptx,
+                  ",".join(filter(None, [constraints, "~{memory}"])), has_side_effects=True)
 
-  @plgpu.inline_mgpu()
-  def fence(ctx):
+
+def _barrier_ptr(ref, index: int):
+  """The shared-memory address (a 32-bit ``ptr<3>``) of mbarrier ``index`` of ``ref``, a
+  ``uint32`` ref holding 64-bit mbarriers (two words each)."""
+  from jax._src.lib.mlir import ir
+  from jax.experimental.mosaic.gpu import utils as mu
+  return mu.getelementptr(mu.memref_ptr(ref), [2 * index], ir.IntegerType.get_signless(32))
+
+
+def cluster_barriers_init(ref, count: int) -> None:
+  """Initializes the 64-bit mbarriers of ``ref`` (a ``uint32`` shared-memory ref of
+  ``2 * n`` words) for ``count`` arrivals per phase, from one thread of the warpgroup, and
+  releases the initialization to the cluster (``fence.mbarrier_init.release.cluster``). The
+  caller then synchronizes the cluster before any program arrives on them."""
+  n = ref.shape[0] // 2
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+  def init(ctx, smem):
     del ctx
-    from jax.experimental.mosaic.gpu.utils import inline_ptx
-    inline_ptx("fence.acq_rel.cluster;", has_side_effects=True)
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith
+    from jax.experimental.mosaic.gpu import utils as mu
+    i32 = ir.IntegerType.get_signless(32)
+    first = arith.cmpi(arith.CmpIPredicate.eq,
+                       arith.remui(mu.thread_idx(), mu.c(128, i32)), mu.c(0, i32))
+    for k in range(n):
+      _asm("@$0 mbarrier.init.shared::cta.b64 [$1], $2;", first, _barrier_ptr(smem, k),
+           mu.c(count, i32), constraints="b,r,r")
+    _asm("@$0 fence.mbarrier_init.release.cluster;", first, constraints="b")
 
-  fence()
+  init(ref)
+
+
+def cluster_barrier_arrive(ref, index: int, cluster: int) -> None:
+  """Arrives once, with release semantics at cluster scope, on mbarrier ``index`` of ``ref``
+  in each of the ``cluster`` programs of the cluster (axis ``x``): thread ``c`` of the
+  warpgroup arrives on program ``c``'s. The caller has synchronized the warpgroup after its
+  writes (``plgpu.commit_smem``), so the release covers every thread's writes."""
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+  def arrive(ctx, smem):
+    del ctx
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith
+    from jax.experimental.mosaic.gpu import utils as mu
+    i32 = ir.IntegerType.get_signless(32)
+    lane = arith.remui(mu.thread_idx(), mu.c(128, i32))
+    signals = arith.cmpi(arith.CmpIPredicate.ult, lane, mu.c(cluster, i32))
+    _asm("{\n .reg .b32 remote;\n"
+         " @$0 mapa.shared::cluster.u32 remote, $1, $2;\n"
+         " @$0 mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}",
+         signals, _barrier_ptr(smem, index), lane, constraints="b,r,r")
+
+  arrive(ref)
+
+
+def cluster_barrier_wait(ref, index: int, parity: int) -> None:
+  """Waits, with acquire semantics at cluster scope, for the phase of parity ``parity`` (0 or
+  1) of mbarrier ``index`` of ``ref`` to complete."""
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+  def wait(ctx, smem):
+    del ctx
+    from jax._src.lib.mlir import ir
+    from jax.experimental.mosaic.gpu import utils as mu
+    _asm("{\n .reg .pred done;\n"
+         " WAIT:\n"
+         " mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [$0], $1;\n"
+         " @!done bra.uni WAIT;\n}",
+         _barrier_ptr(smem, index), mu.c(parity, ir.IntegerType.get_signless(32)),
+         constraints="r,r")
+
+  wait(ref)
 
 
 def cluster_sum(refs, cluster: int):

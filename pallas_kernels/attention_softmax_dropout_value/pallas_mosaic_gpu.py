@@ -262,8 +262,8 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
                   split, fused_delta, keep_bits, keep_hash=None, delay_dv=False,
                   mirror=False, cluster=0, proxy_fence=True, interpret=False):
   xg_ref = None
-  if cluster:   # the exchange's slots; in the interpreter, through global memory
-    *refs, xchg_barrier = refs
+  if cluster:   # the exchange's slots and barriers; in the interpreter, global memory
+    *refs, mbar, xchg_barrier = refs
     refs, xchg_smem = refs[:-2 * WGS], refs[-2 * WGS:]
     if interpret:
       v_ref, ds_ref, dv_ref, xg_ref, v_smem, ds_smem, barrier = refs
@@ -298,6 +298,15 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
   own_v = v_smem.at[wg, kb] if mirror else v_smem.at[wg]
 
   def compute_context(run_pipeline):
+    if cluster and not interpret:
+      # The exchange's mbarriers, initialized before any program of the cluster arrives on
+      # them: the one use of the cluster barrier.
+      @pl.when(wg == 0)
+      def _init():
+        _mosaic.cluster_barriers_init(mbar, count=WGS * cluster)
+      plgpu.commit_smem()   # the initializing thread's fence before its warpgroup arrives
+      plgpu.barrier_arrive(xchg_barrier)
+      plgpu.barrier_wait(xchg_barrier)
     if mirror:
       for blk in range(2):
         plgpu.copy_gmem_to_smem(v_ref.at[b, kvh, pl.ds(blk * WGS * KEYS + wg * KEYS, KEYS)],
@@ -411,7 +420,7 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
       plgpu.barrier_arrive(p_consumed)
     slot = lax.rem(t, i32(2))
     if cluster:
-      delta = _exchange_delta(part, xchg_smem, xchg_barrier, xg_ref, slot, kb, wg,
+      delta = _exchange_delta(part, xchg_smem, mbar, xchg_barrier, xg_ref, local, kb, wg,
                               (bk, share), cluster=cluster, interpret=interpret)
     elif mirror:
       # delta = rowsum(dPd * Pd) over the 256 keys (as the delta kernel takes it): each
@@ -481,39 +490,53 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
   pipeline(*operands)
 
 
-def _exchange_delta(part, xchg_smem, xchg_barrier, xg_ref, slot, kb, wg, program, *, cluster,
-                    interpret):
-  """``delta`` of a row tile from the parts of the ``cluster`` programs of a row (one per
-  key block) and their two warpgroups: each warpgroup writes its part into slot ``slot`` of
-  its program's shared memory (``xchg_smem``: ``2 * WGS`` refs of ``[64]``, slot-major),
-  arrives on the cluster barrier (every program's), waits for all ``WGS * cluster``
-  arrivals and reads the parts from the cluster's shared memory, adding them in the same
-  order in every program (the same delta in all). Two slots: a program writes slot ``s``
-  again two steps later, after every warpgroup of the cluster has arrived for the step
-  between, that is after each has read slot ``s``. (One ref per part: jax 0.11.2 lowers a
-  peer's ref only at offset 0.) The interpreter (no shared memory across a cluster) takes
-  the same steps through ``xg_ref`` in global memory, one slab per cluster (``program``)."""
+def _exchange_delta(part, xchg_smem, mbar, xchg_barrier, xg_ref, step, kb, wg, program, *,
+                    cluster, interpret):
+  """``delta`` of a row tile (the program's step ``step``) from the parts of the ``cluster``
+  programs of a row (one per key block) and their two warpgroups.
+
+  Each warpgroup writes its part into slot ``step % 2`` of its program's shared memory
+  (``xchg_smem``: ``2 * WGS`` refs of ``[64]``, slot-major; one ref per part, as jax 0.11.2
+  lowers a peer's ref only at offset 0), synchronizes, and arrives with release semantics
+  at cluster scope on that slot's mbarrier (``mbar``) in every program of the cluster; it
+  waits on its own program's with acquire semantics at cluster scope, for all
+  ``WGS * cluster`` arrivals of the step (phase parity ``step // 2 % 2``), then reads every
+  part from the cluster's shared memory and adds them in the same order in every program
+  (the same delta in all). Two slots: a program writes slot ``s`` again two steps later,
+  after every warpgroup of the cluster has arrived for the step between, that is after
+  each has read slot ``s``; and no phase of a slot's mbarrier completes before every
+  warpgroup has waited for the one before.
+
+  The interpreter (no shared memory across a cluster) takes the same steps through
+  ``xg_ref`` in global memory (one slab per cluster, ``program``) and the cluster barrier
+  ``xchg_barrier``, whose compiled arrivals have release semantics at CTA scope only (here
+  it orders only the mbarriers' initialization)."""
+  slot = lax.rem(step, i32(2))
   if interpret:
     xg_ref.at[program + (slot, kb, wg)][...] = part
-  else:
-    for s in range(2):
-      for w in range(WGS):
-        @pl.when((slot == s) & (wg == w))
-        def _write():
-          xchg_smem[s * WGS + w][...] = part
-  _mosaic.cluster_fence(interpret)
-  plgpu.commit_smem()   # a warpgroup barrier: all its threads' parts before its arrivals
-  plgpu.barrier_arrive(xchg_barrier)
-  plgpu.barrier_wait(xchg_barrier)
-  _mosaic.cluster_fence(interpret)
-
-  if interpret:
+    plgpu.barrier_arrive(xchg_barrier)
+    plgpu.barrier_wait(xchg_barrier)
     delta = None
     for c in range(cluster):
       for w in range(WGS):
         x = xg_ref[program + (slot, c, w)]
         delta = x if delta is None else delta + x
     return delta
+  for s in range(2):
+    for w in range(WGS):
+      @pl.when((slot == s) & (wg == w))
+      def _write():
+        xchg_smem[s * WGS + w][...] = part
+  plgpu.commit_smem()   # a warpgroup barrier: all its threads' parts before its arrivals
+  for s in range(2):
+    @pl.when(slot == s)
+    def _arrive():
+      _mosaic.cluster_barrier_arrive(mbar, s, cluster)
+  phase = lax.rem(step, i32(4))   # slot and parity of the slot's phase
+  for q in range(4):
+    @pl.when(phase == q)
+    def _wait():
+      _mosaic.cluster_barrier_wait(mbar, q % 2, q // 2)
   read = lambda s: _mosaic.cluster_sum(xchg_smem[s * WGS:(s + 1) * WGS], cluster)
   return lax.cond(slot == 0, lambda: read(0), lambda: read(1))
 
@@ -594,7 +617,8 @@ def ds_dv_pass(do, p_groups, pd_groups, delta, v, *, rate, stages=3, split=1,
   ]
   if cluster:
     scratch += [plgpu.SMEM((ROWS,), f32) for _ in range(2 * WGS)]
-    scratch.append(plgpu.ClusterBarrier(collective_axes=("keys",), num_arrivals=WGS))
+    scratch += [plgpu.SMEM((4,), jnp.uint32),   # two 64-bit mbarriers
+                plgpu.ClusterBarrier(collective_axes=("keys",), num_arrivals=WGS)]
   elif fused_delta:
     scratch += [plgpu.SMEM((2, WGS, 2, ROWS) if mirror else (2, WGS, ROWS), f32),
                 plgpu.Barrier(num_arrivals=WGS)]
