@@ -297,6 +297,22 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
   # blk * 128 + wg * 64 ...), its own block's slot the dV output's.
   own_v = v_smem.at[wg, kb] if mirror else v_smem.at[wg]
 
+  def store_ds(ds, t, slot):
+    """dS of row tile ``t`` through this warpgroup's shared-memory slot ``slot``."""
+    plgpu.wait_smem_to_gmem(1, wait_read_only=True)                   # the slot is free
+    ds_slot = ds_smem.at[wg, slot]
+    ds_slot[...] = ds.astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(
+        ds_slot, ds_ref.at[b, kvh, pl.ds(t * ROWS, ROWS), pl.ds(key0, KEYS)])
+
+  def finish(step, p, dw):
+    """Cluster mode: dS of the program's step ``step`` from its delta (the exchange)."""
+    delta = _exchange_delta(xchg_smem, mbar, xchg_barrier, xg_ref, step, wg, (bk, share),
+                            cluster=cluster, interpret=interpret)
+    store_ds(p * (dw - lax.broadcast_in_dim(delta, (ROWS, KEYS), [0])), tile0 + step,
+             lax.rem(step, i32(2)))
+
   def compute_context(run_pipeline):
     if cluster and not interpret:
       # The exchange's mbarriers, initialized before any program of the cluster arrives on
@@ -319,7 +335,12 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
       plgpu.barrier_wait(barrier.at[wg])
 
     def run(dv_acc):
-      run_pipeline(dv_acc)
+      if cluster:   # the last step's dS, whose delta no later step finishes
+        zero = plgpu.layout_cast(jnp.zeros((ROWS, KEYS), f32), plgpu.Layout.WGMMA)
+        _, p_last, dw_last = run_pipeline((dv_acc, zero, zero))
+        finish(share_tiles - 1, p_last, dw_last)
+      else:
+        run_pipeline(dv_acc)
       if delay_dv:   # the last step's dV GEMM is still in flight
         plgpu.wgmma_wait(0)
       return dv_acc[...]
@@ -338,6 +359,8 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
     local = t
     t = tile0 + t
     dv_acc = args[-1]
+    if cluster:   # (dV, and the previous step's P and dW, whose dS this step finishes)
+      dv_acc, p_prev, dw_prev = dv_acc
     if fused_delta:
       p_smem, pd_smem, do_smem, p_consumed, pd_consumed, do_consumed = args[:-1]
     elif keep_hash is not None:   # no second stream: its barrier arrivals are skipped
@@ -420,9 +443,18 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
       plgpu.barrier_arrive(p_consumed)
     slot = lax.rem(t, i32(2))
     if cluster:
-      delta = _exchange_delta(part, xchg_smem, mbar, xchg_barrier, xg_ref, local, kb, wg,
-                              (bk, share), cluster=cluster, interpret=interpret)
-    elif mirror:
+      # The previous step's delta (its parts had this step's GEMMs and loads to arrive),
+      # read before this step's part is published (so two slots suffice), then its dS.
+      @pl.when(local > 0)
+      def _previous():
+        finish(local - 1, p_prev, dw_prev)
+      _exchange_publish(part, xchg_smem, mbar, xchg_barrier, xg_ref, local, kb, wg,
+                        (bk, share), cluster=cluster, interpret=interpret)
+      plgpu.wgmma_wait(0)                                             # dV read Pd and dO
+      plgpu.barrier_arrive(pd_consumed)
+      plgpu.barrier_arrive(do_consumed)
+      return dv_acc, p, dw
+    if mirror:
       # delta = rowsum(dPd * Pd) over the 256 keys (as the delta kernel takes it): each
       # warpgroup's two 64-key sums, exchanged, in the same order in both programs.
       for blk in range(2):
@@ -490,38 +522,30 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
   pipeline(*operands)
 
 
-def _exchange_delta(part, xchg_smem, mbar, xchg_barrier, xg_ref, step, kb, wg, program, *,
-                    cluster, interpret):
-  """``delta`` of a row tile (the program's step ``step``) from the parts of the ``cluster``
-  programs of a row (one per key block) and their two warpgroups.
+def _exchange_publish(part, xchg_smem, mbar, xchg_barrier, xg_ref, step, kb, wg, program, *,
+                      cluster, interpret):
+  """Cluster mode: this warpgroup's part of delta for its program's step ``step``, given to
+  the ``cluster`` programs of the row (one per key block); :func:`_exchange_delta` reads
+  them back one step later.
 
-  Each warpgroup writes its part into slot ``step % 2`` of its program's shared memory
+  The warpgroup writes its part into slot ``step % 2`` of its program's shared memory
   (``xchg_smem``: ``2 * WGS`` refs of ``[64]``, slot-major; one ref per part, as jax 0.11.2
-  lowers a peer's ref only at offset 0), synchronizes, and arrives with release semantics
-  at cluster scope on that slot's mbarrier (``mbar``) in every program of the cluster; it
-  waits on its own program's with acquire semantics at cluster scope, for all
-  ``WGS * cluster`` arrivals of the step (phase parity ``step // 2 % 2``), then reads every
-  part from the cluster's shared memory and adds them in the same order in every program
-  (the same delta in all). Two slots: a program writes slot ``s`` again two steps later,
-  after every warpgroup of the cluster has arrived for the step between, that is after
-  each has read slot ``s``; and no phase of a slot's mbarrier completes before every
-  warpgroup has waited for the one before.
+  lowers a peer's ref only at offset 0), synchronizes, and arrives, with release semantics
+  at cluster scope, on that slot's mbarrier (``mbar``) in every program of the cluster.
+  Two slots: a warpgroup reads step ``s``'s parts before it publishes step ``s + 1``, so a
+  program that publishes step ``s + 2`` into the slot (after all of step ``s + 1``'s
+  arrivals) finds every warpgroup done reading it; and no phase of a slot's mbarrier
+  completes before every warpgroup has waited for the one before.
 
   The interpreter (no shared memory across a cluster) takes the same steps through
   ``xg_ref`` in global memory (one slab per cluster, ``program``) and the cluster barrier
-  ``xchg_barrier``, whose compiled arrivals have release semantics at CTA scope only (here
-  it orders only the mbarriers' initialization)."""
+  ``xchg_barrier``, whose compiled arrivals have release semantics at CTA scope only (the
+  compiled kernel uses it once, to order the mbarriers' initialization)."""
   slot = lax.rem(step, i32(2))
   if interpret:
     xg_ref.at[program + (slot, kb, wg)][...] = part
     plgpu.barrier_arrive(xchg_barrier)
-    plgpu.barrier_wait(xchg_barrier)
-    delta = None
-    for c in range(cluster):
-      for w in range(WGS):
-        x = xg_ref[program + (slot, c, w)]
-        delta = x if delta is None else delta + x
-    return delta
+    return
   for s in range(2):
     for w in range(WGS):
       @pl.when((slot == s) & (wg == w))
@@ -532,6 +556,25 @@ def _exchange_delta(part, xchg_smem, mbar, xchg_barrier, xg_ref, step, kb, wg, p
     @pl.when(slot == s)
     def _arrive():
       _mosaic.cluster_barrier_arrive(mbar, s, cluster)
+
+
+def _exchange_delta(xchg_smem, mbar, xchg_barrier, xg_ref, step, wg, program, *, cluster,
+                    interpret):
+  """Cluster mode: ``delta`` of the program's step ``step``: waits, with acquire semantics
+  at cluster scope, for the ``WGS * cluster`` arrivals of the step on its slot's mbarrier
+  (phase parity ``step // 2 % 2``), then reads every part (:func:`_exchange_publish`) from
+  the cluster's shared memory and adds them in the same order in every program (the same
+  delta in all)."""
+  del wg
+  slot = lax.rem(step, i32(2))
+  if interpret:
+    plgpu.barrier_wait(xchg_barrier)
+    delta = None
+    for c in range(cluster):
+      for w in range(WGS):
+        x = xg_ref[program + (slot, c, w)]
+        delta = x if delta is None else delta + x
+    return delta
   phase = lax.rem(step, i32(4))   # slot and parity of the slot's phase
   for q in range(4):
     @pl.when(phase == q)
