@@ -16,8 +16,8 @@ for XLA's GEMMs, ``/phased`` for ``phased=True`` (ragged rows on aligned row cla
 Triton GEMMs of :func:`pallas_triton.dl_matmul` (dQ's and dK's tiles) as two launches.
 ``--fused``: the tiles of the default's one GEMM launch (:func:`pallas_triton.dl_gemms`).
 ``--mosaic``: the table's dL kernel, then the GEMMs as one Mosaic GPU launch
-(:func:`gemm_mosaic_gpu.dl_gemms`), ``stages[/tile|/programs][/rot][/delay]`` per variant
-(aligned workloads only; ``/rot``, ``/delay``: one program per tile, see :func:`mosaic_fn`).
+(:func:`gemm_mosaic_gpu.dl_gemms`), ``stages[/tile|/programs]`` per variant (aligned
+workloads only).
 Every variant is checked against the reference with the workload's tolerance and timed as
 ``benchmarks.run`` times (device time, all kernels of a call, input sets rotated so L2 is
 cold). Prints one table; writes ``<out>/c_dl_gemm.json``.
@@ -68,14 +68,10 @@ def mosaic_fn(item, scale, dims, causal=False):
   """The entry's dL kernel (its table config on this GPU) then the two GEMMs as one Mosaic
   GPU launch (:func:`gemm_mosaic_gpu.dl_gemms`); ``item``: ``"stages"`` (persistent, one
   program per SM), ``"stages/tile"`` (one program per tile) or ``"stages/P"`` (``P``
-  persistent programs), then optionally ``/rot`` (one program per tile, steps in the rotated
-  order) and ``/delay`` (one wgmma in flight per step). ``None`` where that launch does not
-  take the problem."""
-  stages, *rest = item.split("/")
-  flags = {x for x in rest if x in ("rot", "delay")}
-  how = next((x for x in rest if x not in flags), "")
+  persistent programs). ``None`` where that launch does not take the problem."""
+  stages, _, how = item.partition("/")
   stages = int(stages)
-  programs = None if how == "tile" or flags else int(how or 0)
+  programs = None if how == "tile" else int(how or 0)
   b, h, sq, sk, d = dims
   if gemm_mosaic_gpu.unsupported_reason(sq, sk, d, jax.numpy.bfloat16, causal):
     return None
@@ -88,8 +84,7 @@ def mosaic_fn(item, scale, dims, causal=False):
     dl = pallas_triton.dl_pass(s, g.reshape(b * h, sq, sk), p.reshape(b * h, sq, sk),
                                causal=causal, cfg=dl_cfg, interpret=False, causal_tile=tile)
     dq, dk = gemm_mosaic_gpu.dl_gemms(dl, q.reshape(b * h, sq, d), k.reshape(b * h, sk, d),
-                                      causal=causal, stages=stages, programs=programs,
-                                      rotate="rot" in flags, delay="delay" in flags)
+                                      causal=causal, stages=stages, programs=programs)
     return dq.reshape(q.shape), dk.reshape(k.shape)
   return jax.jit(fn)
 
@@ -142,7 +137,7 @@ def main(argv=None):
                            "num_warps/num_stages,...")
   parser.add_argument("--mosaic", default="",
                       help="the Mosaic GPU GEMM launch after the table's dL kernel: "
-                           "stages[/tile|/programs][/rot][/delay],...")
+                           "stages[/tile|/programs],...")
   parser.add_argument("--causal", action="store_true",
                       help="a causal P, on the square workloads (c_dl_gemm_causal.json)")
   parser.add_argument("--breakdown", default="",

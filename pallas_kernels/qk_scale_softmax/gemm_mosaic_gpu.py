@@ -87,38 +87,22 @@ def _products(d: int, wg):
   return dq, dk
 
 
-def _pipeline(body, grid, specs, compute_context, stages, index, dtype, delay=0):
+def _pipeline(body, grid, specs, compute_context, stages, index, dtype):
   """The warp-specialized pipeline over ``grid`` of ``specs`` (``(shape, index)`` pairs, as
-  :func:`_products` gives), ``index(block_index, *grid indices)`` mapping its steps.
-  ``delay``: a step's slots are released that many steps later (the body waits for all but
-  its last ``delay`` wgmmas)."""
-  extra = {"delay_release": delay} if delay else {}
+  :func:`_products` gives), ``index(block_index, *grid indices)`` mapping its steps."""
   return plgpu.emit_pipeline_warp_specialized(
       body, grid=grid, max_concurrent_steps=stages,
       memory_registers=_mosaic.MEMORY_REGISTERS, num_compute_wgs=WGS, wg_axis="wg",
       compute_context=compute_context,
       in_specs=[plgpu.BlockSpec(shape, functools.partial(index, block),
-                                transforms=_mosaic.tiled(dtype), **extra)
+                                transforms=_mosaic.tiled(dtype))
                 for shape, block in specs])
 
 
-def rotated_step(kind: str, tile, step, steps: int):
-  """The reduction step that output tile ``tile`` of ``kind`` (``"dq"`` or ``"dk"``) reads
-  at pipeline step ``step`` of ``steps`` in the rotated order: ``grad_query``'s row tile
-  ``a`` reads key step ``(2 a + s) mod steps`` and ``grad_key``'s key tile ``b`` row step
-  ``(2 b + 1 - s) mod steps``, so at every step the ``grad_query`` tile ``a`` and the
-  ``grad_key`` tile ``b = a + floor(s / 2)`` of a square problem read the same 128 x 128 tile
-  of ``dL`` (the second read finds it in L2)."""
-  if kind == "dq":
-    return lax.rem(2 * tile + step, i32(steps))
-  return lax.rem(2 * tile + 1 + i32(steps) - step, i32(steps))
-
-
 def _kernel(dl_ref, k_ref, q_ref, dq_ref, dk_ref, stage, *, q_tiles: int, seq_q: int,
-            seq_k: int, causal: bool, stages: int, rotate: bool = False, delay: bool = False):
+            seq_k: int, causal: bool, stages: int):
   """One program per output tile (grid ``(Sq / 128 + Sk / 128, BH)``); causal tiles run only
-  their steps that meet the diagonal. ``rotate`` (dense): steps in :func:`rotated_step`'s
-  order. ``delay``: one wgmma left in flight per step (slots released a step later)."""
+  their steps that meet the diagonal."""
   i = lax.axis_index("tile")
   head = lax.axis_index("head")
   wg = lax.axis_index("wg")
@@ -130,13 +114,10 @@ def _kernel(dl_ref, k_ref, q_ref, dq_ref, dk_ref, stage, *, q_tiles: int, seq_q:
     """Output tile ``o`` of ``product`` over ``steps`` steps from step ``first`` (``None``:
     0)."""
     dl_block, x_block, mma = product
-    kind = "dq" if product is dq else "dk"
 
     def compute_context(run_pipeline):
       def scope(acc_ref):
         run_pipeline(acc_ref)
-        if delay:
-          plgpu.wgmma_wait(0)
         stage[wg] = acc_ref[...].astype(dl_ref.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(stage.at[wg],
@@ -147,17 +128,12 @@ def _kernel(dl_ref, k_ref, q_ref, dq_ref, dk_ref, stage, *, q_tiles: int, seq_q:
     def body(idx, a_smem, b_smem, acc_ref):
       del idx
       mma(acc_ref, a_smem, b_smem)
-      plgpu.wgmma_wait(1 if delay else 0)
+      plgpu.wgmma_wait(0)
       return acc_ref
 
-    def step_of(s):
-      if rotate:
-        return rotated_step(kind, o, s, steps)
-      return s if first is None else first + s
-
     _pipeline(body, (steps,), (dl_block, x_block), compute_context, stages,
-              lambda block, s: block(head, o, step_of(s)), dl_ref.dtype,
-              delay=int(delay))(*operands)
+              lambda block, s: block(head, o, s if first is None else first + s),
+              dl_ref.dtype)(*operands)
 
   @pl.when(i < q_tiles)
   def _dq():
@@ -243,16 +219,14 @@ def split_programs(bh: int, seq_q: int, seq_k: int, programs: int) -> tuple[int,
 
 
 def dl_gemms(dl, q, k, *, causal: bool = False, stages: int = STAGES, programs: int | None = 0,
-             rotate: bool = False, delay: bool = False, interpret=False):
+             interpret=False):
   """``(dL @ K, dL^T @ Q)`` (``grad_query [BH, Sq, D]``, ``grad_key [BH, Sk, D]``) from
   ``dL [BH, Sq, Sk]``, ``Q [BH, Sq, D]``, ``K [BH, Sk, D]`` (one 16-bit dtype) in one
   launch: fp32 accumulation, rounded once. ``causal``: ``dL`` is 0 above the diagonal in
   every step a tile reads (:data:`CAUSAL_TILE`), and the steps wholly above it are skipped.
   ``stages``: ring slots (32 KB each). ``programs`` (dense only): a persistent launch of
   that many programs, each walking its tiles in one pipeline (``0``: one per SM; ``None``:
-  one program per output tile, as causal calls always run). With one program per tile:
-  ``rotate`` (dense) walks the steps in :func:`rotated_step`'s order, ``delay`` leaves one
-  wgmma in flight per step (``stages >= 2``)."""
+  one program per output tile, as causal calls always run)."""
   bh, seq_q, seq_k = dl.shape
   d = q.shape[-1]
   reason = unsupported_reason(seq_q, seq_k, d, dl.dtype, causal)
@@ -261,8 +235,7 @@ def dl_gemms(dl, q, k, *, causal: bool = False, stages: int = STAGES, programs: 
   q_tiles = seq_q // TILE
   if causal or programs is None:
     kernel = functools.partial(_kernel, q_tiles=q_tiles, seq_q=seq_q, seq_k=seq_k,
-                               causal=causal, stages=stages, rotate=rotate and not causal,
-                               delay=delay)
+                               causal=causal, stages=stages)
     grid, names = (q_tiles + seq_k // TILE, bh), ("tile", "head")
   else:
     q_programs, k_programs = split_programs(bh, seq_q, seq_k, programs or _mosaic.SMS)

@@ -215,21 +215,16 @@ from pallas_kernels.qk_scale_softmax import gemm_mosaic_gpu, pallas_triton  # no
 
 
 @needs_kernels
-@pytest.mark.parametrize("bh,sq,sk,d,causal,stages,programs,flags", [
-    (2, 128, 256, 128, False, 4, 0, ()), (3, 256, 128, 128, False, 3, 4, ()),
-    (1, 128, 256, 64, False, 2, None, ()), (1, 256, 256, 64, True, 4, 0, ()),
-    (1, 128, 384, 128, True, 3, 0, ()),
-    (1, 256, 256, 64, False, 3, None, ("rotate", "delay")),
-    (1, 128, 384, 128, False, 2, None, ("rotate",)),
-    (1, 256, 384, 64, True, 3, None, ("rotate", "delay"))])
-def test_mosaic_gemms_match_xla(bh, sq, sk, d, causal, stages, programs, flags):
+@pytest.mark.parametrize("bh,sq,sk,d,causal,stages,programs", [
+    (2, 128, 256, 128, False, 4, 0), (3, 256, 128, 128, False, 3, 4),
+    (1, 128, 256, 64, False, 2, None), (1, 256, 256, 64, True, 4, 0),
+    (1, 128, 384, 128, True, 3, 0)])
+def test_mosaic_gemms_match_xla(bh, sq, sk, d, causal, stages, programs):
   """dQ and dK tiles in one launch (more dK than dQ tiles and the reverse, D of 64 and
   128, ring depths); dense: persistent programs walking several tiles (the last program of
   a kind redoing its last tile: 6 dQ tiles on 3 programs, 3 dK tiles on 1), or one program
-  per tile (``None``), its steps in the rotated order (square and not) and with one wgmma
-  in flight. Causal: dL as the dL kernel writes it for these GEMMs (NaN past what it
-  writes: the GEMMs must not read it), the steps above the diagonal skipped (``rotate``
-  has no effect there)."""
+  per tile (``None``). Causal: dL as the dL kernel writes it for these GEMMs (NaN past what
+  it writes: the GEMMs must not read it), the steps above the diagonal skipped."""
   g, q, k, p = make_inputs(4, 1, bh, sq, sk, d, causal=causal)
   v = lambda x: x.reshape((bh,) + x.shape[2:])
   g3, p3, q3, k3 = v(g), v(p), v(q), v(k)
@@ -246,8 +241,7 @@ def test_mosaic_gemms_match_xla(bh, sq, sk, d, causal, stages, programs, flags):
                                   np.asarray(full, np.float32)[:, written])
     dl = jnp.where(written, part, jnp.nan).astype(part.dtype)
   got_q, got_k = gemm_mosaic_gpu.dl_gemms(dl, q3, k3, causal=causal, stages=stages,
-                                          programs=programs, interpret=INTERPRET,
-                                          **{name: True for name in flags})
+                                          programs=programs, interpret=INTERPRET)
   f32 = jnp.float32
   want_q = jnp.einsum("bqk,bkd->bqd", full, k3, preferred_element_type=f32)
   want_k = jnp.einsum("bqk,bqd->bkd", full, q3, preferred_element_type=f32)
@@ -276,23 +270,6 @@ def test_dl_gemm_with_mosaic_gemms_through_the_entry_point(causal):
   back to the Triton GEMMs."""
   for sq in (128,) if causal else (128, 192):
     check_dl_gemm_with_mosaic_gemms(make_inputs(5, 1, 2, sq, 256, 128, causal=causal), causal)
-
-
-def test_rotated_steps_pair_the_two_products():
-  """Each tile walks every step once; on a square problem the dQ tile ``a`` and the dK tile
-  ``a + s // 2`` read the same 128 x 128 tile of dL at step ``s``."""
-  n = 6   # steps of 64 (3 tiles of 128)
-  for kind in ("dq", "dk"):
-    for tile in range(n // 2):
-      seen = [int(gemm_mosaic_gpu.rotated_step(kind, jnp.int32(tile), jnp.int32(s), n))
-              for s in range(n)]
-      assert sorted(seen) == list(range(n))
-  for a in range(n // 2):
-    for s in range(n):
-      b = (a + s // 2) % (n // 2)
-      key_step = int(gemm_mosaic_gpu.rotated_step("dq", jnp.int32(a), jnp.int32(s), n))
-      row_step = int(gemm_mosaic_gpu.rotated_step("dk", jnp.int32(b), jnp.int32(s), n))
-      assert (key_step // 2, row_step // 2) == (b, a)
 
 
 def test_mosaic_gemm_programs_split_by_tiles():
