@@ -27,7 +27,9 @@ and converting it to ``uint8`` first is one more full pass over HBM. They stream
 ``2 + 2 + 2 + 2 = 8`` bytes per attention element (Pd twice, P once, dS once); at
 ``seq_k == 128`` the dS-dV kernel computes delta itself and there is no delta kernel (6 B);
 at ``seq_k == 256`` too (``Config.mirror_delta``: each program reads Pd's whole rows, 8 B in one
-launch).
+launch). ``Config.cluster_delta`` (off: measured slower) runs rows of 256-1024 keys in one
+launch at 6 B per element: the programs of a row's key blocks form a cluster and exchange
+their parts of delta through shared memory at every step.
 ``Config.keep_bits`` (off: measured slower) has the delta kernel write keep as bits and the
 dS-dV kernel rebuild Pd from P and them (6.25 B).
 
@@ -742,7 +744,11 @@ class Config:
   ``cluster_delta``: rows of 256 to 1024 keys (2 to 8 key blocks, :data:`MAX_CLUSTER`) in one
   kernel, no delta kernel (``ds_dv_pass(cluster=True)``): the programs of a row's key blocks
   run as one cluster and exchange their parts of delta through shared memory at every step,
-  6 B per element (without ``keep_bits``; ahead of ``mirror_delta`` at 256 keys).
+  6 B per element (without ``keep_bits``; it takes precedence over ``mirror_delta``). Off:
+  on the H200 it measured 0.97-1.03x the default's speed at 256 keys and 0.48-0.6x at 512
+  and 1024 (the ordering of the exchange at cluster scope costs about as much as the
+  streaming it saves; ``benchmarks/results/attention_softmax_dropout_value_mosaic_gpu.md``,
+  run 9).
   """
   delta_rows: int = 128
   delta_block_k: int = 64
