@@ -299,10 +299,10 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
   # blk * 128 + wg * 64 ...), its own block's slot the dV output's.
   own_v = v_smem.at[wg, kb] if mirror else v_smem.at[wg]
 
-  def store_ds(ds, t, slot):
-    """dS of row tile ``t`` through this warpgroup's shared-memory slot ``slot``."""
-    plgpu.wait_smem_to_gmem(1, wait_read_only=True)                   # the slot is free
-    ds_slot = ds_smem.at[wg, slot]
+  def store_ds(ds, t, ds_slot, pending=1):
+    """dS of row tile ``t`` through this warpgroup's shared-memory slot ``ds_slot``, free
+    once at most ``pending`` of its earlier stores are still reading."""
+    plgpu.wait_smem_to_gmem(pending, wait_read_only=True)
     ds_slot[...] = ds.astype(dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(
@@ -310,10 +310,10 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
 
   def finish(step, p, dw):
     """Cluster mode: dS of the program's step ``step`` from its delta (the exchange)."""
-    delta = _exchange_delta(xchg_smem, mbar, xchg_barrier, xg_ref, step, wg, (bk, share),
+    delta = _exchange_delta(xchg_smem, mbar, xchg_barrier, xg_ref, step, (bk, share),
                             cluster=cluster, interpret=interpret)
     store_ds(p * (dw - lax.broadcast_in_dim(delta, (ROWS, KEYS), [0])), tile0 + step,
-             lax.rem(step, i32(2)))
+             ds_smem.at[wg, lax.rem(step, i32(2))])
 
   def compute_context(run_pipeline):
     if cluster and not interpret:
@@ -485,15 +485,9 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
         plgpu.barrier_arrive(pd_consumed)
       plgpu.barrier_arrive(do_consumed)
     if mirror:   # one dS slot per warpgroup (shared memory): the last store has read it
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      ds_slot = ds_smem.at[wg]
+      store_ds(ds, t, ds_smem.at[wg], pending=0)
     else:
-      plgpu.wait_smem_to_gmem(1, wait_read_only=True)                 # the slot is free
-      ds_slot = ds_smem.at[wg, slot]
-    ds_slot[...] = ds.astype(dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(
-        ds_slot, ds_ref.at[b, kvh, pl.ds(t * ROWS, ROWS), pl.ds(key0, KEYS)])
+      store_ds(ds, t, ds_smem.at[wg, slot])
     return dv_acc
 
   tiled = _tiled(dtype)
@@ -560,14 +554,13 @@ def _exchange_publish(part, xchg_smem, mbar, xchg_barrier, xg_ref, step, kb, wg,
       _mosaic.cluster_barrier_arrive(mbar, s, cluster)
 
 
-def _exchange_delta(xchg_smem, mbar, xchg_barrier, xg_ref, step, wg, program, *, cluster,
+def _exchange_delta(xchg_smem, mbar, xchg_barrier, xg_ref, step, program, *, cluster,
                     interpret):
   """Cluster mode: ``delta`` of the program's step ``step``: waits, with acquire semantics
   at cluster scope, for the ``WGS * cluster`` arrivals of the step on its slot's mbarrier
   (phase parity ``step // 2 % 2``), then reads every part (:func:`_exchange_publish`) from
   the cluster's shared memory and adds them in the same order in every program (the same
   delta in all)."""
-  del wg
   slot = lax.rem(step, i32(2))
   if interpret:
     plgpu.barrier_wait(xchg_barrier)
