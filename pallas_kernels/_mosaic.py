@@ -75,11 +75,25 @@ def _barrier_ptr(ref, index: int):
   return mu.getelementptr(mu.memref_ptr(ref), [2 * index], ir.IntegerType.get_signless(32))
 
 
+def cluster_sync() -> None:
+  """``barrier.cluster.arrive`` (release) then ``barrier.cluster.wait`` (acquire) by every
+  thread that runs it: every thread of every program of the cluster must run it (at the
+  top level of a kernel, outside a warp-specialized pipeline)."""
+
+  @plgpu.inline_mgpu()
+  def sync(ctx):
+    del ctx
+    _asm("barrier.cluster.arrive;\nbarrier.cluster.wait;", constraints="")
+
+  sync()
+
+
 def cluster_barriers_init(ref, count: int) -> None:
   """Initializes the 64-bit mbarriers of ``ref`` (a ``uint32`` shared-memory ref of
   ``2 * n`` words) for ``count`` arrivals per phase, from one thread of the warpgroup, and
   releases the initialization to the cluster (``fence.mbarrier_init.release.cluster``). The
-  caller then synchronizes the cluster before any program arrives on them."""
+  caller then synchronizes the cluster (:func:`cluster_sync`) before any program arrives on
+  them."""
   n = ref.shape[0] // 2
 
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))

@@ -316,15 +316,6 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
              ds_smem.at[wg, lax.rem(step, i32(2))])
 
   def compute_context(run_pipeline):
-    if cluster and not interpret:
-      # The exchange's mbarriers, initialized before any program of the cluster arrives on
-      # them: the one use of the cluster barrier.
-      @pl.when(wg == 0)
-      def _init():
-        _mosaic.cluster_barriers_init(mbar, count=WGS * cluster)
-      plgpu.commit_smem()   # the initializing thread's fence before its warpgroup arrives
-      plgpu.barrier_arrive(xchg_barrier)
-      plgpu.barrier_wait(xchg_barrier)
     if mirror:
       for blk in range(2):
         plgpu.copy_gmem_to_smem(v_ref.at[b, kvh, pl.ds(blk * WGS * KEYS + wg * KEYS, KEYS)],
@@ -515,7 +506,18 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
       step, grid=(share_tiles,), max_concurrent_steps=stages,
       memory_registers=MEMORY_REGISTERS, num_compute_wgs=WGS, wg_axis="wg",
       manual_consumed_barriers=True, compute_context=compute_context, in_specs=in_specs)
+  if cluster and not interpret:
+    # The exchange's mbarriers, initialized before any program of the cluster arrives on
+    # them (every thread of the cluster synchronizes).
+    @pl.when(wg == 0)
+    def _init():
+      _mosaic.cluster_barriers_init(mbar, count=WGS * cluster)
+    _mosaic.cluster_sync()
   pipeline(*operands)
+  if cluster and not interpret:
+    # No program leaves while a peer may still read its shared memory (the last step's
+    # parts).
+    _mosaic.cluster_sync()
 
 
 def _exchange_publish(part, xchg_smem, mbar, xchg_barrier, xg_ref, step, kb, wg, program, *,
@@ -535,8 +537,8 @@ def _exchange_publish(part, xchg_smem, mbar, xchg_barrier, xg_ref, step, kb, wg,
 
   The interpreter (no shared memory across a cluster) takes the same steps through
   ``xg_ref`` in global memory (one slab per cluster, ``program``) and the cluster barrier
-  ``xchg_barrier``, whose compiled arrivals have release semantics at CTA scope only (the
-  compiled kernel uses it once, to order the mbarriers' initialization)."""
+  ``xchg_barrier`` (whose compiled arrivals have release semantics at CTA scope only; the
+  compiled kernel does not use it)."""
   slot = lax.rem(step, i32(2))
   if interpret:
     xg_ref.at[program + (slot, kb, wg)][...] = part
