@@ -155,35 +155,6 @@ def cluster_barrier_wait(ref, index: int, parity: int) -> None:
   wait(ref)
 
 
-def cluster_sum(refs, cluster: int):
-  """The sum over the ``cluster`` programs of a cluster (axis ``x``, in order) and over
-  ``refs`` (``[64]`` fp32 shared-memory refs, in order) of each program's copy of the refs:
-  a ``[64]`` array in the WGMMA row layout. All the loads are issued before any sum (one
-  ``plgpu.load`` per peer would put a warpgroup barrier after each)."""
-  rows = 64
-
-  @plgpu.inline_mgpu(arg_types=tuple(plgpu.RefType() for _ in refs),
-                     return_type=plgpu.ShapeDtypeStruct((rows,), jnp.float32,
-                                                        layout=plgpu.Layout.WGMMA.reduce(1)))
-  def total(ctx, *smem):
-    del ctx
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import gpu
-    from jax.experimental.mosaic.gpu import fragmented_array as fa
-    from jax.experimental.mosaic.gpu import utils as mu
-    index = ir.IndexType.get()
-    parts = [fa.FragmentedArray.load_untiled(
-        mu.get_cluster_ref(ref, gpu.Dimension.x, mu.c(c, index), generic=False),
-        layout=fa.WGMMA_ROW_LAYOUT, optimized=False)
-        for c in range(cluster) for ref in smem]
-    out = parts[0]
-    for x in parts[1:]:
-      out = out + x
-    return out
-
-  return total(*refs)
-
-
 def check_hopper(entry_point: str, interpret, *arrays) -> None:
   """Raises a clear ``ValueError`` when a Mosaic GPU kernel would compile off a Hopper GPU
   (wgmma is sm_90a-only); under ``interpret`` any machine runs the Mosaic GPU interpreter."""

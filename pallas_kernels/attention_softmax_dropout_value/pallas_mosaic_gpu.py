@@ -577,7 +577,14 @@ def _exchange_delta(xchg_smem, mbar, xchg_barrier, xg_ref, step, program, *, clu
     @pl.when(phase == q)
     def _wait():
       _mosaic.cluster_barrier_wait(mbar, q % 2, q // 2)
-  read = lambda s: _mosaic.cluster_sum(xchg_smem[s * WGS:(s + 1) * WGS], cluster)
+  def read(s):
+    delta = None
+    for c in range(cluster):
+      for w in range(WGS):
+        x = plgpu.load(plgpu.cluster_ref(xchg_smem[s * WGS + w], {"keys": c}),
+                       layout=plgpu.Layout.WGMMA.reduce(1))
+        delta = x if delta is None else delta + x
+    return delta
   return lax.cond(slot == 0, lambda: read(0), lambda: read(1))
 
 
