@@ -32,7 +32,7 @@ def backward(*args, **kw):
 # in the dS-dV kernel; G * seq_q = 64 there too), four (the delta kernel's two row tilings).
 CASES = [
     (1, 4, 1, 64, 256, 64, 0.1),     # G = 4, two key blocks
-    (1, 10, 1, 128, 256, 128, 0.1),  # G = 10, two key blocks
+    (1, 10, 1, 64, 256, 128, 0.1),   # G = 10, two key blocks, D = 128
     (1, 1, 1, 64, 256, 64, 0.1),     # G * seq_q = 64: two key blocks, no delta kernel
     (1, 4, 1, 64, 512, 64, 0.1),     # G = 4, the delta kernel, 64 rows per warpgroup
     (1, 2, 1, 128, 512, 128, 0.1),   # G = 2, D = 128, the delta kernel, 128 rows
@@ -68,7 +68,7 @@ def test_configs(config):
 @needs_kernels
 @pytest.mark.parametrize("b,h,kvh,sq,skv,d,p,stages", [
     (1, 2, 1, 64, 512, 64, 0.1, 2),     # 4 key blocks, G = 2
-    (2, 4, 2, 64, 384, 128, 0.0, 3),    # 3 key blocks, B = 2, D = 128, no dropout, 3 slots
+    (1, 4, 2, 64, 384, 128, 0.0, 3),    # 3 key blocks, 2 kv heads, D = 128, no dropout, 3 slots
 ])
 def test_cluster_delta_matches_reference(b, h, kvh, sq, skv, d, p, stages):
   """Rows of 3-4 key blocks in one kernel, the blocks' programs a cluster exchanging their
