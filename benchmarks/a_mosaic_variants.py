@@ -39,6 +39,8 @@ VARIANTS = {
     # rows of 256-1024 keys: one kernel, the key blocks' programs a cluster exchanging delta
     "cluster": mg.Config(cluster_delta=True),
     "cluster_s3": mg.Config(cluster_delta=True, stages=3),
+    # the same, the parts sent with st.async into the peers' shared memory
+    "cluster_async": mg.Config(cluster_delta=True, cluster_exchange="async_store"),
 }
 
 

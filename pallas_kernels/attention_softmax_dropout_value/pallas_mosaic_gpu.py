@@ -262,11 +262,13 @@ def _drawn_keep(seeds_ref, t, b, kvh, key0, keep_hash):
 
 def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale, stages,
                   split, fused_delta, keep_bits, keep_hash=None, delay_dv=False,
-                  mirror=False, cluster=0, proxy_fence=True, interpret=False):
+                  mirror=False, cluster=0, exchange="mbarrier", proxy_fence=True,
+                  interpret=False):
   xg_ref = None
   if cluster:   # the exchange's slots and barriers; in the interpreter, global memory
     *refs, mbar, xchg_barrier = refs
-    refs, xchg_smem = refs[:-2 * WGS], refs[-2 * WGS:]
+    slot_refs = 2 * WGS if exchange == "mbarrier" else 1
+    refs, xchg_smem = refs[:-slot_refs], refs[-slot_refs:]
     if interpret:
       v_ref, ds_ref, dv_ref, xg_ref, v_smem, ds_smem, barrier = refs
     else:
@@ -311,7 +313,7 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
   def finish(step, p, dw):
     """Cluster mode: dS of the program's step ``step`` from its delta (the exchange)."""
     delta = _exchange_delta(xchg_smem, mbar, xchg_barrier, xg_ref, step, (bk, share),
-                            cluster=cluster, interpret=interpret)
+                            cluster=cluster, exchange=exchange, interpret=interpret)
     store_ds(p * (dw - lax.broadcast_in_dim(delta, (ROWS, KEYS), [0])), tile0 + step,
              ds_smem.at[wg, lax.rem(step, i32(2))])
 
@@ -442,7 +444,7 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
       def _previous():
         finish(local - 1, p_prev, dw_prev)
       _exchange_publish(part, xchg_smem, mbar, xchg_barrier, xg_ref, local, kb, wg,
-                        (bk, share), cluster=cluster, interpret=interpret)
+                        (bk, share), cluster=cluster, exchange=exchange, interpret=interpret)
       plgpu.wgmma_wait(0)                                             # dV read Pd and dO
       plgpu.barrier_arrive(pd_consumed)
       plgpu.barrier_arrive(do_consumed)
@@ -506,7 +508,8 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
       step, grid=(share_tiles,), max_concurrent_steps=stages,
       memory_registers=MEMORY_REGISTERS, num_compute_wgs=WGS, wg_axis="wg",
       manual_consumed_barriers=True, compute_context=compute_context, in_specs=in_specs)
-  if cluster and not interpret:
+  own_mbarriers = cluster and not interpret and exchange == "mbarrier"
+  if own_mbarriers:
     # The exchange's mbarriers, initialized before any program of the cluster arrives on
     # them (every thread of the cluster synchronizes).
     @pl.when(wg == 0)
@@ -514,35 +517,54 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
       _mosaic.cluster_barriers_init(mbar, count=WGS * cluster)
     _mosaic.cluster_sync()
   pipeline(*operands)
-  if cluster and not interpret:
+  if own_mbarriers:
     # No program leaves while a peer may still read its shared memory (the last step's
     # parts).
     _mosaic.cluster_sync()
 
 
+EXCHANGES = ("mbarrier", "async_store")   # Config.cluster_exchange
+ASYNC_COLS = 8   # an async_store part: [64, 8] fp32, the part in every column (no replication)
+
+
 def _exchange_publish(part, xchg_smem, mbar, xchg_barrier, xg_ref, step, kb, wg, program, *,
-                      cluster, interpret):
+                      cluster, exchange, interpret):
   """Cluster mode: this warpgroup's part of delta for its program's step ``step``, given to
   the ``cluster`` programs of the row (one per key block); :func:`_exchange_delta` reads
-  them back one step later.
+  them back one step later. Two slots: every warpgroup reads step ``s``'s parts before it
+  publishes step ``s + 1``, so a program that publishes step ``s + 2`` into the slot (after
+  it has waited for all of step ``s + 1``'s parts) finds every warpgroup done with it; and
+  no phase of a slot's mbarrier completes before every warpgroup has waited for the one
+  before.
 
-  The warpgroup writes its part into slot ``step % 2`` of its program's shared memory
-  (``xchg_smem``: ``2 * WGS`` refs of ``[64]``, slot-major; one ref per part, as jax 0.11.2
-  lowers a peer's ref only at offset 0), synchronizes, and arrives, with release semantics
-  at cluster scope, on that slot's mbarrier (``mbar``) in every program of the cluster.
-  Two slots: a warpgroup reads step ``s``'s parts before it publishes step ``s + 1``, so a
-  program that publishes step ``s + 2`` into the slot (after all of step ``s + 1``'s
-  arrivals) finds every warpgroup done reading it; and no phase of a slot's mbarrier
-  completes before every warpgroup has waited for the one before.
+  ``exchange="mbarrier"``: the warpgroup writes its part into slot ``step % 2`` of its own
+  program's shared memory (``xchg_smem``: ``2 * WGS`` refs of ``[64]``, slot-major; one ref
+  per part, as jax 0.11.2 lowers a peer's ref only at offset 0), synchronizes, and arrives,
+  with release semantics at cluster scope, on that slot's mbarrier (``mbar``, two 64-bit
+  words each) in every program of the cluster; the readers load the parts from the peers.
 
-  The interpreter (no shared memory across a cluster) takes the same steps through
-  ``xg_ref`` in global memory (one slab per cluster, ``program``) and the cluster barrier
-  ``xchg_barrier`` (whose compiled arrivals have release semantics at CTA scope only; the
-  compiled kernel does not use it)."""
+  ``exchange="async_store"``: the warpgroup stores its part (as ``[64, ASYNC_COLS]``, the
+  layout ``st.async`` takes) into slot ``step % 2`` of every program's shared memory
+  (``xchg_smem[0]``: ``[2, cluster, WGS, 64, ASYNC_COLS]``) with ``plgpu.async_store_smem``,
+  whose writes complete on the receiving program's mbarrier of the slot (``mbar``: two
+  barriers of ``128 * WGS * cluster`` arrivals) by transaction count: they are visible to
+  the threads whose wait sees the phase complete, with no release at cluster scope on the
+  way. A program reads only its own shared memory, and it waits for every write into it.
+
+  The interpreter (no shared memory across a cluster, no ``async_store_smem``) takes the
+  same steps through ``xg_ref`` in global memory (one slab per cluster, ``program``) and the
+  cluster barrier ``xchg_barrier`` (whose compiled arrivals have release semantics at CTA
+  scope only; the compiled kernels do not use it)."""
   slot = lax.rem(step, i32(2))
   if interpret:
     xg_ref.at[program + (slot, kb, wg)][...] = part
     plgpu.barrier_arrive(xchg_barrier)
+    return
+  if exchange == "async_store":
+    wide = lax.broadcast_in_dim(part, (ROWS, ASYNC_COLS), [0])
+    for c in range(cluster):
+      plgpu.async_store_smem(wide, xchg_smem[0].at[slot, kb, wg], mbar.at[slot],
+                             cluster_idx=c, cluster_dim="keys")
     return
   for s in range(2):
     for w in range(WGS):
@@ -557,12 +579,12 @@ def _exchange_publish(part, xchg_smem, mbar, xchg_barrier, xg_ref, step, kb, wg,
 
 
 def _exchange_delta(xchg_smem, mbar, xchg_barrier, xg_ref, step, program, *, cluster,
-                    interpret):
-  """Cluster mode: ``delta`` of the program's step ``step``: waits, with acquire semantics
-  at cluster scope, for the ``WGS * cluster`` arrivals of the step on its slot's mbarrier
-  (phase parity ``step // 2 % 2``), then reads every part (:func:`_exchange_publish`) from
-  the cluster's shared memory and adds them in the same order in every program (the same
-  delta in all)."""
+                    exchange, interpret):
+  """Cluster mode: ``delta`` of the program's step ``step``: waits for the ``WGS * cluster``
+  parts of the step (:func:`_exchange_publish`) on its slot's mbarrier, then adds them in
+  the same order in every program (the same delta in all). ``"mbarrier"``: a wait with
+  acquire semantics at cluster scope (phase parity ``step // 2 % 2``), then loads from the
+  peers' shared memory; ``"async_store"``: the slot's barrier, then loads from its own."""
   slot = lax.rem(step, i32(2))
   if interpret:
     plgpu.barrier_wait(xchg_barrier)
@@ -572,11 +594,21 @@ def _exchange_delta(xchg_smem, mbar, xchg_barrier, xg_ref, step, program, *, clu
         x = xg_ref[program + (slot, c, w)]
         delta = x if delta is None else delta + x
     return delta
+  if exchange == "async_store":
+    plgpu.barrier_wait(mbar.at[slot])
+    delta = None
+    for c in range(cluster):
+      for w in range(WGS):
+        x = jnp.max(plgpu.load(xchg_smem[0].at[slot, c, w], layout=plgpu.Layout.WGMMA),
+                    axis=1)
+        delta = x if delta is None else delta + x
+    return delta
   phase = lax.rem(step, i32(4))   # slot and parity of the slot's phase
   for q in range(4):
     @pl.when(phase == q)
     def _wait():
       _mosaic.cluster_barrier_wait(mbar, q % 2, q // 2)
+
   def read(s):
     delta = None
     for c in range(cluster):
@@ -590,7 +622,8 @@ def _exchange_delta(xchg_smem, mbar, xchg_barrier, xg_ref, step, program, *, clu
 
 def ds_dv_pass(do, p_groups, pd_groups, delta, v, *, rate, stages=3, split=1,
                keep_bits=None, keep_seeds=None, pair_hash=True, delay_dv=True,
-               cluster=False, proxy_fence=True, interpret=False):
+               cluster=False, cluster_exchange="mbarrier", proxy_fence=True,
+               interpret=False):
   """``(dS [B, KVH, G * seq_q, seq_k], dV [B, KVH, seq_k, D])`` from the group slabs of P
   and Pd, ``delta [B, KVH, G * seq_q]`` and V.
 
@@ -613,8 +646,9 @@ def ds_dv_pass(do, p_groups, pd_groups, delta, v, *, rate, stages=3, split=1,
   ``cluster`` (with ``delta=None``, ``seq_k`` of 256 to 1024 keys): the programs of a row's
   ``seq_k / 128`` key blocks run as one cluster and walk its row tiles together; each
   computes its keys' part of ``rowsum(dPd * Pd)`` and they exchange the parts through their
-  shared memory at every step (:func:`_exchange_delta`): P and Pd read once, dS written once
-  (6 B per element), one launch.
+  shared memory at every step (:func:`_exchange_publish`; ``cluster_exchange`` picks how,
+  one of :data:`EXCHANGES`): P and Pd read once, dS written once (6 B per element), one
+  launch.
   ``split`` programs share each key block's rows (``G * seq_q / 64`` a multiple of it);
   above 1 each adds an fp32 partial dV, summed here.
   """
@@ -628,6 +662,8 @@ def ds_dv_pass(do, p_groups, pd_groups, delta, v, *, rate, stages=3, split=1,
   if cluster and not (fused_delta and skv % (WGS * KEYS) == 0 and 2 <= blocks <= MAX_CLUSTER):
     raise ValueError(f"cluster=True needs delta=None and seq_k a multiple of {WGS * KEYS} "
                      f"in [{2 * WGS * KEYS}, {MAX_CLUSTER * WGS * KEYS}], got {skv}")
+  if cluster_exchange not in EXCHANGES:
+    raise ValueError(f"cluster_exchange: expected one of {EXCHANGES}, got {cluster_exchange!r}")
   if fused_delta and not cluster and skv not in (WGS * KEYS, 2 * WGS * KEYS):
     raise ValueError(f"delta=None needs seq_k == {WGS * KEYS} or {2 * WGS * KEYS} (or "
                      f"cluster=True), got {skv}")
@@ -649,7 +685,8 @@ def ds_dv_pass(do, p_groups, pd_groups, delta, v, *, rate, stages=3, split=1,
                              proxy_fence=proxy_fence,
                              fused_delta=fused_delta, keep_bits=keep_bits is not None,
                              keep_hash=keep_hash, delay_dv=delay_dv, mirror=mirror,
-                             cluster=blocks if cluster else 0, interpret=bool(interpret))
+                             cluster=blocks if cluster else 0, exchange=cluster_exchange,
+                             interpret=bool(interpret))
   dtype = p_groups.dtype
   like = tuple(x for x in (do, p_groups, pd_groups, delta, keep_bits, keep_seeds, v)
                if x is not None)
@@ -662,7 +699,13 @@ def ds_dv_pass(do, p_groups, pd_groups, delta, v, *, rate, stages=3, split=1,
                  transforms=_tiled(dtype)),
       plgpu.Barrier(num_barriers=2 * WGS if mirror else WGS),
   ]
-  if cluster:
+  if cluster and cluster_exchange == "async_store":
+    scratch += [plgpu.SMEM((2, blocks, WGS, ROWS, ASYNC_COLS), f32,
+                           transforms=(plgpu.TilingTransform((8, ASYNC_COLS)),
+                                       plgpu.SwizzleTransform(4 * ASYNC_COLS))),
+                plgpu.Barrier(num_arrivals=128 * WGS * blocks, num_barriers=2),
+                plgpu.ClusterBarrier(collective_axes=("keys",), num_arrivals=WGS)]
+  elif cluster:
     scratch += [plgpu.SMEM((ROWS,), f32) for _ in range(2 * WGS)]
     scratch += [plgpu.SMEM((4,), jnp.uint32),   # two 64-bit mbarriers
                 plgpu.ClusterBarrier(collective_axes=("keys",), num_arrivals=WGS)]
@@ -750,7 +793,9 @@ class Config:
   on the H200 it measured 0.97-1.03x the default's speed at 256 keys and 0.48-0.6x at 512
   and 1024 (the ordering of the exchange at cluster scope costs about as much as the
   streaming it saves; ``benchmarks/results/attention_softmax_dropout_value_mosaic_gpu.md``,
-  run 9).
+  run 9). ``cluster_exchange``: how the parts travel (:func:`_exchange_publish`):
+  ``"mbarrier"`` (the one measured) or ``"async_store"`` (``st.async`` into the peers'
+  shared memory, completing on their mbarriers; not yet compiled on a GPU).
   """
   delta_rows: int = 128
   delta_block_k: int = 64
@@ -764,6 +809,7 @@ class Config:
   delay_dv: bool = True
   rebuild_stages: int = 3
   cluster_delta: bool = False
+  cluster_exchange: str = "mbarrier"
 
   def __post_init__(self):
     for name, allowed in (("delta_rows", (64, 128)), ("delta_block_k", (64, 128))):
@@ -778,6 +824,9 @@ class Config:
     if self.split != "auto" and (isinstance(self.split, bool) or not isinstance(self.split, int)
                                  or self.split < 1):
       raise ValueError(f"config.split: expected 'auto' or an int >= 1, got {self.split!r}")
+    if self.cluster_exchange not in EXCHANGES:
+      raise ValueError(f"config.cluster_exchange: expected one of {EXCHANGES}, got "
+                       f"{self.cluster_exchange!r}")
     for name in ("keep_bits", "proxy_fence", "pair_hash", "delay_dv", "mirror_delta",
                  "cluster_delta"):
       if not isinstance(getattr(self, name), bool):
@@ -880,6 +929,7 @@ def _backward(grad_attn_output, attn_weights, attn_weights_dropped, value_states
   ds, dv = ds_dv_pass(grad_attn_output, groups(attn_weights), pd_groups, delta, value_states,
                       rate=rate, stages=config.stages, split=split, keep_bits=keep_bits,
                       delay_dv=config.delay_dv, cluster=cluster,
+                      cluster_exchange=config.cluster_exchange,
                       proxy_fence=config.proxy_fence, interpret=interpret)
   return ds.reshape(b, h, sq, skv), dv
 

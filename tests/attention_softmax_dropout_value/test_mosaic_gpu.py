@@ -79,6 +79,17 @@ def test_cluster_delta_matches_reference(b, h, kvh, sq, skv, d, p, stages):
   check(backward(*args, p, config=config), reference(*args, p))
 
 
+@pytest.mark.skipif(not HOPPER, reason="the interpreter runs both exchanges the same way")
+@pytest.mark.parametrize("skv,d", [(256, 128), (512, 64)])
+def test_cluster_delta_with_async_stores(skv, d):
+  """``cluster_exchange="async_store"``: the parts sent with ``st.async`` into the peers'
+  shared memory (compiled only)."""
+  p = 0.1
+  args = make_inputs(1, 4, 2, 128, skv, d, p, seed=6)
+  config = mg.Config(cluster_delta=True, cluster_exchange="async_store")
+  check(backward(*args, p, config=config), reference(*args, p))
+
+
 @needs_kernels
 def test_one_key_block_delta_is_the_references():
   """Rows of 128 keys: delta = rowsum(dW * P) across the two warpgroups, as the reference
@@ -215,6 +226,8 @@ def test_config_errors():
     mg.Config(delay_dv=None)
   with pytest.raises(ValueError, match="config.cluster_delta"):
     mg.Config(cluster_delta="yes")
+  with pytest.raises(ValueError, match="config.cluster_exchange"):
+    mg.Config(cluster_exchange="dsmem")
   with pytest.raises(ValueError, match="cluster=True needs"):
     x = jnp.zeros((1, 1, 64, 2048), jnp.bfloat16)
     mg.ds_dv_pass(jnp.zeros((1, 64, 1, 64), jnp.bfloat16), x, x, None,
@@ -261,6 +274,8 @@ def test_dispatch(monkeypatch):
 @pytest.mark.parametrize("skv,config", [(256, mg.Config()), (128, mg.Config()),
                                         (256, mg.Config(mirror_delta=False)),
                                         (512, mg.Config(cluster_delta=True)),
+                                        (256, mg.Config(cluster_delta=True,
+                                                        cluster_exchange="async_store")),
                                         (256, mg.Config(keep_bits=True, delta_rows=64)),
                                         (256, mg.Config(proxy_fence=False))])
 def test_lowers_for_a_gpu(skv, config):
