@@ -791,9 +791,9 @@ class Config:
   run as one cluster and exchange their parts of delta through shared memory at every step,
   6 B per element (without ``keep_bits``; it takes precedence over ``mirror_delta``). Off:
   on the H200 it measured 0.98-1.03x the default's speed at 256 keys, 0.48-0.6x at 512
-  and 1024 on the small workloads and 0.75-0.8x on the large ones (the ordering of the exchange at cluster scope costs about as much as the
-  streaming it saves; ``benchmarks/results/attention_softmax_dropout_value_mosaic_gpu.md``,
-  run 9). ``cluster_exchange``: how the parts travel (:func:`_exchange_publish`):
+  and 1024 on the small workloads and 0.75-0.8x on the large ones (the ordering of the
+  exchange at cluster scope costs about as much as the streaming it saves;
+  ``benchmarks/results/attention_softmax_dropout_value_mosaic_gpu.md``, run 9). ``cluster_exchange``: how the parts travel (:func:`_exchange_publish`):
   ``"mbarrier"`` (the one measured) or ``"async_store"`` (``st.async`` into the peers'
   shared memory, completing on their mbarriers; not yet compiled on a GPU).
   """
