@@ -586,37 +586,26 @@ def _exchange_delta(xchg_smem, mbar, xchg_barrier, xg_ref, step, program, *, clu
   acquire semantics at cluster scope (phase parity ``step // 2 % 2``), then loads from the
   peers' shared memory; ``"async_store"``: the slot's barrier, then loads from its own."""
   slot = lax.rem(step, i32(2))
+
+  def total(part):   # sum of part(c, w) over the programs c and their warpgroups w, in order
+    parts = [part(c, w) for c in range(cluster) for w in range(WGS)]
+    return sum(parts[1:], parts[0])
+
   if interpret:
     plgpu.barrier_wait(xchg_barrier)
-    delta = None
-    for c in range(cluster):
-      for w in range(WGS):
-        x = xg_ref[program + (slot, c, w)]
-        delta = x if delta is None else delta + x
-    return delta
+    return total(lambda c, w: xg_ref[program + (slot, c, w)])
   if exchange == "async_store":
     plgpu.barrier_wait(mbar.at[slot])
-    delta = None
-    for c in range(cluster):
-      for w in range(WGS):
-        x = jnp.max(plgpu.load(xchg_smem[0].at[slot, c, w], layout=plgpu.Layout.WGMMA),
-                    axis=1)
-        delta = x if delta is None else delta + x
-    return delta
+    return total(lambda c, w: jnp.max(
+        plgpu.load(xchg_smem[0].at[slot, c, w], layout=plgpu.Layout.WGMMA), axis=1))
   phase = lax.rem(step, i32(4))   # slot and parity of the slot's phase
   for q in range(4):
     @pl.when(phase == q)
     def _wait():
       _mosaic.cluster_barrier_wait(mbar, q % 2, q // 2)
-
-  def read(s):
-    delta = None
-    for c in range(cluster):
-      for w in range(WGS):
-        x = plgpu.load(plgpu.cluster_ref(xchg_smem[s * WGS + w], {"keys": c}),
-                       layout=plgpu.Layout.WGMMA.reduce(1))
-        delta = x if delta is None else delta + x
-    return delta
+  read = lambda s: total(lambda c, w: plgpu.load(
+      plgpu.cluster_ref(xchg_smem[s * WGS + w], {"keys": c}),
+      layout=plgpu.Layout.WGMMA.reduce(1)))
   return lax.cond(slot == 0, lambda: read(0), lambda: read(1))
 
 
@@ -793,9 +782,10 @@ class Config:
   on the H200 it measured 0.98-1.03x the default's speed at 256 keys, 0.48-0.6x at 512
   and 1024 on the small workloads and 0.75-0.8x on the large ones (the ordering of the
   exchange at cluster scope costs about as much as the streaming it saves;
-  ``benchmarks/results/attention_softmax_dropout_value_mosaic_gpu.md``, run 9). ``cluster_exchange``: how the parts travel (:func:`_exchange_publish`):
-  ``"mbarrier"`` (the one measured) or ``"async_store"`` (``st.async`` into the peers'
-  shared memory, completing on their mbarriers; not yet compiled on a GPU).
+  ``benchmarks/results/attention_softmax_dropout_value_mosaic_gpu.md``, run 9).
+  ``cluster_exchange``: how the parts travel (:func:`_exchange_publish`): ``"mbarrier"``
+  (the one measured) or ``"async_store"`` (``st.async`` into the peers' shared memory,
+  completing on their mbarriers; not yet compiled on a GPU).
   """
   delta_rows: int = 128
   delta_block_k: int = 64
