@@ -547,7 +547,7 @@ def _exchange_publish(part, xchg_smem, mbar, xchg_barrier, xg_ref, step, kb, wg,
   layout ``st.async`` takes) into slot ``step % 2`` of every program's shared memory
   (``xchg_smem[0]``: ``[2, cluster, WGS, 64, ASYNC_COLS]``) with ``plgpu.async_store_smem``,
   whose writes complete on the receiving program's mbarrier of the slot (``mbar``: two
-  barriers of ``128 * WGS * cluster`` arrivals) by transaction count: they are visible to
+  barriers of ``WGS * cluster`` arrivals, which Pallas counts per thread) by transaction count: they are visible to
   the threads whose wait sees the phase complete, with no release at cluster scope on the
   way. A program reads only its own shared memory, and it waits for every write into it.
 
@@ -692,7 +692,7 @@ def ds_dv_pass(do, p_groups, pd_groups, delta, v, *, rate, stages=3, split=1,
     scratch += [plgpu.SMEM((2, blocks, WGS, ROWS, ASYNC_COLS), f32,
                            transforms=(plgpu.TilingTransform((8, ASYNC_COLS)),
                                        plgpu.SwizzleTransform(4 * ASYNC_COLS))),
-                plgpu.Barrier(num_arrivals=128 * WGS * blocks, num_barriers=2),
+                plgpu.Barrier(num_arrivals=WGS * blocks, num_barriers=2),   # per thread (x128)
                 plgpu.ClusterBarrier(collective_axes=("keys",), num_arrivals=WGS)]
   elif cluster:
     scratch += [plgpu.SMEM((ROWS,), f32) for _ in range(2 * WGS)]
