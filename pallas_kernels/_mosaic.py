@@ -136,9 +136,9 @@ def cluster_barrier_arrive(ref, index: int, cluster: int) -> None:
   arrive(ref)
 
 
-def cluster_barrier_wait(ref, index: int, parity: int) -> None:
-  """Waits, with acquire semantics at cluster scope, for the phase of parity ``parity`` (0 or
-  1) of mbarrier ``index`` of ``ref`` to complete."""
+def cluster_barrier_wait(ref, index: int, parity: int, *, scope: str = "cluster") -> None:
+  """Waits, with acquire semantics at ``scope`` (``"cluster"`` or ``"cta"``), for the phase
+  of parity ``parity`` (0 or 1) of mbarrier ``index`` of ``ref`` to complete."""
 
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
   def wait(ctx, smem):
@@ -147,12 +147,47 @@ def cluster_barrier_wait(ref, index: int, parity: int) -> None:
     from jax.experimental.mosaic.gpu import utils as mu
     _asm("{\n .reg .pred done;\n"
          " WAIT:\n"
-         " mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [$0], $1;\n"
+         f" mbarrier.try_wait.parity.acquire.{scope}.shared::cta.b64 done, [$0], $1;\n"
          " @!done bra.uni WAIT;\n}",
          _barrier_ptr(smem, index), mu.c(parity, ir.IntegerType.get_signless(32)),
          constraints="r,r")
 
   wait(ref)
+
+
+def cluster_send_rows(src, dst, bars, *, slot: int, offset: int, cluster: int) -> None:
+  """Sends the 64 fp32 of ``src`` (a ``[64]`` shared-memory ref the warpgroup has written and
+  synchronized, ``plgpu.commit_smem``) to every program of the cluster (axis ``x``) with
+  ``st.async``: into ``dst`` (a ``[..., 64]`` fp32 ref, the same in every program) at the
+  element offset ``offset + rank * 64``, ``rank`` this program's rank in the cluster. The
+  writes complete on the receiver's mbarrier ``slot`` of ``bars`` (as
+  :func:`cluster_barriers_init` lays them out) by transaction count, after one arrival of the
+  warpgroup that expects their 256 bytes: a receiver whose wait sees the phase complete sees
+  them, with no release at cluster scope on the way. Threads 0-63 of the warpgroup send one
+  element each; thread 0 arrives."""
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 3)
+  def send(ctx, src_ref, dst_ref, bar_ref):
+    del ctx
+    from jax.experimental.mosaic.gpu import utils as mu
+    lines = [
+        "{", " .reg .pred has, first;", " .reg .b32 lane, rank, off, a, d, rd, rb, v;",
+        " mov.u32 lane, %tid.x;", " and.b32 lane, lane, 127;",
+        " setp.lt.u32 has, lane, 64;", " setp.eq.u32 first, lane, 0;",
+        " mov.u32 rank, %cluster_ctarank;", " shl.b32 off, lane, 2;",
+        " add.u32 a, $0, off;", " @has ld.shared.b32 v, [a];",
+        " mad.lo.u32 d, rank, 256, $1;", f" add.u32 d, d, {4 * offset};",
+        " add.u32 d, d, off;"]
+    for c in range(cluster):
+      lines += [f" mapa.shared::cluster.u32 rd, d, {c};",
+                f" mapa.shared::cluster.u32 rb, $2, {c};",
+                " @first mbarrier.arrive.expect_tx.shared::cluster.b64 _, [rb], 256;",
+                " @has st.async.shared::cluster.mbarrier::complete_tx::bytes.b32"
+                " [rd], v, [rb];"]
+    _asm("\n".join(lines + ["}"]), mu.memref_ptr(src_ref), mu.memref_ptr(dst_ref),
+         _barrier_ptr(bar_ref, slot), constraints="r,r,r")
+
+  send(src, dst, bars)
 
 
 def check_hopper(entry_point: str, interpret, *arrays) -> None:

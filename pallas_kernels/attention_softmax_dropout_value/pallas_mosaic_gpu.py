@@ -267,7 +267,7 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
   xg_ref = None
   if cluster:   # the exchange's slots and barriers; in the interpreter, global memory
     *refs, mbar, xchg_barrier = refs
-    slot_refs = 2 * WGS if exchange == "mbarrier" else 1
+    slot_refs = 2 * WGS if exchange == "mbarrier" else WGS + 1
     refs, xchg_smem = refs[:-slot_refs], refs[-slot_refs:]
     if interpret:
       v_ref, ds_ref, dv_ref, xg_ref, v_smem, ds_smem, barrier = refs
@@ -508,7 +508,7 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
       step, grid=(share_tiles,), max_concurrent_steps=stages,
       memory_registers=MEMORY_REGISTERS, num_compute_wgs=WGS, wg_axis="wg",
       manual_consumed_barriers=True, compute_context=compute_context, in_specs=in_specs)
-  own_mbarriers = cluster and not interpret and exchange == "mbarrier"
+  own_mbarriers = cluster and not interpret
   if own_mbarriers:
     # The exchange's mbarriers, initialized before any program of the cluster arrives on
     # them (every thread of the cluster synchronizes).
@@ -524,7 +524,6 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
 
 
 EXCHANGES = ("mbarrier", "async_store")   # Config.cluster_exchange
-ASYNC_COLS = 8   # an async_store part: [64, 8] fp32, the part in every column (no replication)
 
 
 def _exchange_publish(part, xchg_smem, mbar, xchg_barrier, xg_ref, step, kb, wg, program, *,
@@ -543,15 +542,17 @@ def _exchange_publish(part, xchg_smem, mbar, xchg_barrier, xg_ref, step, kb, wg,
   with release semantics at cluster scope, on that slot's mbarrier (``mbar``, two 64-bit
   words each) in every program of the cluster; the readers load the parts from the peers.
 
-  ``exchange="async_store"``: the warpgroup stores its part (as ``[64, ASYNC_COLS]``, the
-  layout ``st.async`` takes) into slot ``step % 2`` of every program's shared memory
-  (``xchg_smem[0]``: ``[2, cluster, WGS, 64, ASYNC_COLS]``) with ``plgpu.async_store_smem``,
-  whose writes complete on the receiving program's mbarrier of the slot (``mbar``: two
-  barriers of ``WGS * cluster`` arrivals, which Pallas counts per thread) by transaction count: they are visible to
-  the threads whose wait sees the phase complete, with no release at cluster scope on the
-  way. A program reads only its own shared memory, and it waits for every write into it.
+  ``exchange="async_store"``: the warpgroup writes its part into its own staging ref
+  (``xchg_smem[wg]``, ``[64]``), synchronizes, and sends it with ``st.async`` into slot
+  ``step % 2`` of every program's receiving ref (``xchg_smem[WGS]``: ``[2, cluster, WGS,
+  64]``; :func:`_mosaic.cluster_send_rows`). The writes complete on the receiving program's
+  mbarrier of the slot by transaction count, so they are visible to the threads whose wait
+  sees the phase complete, with no release at cluster scope on the way. A program reads
+  only its own shared memory, and it waits for every write into it. A slot is written for
+  step ``s + 2`` only by a program that has all of step ``s + 1``'s parts, each sent after
+  its sender read step ``s``.
 
-  The interpreter (no shared memory across a cluster, no ``async_store_smem``) takes the
+  The interpreter (no shared memory across a cluster, no ``st.async``) takes the
   same steps through ``xg_ref`` in global memory (one slab per cluster, ``program``) and the
   cluster barrier ``xchg_barrier`` (whose compiled arrivals have release semantics at CTA
   scope only; the compiled kernels do not use it)."""
@@ -561,10 +562,17 @@ def _exchange_publish(part, xchg_smem, mbar, xchg_barrier, xg_ref, step, kb, wg,
     plgpu.barrier_arrive(xchg_barrier)
     return
   if exchange == "async_store":
-    wide = lax.broadcast_in_dim(part, (ROWS, ASYNC_COLS), [0])
-    for c in range(cluster):
-      plgpu.async_store_smem(wide, xchg_smem[0].at[slot, kb, wg], mbar.at[slot],
-                             cluster_idx=c, cluster_dim="keys")
+    for w in range(WGS):
+      @pl.when(wg == w)
+      def _stage():
+        xchg_smem[w][...] = part
+    plgpu.commit_smem()   # a warpgroup barrier: every thread's writes before the sends
+    for s in range(2):
+      for w in range(WGS):
+        @pl.when((slot == s) & (wg == w))
+        def _send():
+          _mosaic.cluster_send_rows(xchg_smem[w], xchg_smem[WGS], mbar, slot=s,
+                                    offset=(s * cluster * WGS + w) * ROWS, cluster=cluster)
     return
   for s in range(2):
     for w in range(WGS):
@@ -584,7 +592,8 @@ def _exchange_delta(xchg_smem, mbar, xchg_barrier, xg_ref, step, program, *, clu
   parts of the step (:func:`_exchange_publish`) on its slot's mbarrier, then adds them in
   the same order in every program (the same delta in all). ``"mbarrier"``: a wait with
   acquire semantics at cluster scope (phase parity ``step // 2 % 2``), then loads from the
-  peers' shared memory; ``"async_store"``: the slot's barrier, then loads from its own."""
+  peers' shared memory; ``"async_store"``: the same wait with acquire semantics at CTA scope
+  (the writes complete on the mbarrier), then loads from its own."""
   slot = lax.rem(step, i32(2))
 
   def total(part):   # sum of part(c, w) over the programs c and their warpgroups w, in order
@@ -594,18 +603,19 @@ def _exchange_delta(xchg_smem, mbar, xchg_barrier, xg_ref, step, program, *, clu
   if interpret:
     plgpu.barrier_wait(xchg_barrier)
     return total(lambda c, w: xg_ref[program + (slot, c, w)])
-  if exchange == "async_store":
-    plgpu.barrier_wait(mbar.at[slot])
-    return total(lambda c, w: jnp.max(
-        plgpu.load(xchg_smem[0].at[slot, c, w], layout=plgpu.Layout.WGMMA), axis=1))
   phase = lax.rem(step, i32(4))   # slot and parity of the slot's phase
   for q in range(4):
     @pl.when(phase == q)
     def _wait():
-      _mosaic.cluster_barrier_wait(mbar, q % 2, q // 2)
-  read = lambda s: total(lambda c, w: plgpu.load(
-      plgpu.cluster_ref(xchg_smem[s * WGS + w], {"keys": c}),
-      layout=plgpu.Layout.WGMMA.reduce(1)))
+      _mosaic.cluster_barrier_wait(mbar, q % 2, q // 2,
+                                   scope="cta" if exchange == "async_store" else "cluster")
+  row_layout = plgpu.Layout.WGMMA.reduce(1)
+  if exchange == "async_store":
+    read = lambda s: total(lambda c, w: plgpu.load(xchg_smem[WGS].at[s, c, w],
+                                                   layout=row_layout))
+  else:
+    read = lambda s: total(lambda c, w: plgpu.load(
+        plgpu.cluster_ref(xchg_smem[s * WGS + w], {"keys": c}), layout=row_layout))
   return lax.cond(slot == 0, lambda: read(0), lambda: read(1))
 
 
@@ -689,13 +699,11 @@ def ds_dv_pass(do, p_groups, pd_groups, delta, v, *, rate, stages=3, split=1,
       plgpu.Barrier(num_barriers=2 * WGS if mirror else WGS),
   ]
   if cluster and cluster_exchange == "async_store":
-    scratch += [plgpu.SMEM((2, blocks, WGS, ROWS, ASYNC_COLS), f32,
-                           transforms=(plgpu.TilingTransform((8, ASYNC_COLS)),
-                                       plgpu.SwizzleTransform(4 * ASYNC_COLS))),
-                plgpu.Barrier(num_arrivals=WGS * blocks, num_barriers=2),   # per thread (x128)
-                plgpu.ClusterBarrier(collective_axes=("keys",), num_arrivals=WGS)]
+    scratch += [plgpu.SMEM((ROWS,), f32) for _ in range(WGS)]   # staging
+    scratch.append(plgpu.SMEM((2, blocks, WGS, ROWS), f32))      # receiving
   elif cluster:
     scratch += [plgpu.SMEM((ROWS,), f32) for _ in range(2 * WGS)]
+  if cluster:
     scratch += [plgpu.SMEM((4,), jnp.uint32),   # two 64-bit mbarriers
                 plgpu.ClusterBarrier(collective_axes=("keys",), num_arrivals=WGS)]
   elif fused_delta:
