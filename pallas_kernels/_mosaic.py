@@ -155,11 +155,12 @@ def cluster_barrier_wait(ref, index: int, parity: int, *, scope: str = "cluster"
   wait(ref)
 
 
-def cluster_send_rows(src, dst, bars, *, slot: int, offset: int, cluster: int) -> None:
+def cluster_send_rows(src, dst, bars, *, slot: int, offset: int, stride: int,
+                      cluster: int) -> None:
   """Sends the 64 fp32 of ``src`` (a ``[64]`` shared-memory ref the warpgroup has written and
   synchronized, ``plgpu.commit_smem``) to every program of the cluster (axis ``x``) with
   ``st.async``: into ``dst`` (a ``[..., 64]`` fp32 ref, the same in every program) at the
-  element offset ``offset + rank * 64``, ``rank`` this program's rank in the cluster. The
+  element offset ``offset + rank * stride``, ``rank`` this program's rank in the cluster. The
   writes complete on the receiver's mbarrier ``slot`` of ``bars`` (as
   :func:`cluster_barriers_init` lays them out) by transaction count, after one arrival of the
   warpgroup that expects their 256 bytes: a receiver whose wait sees the phase complete sees
@@ -176,7 +177,7 @@ def cluster_send_rows(src, dst, bars, *, slot: int, offset: int, cluster: int) -
         " setp.lt.u32 has, lane, 64;", " setp.eq.u32 first, lane, 0;",
         " mov.u32 rank, %cluster_ctarank;", " shl.b32 off, lane, 2;",
         " add.u32 a, $0, off;", " @has ld.shared.b32 v, [a];",
-        " mad.lo.u32 d, rank, 256, $1;", f" add.u32 d, d, {4 * offset};",
+        f" mad.lo.u32 d, rank, {4 * stride}, $1;", f" add.u32 d, d, {4 * offset};",
         " add.u32 d, d, off;"]
     for c in range(cluster):
       lines += [f" mapa.shared::cluster.u32 rd, d, {c};",

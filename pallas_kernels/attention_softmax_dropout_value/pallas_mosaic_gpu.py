@@ -572,7 +572,8 @@ def _exchange_publish(part, xchg_smem, mbar, xchg_barrier, xg_ref, step, kb, wg,
         @pl.when((slot == s) & (wg == w))
         def _send():
           _mosaic.cluster_send_rows(xchg_smem[w], xchg_smem[WGS], mbar, slot=s,
-                                    offset=(s * cluster * WGS + w) * ROWS, cluster=cluster)
+                                    offset=(s * cluster * WGS + w) * ROWS,
+                                    stride=WGS * ROWS, cluster=cluster)
     return
   for s in range(2):
     for w in range(WGS):
