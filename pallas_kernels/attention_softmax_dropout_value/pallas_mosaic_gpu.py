@@ -27,9 +27,10 @@ and converting it to ``uint8`` first is one more full pass over HBM. They stream
 ``2 + 2 + 2 + 2 = 8`` bytes per attention element (Pd twice, P once, dS once); at
 ``seq_k == 128`` the dS-dV kernel computes delta itself and there is no delta kernel (6 B);
 at ``seq_k == 256`` too (``Config.mirror_delta``: each program reads Pd's whole rows, 8 B in one
-launch). ``Config.cluster_delta`` (off: measured slower) runs rows of 256-1024 keys in one
-launch at 6 B per element: the programs of a row's key blocks form a cluster and exchange
-their parts of delta through shared memory at every step.
+launch). ``Config.cluster_delta`` runs rows of 256-1024 keys in one launch at 6 B per
+element: the programs of a row's key blocks form a cluster and exchange their parts of
+delta through shared memory at every step (the default at 256 keys, with
+``cluster_exchange="async_store"``; measured slower at 512-1024).
 ``Config.keep_bits`` (off: measured slower) has the delta kernel write keep as bits and the
 dS-dV kernel rebuild Pd from P and them (6.25 B).
 
@@ -787,14 +788,17 @@ class Config:
   ``cluster_delta``: rows of 256 to 1024 keys (2 to 8 key blocks, :data:`MAX_CLUSTER`) in one
   kernel, no delta kernel (``ds_dv_pass(cluster=True)``): the programs of a row's key blocks
   run as one cluster and exchange their parts of delta through shared memory at every step,
-  6 B per element (without ``keep_bits``; it takes precedence over ``mirror_delta``). Off:
-  on the H200 it measured 0.98-1.03x the default's speed at 256 keys, 0.48-0.6x at 512
-  and 1024 on the small workloads and 0.75-0.8x on the large ones (the ordering of the
-  exchange at cluster scope costs about as much as the streaming it saves;
-  ``benchmarks/results/attention_softmax_dropout_value_mosaic_gpu.md``, run 9).
+  6 B per element (without ``keep_bits``; it takes precedence over ``mirror_delta``).
+  :func:`default_config` turns it on at 256 keys with the ``"async_store"`` exchange: on
+  the H200, 1.19-1.30x the speed of the mirror kernel (48.5 / 84.8 / 90.9 us against
+  57.7 / 108.5 / 111.6 us on the three 256-key workloads). At 512 and 1024 keys it measured
+  0.48-0.73x (the clustered launch is slower there even without the exchange;
+  ``benchmarks/results/attention_softmax_dropout_value_mosaic_gpu.md``, runs 9 and 10).
   ``cluster_exchange``: how the parts travel (:func:`_exchange_publish`): ``"mbarrier"``
-  (the one measured) or ``"async_store"`` (``st.async`` into the peers' shared memory,
-  completing on their mbarriers; not yet compiled on a GPU).
+  (each program reads its peers' shared memory after an mbarrier with release/acquire at
+  cluster scope; 0.98-1.03x the mirror kernel at 256 keys) or ``"async_store"``
+  (``st.async`` into the peers' shared memory, completing on their mbarriers by
+  transaction count).
   """
   delta_rows: int = 128
   delta_block_k: int = 64
