@@ -25,9 +25,10 @@ from jax_ops import reference
 from pallas_kernels.attention_softmax_dropout_value import pallas_mosaic_gpu as mg
 from pallas_kernels.attention_softmax_dropout_value import pallas_triton
 
-# name -> the Mosaic GPU entry point's Config (the default first)
+# name -> the Mosaic GPU entry point's Config (the default first: None, default_config's)
 VARIANTS = {
-    "default": mg.Config(),
+    "default": None,
+    "base": mg.Config(),   # Config()'s fields: at 256 keys the mirror kernel
     "dk128": mg.Config(delta_rows=64, delta_block_k=128, delta_stages=2),
     "split1": mg.Config(split=1),
     "split2": mg.Config(split=2),
@@ -41,18 +42,26 @@ VARIANTS = {
     "cluster_s3": mg.Config(cluster_delta=True, stages=3),
     # the same, the parts sent with st.async into the peers' shared memory
     "cluster_async": mg.Config(cluster_delta=True, cluster_exchange="async_store"),
+    # fewer programs per launch: clusters of 4-8 programs fill a wave (run 9's probe)
+    "cluster_async_s1": mg.Config(cluster_delta=True, cluster_exchange="async_store", split=1),
+    "cluster_async_s2": mg.Config(cluster_delta=True, cluster_exchange="async_store", split=2),
 }
 
 
 def mosaic_fn(variant, rate):
-  return jax.jit(lambda d_o, probs, dropped, value, keep: mg._backward(
-      d_o, probs, dropped, value, rate=rate, config=VARIANTS[variant], interpret=False))
+  def fn(d_o, probs, dropped, value, keep):
+    b, h, sq, skv = probs.shape
+    config = VARIANTS[variant] or mg.default_config(b, h, value.shape[1], sq, skv,
+                                                    value.shape[3])
+    return mg._backward(d_o, probs, dropped, value, rate=rate, config=config, interpret=False)
+  return jax.jit(fn)
 
 
 def parts_fns(variant, rate):
   """The delta kernel alone, and the dS-dV kernel (with its dV sum) alone, in their
-  default mode: a ``keep_bits`` variant's parts are timed reading Pd, as the default."""
-  config = VARIANTS[variant]
+  default mode: a ``keep_bits`` variant's parts are timed reading Pd, as the default (and
+  the default's, with ``Config()``'s fields)."""
+  config = VARIANTS[variant] or mg.Config()
 
   def groups(x, value):
     b, h, sq, skv = x.shape

@@ -572,9 +572,9 @@ def _exchange_publish(part, xchg_smem, mbar, xchg_barrier, xg_ref, step, kb, wg,
       for w in range(WGS):
         @pl.when((slot == s) & (wg == w))
         def _send():
+          offset, stride = _receive_place(s, w, cluster)
           _mosaic.cluster_send_rows(xchg_smem[w], xchg_smem[WGS], mbar, slot=s,
-                                    offset=(s * cluster * WGS + w) * ROWS,
-                                    stride=WGS * ROWS, cluster=cluster)
+                                    offset=offset, stride=stride, cluster=cluster)
     return
   for s in range(2):
     for w in range(WGS):
@@ -586,6 +586,14 @@ def _exchange_publish(part, xchg_smem, mbar, xchg_barrier, xg_ref, step, kb, wg,
     @pl.when(slot == s)
     def _arrive():
       _mosaic.cluster_barrier_arrive(mbar, s, cluster)
+
+
+def _receive_place(slot: int, wg: int, cluster: int) -> tuple[int, int]:
+  """``(offset, stride)``: where the ``async_store`` exchange puts warpgroup ``wg``'s part of
+  slot ``slot`` in a receiving ref ``[2, cluster, WGS, 64]`` (row-major, the index
+  :func:`_exchange_delta` reads, ``[slot, rank, wg]``): element ``offset + rank * stride``
+  for the sender of cluster rank ``rank``."""
+  return (slot * cluster * WGS + wg) * ROWS, WGS * ROWS
 
 
 def _exchange_delta(xchg_smem, mbar, xchg_barrier, xg_ref, step, program, *, cluster,

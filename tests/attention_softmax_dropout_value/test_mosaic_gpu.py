@@ -79,6 +79,23 @@ def test_cluster_delta_matches_reference(b, h, kvh, sq, skv, d, p, stages):
   check(backward(*args, p, config=config), reference(*args, p))
 
 
+@pytest.mark.parametrize("cluster", [2, 3, 8])
+def test_async_store_places_each_part_where_it_is_read(cluster):
+  """The ``st.async`` exchange (compiled only) writes part ``(slot, rank, wg)`` where the
+  reader's ``[slot, rank, wg]`` index of the receiving ref ``[2, cluster, WGS, 64]`` is: every
+  sender's place distinct, none overlapping another's 64 elements."""
+  shape = (2, cluster, mg.WGS, mg.ROWS)
+  starts = set()
+  for s in range(2):
+    for w in range(mg.WGS):
+      offset, stride = mg._receive_place(s, w, cluster)
+      for rank in range(cluster):
+        start = offset + rank * stride
+        assert start == np.ravel_multi_index((s, rank, w, 0), shape)
+        starts.add(start)
+  assert sorted(starts) == list(range(0, int(np.prod(shape)), mg.ROWS))
+
+
 @pytest.mark.skipif(not HOPPER, reason="the interpreter runs both exchanges the same way")
 @pytest.mark.parametrize("skv,d", [(256, 128), (512, 64)])
 def test_cluster_delta_with_async_stores(skv, d):
