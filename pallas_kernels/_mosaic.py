@@ -158,7 +158,8 @@ def cluster_barrier_wait(ref, index: int, parity: int, *, scope: str = "cluster"
 def cluster_send_rows(src, dst, bars, *, slot: int, offset: int, stride: int,
                       cluster: int) -> None:
   """Sends the 64 fp32 of ``src`` (a ``[64]`` shared-memory ref the warpgroup has written and
-  synchronized, ``plgpu.commit_smem``) to every program of the cluster (axis ``x``) with
+  synchronized, ``plgpu.commit_smem``) to every program of the cluster (ranks 0 to
+  ``cluster - 1``, the cluster being one axis of ``cluster`` programs) with
   ``st.async``: into ``dst`` (a ``[..., 64]`` fp32 ref, the same in every program) at the
   element offset ``offset + rank * stride``, ``rank`` this program's rank in the cluster. The
   writes complete on the receiver's mbarrier ``slot`` of ``bars`` (as
