@@ -549,9 +549,7 @@ def _exchange_publish(part, xchg_smem, mbar, xchg_barrier, xg_ref, step, kb, wg,
   64]``; :func:`_mosaic.cluster_send_rows`). The writes complete on the receiving program's
   mbarrier of the slot by transaction count, so they are visible to the threads whose wait
   sees the phase complete, with no release at cluster scope on the way. A program reads
-  only its own shared memory, and it waits for every write into it. A slot is written for
-  step ``s + 2`` only by a program that has all of step ``s + 1``'s parts, each sent after
-  its sender read step ``s``.
+  only its own shared memory, and it waits for every write into it (slot reuse: as above).
 
   The interpreter (no shared memory across a cluster, no ``st.async``) takes the
   same steps through ``xg_ref`` in global memory (one slab per cluster, ``program``) and the
