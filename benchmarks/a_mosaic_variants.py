@@ -45,6 +45,11 @@ VARIANTS = {
     # fewer programs per launch: clusters of 4-8 programs fill a wave (run 9's probe)
     "cluster_async_s1": mg.Config(cluster_delta=True, cluster_exchange="async_store", split=1),
     "cluster_async_s2": mg.Config(cluster_delta=True, cluster_exchange="async_store", split=2),
+    # the delta kernel on one program per SM, each looping over row tiles
+    "persist64": mg.Config(delta_persistent=True, delta_rows=64, delta_stages=4),
+    "persist64_k128": mg.Config(delta_persistent=True, delta_rows=64, delta_block_k=128,
+                                delta_stages=2),
+    "persist128_s2": mg.Config(delta_persistent=True, delta_stages=2),
 }
 
 
@@ -71,7 +76,8 @@ def parts_fns(variant, rate):
   def delta_only(d_o, probs, dropped, value, keep):
     return mg.delta_pass(d_o, groups(dropped, value), value, rows=config.delta_rows,
                          block_k=config.delta_block_k, stages=config.delta_stages,
-                         proxy_fence=config.proxy_fence)
+                         proxy_fence=config.proxy_fence,
+                         programs=mg.SMS if config.delta_persistent else None)
 
   @jax.jit
   def ds_dv_only(d_o, probs, dropped, value, keep):

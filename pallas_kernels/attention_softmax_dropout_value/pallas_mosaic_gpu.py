@@ -125,45 +125,67 @@ def _fence(proxy_fence: bool):
 
 
 def _delta_kernel(do_ref, pd_ref, v_ref, delta_ref, *refs, kvh_count, g, sq, skv, d, rows,
-                  block_k, stages, write_keep, proxy_fence=True):
+                  block_k, stages, write_keep, proxy_fence=True, programs, tiles):
+  """One program per SM (or per item, if fewer): item ``t`` is row tile ``t % tiles`` of kv
+  group ``t // tiles`` (``2 * rows`` rows); program ``p`` takes items ``p, p + programs,
+  ...`` in one pipeline over ``(its items, key steps)``, each warpgroup loading the next
+  item's dO while it streams this one's keys."""
   if write_keep:
     keep_ref, do_smem, delta_smem, barrier, keep_smem = refs
   else:
     do_smem, delta_smem, barrier = refs
-  bk = lax.axis_index("bk")
-  rb = lax.axis_index("rows")
+  pid = lax.axis_index("p")
   wg = lax.axis_index("wg")
-  b = lax.div(bk, i32(kvh_count))
-  kvh = lax.rem(bk, i32(kvh_count))
-  row0 = rb * (WGS * rows) + wg * rows        # first row of this warpgroup in the group
-  head = kvh * g + lax.div(row0, i32(sq))
-  q0 = lax.rem(row0, i32(sq))
+  n_items = delta_ref.shape[0] // (WGS * rows)
+  # Static when every program has one item (the grid covers the items).
+  count = 1 if programs == n_items else lax.div(n_items - pid + i32(programs - 1),
+                                                  i32(programs))
+  steps = skv // block_k
   words = block_k // 32
 
+  def place(i):
+    """(b, kvh, first row of this warpgroup in the group, query head, first query) of the
+    program's ``i``-th item."""
+    t = pid + i * programs
+    bk = lax.div(t, i32(tiles))
+    row0 = lax.rem(t, i32(tiles)) * (WGS * rows) + wg * rows
+    return (lax.div(bk, i32(kvh_count)), lax.rem(bk, i32(kvh_count)), row0,
+            lax.rem(bk, i32(kvh_count)) * g + lax.div(row0, i32(sq)), lax.rem(row0, i32(sq)))
+
+  def load_do(i):
+    b, _, _, head, q0 = place(i)
+    buf = lax.rem(i, i32(do_smem.shape[0]))
+    plgpu.copy_gmem_to_smem(do_ref.at[b, pl.ds(q0, rows), head], do_smem.at[buf, wg],
+                            barrier.at[buf * WGS + wg])
+
   def compute_context(run_pipeline):
-    plgpu.copy_gmem_to_smem(do_ref.at[b, pl.ds(q0, rows), head], do_smem.at[wg],
-                            barrier.at[wg])
-    plgpu.barrier_wait(barrier.at[wg])
-    zero = plgpu.layout_cast(jnp.zeros((rows,), f32), plgpu.Layout.WGMMA.reduce(1))
-    delta = run_pipeline(zero)
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    delta_smem[wg] = delta
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(delta_smem.at[wg], delta_ref.at[b, kvh, pl.ds(row0, rows)])
+    load_do(i32(0))
+    run_pipeline(plgpu.layout_cast(jnp.zeros((rows,), f32), plgpu.Layout.WGMMA.reduce(1)))
     plgpu.wait_smem_to_gmem(0)
 
   def step(idx, v_smem, pd_smem, v_consumed, pd_consumed, delta):
-    (j,) = idx
+    i, j = idx
+    buf = lax.rem(i, i32(do_smem.shape[0]))
+
+    @pl.when(j == 0)
+    def _():   # this item's dO is in; the next one's starts (its buffer's wgmmas are done)
+      plgpu.barrier_wait(barrier.at[buf * WGS + wg])
+      if not isinstance(count, int):
+        @pl.when(i + 1 < count)
+        def _():
+          load_do(i + 1)
+
     def mm(acc):
-      plgpu.wgmma(acc, do_smem.at[wg], v_smem.T)
+      plgpu.wgmma(acc, do_smem.at[buf, wg], v_smem.T)
       return acc[...]
     dpd = pl.run_scoped(mm, plgpu.ACC((rows, block_k), f32))
     plgpu.barrier_arrive(v_consumed)
     pd = plgpu.load(pd_smem.at[pl.ds(wg * rows, rows)], layout=plgpu.Layout.WGMMA)
     _fence(proxy_fence)
     plgpu.barrier_arrive(pd_consumed)
+    b, kvh, row0, _, _ = place(i)
     if write_keep:   # keep bits of this tile -> [B, KVH, seq_k / 32, G * seq_q]
-      slot = lax.rem(j, i32(2))
+      slot = lax.rem(i * steps + j, i32(2))
       plgpu.wait_smem_to_gmem(1, wait_read_only=True)               # the slot is free
       for q, w in enumerate(_keep_words(pd, block_k)):
         keep_smem[wg, slot, q] = w
@@ -171,41 +193,64 @@ def _delta_kernel(do_ref, pd_ref, v_ref, delta_ref, *refs, kvh_count, g, sq, skv
       plgpu.copy_smem_to_gmem(
           keep_smem.at[wg, slot],
           keep_ref.at[b, kvh, pl.ds(j * words, words), pl.ds(row0, rows)])
-    return delta + jnp.sum(dpd * pd.astype(f32), axis=1)
+    delta = _mosaic.restart_sum(j, jnp.sum(dpd * pd.astype(f32), axis=1), delta,
+                                plgpu.Layout.WGMMA.reduce(1))
+
+    @pl.when(j == steps - 1)
+    def _():
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last item's delta is out
+      delta_smem[wg] = delta
+      plgpu.commit_smem()
+      t = pid + i * programs
+      plgpu.copy_smem_to_gmem(delta_smem.at[wg],
+                              delta_ref.at[pl.ds(t * (WGS * rows) + wg * rows, rows)])
+    return delta
 
   dtype = do_ref.dtype
+
+  def item(i):
+    return pid + i * programs
   pipeline = plgpu.emit_pipeline_warp_specialized(
-      step, grid=(skv // block_k,), max_concurrent_steps=stages,
+      step, grid=(count, steps), max_concurrent_steps=stages,
       memory_registers=MEMORY_REGISTERS, num_compute_wgs=WGS, wg_axis="wg",
       manual_consumed_barriers=True, compute_context=compute_context,
       in_specs=[
-          plgpu.BlockSpec((block_k, d), lambda j: (j, 0), transforms=_tiled(dtype)),
-          plgpu.BlockSpec((WGS * rows, block_k), lambda j: (rb, j), transforms=_tiled(dtype)),
+          plgpu.BlockSpec((block_k, d), lambda i, j: (lax.div(item(i), i32(tiles)) * steps + j, 0),
+                          transforms=_tiled(dtype)),
+          plgpu.BlockSpec((WGS * rows, block_k), lambda i, j: (item(i), j),
+                          transforms=_tiled(dtype)),
       ])
-  pipeline(v_ref.at[b, kvh], pd_ref.at[b, kvh])
+  pipeline(v_ref, pd_ref)
 
 
 def delta_pass(do, pd_groups, v, *, rows=64, block_k=64, stages=4, write_keep=False,
-               proxy_fence=True, interpret=False):
+               proxy_fence=True, programs=None, interpret=False):
   """``delta [B, KVH, G * seq_q]`` (fp32) of the rows of ``pd_groups [B, KVH, G * seq_q, seq_k]``;
   with ``write_keep``, ``(delta, keep_bits [B, KVH, seq_k / 32, G * seq_q] int32)``: bit
   ``k % 32`` of word ``k // 32`` of a row is ``Pd[row, k] != 0``.
 
-  A program owns ``2 * rows`` rows (``rows`` = 64 or 128 per warpgroup; ``seq_q`` and
-  ``G * seq_q / 2`` multiples of it) and streams ``block_k`` keys per step.
+  An item is ``2 * rows`` rows (``rows`` = 64 or 128 per warpgroup; ``seq_q`` and
+  ``G * seq_q / 2`` multiples of it) with their dO resident, streamed ``block_k`` keys per
+  step. One program per item (``programs=None``), or ``programs`` of them (at most one per
+  item), each taking every ``programs``-th item in one pipeline: with one per SM there is
+  no partial last wave, and the next item's dO loads while this one streams.
   """
   b, sq, h, d = do.shape
   _, kvh, n_rows, skv = pd_groups.shape
   g = h // kvh
+  tiles = n_rows // (WGS * rows)
+  n_items = b * kvh * tiles
+  programs = n_items if programs is None else min(n_items, programs)
   kernel = functools.partial(_delta_kernel, kvh_count=kvh, g=g, sq=sq, skv=skv, d=d,
                              rows=rows, block_k=block_k, stages=stages, write_keep=write_keep,
-                             proxy_fence=proxy_fence)
+                             proxy_fence=proxy_fence, programs=programs, tiles=tiles)
   like = (do, pd_groups, v)   # outputs vary over the inputs' shard_map axes (check_vma)
-  out_type = out_struct((b, kvh, n_rows), f32, *like)
+  out_type = out_struct((b * kvh * n_rows,), f32, *like)
+  buffers = 1 if programs == n_items else 2     # dO of this item and of the next
   scratch = [
-      plgpu.SMEM((WGS, rows, d), do.dtype, transforms=_tiled(do.dtype)),
+      plgpu.SMEM((buffers, WGS, rows, d), do.dtype, transforms=_tiled(do.dtype)),
       plgpu.SMEM((WGS, rows), f32),
-      plgpu.Barrier(num_barriers=WGS),
+      plgpu.Barrier(num_barriers=buffers * WGS),
   ]
   if write_keep:
     out_type = (out_type, out_struct((b, kvh, skv // 32, n_rows), jnp.int32, *like))
@@ -214,11 +259,15 @@ def delta_pass(do, pd_groups, v, *, rows=64, block_k=64, stages=4, write_keep=Fa
       kernel,
       out_type=out_type,
       scratch_types=scratch,
-      grid=(b * kvh, n_rows // (WGS * rows)), grid_names=("bk", "rows"),
+      grid=(programs,), grid_names=("p",),
       num_threads=WGS + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=_interpret_params(interpret),
-  )(do, pd_groups, v)
+  )(do, pd_groups.reshape(b * kvh * n_rows, skv), v.reshape(b * kvh * skv, d))
+  if write_keep:
+    out = (out[0].reshape(b, kvh, n_rows), out[1])
+  else:
+    out = out.reshape(b, kvh, n_rows)
   return _varying_like(out, *like)
 
 
@@ -819,6 +868,7 @@ class Config:
   rebuild_stages: int = 3
   cluster_delta: bool = False
   cluster_exchange: str = "mbarrier"
+  delta_persistent: bool = False
 
   def __post_init__(self):
     for name, allowed in (("delta_rows", (64, 128)), ("delta_block_k", (64, 128))):
@@ -837,7 +887,7 @@ class Config:
       raise ValueError(f"config.cluster_exchange: expected one of {EXCHANGES}, got "
                        f"{self.cluster_exchange!r}")
     for name in ("keep_bits", "proxy_fence", "pair_hash", "delay_dv", "mirror_delta",
-                 "cluster_delta"):
+                 "cluster_delta", "delta_persistent"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"config.{name}: expected a bool, got {getattr(self, name)!r}")
 
@@ -934,6 +984,7 @@ def _backward(grad_attn_output, attn_weights, attn_weights_dropped, value_states
     delta = delta_pass(grad_attn_output, pd_groups, value_states, rows=rows,
                        block_k=config.delta_block_k, stages=config.delta_stages,
                        write_keep=write_keep, proxy_fence=config.proxy_fence,
+                       programs=SMS if config.delta_persistent else None,
                        interpret=interpret)
     if write_keep:
       delta, keep_bits = delta

@@ -136,6 +136,33 @@ def test_keep_bits(block_k):
 
 
 @needs_kernels
+@pytest.mark.parametrize("programs,write_keep", [(3, False), (2, True)])
+def test_delta_programs_loop_over_items(programs, write_keep, capsys):
+  """``delta_pass(programs=n)``: n programs take the 8 items (2 kv groups x 4 row tiles)
+  in turn, 3 / 3 / 2 with n = 3, carrying each item's dO in while the last one streams;
+  delta (and the keep bits) as with one program per item, and as rowsum(dPd * Pd); no race
+  in the interpreter's race detector."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  p = 0.2
+  d_o, _, dropped, value, _ = make_inputs(1, 4, 2, 128, 256, 64, p, seed=11)
+  groups = dropped.reshape(1, 2, 2 * 128, 256)
+  kw = dict(rows=64, block_k=64, stages=2, write_keep=write_keep)
+  looped = mg.delta_pass(d_o, groups, value, programs=programs, **kw,
+                         interpret=INTERPRET and plgpu.InterpretGPUParams(detect_races=True))
+  jax.block_until_ready(looped)
+  jax.effects_barrier()
+  assert "RACE DETECTED" not in capsys.readouterr().out
+  one_each = mg.delta_pass(d_o, groups, value, **kw, interpret=INTERPRET)
+  for a, b in zip(jax.tree.leaves(looped), jax.tree.leaves(one_each)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  do_g = d_o.astype(jnp.float32).transpose(0, 2, 1, 3).reshape(1, 2, 2 * 128, 64)
+  dpd = jnp.einsum("bgrd,bgkd->bgrk", do_g, value.astype(jnp.float32))
+  want = jnp.sum(dpd * groups.astype(jnp.float32), axis=-1)
+  np.testing.assert_allclose(np.asarray(jax.tree.leaves(looped)[0]), np.asarray(want),
+                             rtol=2e-2, atol=2e-2)
+
+
+@needs_kernels
 def test_keep_is_not_read():
   """The kernels use keep == (Pd != 0) (the precondition): any mask gives the same result."""
   p = 0.1
@@ -291,6 +318,8 @@ def test_dispatch(monkeypatch):
 @pytest.mark.parametrize("skv,config", [(256, mg.Config()), (128, mg.Config()),
                                         (256, mg.Config(mirror_delta=False)),
                                         (512, mg.Config(cluster_delta=True)),
+                                        (512, mg.Config(delta_persistent=True, delta_rows=64,
+                                                        delta_stages=4)),
                                         (256, mg.Config(cluster_delta=True,
                                                         cluster_exchange="async_store")),
                                         (256, mg.Config(keep_bits=True, delta_rows=64)),
