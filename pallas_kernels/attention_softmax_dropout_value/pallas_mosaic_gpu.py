@@ -895,13 +895,11 @@ class Config:
 def default_config(b, h, kvh, sq, skv, d) -> Config:
   """The config measured best on the H200 (``benchmarks/results/attention_softmax_dropout_value_mosaic_gpu.md``):
   rows of 256 keys in one clustered launch exchanging delta with ``st.async``; otherwise
-  128 delta rows per warpgroup where the rows allow it (else 64 with a deeper ring)."""
+  the delta kernel on one program per SM, 64 rows per warpgroup and 128 keys per step."""
+  del b, h, kvh, sq, d   # one config per row length so far
   if skv == 2 * WGS * KEYS:
     return Config(cluster_delta=True, cluster_exchange="async_store")
-  g = h // kvh
-  if sq % 128 == 0 and (g * sq) % (WGS * 128) == 0:
-    return Config(delta_rows=128, delta_stages=3)
-  return Config(delta_rows=64, delta_stages=4)
+  return Config(delta_rows=64, delta_block_k=128, delta_stages=2, delta_persistent=True)
 
 
 def resolve_split(split, b, kvh, skv, row_tiles) -> int:
