@@ -9,9 +9,10 @@ Two kernels, both over the rows of one kv group, ``G * seq_q`` rows that share V
 query heads of a group are consecutive in P, so ``P[b, h]`` for the group's heads is one
 ``[G * seq_q, seq_k]`` slab):
 
-1. :func:`_delta_kernel` (rows): a program owns ``2 * 64`` rows (64 per consumer
-   warpgroup, with their dO resident in shared memory) and streams V and Pd tiles over
-   the keys: ``dPd = dO @ V^T`` (wgmma) and ``delta = rowsum(dPd * Pd)``.
+1. :func:`_delta_kernel` (rows): a row tile is ``2 * 64`` or ``2 * 128`` rows (per consumer
+   warpgroup, with their dO resident in shared memory), streamed over the keys in V and Pd
+   tiles: ``dPd = dO @ V^T`` (wgmma) and ``delta = rowsum(dPd * Pd)``. One program per
+   tile, or (``Config.delta_persistent``, the default) one per SM looping over tiles.
 2. :func:`_ds_dv_kernel` (keys): a program owns ``2 * 64`` keys (64 per consumer
    warpgroup, with their V resident) and streams P, Pd, dO and delta tiles over the
    group's rows: ``dPd = dO @ V^T`` and ``dV += Pd^T @ dO`` (two wgmmas in flight),
@@ -849,6 +850,11 @@ class Config:
   57.7 / 108.5 / 111.6 us on the three 256-key workloads). At 512 and 1024 keys it measured
   0.48-0.73x (the clustered launch is slower there even without the exchange;
   ``benchmarks/results/attention_softmax_dropout_value_mosaic_gpu.md``, runs 9 and 10).
+  ``delta_persistent``: the delta kernel on at most one program per SM, each looping over
+  every ``SMS``-th row tile in one pipeline (:func:`delta_pass` ``programs``), not one
+  program per tile; with two dO buffers it needs ``delta_rows=64`` at D = 128.
+  :func:`default_config` turns it on (64 rows, 128-key steps, 2 stages): the delta kernel
+  19.0 us against 24.9 at (1, 512, 512), 425 against 454 at (32, 512, 512) on the H200.
   ``cluster_exchange``: how the parts travel (:func:`_exchange_publish`): ``"mbarrier"``
   (each program reads its peers' shared memory after an mbarrier with release/acquire at
   cluster scope; 0.98-1.03x the mirror kernel at 256 keys) or ``"async_store"``
