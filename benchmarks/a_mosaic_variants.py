@@ -49,7 +49,6 @@ VARIANTS = {
     "persist64": mg.Config(delta_persistent=True, delta_rows=64, delta_stages=4),
     "persist64_k128": mg.Config(delta_persistent=True, delta_rows=64, delta_block_k=128,
                                 delta_stages=2),
-    "persist128_s2": mg.Config(delta_persistent=True, delta_stages=2),
 }
 
 

@@ -12,7 +12,8 @@ query heads of a group are consecutive in P, so ``P[b, h]`` for the group's head
 1. :func:`_delta_kernel` (rows): a row tile is ``2 * 64`` or ``2 * 128`` rows (per consumer
    warpgroup, with their dO resident in shared memory), streamed over the keys in V and Pd
    tiles: ``dPd = dO @ V^T`` (wgmma) and ``delta = rowsum(dPd * Pd)``. One program per
-   tile, or (``Config.delta_persistent``, the default) one per SM looping over tiles.
+   tile, or (``Config.delta_persistent``, which :func:`default_config` turns on) at most
+   one per SM, each looping over tiles.
 2. :func:`_ds_dv_kernel` (keys): a program owns ``2 * 64`` keys (64 per consumer
    warpgroup, with their V resident) and streams P, Pd, dO and delta tiles over the
    group's rows: ``dPd = dO @ V^T`` and ``dV += Pd^T @ dO`` (two wgmmas in flight),
@@ -126,41 +127,43 @@ def _fence(proxy_fence: bool):
 
 
 def _delta_kernel(do_ref, pd_ref, v_ref, delta_ref, *refs, kvh_count, g, sq, skv, d, rows,
-                  block_k, stages, write_keep, proxy_fence=True, programs, tiles):
-  """One program per SM (or per item, if fewer): item ``t`` is row tile ``t % tiles`` of kv
-  group ``t // tiles`` (``2 * rows`` rows); program ``p`` takes items ``p, p + programs,
-  ...`` in one pipeline over ``(its items, key steps)``, each warpgroup loading the next
-  item's dO while it streams this one's keys."""
+                  block_k, stages, write_keep, proxy_fence=True, programs, tiles, n_items):
+  """Item ``t`` (of ``n_items``) is row tile ``t % tiles`` (``2 * rows`` rows) of kv group
+  ``t // tiles``; program ``p`` takes items ``p, p + programs, ...`` in one pipeline over
+  ``(its items, key steps)``, each warpgroup loading the next item's dO while it streams
+  this one's keys."""
   if write_keep:
     keep_ref, do_smem, delta_smem, barrier, keep_smem = refs
   else:
     do_smem, delta_smem, barrier = refs
   pid = lax.axis_index("p")
   wg = lax.axis_index("wg")
-  n_items = delta_ref.shape[0] // (WGS * rows)
-  # Static when every program has one item (the grid covers the items).
+  # Static when every program has one item (the grid covers the items); else >= 1.
   count = 1 if programs == n_items else lax.div(n_items - pid + i32(programs - 1),
                                                   i32(programs))
   steps = skv // block_k
   words = block_k // 32
 
+  def item(i):
+    return pid + i * programs
+
   def place(i):
-    """(b, kvh, first row of this warpgroup in the group, query head, first query) of the
-    program's ``i``-th item."""
-    t = pid + i * programs
+    """(b, kvh, this warpgroup's first row in the group) of the program's ``i``-th item."""
+    t = item(i)
     bk = lax.div(t, i32(tiles))
     row0 = lax.rem(t, i32(tiles)) * (WGS * rows) + wg * rows
-    return (lax.div(bk, i32(kvh_count)), lax.rem(bk, i32(kvh_count)), row0,
-            lax.rem(bk, i32(kvh_count)) * g + lax.div(row0, i32(sq)), lax.rem(row0, i32(sq)))
+    return lax.div(bk, i32(kvh_count)), lax.rem(bk, i32(kvh_count)), row0
 
   def load_do(i):
-    b, _, _, head, q0 = place(i)
+    b, kvh, row0 = place(i)
     buf = lax.rem(i, i32(do_smem.shape[0]))
-    plgpu.copy_gmem_to_smem(do_ref.at[b, pl.ds(q0, rows), head], do_smem.at[buf, wg],
-                            barrier.at[buf * WGS + wg])
+    plgpu.copy_gmem_to_smem(
+        do_ref.at[b, pl.ds(lax.rem(row0, i32(sq)), rows), kvh * g + lax.div(row0, i32(sq))],
+        do_smem.at[buf, wg], barrier.at[buf * WGS + wg])
 
   def compute_context(run_pipeline):
     load_do(i32(0))
+    # The zero only types the carry: restart_sum takes each item's first part as is.
     run_pipeline(plgpu.layout_cast(jnp.zeros((rows,), f32), plgpu.Layout.WGMMA.reduce(1)))
     plgpu.wait_smem_to_gmem(0)
 
@@ -169,9 +172,12 @@ def _delta_kernel(do_ref, pd_ref, v_ref, delta_ref, *refs, kvh_count, g, sq, skv
     buf = lax.rem(i, i32(do_smem.shape[0]))
 
     @pl.when(j == 0)
-    def _():   # this item's dO is in; the next one's starts (its buffer's wgmmas are done)
-      plgpu.barrier_wait(barrier.at[buf * WGS + wg])
+    def _():
+      plgpu.barrier_wait(barrier.at[buf * WGS + wg])    # this item's dO is in
       if not isinstance(count, int):
+        # The next item's dO goes into the buffer of item i - 1, whose last wgmmas every
+        # warp of the warpgroup has waited for: the commit_smem of that item's delta write
+        # (below) is a warpgroup barrier after them.
         @pl.when(i + 1 < count)
         def _():
           load_do(i + 1)
@@ -184,9 +190,9 @@ def _delta_kernel(do_ref, pd_ref, v_ref, delta_ref, *refs, kvh_count, g, sq, skv
     pd = plgpu.load(pd_smem.at[pl.ds(wg * rows, rows)], layout=plgpu.Layout.WGMMA)
     _fence(proxy_fence)
     plgpu.barrier_arrive(pd_consumed)
-    b, kvh, row0, _, _ = place(i)
     if write_keep:   # keep bits of this tile -> [B, KVH, seq_k / 32, G * seq_q]
-      slot = lax.rem(i * steps + j, i32(2))
+      b, kvh, row0 = place(i)
+      slot = lax.rem(i * steps + j, i32(2))   # steps may be odd
       plgpu.wait_smem_to_gmem(1, wait_read_only=True)               # the slot is free
       for q, w in enumerate(_keep_words(pd, block_k)):
         keep_smem[wg, slot, q] = w
@@ -202,20 +208,16 @@ def _delta_kernel(do_ref, pd_ref, v_ref, delta_ref, *refs, kvh_count, g, sq, skv
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last item's delta is out
       delta_smem[wg] = delta
       plgpu.commit_smem()
-      t = pid + i * programs
       plgpu.copy_smem_to_gmem(delta_smem.at[wg],
-                              delta_ref.at[pl.ds(t * (WGS * rows) + wg * rows, rows)])
+                              delta_ref.at[pl.ds(item(i) * (WGS * rows) + wg * rows, rows)])
     return delta
 
   dtype = do_ref.dtype
-
-  def item(i):
-    return pid + i * programs
   pipeline = plgpu.emit_pipeline_warp_specialized(
       step, grid=(count, steps), max_concurrent_steps=stages,
       memory_registers=MEMORY_REGISTERS, num_compute_wgs=WGS, wg_axis="wg",
       manual_consumed_barriers=True, compute_context=compute_context,
-      in_specs=[
+      in_specs=[   # V as [B * KVH * seq_k, D], Pd as [B * KVH * G * seq_q, seq_k]
           plgpu.BlockSpec((block_k, d), lambda i, j: (lax.div(item(i), i32(tiles)) * steps + j, 0),
                           transforms=_tiled(dtype)),
           plgpu.BlockSpec((WGS * rows, block_k), lambda i, j: (item(i), j),
@@ -239,12 +241,16 @@ def delta_pass(do, pd_groups, v, *, rows=64, block_k=64, stages=4, write_keep=Fa
   b, sq, h, d = do.shape
   _, kvh, n_rows, skv = pd_groups.shape
   g = h // kvh
+  if sq % rows or n_rows % (WGS * rows) or skv % block_k:
+    raise ValueError(f"delta_pass: rows={rows} must divide seq_q = {sq}, {WGS} * rows "
+                     f"G * seq_q = {n_rows}, and block_k={block_k} seq_k = {skv}")
   tiles = n_rows // (WGS * rows)
   n_items = b * kvh * tiles
   programs = n_items if programs is None else min(n_items, programs)
   kernel = functools.partial(_delta_kernel, kvh_count=kvh, g=g, sq=sq, skv=skv, d=d,
                              rows=rows, block_k=block_k, stages=stages, write_keep=write_keep,
-                             proxy_fence=proxy_fence, programs=programs, tiles=tiles)
+                             proxy_fence=proxy_fence, programs=programs, tiles=tiles,
+                             n_items=n_items)
   like = (do, pd_groups, v)   # outputs vary over the inputs' shard_map axes (check_vma)
   out_type = out_struct((b * kvh * n_rows,), f32, *like)
   buffers = 1 if programs == n_items else 2     # dO of this item and of the next
@@ -852,7 +858,8 @@ class Config:
   ``benchmarks/results/attention_softmax_dropout_value_mosaic_gpu.md``, runs 9 and 10).
   ``delta_persistent``: the delta kernel on at most one program per SM, each looping over
   every ``SMS``-th row tile in one pipeline (:func:`delta_pass` ``programs``), not one
-  program per tile; with two dO buffers it needs ``delta_rows=64`` at D = 128.
+  program per tile; with ``delta_rows=64`` only (it holds two dO tiles per warpgroup: at 128
+  rows and D = 128 they do not fit beside the ring).
   :func:`default_config` turns it on (64 rows, 128-key steps, 2 stages): the delta kernel
   19.0 us against 24.9 at (1, 512, 512), 425 against 454 at (32, 512, 512) on the H200.
   ``cluster_exchange``: how the parts travel (:func:`_exchange_publish`): ``"mbarrier"``
@@ -889,6 +896,8 @@ class Config:
     if self.split != "auto" and (isinstance(self.split, bool) or not isinstance(self.split, int)
                                  or self.split < 1):
       raise ValueError(f"config.split: expected 'auto' or an int >= 1, got {self.split!r}")
+    if self.delta_persistent and self.delta_rows != 64:
+      raise ValueError(f"config.delta_persistent needs delta_rows=64, got {self.delta_rows}")
     if self.cluster_exchange not in EXCHANGES:
       raise ValueError(f"config.cluster_exchange: expected one of {EXCHANGES}, got "
                        f"{self.cluster_exchange!r}")
@@ -900,8 +909,9 @@ class Config:
 
 def default_config(b, h, kvh, sq, skv, d) -> Config:
   """The config measured best on the H200 (``benchmarks/results/attention_softmax_dropout_value_mosaic_gpu.md``):
-  rows of 256 keys in one clustered launch exchanging delta with ``st.async``; otherwise
-  the delta kernel on one program per SM, 64 rows per warpgroup and 128 keys per step."""
+  rows of 256 keys in one clustered launch exchanging delta with ``st.async``; rows of 512
+  keys and more: the delta kernel on at most one program per SM (``delta_persistent``), 64
+  rows per warpgroup and 128 keys per step. (Rows of 128 keys run no delta kernel.)"""
   del b, h, kvh, sq, d   # one config per row length so far
   if skv == 2 * WGS * KEYS:
     return Config(cluster_delta=True, cluster_exchange="async_store")

@@ -136,17 +136,19 @@ def test_keep_bits(block_k):
 
 
 @needs_kernels
-@pytest.mark.parametrize("programs,write_keep", [(3, False), (2, True)])
-def test_delta_programs_loop_over_items(programs, write_keep, capsys):
+@pytest.mark.parametrize("programs,write_keep,skv,block_k", [(3, False, 256, 64),
+                                                             (2, True, 384, 128)])
+def test_delta_programs_loop_over_items(programs, write_keep, skv, block_k, capsys):
   """``delta_pass(programs=n)``: n programs take the 8 items (2 kv groups x 4 row tiles)
-  in turn, 3 / 3 / 2 with n = 3, carrying each item's dO in while the last one streams;
-  delta (and the keep bits) as with one program per item, and as rowsum(dPd * Pd); no race
-  in the interpreter's race detector."""
+  in turn, 3 / 3 / 2 with n = 3 and 4 / 4 with n = 2 (each dO buffer and its barrier used
+  twice), carrying each item's dO in while the last one streams; with the keep bits, 3 key
+  steps per item (the bits' two slots alternate across items). delta (and the bits) as with
+  one program per item, and as rowsum(dPd * Pd); no race in the interpreter's detector."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   p = 0.2
-  d_o, _, dropped, value, _ = make_inputs(1, 4, 2, 128, 256, 64, p, seed=11)
-  groups = dropped.reshape(1, 2, 2 * 128, 256)
-  kw = dict(rows=64, block_k=64, stages=2, write_keep=write_keep)
+  d_o, _, dropped, value, _ = make_inputs(1, 8, 2, 128, skv, 64, p, seed=11)
+  groups = dropped.reshape(1, 2, 4 * 128, skv)
+  kw = dict(rows=64, block_k=block_k, stages=2, write_keep=write_keep)
   looped = mg.delta_pass(d_o, groups, value, programs=programs, **kw,
                          interpret=INTERPRET and plgpu.InterpretGPUParams(detect_races=True))
   jax.block_until_ready(looped)
@@ -155,11 +157,27 @@ def test_delta_programs_loop_over_items(programs, write_keep, capsys):
   one_each = mg.delta_pass(d_o, groups, value, **kw, interpret=INTERPRET)
   for a, b in zip(jax.tree.leaves(looped), jax.tree.leaves(one_each)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  do_g = d_o.astype(jnp.float32).transpose(0, 2, 1, 3).reshape(1, 2, 2 * 128, 64)
+  do_g = d_o.astype(jnp.float32).transpose(0, 2, 1, 3).reshape(1, 2, 4 * 128, 64)
   dpd = jnp.einsum("bgrd,bgkd->bgrk", do_g, value.astype(jnp.float32))
   want = jnp.sum(dpd * groups.astype(jnp.float32), axis=-1)
   np.testing.assert_allclose(np.asarray(jax.tree.leaves(looped)[0]), np.asarray(want),
                              rtol=2e-2, atol=2e-2)
+
+
+def test_delta_programs_lower_for_a_gpu():
+  """The looping delta kernel (fewer programs than items) through the Mosaic GPU lowering
+  rules for CUDA on any host."""
+  s = jax.ShapeDtypeStruct
+  args = [s((1, 128, 8, 128), jnp.bfloat16), s((1, 2, 512, 512), jnp.bfloat16),
+          s((1, 2, 512, 128), jnp.bfloat16)]
+  fn = jax.jit(lambda *a: mg.delta_pass(*a, rows=64, block_k=128, stages=2, programs=3))
+  assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_delta_pass_says_which_rows_do_not_tile():
+  d_o, _, dropped, value, _ = make_inputs(1, 2, 1, 64, 256, 64, 0.1)
+  with pytest.raises(ValueError, match="rows=128 must divide seq_q = 64"):
+    mg.delta_pass(d_o, dropped.reshape(1, 1, 128, 256), value, rows=128, interpret=True)
 
 
 @needs_kernels
@@ -260,6 +278,8 @@ def test_config_errors():
     mg.Config(proxy_fence=1)
   with pytest.raises(ValueError, match="config.delta_rows"):
     mg.Config(delta_rows=32)
+  with pytest.raises(ValueError, match="delta_persistent needs delta_rows=64"):
+    mg.Config(delta_persistent=True)
   with pytest.raises(ValueError, match="config.stages"):
     mg.Config(stages=1)
   with pytest.raises(ValueError, match="config.split"):
