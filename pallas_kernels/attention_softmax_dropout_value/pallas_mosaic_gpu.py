@@ -234,9 +234,10 @@ def delta_pass(do, pd_groups, v, *, rows=64, block_k=64, stages=4, write_keep=Fa
 
   An item is ``2 * rows`` rows (``rows`` = 64 or 128 per warpgroup; ``seq_q`` and
   ``G * seq_q / 2`` multiples of it) with their dO resident, streamed ``block_k`` keys per
-  step. One program per item (``programs=None``), or ``programs`` of them (at most one per
-  item), each taking every ``programs``-th item in one pipeline: with one per SM there is
-  no partial last wave, and the next item's dO loads while this one streams.
+  step. One program per item (``programs=None``, and always under x64), or ``programs`` of
+  them (at most one per item), each taking every ``programs``-th item in one pipeline: with
+  one per SM there is no partial last wave, and the next item's dO loads while this one
+  streams.
   """
   b, sq, h, d = do.shape
   _, kvh, n_rows, skv = pd_groups.shape
@@ -247,6 +248,11 @@ def delta_pass(do, pd_groups, v, *, rows=64, block_k=64, stages=4, write_keep=Fa
   tiles = n_rows // (WGS * rows)
   n_items = b * kvh * tiles
   programs = n_items if programs is None else min(n_items, programs)
+  if jax.config.jax_enable_x64:
+    # jax 0.11.2's warp-specialized pipeline on a traced grid (the looping programs' item
+    # counts) fails to trace under x64 (lax.rem of its int32 step and an int64 slot
+    # count): one program per item there.
+    programs = n_items
   kernel = functools.partial(_delta_kernel, kvh_count=kvh, g=g, sq=sq, skv=skv, d=d,
                              rows=rows, block_k=block_k, stages=stages, write_keep=write_keep,
                              proxy_fence=proxy_fence, programs=programs, tiles=tiles,

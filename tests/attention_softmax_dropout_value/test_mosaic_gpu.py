@@ -162,6 +162,16 @@ def test_delta_programs_loop_over_items(programs, write_keep, skv, block_k, caps
   want = jnp.sum(dpd * groups.astype(jnp.float32), axis=-1)
   np.testing.assert_allclose(np.asarray(jax.tree.leaves(looped)[0]), np.asarray(want),
                              rtol=2e-2, atol=2e-2)
+  if not write_keep:
+    # Under x64 one program per item (the looping pipeline does not trace there); the
+    # global flag, as in test_vmap_and_x64.
+    jax.config.update("jax_enable_x64", True)
+    try:
+      x64 = jax.jit(lambda *a: mg.delta_pass(*a, programs=programs, **kw,
+                                             interpret=INTERPRET))(d_o, groups, value)
+    finally:
+      jax.config.update("jax_enable_x64", False)
+    np.testing.assert_array_equal(np.asarray(x64), np.asarray(looped))
 
 
 def test_delta_programs_lower_for_a_gpu():
