@@ -243,8 +243,9 @@ def delta_pass(do, pd_groups, v, *, rows=64, block_k=64, stages=4, write_keep=Fa
   _, kvh, n_rows, skv = pd_groups.shape
   g = h // kvh
   if sq % rows or n_rows % (WGS * rows) or skv % block_k:
-    raise ValueError(f"delta_pass: rows={rows} must divide seq_q = {sq}, {WGS} * rows "
-                     f"G * seq_q = {n_rows}, and block_k={block_k} seq_k = {skv}")
+    raise ValueError(f"delta_pass: rows={rows} must divide seq_q ({sq}), {WGS} * rows must "
+                     f"divide G * seq_q ({n_rows}), and block_k={block_k} must divide seq_k "
+                     f"({skv})")
   tiles = n_rows // (WGS * rows)
   n_items = b * kvh * tiles
   programs = n_items if programs is None else min(n_items, programs)
