@@ -143,7 +143,8 @@ def test_delta_programs_loop_over_items(programs, write_keep, skv, block_k, caps
   in turn, 3 / 3 / 2 with n = 3 and 4 / 4 with n = 2 (each dO buffer and its barrier used
   twice), carrying each item's dO in while the last one streams; with the keep bits, 3 key
   steps per item (the bits' two slots alternate across items). delta (and the bits) as with
-  one program per item, and as rowsum(dPd * Pd); no race in the interpreter's detector."""
+  one program per item, and as rowsum(dPd * Pd); no race in the interpreter's detector;
+  the same under vmap and under x64."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   p = 0.2
   d_o, _, dropped, value, _ = make_inputs(1, 8, 2, 128, skv, 64, p, seed=11)
@@ -163,6 +164,10 @@ def test_delta_programs_loop_over_items(programs, write_keep, skv, block_k, caps
   np.testing.assert_allclose(np.asarray(jax.tree.leaves(looped)[0]), np.asarray(want),
                              rtol=2e-2, atol=2e-2)
   if not write_keep:
+    batched = jax.vmap(lambda *a: mg.delta_pass(*a, programs=programs, **kw,
+                                                interpret=INTERPRET))(
+        d_o[None], groups[None], value[None])
+    np.testing.assert_array_equal(np.asarray(batched[0]), np.asarray(looped))
     # Under x64 one program per item (the looping pipeline does not trace there); the
     # global flag, as in test_vmap_and_x64.
     jax.config.update("jax_enable_x64", True)
