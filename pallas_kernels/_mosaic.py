@@ -41,7 +41,8 @@ def equals(index, value, shape, layout):
   ``jnp.where`` on arrays in that layout (Mosaic GPU selects need a predicate array of the
   operands' shape)."""
   zero = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), layout)
-  return zero + jnp.where(index == value, 1.0, 0.0).astype(jnp.float32) > 0.5
+  one = jnp.where(index == value, jnp.float32(1), jnp.float32(0))   # f32 under x64 too
+  return zero + one > 0.5
 
 
 def restart_sum(step, part, carry, layout=plgpu.Layout.WGMMA):
