@@ -91,7 +91,7 @@ def dropout_keep_mask(rng, rate, shape):
                      f"ints, got {shape!r}")
   *lead, rows, cols = shape
   n_lead = int(np.prod(lead)) if lead else 1
-  k0, k1 = _dropout.key_words(rng)
+  k0, k1 = _dropout.key_words(rng, "rng")
   # Element-wise (each element hashes its pair): one fused loop, no [.., pairs] temporary.
   # A kernel computes one hash per pair and takes both halves.
   dims = (n_lead, rows, cols)
@@ -123,21 +123,6 @@ def causal_mask(seq_q, seq_k):
   return jnp.arange(seq_k)[None, :] <= jnp.arange(seq_q)[:, None] + (seq_k - seq_q)
 
 
-def check_rng(rng) -> None:
-  """``dropout_rng`` must be one PRNG key (``vmap`` for more): a typed key
-  (``jax.random.key``) or a raw ``uint32`` key of the default implementation's shape
-  (``jax.random.PRNGKey``: ``[2]`` for threefry)."""
-  if hasattr(rng, "dtype") and jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
-    if rng.shape == ():
-      return
-  elif hasattr(rng, "dtype") and rng.dtype == jnp.uint32:
-    if rng.shape == jax.eval_shape(lambda: jax.random.PRNGKey(0)).shape:
-      return
-  what = f"shape {list(rng.shape)} {rng.dtype}" if hasattr(rng, "dtype") else type(rng).__name__
-  raise TypeError("dropout_rng: expected one PRNG key (jax.random.key(seed), or a raw uint32 "
-                  f"key from jax.random.PRNGKey) or None, got {what}")
-
-
 def _checked_dropout(rng, rate):
   """``(p_static, rate)`` of an op's dropout, checked: ``p_static`` the rate as a float
   (``None`` when traced), ``rate`` the rate as an fp32 array (NaN for an invalid traced
@@ -149,7 +134,7 @@ def _checked_dropout(rng, rate):
     what = f"dropout_rate={p_static}" if p_static is not None else "a traced dropout_rate"
     raise ValueError(f"dropout_rng: {what} needs a PRNG key (jax.random.key(seed)); pass "
                      f"dropout_rate=0 for no dropout")
-  check_rng(rng)
+  validation.check_key("dropout_rng", rng)
   # The ops are not differentiable with respect to the rate: it is a constant to autodiff.
   rate = jax.lax.stop_gradient(jnp.asarray(rate, f32))
   if p_static is None:  # traced: an invalid rate makes the outputs NaN, not mis-scaled

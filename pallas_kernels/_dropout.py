@@ -67,10 +67,12 @@ def tile_bits16(k0, k1, n, r, c0, width: int, cols: int, *, pairs: bool):
 
 
 def rate_threshold(rate):
-  """The threshold ``round(rate * 2**16)`` (at most ``2**16 - 1``): a Python int for a
-  Python float, else a uint32 array (0 for a NaN rate)."""
+  """The threshold ``round(rate * 2**16)`` (at most ``2**16 - 1``), of the rate in fp32
+  (rounded half to even) whether it is a Python number or traced, so that an eager call
+  and a jitted one draw the same mask: a Python int for a Python float, else a uint32 array
+  (0 for a NaN rate)."""
   if isinstance(rate, (int, float)):
-    return min(int(round(float(rate) * RATE_STEPS)), RATE_STEPS - 1)
+    return min(int(np.round(np.float32(rate) * np.float32(RATE_STEPS))), RATE_STEPS - 1)
   rate = jnp.asarray(rate, jnp.float32)
   t = jnp.clip(jnp.round(rate * RATE_STEPS), 0, RATE_STEPS - 1)
   return jnp.where(jnp.isnan(t), 0, t).astype(jnp.uint32)
@@ -86,8 +88,10 @@ def effective_rate(rate):
                    rate_threshold(rate).astype(jnp.float32) / RATE_STEPS)
 
 
-def key_words(rng):
-  """``(k0, k1)``: the two uint32 words of a PRNG key that the hash takes."""
+def key_words(rng, name="dropout_rng"):
+  """``(k0, k1)``: the two uint32 words of a PRNG key that the hash takes; ``TypeError``
+  naming ``name`` unless ``rng`` is one key."""
+  validation.check_key(name, rng)
   return jax.random.bits(rng, (2,), jnp.uint32)
 
 

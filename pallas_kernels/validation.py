@@ -89,6 +89,21 @@ def concrete_float(name: str, x) -> float | None:
   return float(x)
 
 
+def check_key(name: str, rng) -> None:
+  """``rng`` must be one PRNG key (``vmap`` for more): a typed key (``jax.random.key``) or
+  a raw ``uint32`` key of the default implementation's shape (``jax.random.PRNGKey``:
+  ``[2]`` for threefry)."""
+  if hasattr(rng, "dtype") and jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
+    if rng.shape == ():
+      return
+  elif hasattr(rng, "dtype") and rng.dtype == jnp.uint32:
+    if rng.shape == jax.eval_shape(lambda: jax.random.PRNGKey(0)).shape:
+      return
+  what = f"shape {list(rng.shape)} {rng.dtype}" if hasattr(rng, "dtype") else type(rng).__name__
+  raise TypeError(f"{name}: expected one PRNG key (jax.random.key(seed), or a raw uint32 "
+                  f"key from jax.random.PRNGKey), got {what}")
+
+
 def check_dropout_rate(name: str, p) -> float | None:
   """Validates a dropout rate; returns it as a float, or ``None`` when it is traced.
 

@@ -82,6 +82,17 @@ def test_rate_rounding():
   assert _mask(6, 1e-6).all()
 
 
+@pytest.mark.parametrize("rate", [6553.5 / 65536 - 1e-12, 0.15, 3.5 / 65536 + 1e-13, 0.1])
+def test_a_python_rate_rounds_as_a_traced_one(rate):
+  """A Python float is rounded in fp32 as a traced rate is, so eager and jitted calls (and
+  the reference and the kernels, which take the rate traced) draw the same mask."""
+  eager = _common.effective_dropout_rate(rate)
+  assert float(jax.jit(_common.effective_dropout_rate)(rate)) == eager
+  rng = jax.random.key(3)
+  jitted = jax.jit(lambda r: _common.dropout_keep_mask(rng, r, SHAPE))(rate)
+  np.testing.assert_array_equal(_common.dropout_keep_mask(rng, rate, SHAPE), jitted)
+
+
 def test_keep_mask_checks_its_arguments():
   rng = jax.random.key(0)
   for bad in (np.nan, -0.1, 1.0, 1.5):
@@ -90,6 +101,9 @@ def test_keep_mask_checks_its_arguments():
   for shape in ((4,), 4, (2, -1), (2, 3.0)):
     with pytest.raises(ValueError, match=r"shape: expected a tuple \[\.\.\., rows, cols\]"):
       _common.dropout_keep_mask(rng, 0.1, shape)
+  for key in (0, None, jnp.zeros(2), jax.random.split(rng, 2)):
+    with pytest.raises(TypeError, match="rng: expected one PRNG key"):
+      _common.dropout_keep_mask(key, 0.1, (1, 1, 4, 4))
   # Traced: clipped, since nothing can raise when it runs.
   draw = jax.jit(lambda r: _common.dropout_keep_mask(rng, r, (1, 1, 4, 4)))
   assert bool(draw(jnp.float32(-0.1)).all()) and not bool(draw(jnp.float32(1.5)).any())

@@ -161,6 +161,11 @@ def masked_softmax_dropout_forward(scores, mask, dropout_rate, dropout_rng=None,
                      ("pair_hash", pair_hash)):
     if not isinstance(flag, (bool, np.bool_)):
       raise TypeError(f"{name}: expected a Python bool, got {type(flag).__name__}")
+  for name, v, top in (("block_rows", block_rows, None), ("num_warps", num_warps, 32)):
+    if v is not None and (isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer))
+                          or v < 1 or v & (v - 1) or (top and v > top)):
+      want = f"a power of two in [1, {top}]" if top else "a power of two >= 1"
+      raise ValueError(f"{name}: expected None or {want}, got {v!r}")
   _util.check_can_compile(_NAME, interpret, scores, mask)
   validation.check_scores_and_mask(scores, mask)
   # The reference's scale, 1 / (1 - p) in fp32, of the rate drawn; NaN for an invalid
@@ -168,7 +173,8 @@ def masked_softmax_dropout_forward(scores, mask, dropout_rate, dropout_rng=None,
   dropout, seeds, scale = _dropout.kernel_args(dropout_rate, dropout_rng)
   seq_k = scores.shape[3]
   rows, warps = default_launch(seq_k)
-  block_rows, num_warps = block_rows or rows, num_warps or warps
+  block_rows = rows if block_rows is None else int(block_rows)
+  num_warps = warps if num_warps is None else int(num_warps)
   return _call(scores, mask, seeds, scale, dropout=dropout, store_probs=bool(store_probs),
                store_keep=bool(store_keep), pair_hash=bool(pair_hash),
                block_rows=block_rows, num_warps=num_warps, interpret=bool(interpret))

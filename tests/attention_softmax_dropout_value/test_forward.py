@@ -233,6 +233,9 @@ def test_argument_errors():
     forward(scores, value, 0.1, rng, pair_hash=None, interpret=True)
   with pytest.raises(TypeError, match="store_f32"):
     forward(scores, value, 0.1, rng, store_f32="no", interpret=True)
+  for key in (3, jnp.zeros(2), jax.random.split(rng, 2)):
+    with pytest.raises(TypeError, match="dropout_rng: expected one PRNG key"):
+      forward(scores, value, 0.1, key, interpret=True)
   for kwargs, field in ((dict(block_q=24), "block_q"), (dict(block_k=8), "block_k"),
                         (dict(num_warps=3), "num_warps"), (dict(num_stages=0), "num_stages")):
     with pytest.raises(ValueError, match=field):

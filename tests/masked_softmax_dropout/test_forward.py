@@ -110,6 +110,13 @@ def test_argument_errors():
     masked_softmax_dropout_forward(scores, mask, 0.1, rng, store_keep=None, interpret=True)
   with pytest.raises(TypeError, match="pair_hash"):
     masked_softmax_dropout_forward(scores, mask, 0.1, rng, pair_hash=1, interpret=True)
+  for key in (3, jnp.zeros(2), jax.random.split(rng, 2)):
+    with pytest.raises(TypeError, match="dropout_rng: expected one PRNG key"):
+      masked_softmax_dropout_forward(scores, mask, 0.1, key, interpret=True)
+  for name, bad in (("block_rows", 0), ("block_rows", -1), ("block_rows", 3), ("block_rows", 2.5),
+                    ("num_warps", 3), ("num_warps", 64), ("num_warps", True)):
+    with pytest.raises(ValueError, match=f"{name}: expected None or a power of two"):
+      masked_softmax_dropout_forward(scores, mask, 0.1, rng, interpret=True, **{name: bad})
 
 
 @pytest.fixture

@@ -84,6 +84,10 @@ def test_errors():
   with pytest.raises(ValueError, match="scores"):
     kernels.masked_softmax_dropout_backward_from_scores(g, scores[0], mask, rng, 0.1,
                                                         interpret=True)
+  for key in (3, jnp.zeros(2), jax.random.split(rng, 2)):
+    with pytest.raises(TypeError, match="dropout_rng: expected one PRNG key"):
+      kernels.masked_softmax_dropout_backward_from_scores(g, scores, mask, key, 0.1,
+                                                          interpret=True)
   with pytest.raises(ValueError, match="config.chunk"):
     kernels.masked_softmax_dropout_backward_from_scores(g, scores, mask, rng, 0.1,
                                                         config=Config(1, 4, False, chunk=4),
