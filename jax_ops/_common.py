@@ -3,6 +3,8 @@ dropout (the keep mask, its scale, the rate's checks), the causal mask."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -184,6 +186,44 @@ def known_rate(p_static, rate):
   """The rate as a kernel takes it: the float ``p_static`` when known (0.0: no dropout),
   else the traced ``rate``."""
   return rate if p_static is None else p_static
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _first_order(name, tree):
+  return tree
+
+
+@_first_order.defjvp
+def _first_order_jvp(name, primals, tangents):
+  raise NotImplementedError(
+      f"implementation={name!r}: the Pallas kernels have no derivatives of their own, so "
+      "second-order gradients (the gradient of a gradient, a Hessian) are not supported; "
+      "use implementation='xla' for them")
+
+
+def first_order_only(backend, tree):
+  """``tree`` as is; for a Pallas backend, marked so that differentiating through it raises
+  ``NotImplementedError`` naming the backend, where the kernels would otherwise fail inside
+  Pallas. The ops mark their forward's inputs and their backward's residuals and cotangent:
+  a second-order gradient differentiates both."""
+  if not getattr(backend, "pallas", False):
+    return tree
+  return _first_order(backend.name, tree)
+
+
+def checked_grads(backend, grads, likes, names):
+  """``grads`` as is, each checked to have the shape and dtype of its input (``likes``, a
+  residual of that shape and dtype): a registered backward that returns, say, fp32 gradients
+  for bf16 inputs raises ``TypeError`` naming it, instead of changing the gradients' dtype."""
+  for g, like, name in zip(grads, likes, names):
+    if g is None or like is None:
+      continue
+    if tuple(g.shape) != tuple(like.shape) or g.dtype != like.dtype:
+      raise TypeError(
+          f"implementation={backend.name!r}: its backward returned the gradient of {name} as "
+          f"{jnp.dtype(g.dtype).name} {list(g.shape)}, expected {jnp.dtype(like.dtype).name} "
+          f"{list(like.shape)} (the input's)")
+  return grads
 
 
 def backend_for(op, implementation, interpret, policies, causal=False, **arrays):

@@ -18,6 +18,18 @@ from jax_ops import ops
 from pallas_kernels import validation
 
 
+def _check_layer(embed_dim, num_heads, num_kv_heads, head_dim, dropout_rate=0.0):
+  """The sizes are ints >= 1 and ``num_kv_heads`` divides ``num_heads``; ``dropout_rate`` is
+  a rate in [0, 1): a layer is checked when it is built, not at its first call."""
+  for name, v in (("embed_dim", embed_dim), ("num_heads", num_heads),
+                  ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+      raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
+  if num_heads % num_kv_heads:
+    raise ValueError(f"num_kv_heads={num_kv_heads} must divide num_heads={num_heads}")
+  validation.check_dropout_rate("dropout_rate", dropout_rate)
+
+
 class _Projections(nnx.Module):
   def __init__(self, embed_dim, num_heads, num_kv_heads, head_dim, *, rngs, dtype):
     self.embed_dim = embed_dim
@@ -27,9 +39,10 @@ class _Projections(nnx.Module):
     self.out = nnx.Linear(num_heads * head_dim, embed_dim, use_bias=False, dtype=dtype, rngs=rngs)
 
   def check(self, x):
-    """``x`` must be ``[B, S, E]`` with the layer's embedding width, a float array."""
+    """``x`` must be ``[B, S, E]`` with the layer's embedding width, a float array (the
+    projections compute in the layer's ``dtype``; float64 too, under x64)."""
     validation.check_array("x", x, ("B", "S", "E"), (None, None, self.embed_dim),
-                           dtypes=(jnp.bfloat16, jnp.float16, jnp.float32))
+                           dtypes=(jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64))
     validation.check_positive("x", x, ("B", "S", "E"))
     return x.shape[0], x.shape[1]
 
@@ -83,8 +96,7 @@ class GQASelfAttention(nnx.Module):
   def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
                dropout_rate: float = 0.0, deterministic: bool = False, dtype=jnp.bfloat16,
                implementation: str | None = None, interpret: bool = False, rngs: nnx.Rngs):
-    if num_heads % num_kv_heads:
-      raise ValueError(f"num_kv_heads={num_kv_heads} must divide num_heads={num_heads}")
+    _check_layer(embed_dim, num_heads, num_kv_heads, head_dim, dropout_rate)
     self.proj = _Projections(embed_dim, num_heads, num_kv_heads, head_dim, rngs=rngs, dtype=dtype)
     self.dropout_rate, self.deterministic, self.rngs = dropout_rate, deterministic, rngs
     self.implementation, self.interpret = implementation, interpret
@@ -118,6 +130,7 @@ class MaskedAttention(nnx.Module):
   def __init__(self, embed_dim: int, num_heads: int, head_dim: int, *,
                dropout_rate: float = 0.0, deterministic: bool = False, dtype=jnp.float32,
                implementation: str | None = None, interpret: bool = False, rngs: nnx.Rngs):
+    _check_layer(embed_dim, num_heads, num_heads, head_dim, dropout_rate)
     self.proj = _Projections(embed_dim, num_heads, num_heads, head_dim, rngs=rngs, dtype=dtype)
     self.dropout_rate, self.deterministic, self.rngs = dropout_rate, deterministic, rngs
     self.implementation, self.interpret = implementation, interpret
@@ -144,6 +157,7 @@ class QKSoftmaxAttention(nnx.Module):
   def __init__(self, embed_dim: int, num_heads: int, head_dim: int, *, causal: bool = False,
                dtype=jnp.bfloat16, implementation: str | None = None, interpret: bool = False,
                rngs: nnx.Rngs):
+    _check_layer(embed_dim, num_heads, num_heads, head_dim)
     self.proj = _Projections(embed_dim, num_heads, num_heads, head_dim, rngs=rngs, dtype=dtype)
     self.causal, self.implementation, self.interpret = causal, implementation, interpret
 

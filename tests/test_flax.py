@@ -69,6 +69,12 @@ def test_dropout_keys_from_rngs_and_deterministic_mode(name):
 def test_layer_errors():
   with pytest.raises(ValueError, match="num_kv_heads=3 must divide num_heads=4"):
     GQASelfAttention(E, 4, 3, 8, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="num_kv_heads: expected an int >= 1, got 0"):
+    GQASelfAttention(E, 4, 0, 8, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="head_dim: expected an int >= 1, got 8.0"):
+    QKSoftmaxAttention(E, 4, 8.0, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"dropout_rate: expected a dropout rate in \[0, 1\)"):
+    MaskedAttention(E, 4, 8, dropout_rate=1.5, rngs=nnx.Rngs(0))
   layer, _ = _layers("xla")["masked"]
   with pytest.raises(ValueError, match=r"mask: expected \[B, 1, Sq, Sk\]"):
     layer(jnp.ones((2, S, E)), jnp.ones((2, 4, S, S), bool))
@@ -99,3 +105,14 @@ def test_layers_check_x_and_masks():
   gqa, _ = layers["gqa"]
   gqa(x.astype(jnp.bfloat16), pad, deterministic=True)
   assert jax_ops.causal_mask(3, 3).shape == (3, 3)
+
+
+def test_layers_take_float64_under_x64():
+  """Under x64 ``jax.random.normal`` makes float64: the projections cast it to the layer's
+  dtype, as ``nnx.Linear`` does."""
+  with jax.enable_x64(True):
+    x = jax.random.normal(jax.random.key(0), (2, S, E))
+    assert x.dtype == jnp.float64
+    for name, (layer, dtype) in _layers("xla").items():
+      y = _call(name, layer, x, **({} if name == "qk" else {"deterministic": True}))
+      assert y.shape == (2, S, E) and y.dtype == dtype, name

@@ -86,6 +86,34 @@ def test_a_registered_backend_is_used_by_the_op():
   assert "doubled" not in registry.available("qk_scale_softmax")
 
 
+@pytest.mark.parametrize("op", OPS)
+def test_a_registered_backward_of_the_wrong_dtype_is_named(op):
+  """A registered backward that returns fp32 gradients for bf16 inputs raises, naming it and
+  the input, instead of changing the gradients' dtype."""
+  ref = {"attention_softmax_dropout_value": jax_ops.attention_softmax_dropout_value_backward_reference,
+         "masked_softmax_dropout": jax_ops.masked_softmax_dropout_backward_reference,
+         "qk_scale_softmax": jax_ops.qk_scale_softmax_backward_reference}[op]
+  as_f32 = lambda *args: jax.tree.map(lambda g: g.astype(jnp.float32), ref(*args))
+  registry.register(op, "f32grads", as_f32)
+  try:
+    k = keys(4, 3)
+    x = jax.random.normal(k[0], (1, 2, 5, 8), jnp.bfloat16)
+    if op == "attention_softmax_dropout_value":
+      v = jax.random.normal(k[1], (1, 1, 8, 4), jnp.bfloat16)
+      f, name = lambda x: jax_ops.attention_softmax_dropout_value(x, v, implementation="f32grads"), "scores"
+    elif op == "masked_softmax_dropout":
+      m = jnp.ones((1, 1, 5, 8), bool)
+      f, name = lambda x: jax_ops.masked_softmax_dropout(x, m, implementation="f32grads"), "scores"
+    else:
+      kk = jax.random.normal(k[1], (1, 2, 6, 8), jnp.bfloat16)
+      f, name = lambda x: jax_ops.qk_scale_softmax(x, kk, implementation="f32grads"), "query"
+    with pytest.raises(TypeError, match=rf"implementation='f32grads': its backward returned the "
+                                        rf"gradient of {name} as float32 .*, expected bfloat16"):
+      jax.grad(lambda x: jnp.sum(f(x).astype(jnp.float32)))(x)
+  finally:
+    registry.unregister(op, "f32grads")
+
+
 def test_register_checks_its_arguments():
   with pytest.raises(TypeError, match="name: expected a non-empty string"):
     registry.register("qk_scale_softmax", "", lambda *a: a)

@@ -11,6 +11,7 @@ import pytest
 
 from conftest import INTERPRET, assert_close, keys
 import jax_ops
+from jax_ops import reference
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -44,6 +45,36 @@ def test_value_and_grad_and_checkpoint_agree():
   for a, b, c in zip(plain[1], remat[1], grads_only):
     assert_close(b, a, atol=1e-6, rtol=1e-6, name="checkpointed grad")
     assert_close(c, a, atol=1e-6, rtol=1e-6, name="grad")
+
+
+def _second_order(op, implementation):
+  """The gradient of a function of one op's gradient (a Hessian-vector product's shape)."""
+  q, k, v, mask, rng = _inputs()
+  s = jnp.einsum("bhqd,bhkd->bhqk", q, k)
+  kw = dict(implementation=implementation, interpret=INTERPRET)
+  inner = {
+      "A": lambda s: jax_ops.attention_softmax_dropout_value(s, v, dropout_rate=0.1,
+                                                             dropout_rng=rng, **kw),
+      "B": lambda s: jax_ops.masked_softmax_dropout(s, mask, dropout_rate=0.2, dropout_rng=rng,
+                                                    **kw),
+      "C": lambda q: jax_ops.qk_scale_softmax(q, k, scaling=0.25, **kw),
+      "C_jnp": lambda q: reference.qk_scale_softmax_forward(q, k, 0.25),
+  }[op]
+  x = q if op.startswith("C") else s
+  g = lambda x: jax.grad(lambda x: jnp.sum(inner(x) ** 3))(x)
+  return jax.grad(lambda x: jnp.sum(g(x) ** 2))(x)
+
+
+@pytest.mark.parametrize("op", ["A", "B", "C"])
+def test_second_order_gradients(op):
+  """The XLA path's gradients are differentiable again; a Pallas backend's say they are not,
+  by name, instead of failing inside Pallas."""
+  xla = _second_order(op, "xla")
+  assert bool(jnp.isfinite(xla).all())
+  if op == "C":   # no dropout: plain jnp autodiff of the forward is the same function
+    assert_close(xla, _second_order("C_jnp", None), atol=1e-5, rtol=1e-4, name="second order")
+  with pytest.raises(NotImplementedError, match="implementation='triton'.*second-order"):
+    _second_order(op, "triton")
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="forces 4 CPU devices")

@@ -90,6 +90,7 @@ def _forward(scores, value_states, keep, rng, rate, p_static, backend, policy, i
 
 
 def _fwd(scores, value_states, keep, rng, rate, p_static, backend, policy, interpret):
+  scores, value_states = _common.first_order_only(backend, (scores, value_states))
   out, probs, dropped, keep, out32 = _forward(scores, value_states, keep, rng, rate,
                                               p_static, backend, policy, interpret)
   if policy in (OUTPUT, FUSED_OUTPUT):
@@ -98,6 +99,7 @@ def _fwd(scores, value_states, keep, rng, rate, p_static, backend, policy, inter
 
 
 def _bwd(p_static, backend, policy, interpret, res, grad_out):
+  res, grad_out = _common.first_order_only(backend, (res, grad_out))
   probs, dropped, value_states, keep, rate, out32 = res
   # "fused_inputs" saves no keep (the rate is concrete there); else no keep: no dropout.
   p = p_static if policy == FUSED_INPUTS else _common.rate_for_backward(keep, p_static, rate)
@@ -107,6 +109,9 @@ def _bwd(p_static, backend, policy, interpret, res, grad_out):
   else:
     d_scores, d_value = backend.backward(grad_out, probs, dropped, value_states, keep, p,
                                          causal=False, interpret=interpret)
+  # probs has the scores' shape and dtype.
+  d_scores, d_value = _common.checked_grads(backend, (d_scores, d_value), (probs, value_states),
+                                            ("scores", "value_states"))
   # keep and the key are not differentiable (None: no cotangent); the rate's is zero.
   return d_scores, d_value, None, None, jnp.zeros_like(rate)
 

@@ -80,6 +80,7 @@ def _forward(scores, mask, keep, rng, rate, p_static, backend, policy, interpret
 
 
 def _fwd(scores, mask, keep, rng, rate, p_static, backend, policy, interpret):
+  scores = _common.first_order_only(backend, scores)
   out, probs = _forward(scores, mask, keep, rng, rate, p_static, backend, policy, interpret)
   # One of keep (policy "inputs") and rng (policies "key", "scores") is saved; both are None
   # without dropout. Under "scores" the scores stand where P stands in the others.
@@ -89,6 +90,7 @@ def _fwd(scores, mask, keep, rng, rate, p_static, backend, policy, interpret):
 
 
 def _bwd(p_static, backend, policy, interpret, res, grad_out):
+  res, grad_out = _common.first_order_only(backend, (res, grad_out))
   probs, mask, keep, rng, rate = res
   if policy == SCORES:   # ``probs`` holds the scores
     d_scores = backend.backward_from_scores(grad_out, probs, mask, rng,
@@ -102,6 +104,8 @@ def _bwd(p_static, backend, policy, interpret, res, grad_out):
     d_scores = backend.backward(grad_out, probs, mask, keep,
                                 _common.rate_for_backward(keep, p_static, rate),
                                 causal=False, interpret=interpret)
+  # probs has the scores' shape and dtype (under "scores" it is the scores).
+  (d_scores,) = _common.checked_grads(backend, (d_scores,), (probs,), ("scores",))
   # mask, keep and the key are not differentiable (None: no cotangent); the rate's is zero.
   return d_scores, None, None, None, jnp.zeros_like(rate)
 

@@ -67,14 +67,17 @@ def _op(query, key, scaling, causal, backend, interpret):
 
 
 def _fwd(query, key, scaling, causal, backend, interpret):
+  query, key = _common.first_order_only(backend, (query, key))
   probs = _forward(query, key, scaling, causal, backend, interpret)
   return probs, (query, key, probs)
 
 
 def _bwd(scaling, causal, backend, interpret, res, grad_probs):
+  res, grad_probs = _common.first_order_only(backend, (res, grad_probs))
   query, key, probs = res
-  return backend.backward(grad_probs, query, key, probs, scaling, causal=causal,
-                          interpret=interpret)
+  grads = backend.backward(grad_probs, query, key, probs, scaling, causal=causal,
+                           interpret=interpret)
+  return _common.checked_grads(backend, tuple(grads), (query, key), ("query", "key"))
 
 
 _op.defvjp(_fwd, _bwd)
