@@ -6,7 +6,7 @@ import pytest
 from conftest import ON_GPU
 from benchmarks import (a_hash_cost, b_backward_sweep, b_ncu_driver, b_triton_row, c_band,
                         c_backward_step, c_dl_gemm, c_dq_atomic, c_forward, l2_read,
-                        ptx_dump, size_ceiling)
+                        ptx_dump, ragged_tma_probe, size_ceiling)
 from pallas_kernels.qk_scale_softmax import DlConfig
 from pallas_kernels.masked_softmax_dropout import Config
 
@@ -26,6 +26,7 @@ from pallas_kernels.masked_softmax_dropout import Config
     (c_backward_step, ["--shapes", "1,2,256", "--rows", "16/128/4/2"]),
     (c_dq_atomic, ["--shapes", "1,2,256", "--configs", "16/32/4/1"]),
     (c_dl_gemm, ["--dl", "1/8", "--workloads", "0"]),
+    (ragged_tma_probe, ["--lengths", "449"]),
 ])
 def test_scripts_exit_2_without_a_gpu(script, argv, capsys):
   assert script.main(argv) == 2
@@ -104,3 +105,23 @@ def test_l2_read_kernels_read_what_they_say(capsys):
   np.testing.assert_allclose(got, want, rtol=1e-5)
   y = jnp.ones((l2_read._TILE[0] * 6, l2_read._TILE[1]), jnp.bfloat16)
   assert l2_read.tma_read(y, repeats=2, programs=4, interpret=True).shape == (4,)
+
+
+@pytest.mark.parametrize("length", [37, 130])
+def test_ragged_tma_probe_sums_class_rows(length):
+  """The probe's rows (odd lengths, one class of every 8th row per program, masked past the
+  row's end) sum as jnp sums them, in the Mosaic GPU interpreter; it lowers for CUDA at 449."""
+  import jax
+  import jax.numpy as jnp
+  x = jax.random.normal(jax.random.key(length), (8 * 64, length), jnp.bfloat16)
+  want = jnp.sum(x.astype(jnp.float32), axis=1)
+  tol = 1e-4 * float(jnp.max(jnp.abs(want)))
+  got = ragged_tma_probe.class_row_sums(x, interpret=True)
+  assert float(jnp.max(jnp.abs(got - want))) <= tol
+  # Tiles of consecutive rows from a first row that is not a multiple of 8.
+  got = ragged_tma_probe.tile_row_sums(x[:8 * 60], row0=32, interpret=True)
+  assert float(jnp.max(jnp.abs(got - want[32:8 * 60]))) <= tol
+  for fn in (ragged_tma_probe.class_row_sums, ragged_tma_probe.tile_row_sums):
+    lowered = jax.jit(fn).trace(jax.ShapeDtypeStruct((8 * 64 * 2, 449), jnp.bfloat16)).lower(
+        lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
