@@ -70,7 +70,7 @@ def _kernel(x_ref, o_ref, smem, bars, *, length, rows, tiles):
       fetch(t + 1, 1 - slot)
 
     plgpu.barrier_wait(bars.at[slot])
-    x = plgpu.load(smem.at[slot], (), layout=layout, optimized=False).astype(jnp.float32)
+    x = plgpu.load(smem.at[slot], layout=layout, optimized=False).astype(jnp.float32)
     x = jnp.where(cols + t * KEYS < length, x, 0.0)
     return acc + jnp.sum(x, axis=1)
 
@@ -105,7 +105,7 @@ def _tile_kernel(x_ref, o_ref, smem, bars, *, length, tiles, row0):
       fetch(t + 1, 1 - slot)
 
     plgpu.barrier_wait(bars.at[slot])
-    x = plgpu.load(smem.at[slot], (), layout=layout, optimized=False).astype(jnp.float32)
+    x = plgpu.load(smem.at[slot], layout=layout, optimized=False).astype(jnp.float32)
     x = jnp.where(cols + t * KEYS < length, x, 0.0)
     return acc + jnp.sum(x, axis=1)
 

@@ -1,0 +1,258 @@
+"""Kernel A's backward for rows of any length of at least 64 keys, with a Mosaic GPU dS pass
+(Hopper): built for the rows TMA cannot take whole (``seq_k`` = 293, 449, 773 in the
+benchmark), opt-in (the entry point's dispatch does not pick it).
+
+TMA copies need row strides that are multiples of 16 bytes, which P ``[R, seq_k]`` (bf16,
+``R = B * H * seq_q`` rows) lacks when ``seq_k % 8 != 0``. Its ``[R / 8, 8 * seq_k]`` view has
+them: view row ``i`` is rows ``8 i ... 8 i + 7``, row ``8 i + s`` at columns ``s * seq_k ...``.
+So a tile of 64 consecutive rows ``r0 ...`` and 64 keys is 8 unswizzled boxes ``[8, 64]`` of
+the view, one per row class ``s = (r0 + s') % 8``; in shared memory, row ``8 s' + a`` holds row
+``r0 + 8 a + s'``. (Pallas Mosaic GPU lowers a copy at such an odd minor start only
+unswizzled: P and Pd are used element-wise here, never as a wgmma operand.) dS leaves the
+same way. dO (a wgmma operand, swizzled: its copies must start at whole tiles of 8 rows) and
+delta are gathered beforehand in that row order, one ``[64, D]`` and one ``[64]`` block per
+tile, and V per key block.
+
+Edges overlap instead of being masked, since TMA stores clip only at an array's end: the
+last key block starts at ``seq_k - 64`` and a share's last row tile ends at the share's end,
+so every box lies inside its rows. Overlapped dS values are computed twice, equal, and
+written twice.
+
+dV and delta come from the Triton kernels' first pass (``pallas_triton.dv_pass``: dV, with
+the GQA sum, and delta's partial row sums, reading Pd once). This module's kernel replaces
+their dS pass: one warpgroup per program owns 64 keys of a kv group (V resident) and walks a
+share of the group's rows, ``dPd = dO @ V^T`` on wgmma, ``dS = P * (dPd * [Pd != 0] / (1 - p)
+- delta)``, with the next tile's copies in flight. Bytes per attention element: Pd (2) in
+the first pass; P, Pd and dS (6) here; and the dO gather (about 4 B per dO element).
+
+Not yet compiled on a GPU: ``benchmarks/ragged_tma_probe.py`` first checks that the hardware
+takes these copies and at what rate (``attention_softmax_dropout_value_mosaic_gpu.md``).
+Supported (:func:`unsupported_reason`): bf16 or fp16, ``D`` of 64 or 128, ``seq_k >= 64``,
+``G * seq_q >= 64``, ``B * H * seq_q`` a multiple of 8, a static dropout rate, no causal
+mask.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import _mosaic, _tuning, validation
+from pallas_kernels._util import dropout_scale, out_struct
+from pallas_kernels.attention_softmax_dropout_value import config as triton_config
+from pallas_kernels.attention_softmax_dropout_value import pallas_triton
+
+f32 = jnp.float32
+CLASSES = 8     # rows per 16 bytes of a 16-bit row of odd length: one box per class
+ROWS = 64       # rows per tile (one wgmma M)
+KEYS = 64       # keys per program (V resident)
+
+
+def unsupported_reason(b, h, kvh, sq, skv, d, dtype, p_static, causal) -> str | None:
+  """Why this backward cannot run a problem (``None``: it can)."""
+  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    return f"dtype {jnp.dtype(dtype)} (bfloat16 or float16 only)"
+  if d not in (64, 128):
+    return f"head dim {d} (64 or 128 only)"
+  if skv < KEYS:
+    return f"seq_k {skv} (at least {KEYS})"
+  if (h // kvh) * sq < ROWS:
+    return f"G * seq_q = {(h // kvh) * sq} (at least {ROWS})"
+  if (b * h * sq) % CLASSES:
+    return f"B * H * seq_q = {b * h * sq} (a multiple of {CLASSES} only)"
+  if p_static is None:
+    return "a traced dropout rate (static rates only)"
+  if causal:
+    return "a causal mask"
+  return None
+
+
+def tile_rows(slab_rows, split, tiles):
+  """``[split, tiles, 64]`` int32: row ``m`` of tile ``t`` of share ``c`` of a kv group, as
+  the kernel holds it in shared memory (``8 s + a`` is the tile's row ``8 a + s``), counted
+  from the group's first row. The share is rows ``[c0, c1)``; its last tile ends at ``c1``."""
+  c = jnp.arange(split)[:, None, None]
+  c0, c1 = c * slab_rows // split, (c + 1) * slab_rows // split
+  t = jnp.arange(tiles)[None, :, None]
+  m = jnp.arange(ROWS)[None, None, :]
+  return jnp.minimum(c0 + t * ROWS, c1 - ROWS) + CLASSES * (m % CLASSES) + m // CLASSES
+
+
+def _ds_kernel(*refs, skv, slab_rows, split, tiles, stages, keep_scale):
+  if keep_scale is None:   # no dropout: Pd is not read
+    (p_ref, do_ref, delta_ref, v_ref, ds_ref, v_smem, p_smem, do_smem, delta_smem, ds_smem,
+     bars, v_bar) = refs
+    pd_ref = pd_smem = None
+  else:
+    (p_ref, pd_ref, do_ref, delta_ref, v_ref, ds_ref, v_smem, p_smem, pd_smem, do_smem,
+     delta_smem, ds_smem, bars, v_bar) = refs
+  slab = lax.axis_index("slab")
+  share = lax.axis_index("share")
+  k0 = jnp.minimum(lax.axis_index("kb") * KEYS, skv - KEYS)    # the last block overlaps
+  c0 = lax.div(share * slab_rows, split)                        # this share's rows [c0, c1)
+  c1 = lax.div((share + 1) * slab_rows, split)
+  plgpu.copy_gmem_to_smem(v_ref.at[slab, lax.axis_index("kb")], v_smem, v_bar)
+
+  def boxes(t):
+    """``(s, view row, column of key k0)`` of tile ``t``'s class boxes: box ``s`` is rows
+    ``r0 + s + 8 a`` (``a < 8``), shared-memory rows ``8 s ... 8 s + 7``."""
+    r0 = slab * slab_rows + jnp.minimum(c0 + t * ROWS, c1 - ROWS)   # the last tile overlaps
+    for s in range(CLASSES):
+      r = r0 + s
+      yield s, lax.div(r, CLASSES), lax.rem(r, CLASSES)
+
+  def fetch(t, slot):
+    for s, row, cls in boxes(t):
+      rows, dst = pl.ds(row, CLASSES), pl.ds(s * CLASSES, CLASSES)
+      keys = pl.ds(cls * skv + k0, KEYS)
+      plgpu.copy_gmem_to_smem(p_ref.at[rows, keys], p_smem.at[slot, dst], bars.at[slot])
+      if pd_ref is not None:
+        plgpu.copy_gmem_to_smem(pd_ref.at[rows, keys], pd_smem.at[slot, dst], bars.at[slot])
+    # dO and delta of the tile's rows, already in its shared-memory row order
+    plgpu.copy_gmem_to_smem(do_ref.at[slab, share, t], do_smem.at[slot], bars.at[slot])
+    plgpu.copy_gmem_to_smem(delta_ref.at[slab, share, t], delta_smem.at[slot], bars.at[slot])
+
+  for t in range(min(stages - 1, tiles)):
+    fetch(t, t)
+  plgpu.barrier_wait(v_bar)
+  layout = plgpu.Layout.WGMMA
+
+  def body(t, carry):
+    slot = lax.rem(t, stages)
+    ahead = t + stages - 1
+
+    @pl.when(ahead < tiles)
+    def _():
+      # The slot's last reader was step t - 1 (its loads, and its wgmma, waited for): fence
+      # those generic reads before the async copies overwrite it.
+      plgpu.commit_smem()
+      fetch(ahead, lax.rem(ahead, stages))
+
+    plgpu.barrier_wait(bars.at[slot])
+
+    def mm(acc):
+      plgpu.wgmma(acc, do_smem.at[slot], v_smem.T)                  # dPd [rows, keys]
+      p = plgpu.load(p_smem.at[slot], layout=layout, optimized=False)
+      pd = (None if pd_ref is None
+            else plgpu.load(pd_smem.at[slot], layout=layout, optimized=False))
+      delta = plgpu.load(delta_smem.at[slot], layout=layout.reduce(1))
+      return acc[...], p, pd, delta
+
+    dpd, p, pd, delta = pl.run_scoped(mm, plgpu.ACC((ROWS, KEYS), f32))
+    dw = dpd if pd is None else jnp.where(pd != 0, dpd * keep_scale, 0.0)
+    ds = p.astype(f32) * (dw - lax.broadcast_in_dim(delta, (ROWS, KEYS), [0]))
+    out = ds_smem.at[lax.rem(t, 2)]
+    plgpu.wait_smem_to_gmem(1, wait_read_only=True)   # step t - 2's stores have read it
+    out[...] = ds.astype(out.dtype)
+    plgpu.commit_smem()
+    for s, row, cls in boxes(t):
+      plgpu.copy_smem_to_gmem(out.at[pl.ds(s * CLASSES, CLASSES)],
+                              ds_ref.at[pl.ds(row, CLASSES), pl.ds(cls * skv + k0, KEYS)],
+                              commit_group=s == CLASSES - 1)
+    return carry
+
+  lax.fori_loop(0, tiles, body, 0)
+  plgpu.wait_smem_to_gmem(0)
+
+
+def auto_split(programs: int, slab_rows: int) -> int:
+  """Shares of a kv group's rows: enough programs for two per SM, each share at least one
+  tile."""
+  return max(1, min(slab_rows // ROWS, -(-2 * _mosaic.SMS // programs)))
+
+
+def ds_pass(grad_attn_output, attn_weights, attn_weights_dropped, value_states, delta, *,
+            rate, stages=2, split=None, interpret=False):
+  """``dS [B, H, seq_q, seq_k]`` from dO ``[B, seq_q, H, D]``, P and Pd, V ``[B, KVH, seq_k,
+  D]`` and ``delta [B, H, seq_q]`` fp32 (``rowsum(dPd * Pd)``); ``rate`` a float (at 0, Pd is
+  not read). ``split``: shares of each kv group's rows (default :func:`auto_split`)."""
+  b, h, sq, skv = attn_weights.shape
+  kvh, d = value_states.shape[1], value_states.shape[3]
+  rows, slab_rows = b * h * sq, (h // kvh) * sq
+  why = unsupported_reason(b, h, kvh, sq, skv, d, attn_weights.dtype, rate, False)
+  if why:
+    raise ValueError(f"ragged_mosaic_gpu.ds_pass: {why}")
+  if isinstance(stages, bool) or not isinstance(stages, int) or not 2 <= stages <= 4:
+    raise ValueError(f"stages: expected an int in [2, 4], got {stages!r}")
+  split = auto_split(b * kvh * pl.cdiv(skv, KEYS), slab_rows) if split is None else split
+  if isinstance(split, bool) or not isinstance(split, int) or not 1 <= split <= slab_rows // ROWS:
+    raise ValueError(f"split: expected an int in [1, {slab_rows // ROWS}] (shares of "
+                     f"G * seq_q = {slab_rows} rows, each at least {ROWS}), got {split!r}")
+  n_kb = pl.cdiv(skv, KEYS)
+  tiles = pl.cdiv(pl.cdiv(slab_rows, split), ROWS)
+  view = lambda x: x.reshape(rows // CLASSES, CLASSES * skv)
+  dtype = attn_weights.dtype
+  p_view = view(attn_weights)
+  pd_view = view(attn_weights_dropped) if rate != 0 else None
+  # dO, delta and V in the order the kernel takes them, so that each is one aligned box: dO
+  # and delta per (group, share, tile) in the tile's shared-memory row order (gathered, with
+  # the overlapping last tiles' rows twice), V per (group, key block).
+  r = jnp.arange(b * kvh)[:, None, None, None] * slab_rows + tile_rows(slab_rows, split, tiles)
+  bh, q = r // sq, r % sq                          # P's row r is (b * H + h) * seq_q + q
+  do_tiles = grad_attn_output[bh // h, q, bh % h]                 # [B * KVH, split, tiles, 64, D]
+  delta_tiles = delta.astype(f32).reshape(rows)[r]                # [B * KVH, split, tiles, 64]
+  k0 = jnp.minimum(jnp.arange(n_kb) * KEYS, skv - KEYS)[:, None] + jnp.arange(KEYS)
+  v_blocks = value_states.reshape(b * kvh, skv, d)[:, k0]         # [B * KVH, n_kb, 64, D]
+  like = (grad_attn_output, attn_weights, attn_weights_dropped, value_states, delta)
+  tiled = _mosaic.tiled(dtype)
+  has_pd = pd_view is not None
+  kernel = functools.partial(
+      _ds_kernel, skv=skv, slab_rows=slab_rows, split=split, tiles=tiles, stages=stages,
+      keep_scale=dropout_scale(rate) if has_pd else None)
+  operands = [p_view] + ([pd_view] if has_pd else []) + [do_tiles, delta_tiles, v_blocks]
+  arrivals = CLASSES * (1 + has_pd) + 2        # a tile's copies: P's (and Pd's) boxes, dO, delta
+  unswizzled = plgpu.SMEM((stages, ROWS, KEYS), dtype)
+  ds = plgpu.kernel(
+      kernel,
+      out_type=out_struct((rows // CLASSES, CLASSES * skv), dtype, *like),
+      scratch_types=[
+          plgpu.SMEM((KEYS, d), dtype, transforms=tiled),               # V
+          unswizzled,                                                  # P
+          *([unswizzled] if has_pd else []),                           # Pd
+          plgpu.SMEM((stages, ROWS, d), dtype, transforms=tiled),      # dO
+          plgpu.SMEM((stages, ROWS), f32),                             # delta
+          plgpu.SMEM((2, ROWS, KEYS), dtype),                          # dS (unswizzled)
+          plgpu.Barrier(num_arrivals=arrivals, num_barriers=stages),   # one per ring slot
+          plgpu.Barrier(),
+      ],
+      grid=(b * kvh, n_kb, split), grid_names=("slab", "kb", "share"),
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=_mosaic.interpret_params(interpret),
+  )(*operands)
+  return _mosaic.varying_like(ds.reshape(b, h, sq, skv), *like)
+
+
+def attention_softmax_dropout_value_backward(
+    grad_attn_output, attn_weights, attn_weights_dropped, value_states, dropout_mask,
+    attention_dropout, *, stages=2, split=None, causal=False, interpret=False):
+  """The kernel entry point's backward (same arguments and results as
+  :func:`pallas_kernels.attention_softmax_dropout_value_backward`) with the Triton first
+  pass (dV, delta's partials) and this module's Mosaic GPU dS pass. ``dropout_mask`` is
+  checked, not read (``keep == (Pd != 0)``, the precondition). Raises ``ValueError`` for
+  a problem outside :func:`unsupported_reason`, and off a Hopper GPU unless ``interpret``
+  (then both passes run in their interpreters)."""
+  p = validation.check_problem_a(grad_attn_output, attn_weights, attn_weights_dropped,
+                                 value_states, dropout_mask, attention_dropout)
+  b, h, sq, skv = attn_weights.shape
+  validation.check_causal(causal, sq, skv, every_row_has_keys=False)
+  kvh, d = value_states.shape[1], value_states.shape[3]
+  why = unsupported_reason(b, h, kvh, sq, skv, d, attn_weights.dtype, p, causal)
+  if why:
+    raise ValueError(f"attention_softmax_dropout_value_backward (ragged mosaic_gpu): {why}")
+  _mosaic.check_hopper("attention_softmax_dropout_value_backward", interpret,
+                       grad_attn_output, attn_weights, attn_weights_dropped, value_states)
+  cfg = triton_config.default_config(
+      b, h, kvh, sq, skv, d, attn_weights.dtype,
+      _tuning.device_kind_of(grad_attn_output, attn_weights, value_states, interpret=interpret))
+  dv, dpart = pallas_triton.dv_pass(
+      grad_attn_output, attn_weights_dropped.reshape(b * h, sq, skv),
+      value_states.reshape(b * kvh, skv, d), num_heads=h, cfg=cfg.dv,
+      interpret=bool(interpret), partials=True)
+  delta = jnp.sum(dpart, axis=1).reshape(b, h, sq)
+  ds = ds_pass(grad_attn_output, attn_weights, attn_weights_dropped, value_states, delta,
+               rate=p, stages=stages, split=split, interpret=interpret)
+  return ds, dv.reshape(b, kvh, skv, d)
