@@ -7,7 +7,11 @@ Usage (on a Hopper GPU)::
 For each aligned workload: the Triton entry point, and each Mosaic GPU variant (the two
 kernels' tiles and pipeline depths), checked against the reference with the workload's
 tolerance and timed the way ``benchmarks.run`` times (device time, input sets rotated so
-L2 is cold); plus each Mosaic kernel alone. Prints one table; writes ``<out>/a_mosaic_variants.json``.
+L2 is cold); plus each Mosaic kernel alone. With ``ragged*`` variants named
+(:data:`RAGGED_VARIANTS`), the workloads the Mosaic GPU kernels do not take run the Triton
+entry point and those variants of ``ragged_mosaic_gpu`` (``--parts``: the Triton first pass
+and the ragged dS pass alone), e.g. ``--workloads 1,5,8 --variants ragged,ragged_s3``.
+Prints one table; writes ``<out>/a_mosaic_variants.json``.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from benchmarks import run, variants_table
 from jax_ops import reference
 from pallas_kernels.attention_softmax_dropout_value import pallas_mosaic_gpu as mg
 from pallas_kernels.attention_softmax_dropout_value import pallas_triton
+from pallas_kernels.attention_softmax_dropout_value import ragged_mosaic_gpu as rg
 
 # name -> the Mosaic GPU entry point's Config (the default first: None, default_config's)
 VARIANTS = {
@@ -50,6 +55,36 @@ VARIANTS = {
     "persist64_k128": mg.Config(delta_persistent=True, delta_rows=64, delta_block_k=128,
                                 delta_stages=2),
 }
+
+
+# Rows whose length is not a multiple of 128 keys (the ragged workloads): the Triton first
+# pass and the Mosaic GPU dS pass of ragged_mosaic_gpu; name -> its keywords.
+RAGGED_VARIANTS = {
+    "ragged": {},
+    "ragged_s3": {"stages": 3},
+    "ragged_s4": {"stages": 4},
+    "ragged_split1": {"split": 1},
+}
+
+
+def ragged_fns(rate, names, parts):
+  """The ragged backward per variant; with ``parts``, its two passes alone (the Triton first
+  pass, and the default dS pass from a given delta)."""
+  fns = {n: jax.jit(lambda *a, kw=RAGGED_VARIANTS[n]: rg.attention_softmax_dropout_value_backward(
+      *a, rate, **kw)) for n in names}
+  if parts:
+    def first(d_o, probs, dropped, value, keep):
+      b, h, sq, skv = probs.shape
+      kvh, d = value.shape[1], value.shape[3]
+      cfg = pallas_triton.default_config(b, h, kvh, sq, skv, d, probs.dtype,
+                                         jax.devices()[0].device_kind)
+      return pallas_triton.dv_pass(d_o, dropped.reshape(b * h, sq, skv),
+                                   value.reshape(b * kvh, skv, d), num_heads=h, cfg=cfg.dv,
+                                   interpret=False)
+    fns["triton:dv"] = jax.jit(first)
+    fns["ragged:ds"] = jax.jit(lambda d_o, probs, dropped, value, keep: rg.ds_pass(
+        d_o, probs, dropped, value, jnp.zeros(probs.shape[:3], jnp.float32), rate=rate))
+  return fns
 
 
 def mosaic_fn(variant, rate):
@@ -112,21 +147,29 @@ def main(argv=None):
     b, h, kvh, sq, skv, d = dims
     why = mg.unsupported_reason(b, h, kvh, sq, skv, d, jnp.bfloat16, rate, False)
     label = run.PROBLEM_A.label(w)
-    if why:
+    ragged = [v for v in args.variants.split(",") if v in RAGGED_VARIANTS]
+    if why and not (ragged and rg.unsupported_reason(b, h, kvh, sq, skv, d, jnp.bfloat16,
+                                                     rate, False) is None):
       print(f"{label}: skipped ({why})", flush=True)
       continue
     sets = run.input_sets(lambda key: run._a_inputs(dims, rate, key), i)
     floor_us = run._a_floor(w, c) / (ceiling["TBps"] * 1e6)
     refs = xla(*sets[0])
     fns = {"triton": triton}
-    for v in args.variants.split(","):
+    if why:   # a ragged workload: the ragged variants only
+      fns.update(ragged_fns(rate, ragged, args.parts))
+    for v in [] if why else args.variants.split(","):
+      if v in RAGGED_VARIANTS:
+        continue
       fns[v] = mosaic_fn(v, rate)
       if args.parts:
         fns[v + ":delta"], fns[v + ":ds_dv"] = parts_fns(v, rate)
     rows.append(variants_table.check_and_time(label, w, floor_us, fns, sets, refs,
                                               calls=args.calls,
                                               checked=lambda name: ":" not in name))
-  names = [n for n in ["triton", *args.variants.split(",")]]
+  names = ["triton", *args.variants.split(",")]
+  if args.parts:
+    names += ["triton:dv", "ragged:ds"]
   variants_table.print_table(rows, names)
   with open(os.path.join(args.out, "a_mosaic_variants.json"), "w") as f:
     json.dump({"device": jax.devices()[0].device_kind, "ceiling": ceiling, "rows": rows}, f,
