@@ -64,12 +64,15 @@ RAGGED_VARIANTS = {
     "ragged_s3": {"stages": 3},
     "ragged_s4": {"stages": 4},
     "ragged_split1": {"split": 1},
+    # delta from XLA's Pd @ V, dV in the Mosaic GPU pass
+    "ragged_xla": {"first_pass": "xla"},
+    "ragged_xla_s3": {"first_pass": "xla", "stages": 3},
 }
 
 
 def ragged_fns(rate, names, parts):
-  """The ragged backward per variant; with ``parts``, its two passes alone (the Triton first
-  pass, and the default dS pass from a given delta)."""
+  """The ragged backward per variant; with ``parts``, its passes alone (the Triton first
+  pass, and the dS pass from a given delta, without and with dV)."""
   fns = {n: jax.jit(lambda *a, kw=RAGGED_VARIANTS[n]: rg.attention_softmax_dropout_value_backward(
       *a, rate, **kw)) for n in names}
   if parts:
@@ -82,8 +85,11 @@ def ragged_fns(rate, names, parts):
                                    value.reshape(b * kvh, skv, d), num_heads=h, cfg=cfg.dv,
                                    interpret=False)
     fns["triton:dv"] = jax.jit(first)
+    zero_delta = lambda probs: jnp.zeros(probs.shape[:3], jnp.float32)
     fns["ragged:ds"] = jax.jit(lambda d_o, probs, dropped, value, keep: rg.ds_pass(
-        d_o, probs, dropped, value, jnp.zeros(probs.shape[:3], jnp.float32), rate=rate))
+        d_o, probs, dropped, value, zero_delta(probs), rate=rate))
+    fns["ragged:ds_dv"] = jax.jit(lambda d_o, probs, dropped, value, keep: rg.ds_pass(
+        d_o, probs, dropped, value, zero_delta(probs), rate=rate, with_dv=True))
   return fns
 
 
@@ -169,7 +175,7 @@ def main(argv=None):
                                               checked=lambda name: ":" not in name))
   names = ["triton", *args.variants.split(",")]
   if args.parts:
-    names += ["triton:dv", "ragged:ds"]
+    names += ["triton:dv", "ragged:ds", "ragged:ds_dv"]
   variants_table.print_table(rows, names)
   with open(os.path.join(args.out, "a_mosaic_variants.json"), "w") as f:
     json.dump({"device": jax.devices()[0].device_kind, "ceiling": ceiling, "rows": rows}, f,

@@ -18,12 +18,14 @@ last key block starts at ``seq_k - 64`` and a share's last row tile ends at the 
 so every box lies inside its rows. Overlapped dS values are computed twice, equal, and
 written twice.
 
-dV and delta come from the Triton kernels' first pass (``pallas_triton.dv_pass``: dV, with
-the GQA sum, and delta's partial row sums, reading Pd once). This module's kernel replaces
-their dS pass: one warpgroup per program owns 64 keys of a kv group (V resident) and walks a
-share of the group's rows, ``dPd = dO @ V^T`` on wgmma, ``dS = P * (dPd * [Pd != 0] / (1 - p)
-- delta)``, with the next tile's copies in flight. Bytes per attention element: Pd (2) in
-the first pass; P, Pd and dS (6) here; and the dO gather (about 4 B per dO element).
+This module's kernel is the dS pass: one warpgroup per program owns 64 keys of a kv group
+(V resident) and walks a share of the group's rows, ``dPd = dO @ V^T`` on wgmma, ``dS = P *
+(dPd * [Pd != 0] / (1 - p) - delta)``, with the next tile's copies in flight; optionally
+(``with_dv``) also ``dV += Pd^T @ dO``, Pd staged again swizzled for the wgmma. Before it, a
+first pass reads Pd for delta: the Triton kernels' (``first_pass="triton"``:
+``pallas_triton.dv_pass``, which also makes dV, with the GQA sum) or XLA's ``rowsum(dO * (Pd
+@ V))`` (``"xla"``, dV then in the dS pass). Bytes per attention element: Pd (2) in the first
+pass; P, Pd and dS (6) here; and the dO gather (about 4 B per dO element).
 
 Not yet compiled on a GPU: ``benchmarks/ragged_tma_probe.py`` first checks that the hardware
 takes these copies and at what rate (``attention_softmax_dropout_value_mosaic_gpu.md``).
@@ -82,14 +84,15 @@ def tile_rows(slab_rows, split, tiles):
   return jnp.minimum(c0 + t * ROWS, c1 - ROWS) + CLASSES * (m % CLASSES) + m // CLASSES
 
 
-def _ds_kernel(*refs, skv, slab_rows, split, tiles, stages, keep_scale):
-  if keep_scale is None:   # no dropout: Pd is not read
-    (p_ref, do_ref, delta_ref, v_ref, ds_ref, v_smem, p_smem, do_smem, delta_smem, ds_smem,
-     bars, v_bar) = refs
-    pd_ref = pd_smem = None
-  else:
-    (p_ref, pd_ref, do_ref, delta_ref, v_ref, ds_ref, v_smem, p_smem, pd_smem, do_smem,
-     delta_smem, ds_smem, bars, v_bar) = refs
+def _ds_kernel(*refs, skv, slab_rows, split, tiles, stages, keep_scale, with_dv):
+  refs = list(refs)
+  pd_stage = refs.pop() if with_dv else None
+  if keep_scale is None:   # no dropout: Pd (== P) is not read
+    refs[1:1] = [None]
+    refs[-5:-5] = [None]
+  (p_ref, pd_ref, do_ref, delta_ref, v_ref, ds_ref, *refs) = refs
+  dv_ref = refs.pop(0) if with_dv else None
+  v_smem, p_smem, pd_smem, do_smem, delta_smem, ds_smem, bars, v_bar = refs
   slab = lax.axis_index("slab")
   share = lax.axis_index("share")
   k0 = jnp.minimum(lax.axis_index("kb") * KEYS, skv - KEYS)    # the last block overlaps
@@ -121,7 +124,7 @@ def _ds_kernel(*refs, skv, slab_rows, split, tiles, stages, keep_scale):
   plgpu.barrier_wait(v_bar)
   layout = plgpu.Layout.WGMMA
 
-  def body(t, carry):
+  def body(t, carry, dv_acc=None):
     slot = lax.rem(t, stages)
     ahead = t + stages - 1
 
@@ -143,6 +146,16 @@ def _ds_kernel(*refs, skv, slab_rows, split, tiles, stages, keep_scale):
       return acc[...], p, pd, delta
 
     dpd, p, pd, delta = pl.run_scoped(mm, plgpu.ACC((ROWS, KEYS), f32))
+    if with_dv:
+      # dV += Pd^T @ dO, Pd staged swizzled (a wgmma operand), without the rows that the
+      # share's overlapping last tile shares with the one before (counted once). Row m of
+      # the tile in shared memory is its row 8 (m % 8) + m // 8.
+      m = plgpu.broadcasted_iota(jnp.int32, (ROWS, KEYS), 0, layout=layout)
+      repeated = jnp.maximum(c0 + t * ROWS - (c1 - ROWS), 0)
+      once = CLASSES * (m % CLASSES) + m // CLASSES >= repeated
+      pd_stage[...] = jnp.where(once, p if pd is None else pd, 0).astype(pd_stage.dtype)
+      plgpu.commit_smem()
+      plgpu.wgmma(dv_acc, pd_stage.T, do_smem.at[slot])              # in flight with dS
     dw = dpd if pd is None else jnp.where(pd != 0, dpd * keep_scale, 0.0)
     ds = p.astype(f32) * (dw - lax.broadcast_in_dim(delta, (ROWS, KEYS), [0]))
     out = ds_smem.at[lax.rem(t, 2)]
@@ -153,9 +166,18 @@ def _ds_kernel(*refs, skv, slab_rows, split, tiles, stages, keep_scale):
       plgpu.copy_smem_to_gmem(out.at[pl.ds(s * CLASSES, CLASSES)],
                               ds_ref.at[pl.ds(row, CLASSES), pl.ds(cls * skv + k0, KEYS)],
                               commit_group=s == CLASSES - 1)
+    if with_dv:
+      plgpu.wgmma_wait(0)   # dV has read the stage and the dO slot
     return carry
 
-  lax.fori_loop(0, tiles, body, 0)
+  if with_dv:
+    def run(dv_acc):
+      lax.fori_loop(0, tiles, functools.partial(body, dv_acc=dv_acc), 0)
+      return dv_acc[...]
+    dv_ref.at[share, slab, lax.axis_index("kb")][...] = pl.run_scoped(
+        run, plgpu.ACC((KEYS, dv_ref.shape[-1]), f32))
+  else:
+    lax.fori_loop(0, tiles, body, 0)
   plgpu.wait_smem_to_gmem(0)
 
 
@@ -166,10 +188,12 @@ def auto_split(programs: int, slab_rows: int) -> int:
 
 
 def ds_pass(grad_attn_output, attn_weights, attn_weights_dropped, value_states, delta, *,
-            rate, stages=2, split=None, interpret=False):
+            rate, with_dv=False, stages=2, split=None, interpret=False):
   """``dS [B, H, seq_q, seq_k]`` from dO ``[B, seq_q, H, D]``, P and Pd, V ``[B, KVH, seq_k,
   D]`` and ``delta [B, H, seq_q]`` fp32 (``rowsum(dPd * Pd)``); ``rate`` a float (at 0, Pd is
-  not read). ``split``: shares of each kv group's rows (default :func:`auto_split`)."""
+  not read). ``with_dv``: ``(dS, dV [B, KVH, seq_k, D])``, dV summed in the kernel too (each
+  program its keys over its share of the group's rows, the shares' fp32 sums added here).
+  ``split``: shares of each kv group's rows (default :func:`auto_split`)."""
   b, h, sq, skv = attn_weights.shape
   kvh, d = value_states.shape[1], value_states.shape[3]
   rows, slab_rows = b * h * sq, (h // kvh) * sq
@@ -202,13 +226,16 @@ def ds_pass(grad_attn_output, attn_weights, attn_weights_dropped, value_states, 
   has_pd = pd_view is not None
   kernel = functools.partial(
       _ds_kernel, skv=skv, slab_rows=slab_rows, split=split, tiles=tiles, stages=stages,
-      keep_scale=dropout_scale(rate) if has_pd else None)
+      keep_scale=dropout_scale(rate) if has_pd else None, with_dv=with_dv)
   operands = [p_view] + ([pd_view] if has_pd else []) + [do_tiles, delta_tiles, v_blocks]
   arrivals = CLASSES * (1 + has_pd) + 2        # a tile's copies: P's (and Pd's) boxes, dO, delta
   unswizzled = plgpu.SMEM((stages, ROWS, KEYS), dtype)
-  ds = plgpu.kernel(
+  out_type = out_struct((rows // CLASSES, CLASSES * skv), dtype, *like)
+  if with_dv:   # per share, group and key block: fp32 [64 keys, D]
+    out_type = (out_type, out_struct((split, b * kvh, n_kb, KEYS, d), f32, *like))
+  out = plgpu.kernel(
       kernel,
-      out_type=out_struct((rows // CLASSES, CLASSES * skv), dtype, *like),
+      out_type=out_type,
       scratch_types=[
           plgpu.SMEM((KEYS, d), dtype, transforms=tiled),               # V
           unswizzled,                                                  # P
@@ -218,23 +245,38 @@ def ds_pass(grad_attn_output, attn_weights, attn_weights_dropped, value_states, 
           plgpu.SMEM((2, ROWS, KEYS), dtype),                          # dS (unswizzled)
           plgpu.Barrier(num_arrivals=arrivals, num_barriers=stages),   # one per ring slot
           plgpu.Barrier(),
+          *([plgpu.SMEM((ROWS, KEYS), dtype, transforms=tiled)] if with_dv else []),  # Pd
       ],
       grid=(b * kvh, n_kb, split), grid_names=("slab", "kb", "share"),
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=_mosaic.interpret_params(interpret),
   )(*operands)
-  return _mosaic.varying_like(ds.reshape(b, h, sq, skv), *like)
+  if not with_dv:
+    return _mosaic.varying_like(out.reshape(b, h, sq, skv), *like)
+  ds, dv = out
+  # The key blocks' dV, the last block's keys past the one before it only.
+  dv = jnp.sum(dv, axis=0)
+  last = dv[:, -1, (n_kb - 1) * KEYS - (skv - KEYS):]
+  dv = jnp.concatenate([dv[:, :-1].reshape(b * kvh, (n_kb - 1) * KEYS, d), last], axis=1)
+  return _mosaic.varying_like(
+      (ds.reshape(b, h, sq, skv), dv.reshape(b, kvh, skv, d).astype(value_states.dtype)), *like)
+
+
+FIRST_PASSES = ("triton", "xla")
 
 
 def attention_softmax_dropout_value_backward(
     grad_attn_output, attn_weights, attn_weights_dropped, value_states, dropout_mask,
-    attention_dropout, *, stages=2, split=None, causal=False, interpret=False):
+    attention_dropout, *, first_pass="triton", stages=2, split=None, causal=False,
+    interpret=False):
   """The kernel entry point's backward (same arguments and results as
-  :func:`pallas_kernels.attention_softmax_dropout_value_backward`) with the Triton first
-  pass (dV, delta's partials) and this module's Mosaic GPU dS pass. ``dropout_mask`` is
-  checked, not read (``keep == (Pd != 0)``, the precondition). Raises ``ValueError`` for
-  a problem outside :func:`unsupported_reason`, and off a Hopper GPU unless ``interpret``
-  (then both passes run in their interpreters)."""
+  :func:`pallas_kernels.attention_softmax_dropout_value_backward`) with this module's Mosaic
+  GPU dS pass. ``first_pass``: ``"triton"``, dV and delta's partials from the Triton
+  kernels' first pass (reading Pd); ``"xla"``, delta as ``rowsum(dO * (Pd @ V))`` by XLA (the
+  fp32 product, reading Pd) and dV in the dS pass. ``dropout_mask`` is checked, not read
+  (``keep == (Pd != 0)``, the precondition). Raises ``ValueError`` for a problem outside
+  :func:`unsupported_reason`, and off a Hopper GPU unless ``interpret`` (then the passes run
+  in their interpreters)."""
   p = validation.check_problem_a(grad_attn_output, attn_weights, attn_weights_dropped,
                                  value_states, dropout_mask, attention_dropout)
   b, h, sq, skv = attn_weights.shape
@@ -245,6 +287,15 @@ def attention_softmax_dropout_value_backward(
     raise ValueError(f"attention_softmax_dropout_value_backward (ragged mosaic_gpu): {why}")
   _mosaic.check_hopper("attention_softmax_dropout_value_backward", interpret,
                        grad_attn_output, attn_weights, attn_weights_dropped, value_states)
+  if first_pass not in FIRST_PASSES:
+    raise ValueError(f"first_pass: expected one of {FIRST_PASSES}, got {first_pass!r}")
+  if first_pass == "xla":
+    g = h // kvh
+    out = jnp.einsum("bkgqs,bksd->bqkgd", attn_weights_dropped.reshape(b, kvh, g, sq, skv),
+                     value_states, preferred_element_type=f32)
+    delta = pallas_triton.delta_from_output(grad_attn_output, out.reshape(b, sq, h, d))
+    return ds_pass(grad_attn_output, attn_weights, attn_weights_dropped, value_states, delta,
+                   rate=p, with_dv=True, stages=stages, split=split, interpret=interpret)
   cfg = triton_config.default_config(
       b, h, kvh, sq, skv, d, attn_weights.dtype,
       _tuning.device_kind_of(grad_attn_output, attn_weights, value_states, interpret=interpret))

@@ -38,6 +38,20 @@ def test_matches_reference(b, h, kvh, sq, skv, d, p, split):
   check(out, reference(*args, p))
 
 
+@needs_kernels
+@pytest.mark.parametrize("b,h,kvh,sq,skv,d,p,split", CASES[:2] + [
+    (1, 4, 1, 34, 70, 64, 0.1, 2),      # two shares, each with an overlapping last tile
+    (1, 2, 2, 68, 130, 64, 0.0, 1),     # three key blocks, the last overlapping; no dropout
+])
+def test_dv_in_the_ds_pass_matches_reference(b, h, kvh, sq, skv, d, p, split):
+  """``first_pass="xla"``: delta from XLA's ``Pd @ V``, dV summed in the dS pass (the rows
+  that an overlapping last tile repeats counted once)."""
+  args = make_inputs(b, h, kvh, sq, skv, d, p, seed=3)
+  out = rg.attention_softmax_dropout_value_backward(*args, p, first_pass="xla", split=split,
+                                                    interpret=INTERPRET)
+  check(out, reference(*args, p))
+
+
 @pytest.mark.skipif(ON_GPU, reason="the Mosaic GPU interpreter's race detector")
 @pytest.mark.parametrize("stages", [2, 3])
 def test_the_ring_has_no_read_write_race(stages, capsys):
@@ -74,6 +88,8 @@ def test_unsupported_problems_say_why():
     rg.ds_pass(*args[:4], delta_of(args), rate=0.1, split=2, interpret=True)
   with pytest.raises(ValueError, match=r"stages: expected an int in \[2, 4\]"):
     rg.ds_pass(*args[:4], delta_of(args), rate=0.1, stages=1, interpret=True)
+  with pytest.raises(ValueError, match="first_pass: expected one of"):
+    rg.attention_softmax_dropout_value_backward(*args, 0.1, first_pass="mosaic", interpret=True)
 
 
 @pytest.mark.skipif(ON_GPU, reason="lowering for a pretended GPU")
@@ -85,7 +101,7 @@ def test_lowers_for_a_gpu_at_the_benchmark_shapes(b, sq, skv, p):
   args = (s((b, sq, 80, 128), jnp.bfloat16), s((b, 80, sq, skv), jnp.bfloat16),
           s((b, 80, sq, skv), jnp.bfloat16), s((b, 8, skv, 128), jnp.bfloat16),
           s((b, 80, sq), jnp.float32))
-  for stages in (2, 4):
-    lowered = jax.jit(lambda *a: rg.ds_pass(*a, rate=p, stages=stages)).trace(*args).lower(
-        lowering_platforms=("cuda",))
+  for stages, with_dv in ((2, False), (4, False), (2, True), (4, True)):
+    lowered = jax.jit(lambda *a: rg.ds_pass(*a, rate=p, stages=stages, with_dv=with_dv)).trace(
+        *args).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
