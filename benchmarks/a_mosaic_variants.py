@@ -67,12 +67,17 @@ RAGGED_VARIANTS = {
     # delta from XLA's Pd @ V, dV in the Mosaic GPU pass
     "ragged_xla": {"first_pass": "xla"},
     "ragged_xla_s3": {"first_pass": "xla", "stages": 3},
+    # delta from the module's Mosaic GPU delta kernel, dV in the Mosaic GPU dS pass
+    "ragged_mosaic": {"first_pass": "mosaic"},
+    "ragged_mosaic_s3": {"first_pass": "mosaic", "stages": 3},
+    "ragged_mosaic_s4": {"first_pass": "mosaic", "stages": 4},
 }
 
 
 def ragged_fns(rate, names, parts):
   """The ragged backward per variant; with ``parts``, its passes alone (the Triton first
-  pass, and the dS pass from a given delta, without and with dV)."""
+  pass, the Mosaic GPU delta kernel, and the dS pass from a given delta, without and with
+  dV; each pass's gathers of dO and V included)."""
   fns = {n: jax.jit(lambda *a, kw=RAGGED_VARIANTS[n]: rg.attention_softmax_dropout_value_backward(
       *a, rate, **kw)) for n in names}
   if parts:
@@ -90,6 +95,8 @@ def ragged_fns(rate, names, parts):
         d_o, probs, dropped, value, zero_delta(probs), rate=rate))
     fns["ragged:ds_dv"] = jax.jit(lambda d_o, probs, dropped, value, keep: rg.ds_pass(
         d_o, probs, dropped, value, zero_delta(probs), rate=rate, with_dv=True))
+    fns["ragged:delta"] = jax.jit(lambda d_o, probs, dropped, value, keep: rg.delta_pass(
+        d_o, dropped, value))
   return fns
 
 
@@ -175,7 +182,7 @@ def main(argv=None):
                                               checked=lambda name: ":" not in name))
   names = ["triton", *args.variants.split(",")]
   if args.parts:
-    names += ["triton:dv", "ragged:ds", "ragged:ds_dv"]
+    names += ["triton:dv", "ragged:delta", "ragged:ds", "ragged:ds_dv"]
   variants_table.print_table(rows, names)
   with open(os.path.join(args.out, "a_mosaic_variants.json"), "w") as f:
     json.dump({"device": jax.devices()[0].device_kind, "ceiling": ceiling, "rows": rows}, f,

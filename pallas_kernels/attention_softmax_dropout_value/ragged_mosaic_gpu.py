@@ -22,10 +22,13 @@ This module's kernel is the dS pass: one warpgroup per program owns 64 keys of a
 (V resident) and walks a share of the group's rows, ``dPd = dO @ V^T`` on wgmma, ``dS = P *
 (dPd * [Pd != 0] / (1 - p) - delta)``, with the next tile's copies in flight; optionally
 (``with_dv``) also ``dV += Pd^T @ dO``, Pd staged again swizzled for the wgmma. Before it, a
-first pass reads Pd for delta: the Triton kernels' (``first_pass="triton"``:
+first pass reads Pd for delta: this module's delta kernel (``first_pass="mosaic"``: per row
+tile, dO resident, ``rowsum(dO @ V^T * Pd)`` over the key blocks, written in the dS pass's
+tile order; dV then in the dS pass), the Triton kernels' (``"triton"``:
 ``pallas_triton.dv_pass``, which also makes dV, with the GQA sum) or XLA's ``rowsum(dO * (Pd
-@ V))`` (``"xla"``, dV then in the dS pass). Bytes per attention element: Pd (2) in the first
-pass; P, Pd and dS (6) here; and the dO gather (about 4 B per dO element).
+@ V))`` (``"xla"``, which writes the fp32 product first). Bytes per attention element: Pd
+(2) in the first pass; P, Pd and dS (6) in the dS pass; and the dO gather (about 4 B per dO
+element).
 
 Not yet compiled on a GPU: ``benchmarks/ragged_tma_probe.py`` first checks that the hardware
 takes these copies and at what rate (``attention_softmax_dropout_value_mosaic_gpu.md``).
@@ -36,6 +39,7 @@ mask.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax.numpy as jnp
@@ -181,10 +185,219 @@ def _ds_kernel(*refs, skv, slab_rows, split, tiles, stages, keep_scale, with_dv)
   plgpu.wait_smem_to_gmem(0)
 
 
+def _delta_kernel(pd_ref, do_ref, v_ref, delta_ref, do_smem, v_smem, pd_smem, bars, do_bars, *,
+                  skv, slab_rows, split, tiles, n_kb, stages):
+  """delta of a share's row tiles: per tile (dO resident) the key blocks in turn, ``rowsum(dO
+  @ V^T * Pd)`` over the keys (the last block's keys that the one before covered, masked),
+  written per tile in its shared-memory row order (what the dS pass reads)."""
+  slab = lax.axis_index("slab")
+  share = lax.axis_index("share")
+  c0 = lax.div(share * slab_rows, split)
+  c1 = lax.div((share + 1) * slab_rows, split)
+  steps = tiles * n_kb
+
+  def fetch(i, slot):
+    t, kb = lax.div(i, n_kb), lax.rem(i, n_kb)
+    k0 = jnp.minimum(kb * KEYS, skv - KEYS)
+    r0 = slab * slab_rows + jnp.minimum(c0 + t * ROWS, c1 - ROWS)
+
+    @pl.when(kb == 0)   # a new tile: its dO (the buffer's last reader finished a tile ago)
+    def _():
+      plgpu.copy_gmem_to_smem(do_ref.at[slab, share, t], do_smem.at[lax.rem(t, 2)],
+                              do_bars.at[lax.rem(t, 2)])
+
+    plgpu.copy_gmem_to_smem(v_ref.at[slab, kb], v_smem.at[slot], bars.at[slot])
+    for s in range(CLASSES):
+      r = r0 + s
+      plgpu.copy_gmem_to_smem(
+          pd_ref.at[pl.ds(lax.div(r, CLASSES), CLASSES),
+                    pl.ds(lax.rem(r, CLASSES) * skv + k0, KEYS)],
+          pd_smem.at[slot, pl.ds(s * CLASSES, CLASSES)], bars.at[slot])
+
+  for i in range(min(stages - 1, steps)):
+    fetch(i, i)
+  layout = plgpu.Layout.WGMMA
+  col = plgpu.broadcasted_iota(jnp.int32, (ROWS, KEYS), 1, layout=layout)
+  # The last key block starts at skv - 64: its keys below (n_kb - 1) * 64 were counted.
+  counted = (n_kb - 1) * KEYS - (skv - KEYS)
+
+  def body(i, delta):
+    slot = lax.rem(i, stages)
+    t, kb = lax.div(i, n_kb), lax.rem(i, n_kb)
+    ahead = i + stages - 1
+
+    @pl.when(ahead < steps)
+    def _():
+      plgpu.commit_smem()
+      fetch(ahead, lax.rem(ahead, stages))
+
+    @pl.when(kb == 0)
+    def _():
+      plgpu.barrier_wait(do_bars.at[lax.rem(t, 2)])
+
+    plgpu.barrier_wait(bars.at[slot])
+
+    def mm(acc):
+      plgpu.wgmma(acc, do_smem.at[lax.rem(t, 2)], v_smem.at[slot].T)   # dPd [rows, keys]
+      pd = plgpu.load(pd_smem.at[slot], layout=layout, optimized=False)
+      return acc[...], pd
+
+    dpd, pd = pl.run_scoped(mm, plgpu.ACC((ROWS, KEYS), f32))
+    new = (kb < n_kb - 1) | (col >= counted)
+    part = jnp.sum(jnp.where(new, dpd * pd.astype(f32), 0.0), axis=1)
+    delta = _mosaic.restart_sum(kb, part, delta, layout=layout.reduce(1))
+
+    @pl.when(kb == n_kb - 1)
+    def _():
+      delta_ref.at[slab, share, t][...] = delta
+
+    return delta
+
+  zero = plgpu.layout_cast(jnp.zeros((ROWS,), f32), layout.reduce(1))
+  lax.fori_loop(0, steps, body, zero)
+
+
 def auto_split(programs: int, slab_rows: int) -> int:
   """Shares of a kv group's rows: enough programs for two per SM, each share at least one
   tile."""
   return max(1, min(slab_rows // ROWS, -(-2 * _mosaic.SMS // programs)))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """A problem's shape and how its rows and keys are cut: ``split`` shares of each kv group's
+  ``slab_rows`` rows, ``tiles`` tiles of 64 rows per share, ``n_kb`` key blocks of 64."""
+  b: int
+  h: int
+  kvh: int
+  sq: int
+  skv: int
+  d: int
+  split: int
+  tiles: int
+  n_kb: int
+
+  @property
+  def slab_rows(self):
+    return (self.h // self.kvh) * self.sq
+
+  @property
+  def rows(self):
+    return self.b * self.h * self.sq
+
+
+def _plan(attn_weights, value_states, rate, split, stages) -> _Plan:
+  b, h, sq, skv = attn_weights.shape
+  kvh, d = value_states.shape[1], value_states.shape[3]
+  why = unsupported_reason(b, h, kvh, sq, skv, d, attn_weights.dtype, rate, False)
+  if why:
+    raise ValueError(f"ragged_mosaic_gpu: {why}")
+  if isinstance(stages, bool) or not isinstance(stages, int) or not 2 <= stages <= 4:
+    raise ValueError(f"stages: expected an int in [2, 4], got {stages!r}")
+  slab_rows, n_kb = (h // kvh) * sq, pl.cdiv(skv, KEYS)
+  split = auto_split(b * kvh * n_kb, slab_rows) if split is None else split
+  if (isinstance(split, bool) or not isinstance(split, int)
+      or not 1 <= split <= slab_rows // ROWS):
+    raise ValueError(f"split: expected an int in [1, {slab_rows // ROWS}] (shares of "
+                     f"G * seq_q = {slab_rows} rows, each at least {ROWS}), got {split!r}")
+  return _Plan(b, h, kvh, sq, skv, d, split, pl.cdiv(pl.cdiv(slab_rows, split), ROWS), n_kb)
+
+
+def _row_view(x, plan):
+  """``[B, H, seq_q, seq_k]`` as ``[R / 8, 8 * seq_k]``: 16-byte row strides."""
+  return x.reshape(plan.rows // CLASSES, CLASSES * plan.skv)
+
+
+def _tile_order(plan):
+  """``[B * KVH, split, tiles, 64]`` int32: P's row (``(b * H + h) * seq_q + q``) of each
+  row of each tile, in the tile's shared-memory order (an overlapping last tile's rows
+  twice)."""
+  slabs = jnp.arange(plan.b * plan.kvh)[:, None, None, None]
+  return slabs * plan.slab_rows + tile_rows(plan.slab_rows, plan.split, plan.tiles)
+
+
+def _gathered(plan, grad_attn_output, value_states):
+  """dO per tile (``[B * KVH, split, tiles, 64, D]``, in the tile's row order) and V per key
+  block (``[B * KVH, n_kb, 64, D]``): each one aligned box for the kernels."""
+  r = _tile_order(plan)
+  bh, q = r // plan.sq, r % plan.sq
+  do_tiles = grad_attn_output[bh // plan.h, q, bh % plan.h]
+  k0 = jnp.minimum(jnp.arange(plan.n_kb) * KEYS, plan.skv - KEYS)[:, None] + jnp.arange(KEYS)
+  v_blocks = value_states.reshape(plan.b * plan.kvh, plan.skv, plan.d)[:, k0]
+  return do_tiles, v_blocks
+
+
+def _delta_call(plan, pd_view, do_tiles, v_blocks, *, stages, like, interpret):
+  """delta per tile, ``[B * KVH, split, tiles, 64]`` fp32 (:func:`_delta_kernel`)."""
+  dtype = pd_view.dtype
+  stages = min(stages, plan.n_kb + 1)   # a tile's dO buffer is refilled two tiles on
+  kernel = functools.partial(_delta_kernel, skv=plan.skv, slab_rows=plan.slab_rows,
+                             split=plan.split, tiles=plan.tiles, n_kb=plan.n_kb, stages=stages)
+  tiled = _mosaic.tiled(dtype)
+  return plgpu.kernel(
+      kernel,
+      out_type=out_struct((plan.b * plan.kvh, plan.split, plan.tiles, ROWS), f32, *like),
+      scratch_types=[
+          plgpu.SMEM((2, ROWS, plan.d), dtype, transforms=tiled),        # dO, per tile
+          plgpu.SMEM((stages, KEYS, plan.d), dtype, transforms=tiled),   # V, per step
+          plgpu.SMEM((stages, ROWS, KEYS), dtype),                       # Pd (unswizzled)
+          plgpu.Barrier(num_arrivals=1 + CLASSES, num_barriers=stages),  # V and Pd's boxes
+          plgpu.Barrier(num_barriers=2),
+      ],
+      grid=(plan.b * plan.kvh, plan.split), grid_names=("slab", "share"),
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=_mosaic.interpret_params(interpret),
+  )(pd_view, do_tiles, v_blocks)
+
+
+def _ds_call(plan, p_view, pd_view, do_tiles, delta_tiles, v_blocks, *, rate, with_dv,
+             stages, like, interpret):
+  """dS in the view's layout, and with ``with_dv`` the fp32 dV per (share, group, key
+  block) (:func:`_ds_kernel`)."""
+  dtype = p_view.dtype
+  has_pd = rate != 0
+  kernel = functools.partial(
+      _ds_kernel, skv=plan.skv, slab_rows=plan.slab_rows, split=plan.split, tiles=plan.tiles,
+      stages=stages, keep_scale=dropout_scale(rate) if has_pd else None, with_dv=with_dv)
+  operands = [p_view] + ([pd_view] if has_pd else []) + [do_tiles, delta_tiles, v_blocks]
+  arrivals = CLASSES * (1 + has_pd) + 2        # a tile's copies: P's (and Pd's) boxes, dO, delta
+  out_type = out_struct(p_view.shape, dtype, *like)
+  if with_dv:   # per share, group and key block: fp32 [64 keys, D]
+    out_type = (out_type, out_struct((plan.split, plan.b * plan.kvh, plan.n_kb, KEYS, plan.d),
+                                     f32, *like))
+  tiled = _mosaic.tiled(dtype)
+  unswizzled = plgpu.SMEM((stages, ROWS, KEYS), dtype)
+  return plgpu.kernel(
+      kernel,
+      out_type=out_type,
+      scratch_types=[
+          plgpu.SMEM((KEYS, plan.d), dtype, transforms=tiled),            # V
+          unswizzled,                                                      # P
+          *([unswizzled] if has_pd else []),                               # Pd
+          plgpu.SMEM((stages, ROWS, plan.d), dtype, transforms=tiled),    # dO
+          plgpu.SMEM((stages, ROWS), f32),                                 # delta
+          plgpu.SMEM((2, ROWS, KEYS), dtype),                              # dS (unswizzled)
+          plgpu.Barrier(num_arrivals=arrivals, num_barriers=stages),       # one per ring slot
+          plgpu.Barrier(),
+          *([plgpu.SMEM((ROWS, KEYS), dtype, transforms=tiled)] if with_dv else []),  # Pd
+      ],
+      grid=(plan.b * plan.kvh, plan.n_kb, plan.split), grid_names=("slab", "kb", "share"),
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=_mosaic.interpret_params(interpret),
+  )(*operands)
+
+
+def _assembled(plan, ds, dv, dtype):
+  """``(dS [B, H, seq_q, seq_k], dV [B, KVH, seq_k, D])`` from the kernel's outputs: dV's
+  shares summed, the last key block's keys past the one before it only."""
+  ds = ds.reshape(plan.b, plan.h, plan.sq, plan.skv)
+  if dv is None:
+    return ds
+  dv = jnp.sum(dv, axis=0)
+  n, keys = plan.n_kb, plan.b * plan.kvh
+  last = dv[:, -1, (n - 1) * KEYS - (plan.skv - KEYS):]
+  dv = jnp.concatenate([dv[:, :-1].reshape(keys, (n - 1) * KEYS, plan.d), last], axis=1)
+  return ds, dv.reshape(plan.b, plan.kvh, plan.skv, plan.d).astype(dtype)
 
 
 def ds_pass(grad_attn_output, attn_weights, attn_weights_dropped, value_states, delta, *,
@@ -194,75 +407,33 @@ def ds_pass(grad_attn_output, attn_weights, attn_weights_dropped, value_states, 
   not read). ``with_dv``: ``(dS, dV [B, KVH, seq_k, D])``, dV summed in the kernel too (each
   program its keys over its share of the group's rows, the shares' fp32 sums added here).
   ``split``: shares of each kv group's rows (default :func:`auto_split`)."""
-  b, h, sq, skv = attn_weights.shape
-  kvh, d = value_states.shape[1], value_states.shape[3]
-  rows, slab_rows = b * h * sq, (h // kvh) * sq
-  why = unsupported_reason(b, h, kvh, sq, skv, d, attn_weights.dtype, rate, False)
-  if why:
-    raise ValueError(f"ragged_mosaic_gpu.ds_pass: {why}")
-  if isinstance(stages, bool) or not isinstance(stages, int) or not 2 <= stages <= 4:
-    raise ValueError(f"stages: expected an int in [2, 4], got {stages!r}")
-  split = auto_split(b * kvh * pl.cdiv(skv, KEYS), slab_rows) if split is None else split
-  if isinstance(split, bool) or not isinstance(split, int) or not 1 <= split <= slab_rows // ROWS:
-    raise ValueError(f"split: expected an int in [1, {slab_rows // ROWS}] (shares of "
-                     f"G * seq_q = {slab_rows} rows, each at least {ROWS}), got {split!r}")
-  n_kb = pl.cdiv(skv, KEYS)
-  tiles = pl.cdiv(pl.cdiv(slab_rows, split), ROWS)
-  view = lambda x: x.reshape(rows // CLASSES, CLASSES * skv)
-  dtype = attn_weights.dtype
-  p_view = view(attn_weights)
-  pd_view = view(attn_weights_dropped) if rate != 0 else None
-  # dO, delta and V in the order the kernel takes them, so that each is one aligned box: dO
-  # and delta per (group, share, tile) in the tile's shared-memory row order (gathered, with
-  # the overlapping last tiles' rows twice), V per (group, key block).
-  r = jnp.arange(b * kvh)[:, None, None, None] * slab_rows + tile_rows(slab_rows, split, tiles)
-  bh, q = r // sq, r % sq                          # P's row r is (b * H + h) * seq_q + q
-  do_tiles = grad_attn_output[bh // h, q, bh % h]                 # [B * KVH, split, tiles, 64, D]
-  delta_tiles = delta.astype(f32).reshape(rows)[r]                # [B * KVH, split, tiles, 64]
-  k0 = jnp.minimum(jnp.arange(n_kb) * KEYS, skv - KEYS)[:, None] + jnp.arange(KEYS)
-  v_blocks = value_states.reshape(b * kvh, skv, d)[:, k0]         # [B * KVH, n_kb, 64, D]
+  plan = _plan(attn_weights, value_states, rate, split, stages)
   like = (grad_attn_output, attn_weights, attn_weights_dropped, value_states, delta)
-  tiled = _mosaic.tiled(dtype)
-  has_pd = pd_view is not None
-  kernel = functools.partial(
-      _ds_kernel, skv=skv, slab_rows=slab_rows, split=split, tiles=tiles, stages=stages,
-      keep_scale=dropout_scale(rate) if has_pd else None, with_dv=with_dv)
-  operands = [p_view] + ([pd_view] if has_pd else []) + [do_tiles, delta_tiles, v_blocks]
-  arrivals = CLASSES * (1 + has_pd) + 2        # a tile's copies: P's (and Pd's) boxes, dO, delta
-  unswizzled = plgpu.SMEM((stages, ROWS, KEYS), dtype)
-  out_type = out_struct((rows // CLASSES, CLASSES * skv), dtype, *like)
-  if with_dv:   # per share, group and key block: fp32 [64 keys, D]
-    out_type = (out_type, out_struct((split, b * kvh, n_kb, KEYS, d), f32, *like))
-  out = plgpu.kernel(
-      kernel,
-      out_type=out_type,
-      scratch_types=[
-          plgpu.SMEM((KEYS, d), dtype, transforms=tiled),               # V
-          unswizzled,                                                  # P
-          *([unswizzled] if has_pd else []),                           # Pd
-          plgpu.SMEM((stages, ROWS, d), dtype, transforms=tiled),      # dO
-          plgpu.SMEM((stages, ROWS), f32),                             # delta
-          plgpu.SMEM((2, ROWS, KEYS), dtype),                          # dS (unswizzled)
-          plgpu.Barrier(num_arrivals=arrivals, num_barriers=stages),   # one per ring slot
-          plgpu.Barrier(),
-          *([plgpu.SMEM((ROWS, KEYS), dtype, transforms=tiled)] if with_dv else []),  # Pd
-      ],
-      grid=(b * kvh, n_kb, split), grid_names=("slab", "kb", "share"),
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=_mosaic.interpret_params(interpret),
-  )(*operands)
-  if not with_dv:
-    return _mosaic.varying_like(out.reshape(b, h, sq, skv), *like)
-  ds, dv = out
-  # The key blocks' dV, the last block's keys past the one before it only.
-  dv = jnp.sum(dv, axis=0)
-  last = dv[:, -1, (n_kb - 1) * KEYS - (skv - KEYS):]
-  dv = jnp.concatenate([dv[:, :-1].reshape(b * kvh, (n_kb - 1) * KEYS, d), last], axis=1)
-  return _mosaic.varying_like(
-      (ds.reshape(b, h, sq, skv), dv.reshape(b, kvh, skv, d).astype(value_states.dtype)), *like)
+  do_tiles, v_blocks = _gathered(plan, grad_attn_output, value_states)
+  delta_tiles = delta.astype(f32).reshape(plan.rows)[_tile_order(plan)]
+  out = _ds_call(plan, _row_view(attn_weights, plan),
+                 _row_view(attn_weights_dropped, plan) if rate != 0 else None, do_tiles,
+                 delta_tiles, v_blocks, rate=rate, with_dv=with_dv, stages=stages, like=like,
+                 interpret=interpret)
+  ds, dv = out if with_dv else (out, None)
+  return _mosaic.varying_like(_assembled(plan, ds, dv, value_states.dtype), *like)
 
 
-FIRST_PASSES = ("triton", "xla")
+def delta_pass(grad_attn_output, attn_weights_dropped, value_states, *, stages=2, split=None,
+               interpret=False):
+  """``delta [B, H, seq_q]`` fp32, ``rowsum((dO @ V^T) * Pd)``, by :func:`_delta_kernel`
+  (Pd read once through the row view)."""
+  plan = _plan(attn_weights_dropped, value_states, 0.0, split, stages)
+  like = (grad_attn_output, attn_weights_dropped, value_states)
+  do_tiles, v_blocks = _gathered(plan, grad_attn_output, value_states)
+  tiles = _delta_call(plan, _row_view(attn_weights_dropped, plan), do_tiles, v_blocks,
+                      stages=stages, like=like, interpret=interpret)
+  # Each row from the first tile that holds it (tiles are in row order, overlaps repeat).
+  delta = jnp.zeros((plan.rows,), f32).at[_tile_order(plan)].set(tiles)
+  return _mosaic.varying_like(delta.reshape(plan.b, plan.h, plan.sq), *like)
+
+
+FIRST_PASSES = ("triton", "xla", "mosaic")
 
 
 def attention_softmax_dropout_value_backward(
@@ -271,9 +442,10 @@ def attention_softmax_dropout_value_backward(
     interpret=False):
   """The kernel entry point's backward (same arguments and results as
   :func:`pallas_kernels.attention_softmax_dropout_value_backward`) with this module's Mosaic
-  GPU dS pass. ``first_pass``: ``"triton"``, dV and delta's partials from the Triton
-  kernels' first pass (reading Pd); ``"xla"``, delta as ``rowsum(dO * (Pd @ V))`` by XLA (the
-  fp32 product, reading Pd) and dV in the dS pass. ``dropout_mask`` is checked, not read
+  GPU dS pass. ``first_pass``, what reads Pd for delta before it: ``"triton"``, the Triton
+  kernels' first pass (which also makes dV); ``"xla"``, ``rowsum(dO * (Pd @ V))`` by XLA
+  (the fp32 product), dV then in the dS pass; ``"mosaic"``, this module's delta kernel
+  (:func:`_delta_kernel`), dV in the dS pass. ``dropout_mask`` is checked, not read
   (``keep == (Pd != 0)``, the precondition). Raises ``ValueError`` for a problem outside
   :func:`unsupported_reason`, and off a Hopper GPU unless ``interpret`` (then the passes run
   in their interpreters)."""
@@ -289,6 +461,17 @@ def attention_softmax_dropout_value_backward(
                        grad_attn_output, attn_weights, attn_weights_dropped, value_states)
   if first_pass not in FIRST_PASSES:
     raise ValueError(f"first_pass: expected one of {FIRST_PASSES}, got {first_pass!r}")
+  if first_pass == "mosaic":   # both kernels here, sharing the gathered dO and V
+    plan = _plan(attn_weights, value_states, p, split, stages)
+    like = (grad_attn_output, attn_weights, attn_weights_dropped, value_states)
+    do_tiles, v_blocks = _gathered(plan, grad_attn_output, value_states)
+    pd_view = _row_view(attn_weights_dropped, plan)
+    delta_tiles = _delta_call(plan, pd_view, do_tiles, v_blocks, stages=stages, like=like,
+                              interpret=interpret)
+    ds, dv = _ds_call(plan, _row_view(attn_weights, plan), pd_view if p != 0 else None,
+                      do_tiles, delta_tiles, v_blocks, rate=p, with_dv=True, stages=stages,
+                      like=like, interpret=interpret)
+    return _mosaic.varying_like(_assembled(plan, ds, dv, value_states.dtype), *like)
   if first_pass == "xla":
     g = h // kvh
     out = jnp.einsum("bkgqs,bksd->bqkgd", attn_weights_dropped.reshape(b, kvh, g, sq, skv),

@@ -43,27 +43,41 @@ def test_matches_reference(b, h, kvh, sq, skv, d, p, split):
     (1, 4, 1, 34, 70, 64, 0.1, 2),      # two shares, each with an overlapping last tile
     (1, 2, 2, 68, 130, 64, 0.0, 1),     # three key blocks, the last overlapping; no dropout
 ])
-def test_dv_in_the_ds_pass_matches_reference(b, h, kvh, sq, skv, d, p, split):
-  """``first_pass="xla"``: delta from XLA's ``Pd @ V``, dV summed in the dS pass (the rows
-  that an overlapping last tile repeats counted once)."""
+@pytest.mark.parametrize("first_pass", ["mosaic", "xla"])
+def test_dv_in_the_ds_pass_matches_reference(b, h, kvh, sq, skv, d, p, split, first_pass):
+  """dV summed in the dS pass (the rows that an overlapping last tile repeats counted once),
+  delta from this module's delta kernel (``"mosaic"``) or XLA's ``Pd @ V`` (``"xla"``)."""
   args = make_inputs(b, h, kvh, sq, skv, d, p, seed=3)
-  out = rg.attention_softmax_dropout_value_backward(*args, p, first_pass="xla", split=split,
-                                                    interpret=INTERPRET)
+  out = rg.attention_softmax_dropout_value_backward(*args, p, first_pass=first_pass,
+                                                    split=split, interpret=INTERPRET)
   check(out, reference(*args, p))
+
+
+@needs_kernels
+@pytest.mark.parametrize("b,h,kvh,sq,skv,d,split", [
+    (1, 4, 2, 38, 75, 64, None),   # the last key block overlapping: its first keys masked
+    (1, 4, 1, 34, 130, 128, 2),    # three key blocks, two shares
+])
+def test_delta_pass_matches_the_rows_sums(b, h, kvh, sq, skv, d, split):
+  args = make_inputs(b, h, kvh, sq, skv, d, 0.1, seed=5)
+  got = rg.delta_pass(args[0], args[2], args[3], split=split, interpret=INTERPRET)
+  want = delta_of(args)
+  assert float(jnp.max(jnp.abs(got - want))) <= 1e-5 * float(jnp.max(jnp.abs(want)))
 
 
 @pytest.mark.skipif(ON_GPU, reason="the Mosaic GPU interpreter's race detector")
 @pytest.mark.parametrize("stages", [2, 3])
 def test_the_ring_has_no_read_write_race(stages, capsys):
-  """The detector finds no race on a ring slot or the dS staging tiles. What it does report
-  are the overlapping tiles' stores of the same dS values (writes only): the last row tile
-  and the last key block overlap the one before, and both write their dS."""
+  """The detector finds no race on a ring slot or a staging tile, in the dS pass or the delta
+  kernel. What it does report are the overlapping tiles' stores of the same values (writes
+  only): the last row tile and the last key block overlap the one before, and both write."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   p = 0.1
   args = make_inputs(1, 4, 2, 38, 75, 64, p, seed=3)
-  ds = rg.ds_pass(*args[:4], delta_of(args), rate=p, stages=stages, split=1,
-                  interpret=plgpu.InterpretGPUParams(detect_races=True))
-  jax.block_until_ready(ds)
+  detect = plgpu.InterpretGPUParams(detect_races=True)
+  ds = rg.ds_pass(*args[:4], delta_of(args), rate=p, stages=stages, split=1, interpret=detect)
+  delta = rg.delta_pass(args[0], args[2], args[3], stages=stages, split=1, interpret=detect)
+  jax.block_until_ready((ds, delta))
   jax.effects_barrier()
   report = capsys.readouterr().out
   assert "read of" not in report
@@ -89,7 +103,7 @@ def test_unsupported_problems_say_why():
   with pytest.raises(ValueError, match=r"stages: expected an int in \[2, 4\]"):
     rg.ds_pass(*args[:4], delta_of(args), rate=0.1, stages=1, interpret=True)
   with pytest.raises(ValueError, match="first_pass: expected one of"):
-    rg.attention_softmax_dropout_value_backward(*args, 0.1, first_pass="mosaic", interpret=True)
+    rg.attention_softmax_dropout_value_backward(*args, 0.1, first_pass="cuda", interpret=True)
 
 
 @pytest.mark.skipif(ON_GPU, reason="lowering for a pretended GPU")
@@ -104,4 +118,8 @@ def test_lowers_for_a_gpu_at_the_benchmark_shapes(b, sq, skv, p):
   for stages, with_dv in ((2, False), (4, False), (2, True), (4, True)):
     lowered = jax.jit(lambda *a: rg.ds_pass(*a, rate=p, stages=stages, with_dv=with_dv)).trace(
         *args).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+  for stages in (2, 4):
+    lowered = jax.jit(lambda d_o, pd, v: rg.delta_pass(d_o, pd, v, stages=stages)).trace(
+        args[0], args[2], args[3]).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
