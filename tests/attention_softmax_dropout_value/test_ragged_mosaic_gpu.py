@@ -38,12 +38,15 @@ def test_matches_reference(b, h, kvh, sq, skv, d, p, split):
   check(out, reference(*args, p))
 
 
-@needs_kernels
-@pytest.mark.parametrize("b,h,kvh,sq,skv,d,p,split", CASES[:2] + [
+DV_CASES = CASES[:2] + [
     (1, 4, 1, 34, 70, 64, 0.1, 2),      # two shares, each with an overlapping last tile
     (1, 2, 2, 68, 130, 64, 0.0, 1),     # three key blocks, the last overlapping; no dropout
-])
-@pytest.mark.parametrize("first_pass", ["mosaic", "xla"])
+]
+
+
+@needs_kernels
+@pytest.mark.parametrize("b,h,kvh,sq,skv,d,p,split,first_pass",
+                         [(*c, "mosaic") for c in DV_CASES] + [(*DV_CASES[0], "xla")])
 def test_dv_in_the_ds_pass_matches_reference(b, h, kvh, sq, skv, d, p, split, first_pass):
   """dV summed in the dS pass (the rows that an overlapping last tile repeats counted once),
   delta from this module's delta kernel (``"mosaic"``) or XLA's ``Pd @ V`` (``"xla"``)."""
