@@ -119,9 +119,14 @@ def test_ragged_tma_probe_sums_class_rows(length):
   got = ragged_tma_probe.class_row_sums(x, interpret=True)
   assert float(jnp.max(jnp.abs(got - want))) <= tol
   # Tiles of consecutive rows from a first row that is not a multiple of 8.
-  got = ragged_tma_probe.tile_row_sums(x[:8 * 60], row0=32, interpret=True)
-  assert float(jnp.max(jnp.abs(got - want[32:8 * 60]))) <= tol
-  for fn in (ragged_tma_probe.class_row_sums, ragged_tma_probe.tile_row_sums):
+  for swizzle in (False, True):
+    got = ragged_tma_probe.tile_row_sums(x[:8 * 60], row0=32, swizzle=swizzle, interpret=True)
+    assert float(jnp.max(jnp.abs(got - want[32:8 * 60]))) <= tol
+  if length >= 64:   # every element in and out through the boxes, exactly
+    got = ragged_tma_probe.tile_round_trip(x, swizzle=True, interpret=True)
+    assert bool(jnp.all(got == x * 2))
+  for fn in (ragged_tma_probe.class_row_sums, ragged_tma_probe.tile_row_sums,
+             ragged_tma_probe.tile_round_trip):
     lowered = jax.jit(fn).trace(jax.ShapeDtypeStruct((8 * 64 * 2, 449), jnp.bfloat16)).lower(
         lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()

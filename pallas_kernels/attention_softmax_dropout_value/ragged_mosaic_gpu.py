@@ -7,11 +7,13 @@ TMA copies need row strides that are multiples of 16 bytes, which P ``[R, seq_k]
 them: view row ``i`` is rows ``8 i ... 8 i + 7``, row ``8 i + s`` at columns ``s * seq_k ...``.
 So a tile of 64 consecutive rows ``r0 ...`` and 64 keys is 8 unswizzled boxes ``[8, 64]`` of
 the view, one per row class ``s = (r0 + s') % 8``; in shared memory, row ``8 s' + a`` holds row
-``r0 + 8 a + s'``. (Pallas Mosaic GPU lowers a copy at such an odd minor start only
-unswizzled: P and Pd are used element-wise here, never as a wgmma operand.) dS leaves the
-same way. dO (a wgmma operand, swizzled: its copies must start at whole tiles of 8 rows) and
-delta are gathered beforehand in that row order, one ``[64, D]`` and one ``[64]`` block per
-tile, and V per key block.
+``r0 + 8 a + s'``. dS leaves the same way. Pallas Mosaic GPU lowers a copy at such an odd
+minor start only without a tiling transform: the boxes' tiles are 128-byte swizzled (each
+``[8, 64]`` box one 1024-byte swizzle block, so reading them in the WGMMA layout has no bank
+conflicts; ``swizzle=False``: plain rows, 8-way conflicts) and used element-wise, never as
+a wgmma operand. dO and V (wgmma operands, tiled: their copies must start at whole tiles of
+8 rows) and delta are gathered beforehand, dO and delta in that row order, one ``[64, D]``
+and one ``[64]`` block per tile, V one ``[64, D]`` block per key block.
 
 Edges overlap instead of being masked, since TMA stores clip only at an array's end: the
 last key block starts at ``seq_k - 64`` and a share's last row tile ends at the share's end,
@@ -88,7 +90,7 @@ def tile_rows(slab_rows, split, tiles):
   return jnp.minimum(c0 + t * ROWS, c1 - ROWS) + CLASSES * (m % CLASSES) + m // CLASSES
 
 
-def _ds_kernel(*refs, skv, slab_rows, split, tiles, stages, keep_scale, with_dv):
+def _ds_kernel(*refs, skv, slab_rows, split, tiles, stages, keep_scale, with_dv, swizzle):
   refs = list(refs)
   pd_stage = refs.pop() if with_dv else None
   if keep_scale is None:   # no dropout: Pd (== P) is not read
@@ -143,9 +145,9 @@ def _ds_kernel(*refs, skv, slab_rows, split, tiles, stages, keep_scale, with_dv)
 
     def mm(acc):
       plgpu.wgmma(acc, do_smem.at[slot], v_smem.T)                  # dPd [rows, keys]
-      p = plgpu.load(p_smem.at[slot], layout=layout, optimized=False)
+      p = plgpu.load(p_smem.at[slot], layout=layout, optimized=swizzle)
       pd = (None if pd_ref is None
-            else plgpu.load(pd_smem.at[slot], layout=layout, optimized=False))
+            else plgpu.load(pd_smem.at[slot], layout=layout, optimized=swizzle))
       delta = plgpu.load(delta_smem.at[slot], layout=layout.reduce(1))
       return acc[...], p, pd, delta
 
@@ -186,7 +188,7 @@ def _ds_kernel(*refs, skv, slab_rows, split, tiles, stages, keep_scale, with_dv)
 
 
 def _delta_kernel(pd_ref, do_ref, v_ref, delta_ref, do_smem, v_smem, pd_smem, bars, do_bars, *,
-                  skv, slab_rows, split, tiles, n_kb, stages):
+                  skv, slab_rows, split, tiles, n_kb, stages, swizzle):
   """delta of a share's row tiles: per tile (dO resident) the key blocks in turn, ``rowsum(dO
   @ V^T * Pd)`` over the keys (the last block's keys that the one before covered, masked),
   written per tile in its shared-memory row order (what the dS pass reads)."""
@@ -239,7 +241,7 @@ def _delta_kernel(pd_ref, do_ref, v_ref, delta_ref, do_smem, v_smem, pd_smem, ba
 
     def mm(acc):
       plgpu.wgmma(acc, do_smem.at[lax.rem(t, 2)], v_smem.at[slot].T)   # dPd [rows, keys]
-      pd = plgpu.load(pd_smem.at[slot], layout=layout, optimized=False)
+      pd = plgpu.load(pd_smem.at[slot], layout=layout, optimized=swizzle)
       return acc[...], pd
 
     dpd, pd = pl.run_scoped(mm, plgpu.ACC((ROWS, KEYS), f32))
@@ -303,6 +305,15 @@ def _plan(attn_weights, value_states, rate, split, stages) -> _Plan:
   return _Plan(b, h, kvh, sq, skv, d, split, pl.cdiv(pl.cdiv(slab_rows, split), ROWS), n_kb)
 
 
+def _box_tiles(shape, dtype, swizzle):
+  """Shared memory for tiles brought in (or sent out) as class boxes ``[8, 64]``: with
+  ``swizzle``, 128-byte swizzled (each box one 1024-byte swizzle block, so the WGMMA-layout
+  reads and writes are free of bank conflicts; a swizzle without tiling puts no condition on
+  a copy's start column), else plain rows of 128 bytes (8-way bank conflicts)."""
+  return plgpu.SMEM(shape, dtype,
+                    transforms=(plgpu.SwizzleTransform(_mosaic.SWIZZLE),) if swizzle else ())
+
+
 def _row_view(x, plan):
   """``[B, H, seq_q, seq_k]`` as ``[R / 8, 8 * seq_k]``: 16-byte row strides."""
   return x.reshape(plan.rows // CLASSES, CLASSES * plan.skv)
@@ -327,12 +338,13 @@ def _gathered(plan, grad_attn_output, value_states):
   return do_tiles, v_blocks
 
 
-def _delta_call(plan, pd_view, do_tiles, v_blocks, *, stages, like, interpret):
+def _delta_call(plan, pd_view, do_tiles, v_blocks, *, stages, swizzle, like, interpret):
   """delta per tile, ``[B * KVH, split, tiles, 64]`` fp32 (:func:`_delta_kernel`)."""
   dtype = pd_view.dtype
   stages = min(stages, plan.n_kb + 1)   # a tile's dO buffer is refilled two tiles on
   kernel = functools.partial(_delta_kernel, skv=plan.skv, slab_rows=plan.slab_rows,
-                             split=plan.split, tiles=plan.tiles, n_kb=plan.n_kb, stages=stages)
+                             split=plan.split, tiles=plan.tiles, n_kb=plan.n_kb, stages=stages,
+                             swizzle=swizzle)
   tiled = _mosaic.tiled(dtype)
   return plgpu.kernel(
       kernel,
@@ -340,7 +352,7 @@ def _delta_call(plan, pd_view, do_tiles, v_blocks, *, stages, like, interpret):
       scratch_types=[
           plgpu.SMEM((2, ROWS, plan.d), dtype, transforms=tiled),        # dO, per tile
           plgpu.SMEM((stages, KEYS, plan.d), dtype, transforms=tiled),   # V, per step
-          plgpu.SMEM((stages, ROWS, KEYS), dtype),                       # Pd (unswizzled)
+          _box_tiles((stages, ROWS, KEYS), dtype, swizzle),              # Pd
           plgpu.Barrier(num_arrivals=1 + CLASSES, num_barriers=stages),  # V and Pd's boxes
           plgpu.Barrier(num_barriers=2),
       ],
@@ -351,14 +363,15 @@ def _delta_call(plan, pd_view, do_tiles, v_blocks, *, stages, like, interpret):
 
 
 def _ds_call(plan, p_view, pd_view, do_tiles, delta_tiles, v_blocks, *, rate, with_dv,
-             stages, like, interpret):
+             stages, swizzle, like, interpret):
   """dS in the view's layout, and with ``with_dv`` the fp32 dV per (share, group, key
   block) (:func:`_ds_kernel`)."""
   dtype = p_view.dtype
   has_pd = rate != 0
   kernel = functools.partial(
       _ds_kernel, skv=plan.skv, slab_rows=plan.slab_rows, split=plan.split, tiles=plan.tiles,
-      stages=stages, keep_scale=dropout_scale(rate) if has_pd else None, with_dv=with_dv)
+      stages=stages, keep_scale=dropout_scale(rate) if has_pd else None, with_dv=with_dv,
+      swizzle=swizzle)
   operands = [p_view] + ([pd_view] if has_pd else []) + [do_tiles, delta_tiles, v_blocks]
   arrivals = CLASSES * (1 + has_pd) + 2        # a tile's copies: P's (and Pd's) boxes, dO, delta
   out_type = out_struct(p_view.shape, dtype, *like)
@@ -366,17 +379,17 @@ def _ds_call(plan, p_view, pd_view, do_tiles, delta_tiles, v_blocks, *, rate, wi
     out_type = (out_type, out_struct((plan.split, plan.b * plan.kvh, plan.n_kb, KEYS, plan.d),
                                      f32, *like))
   tiled = _mosaic.tiled(dtype)
-  unswizzled = plgpu.SMEM((stages, ROWS, KEYS), dtype)
+  boxed = _box_tiles((stages, ROWS, KEYS), dtype, swizzle)
   return plgpu.kernel(
       kernel,
       out_type=out_type,
       scratch_types=[
           plgpu.SMEM((KEYS, plan.d), dtype, transforms=tiled),            # V
-          unswizzled,                                                      # P
-          *([unswizzled] if has_pd else []),                               # Pd
+          boxed,                                                           # P
+          *([boxed] if has_pd else []),                                    # Pd
           plgpu.SMEM((stages, ROWS, plan.d), dtype, transforms=tiled),    # dO
           plgpu.SMEM((stages, ROWS), f32),                                 # delta
-          plgpu.SMEM((2, ROWS, KEYS), dtype),                              # dS (unswizzled)
+          _box_tiles((2, ROWS, KEYS), dtype, swizzle),                     # dS
           plgpu.Barrier(num_arrivals=arrivals, num_barriers=stages),       # one per ring slot
           plgpu.Barrier(),
           *([plgpu.SMEM((ROWS, KEYS), dtype, transforms=tiled)] if with_dv else []),  # Pd
@@ -401,33 +414,34 @@ def _assembled(plan, ds, dv, dtype):
 
 
 def ds_pass(grad_attn_output, attn_weights, attn_weights_dropped, value_states, delta, *,
-            rate, with_dv=False, stages=2, split=None, interpret=False):
+            rate, with_dv=False, stages=2, split=None, swizzle=True, interpret=False):
   """``dS [B, H, seq_q, seq_k]`` from dO ``[B, seq_q, H, D]``, P and Pd, V ``[B, KVH, seq_k,
   D]`` and ``delta [B, H, seq_q]`` fp32 (``rowsum(dPd * Pd)``); ``rate`` a float (at 0, Pd is
   not read). ``with_dv``: ``(dS, dV [B, KVH, seq_k, D])``, dV summed in the kernel too (each
   program its keys over its share of the group's rows, the shares' fp32 sums added here).
-  ``split``: shares of each kv group's rows (default :func:`auto_split`)."""
+  ``split``: shares of each kv group's rows (default :func:`auto_split`). ``swizzle``: the
+  class boxes' tiles 128-byte swizzled in shared memory (:func:`_box_tiles`)."""
   plan = _plan(attn_weights, value_states, rate, split, stages)
   like = (grad_attn_output, attn_weights, attn_weights_dropped, value_states, delta)
   do_tiles, v_blocks = _gathered(plan, grad_attn_output, value_states)
   delta_tiles = delta.astype(f32).reshape(plan.rows)[_tile_order(plan)]
   out = _ds_call(plan, _row_view(attn_weights, plan),
                  _row_view(attn_weights_dropped, plan) if rate != 0 else None, do_tiles,
-                 delta_tiles, v_blocks, rate=rate, with_dv=with_dv, stages=stages, like=like,
-                 interpret=interpret)
+                 delta_tiles, v_blocks, rate=rate, with_dv=with_dv, stages=stages,
+                 swizzle=swizzle, like=like, interpret=interpret)
   ds, dv = out if with_dv else (out, None)
   return _mosaic.varying_like(_assembled(plan, ds, dv, value_states.dtype), *like)
 
 
 def delta_pass(grad_attn_output, attn_weights_dropped, value_states, *, stages=2, split=None,
-               interpret=False):
+               swizzle=True, interpret=False):
   """``delta [B, H, seq_q]`` fp32, ``rowsum((dO @ V^T) * Pd)``, by :func:`_delta_kernel`
   (Pd read once through the row view)."""
   plan = _plan(attn_weights_dropped, value_states, 0.0, split, stages)
   like = (grad_attn_output, attn_weights_dropped, value_states)
   do_tiles, v_blocks = _gathered(plan, grad_attn_output, value_states)
   tiles = _delta_call(plan, _row_view(attn_weights_dropped, plan), do_tiles, v_blocks,
-                      stages=stages, like=like, interpret=interpret)
+                      stages=stages, swizzle=swizzle, like=like, interpret=interpret)
   # Each row from the first tile that holds it (tiles are in row order, overlaps repeat).
   delta = jnp.zeros((plan.rows,), f32).at[_tile_order(plan)].set(tiles)
   return _mosaic.varying_like(delta.reshape(plan.b, plan.h, plan.sq), *like)
@@ -438,14 +452,15 @@ FIRST_PASSES = ("triton", "xla", "mosaic")
 
 def attention_softmax_dropout_value_backward(
     grad_attn_output, attn_weights, attn_weights_dropped, value_states, dropout_mask,
-    attention_dropout, *, first_pass="triton", stages=2, split=None, causal=False,
-    interpret=False):
+    attention_dropout, *, first_pass="mosaic", stages=2, split=None, swizzle=True,
+    causal=False, interpret=False):
   """The kernel entry point's backward (same arguments and results as
   :func:`pallas_kernels.attention_softmax_dropout_value_backward`) with this module's Mosaic
-  GPU dS pass. ``first_pass``, what reads Pd for delta before it: ``"triton"``, the Triton
-  kernels' first pass (which also makes dV); ``"xla"``, ``rowsum(dO * (Pd @ V))`` by XLA
-  (the fp32 product), dV then in the dS pass; ``"mosaic"``, this module's delta kernel
-  (:func:`_delta_kernel`), dV in the dS pass. ``dropout_mask`` is checked, not read
+  GPU dS pass. ``first_pass``, what reads Pd for delta before it: ``"mosaic"`` (default),
+  this module's delta kernel (:func:`_delta_kernel`), dV in the dS pass; ``"triton"``, the
+  Triton kernels' first pass (which also makes dV); ``"xla"``, ``rowsum(dO * (Pd @ V))`` by
+  XLA (the fp32 product), dV in the dS pass. ``stages`` (2-4, ring slots), ``split`` (shares
+  of a kv group's rows) and ``swizzle``: as :func:`ds_pass` takes them. ``dropout_mask`` is checked, not read
   (``keep == (Pd != 0)``, the precondition). Raises ``ValueError`` for a problem outside
   :func:`unsupported_reason`, and off a Hopper GPU unless ``interpret`` (then the passes run
   in their interpreters)."""
@@ -466,11 +481,11 @@ def attention_softmax_dropout_value_backward(
     like = (grad_attn_output, attn_weights, attn_weights_dropped, value_states)
     do_tiles, v_blocks = _gathered(plan, grad_attn_output, value_states)
     pd_view = _row_view(attn_weights_dropped, plan)
-    delta_tiles = _delta_call(plan, pd_view, do_tiles, v_blocks, stages=stages, like=like,
-                              interpret=interpret)
+    delta_tiles = _delta_call(plan, pd_view, do_tiles, v_blocks, stages=stages,
+                              swizzle=swizzle, like=like, interpret=interpret)
     ds, dv = _ds_call(plan, _row_view(attn_weights, plan), pd_view if p != 0 else None,
                       do_tiles, delta_tiles, v_blocks, rate=p, with_dv=True, stages=stages,
-                      like=like, interpret=interpret)
+                      swizzle=swizzle, like=like, interpret=interpret)
     return _mosaic.varying_like(_assembled(plan, ds, dv, value_states.dtype), *like)
   if first_pass == "xla":
     g = h // kvh
@@ -478,7 +493,8 @@ def attention_softmax_dropout_value_backward(
                      value_states, preferred_element_type=f32)
     delta = pallas_triton.delta_from_output(grad_attn_output, out.reshape(b, sq, h, d))
     return ds_pass(grad_attn_output, attn_weights, attn_weights_dropped, value_states, delta,
-                   rate=p, with_dv=True, stages=stages, split=split, interpret=interpret)
+                   rate=p, with_dv=True, stages=stages, split=split, swizzle=swizzle,
+                   interpret=interpret)
   cfg = triton_config.default_config(
       b, h, kvh, sq, skv, d, attn_weights.dtype,
       _tuning.device_kind_of(grad_attn_output, attn_weights, value_states, interpret=interpret))
@@ -488,5 +504,5 @@ def attention_softmax_dropout_value_backward(
       interpret=bool(interpret), partials=True)
   delta = jnp.sum(dpart, axis=1).reshape(b, h, sq)
   ds = ds_pass(grad_attn_output, attn_weights, attn_weights_dropped, value_states, delta,
-               rate=p, stages=stages, split=split, interpret=interpret)
+               rate=p, stages=stages, split=split, swizzle=swizzle, interpret=interpret)
   return ds, dv.reshape(b, kvh, skv, d)

@@ -19,40 +19,43 @@ needs_kernels = pytest.mark.skipif(ON_GPU and not HOPPER, reason="needs a Hopper
 
 # (B, H, KVH, Sq, Skv, D, p, split): odd row lengths, one that is a multiple of 64, G of 1, 2,
 # 4 and 10, D of 64 and 128, a kv group's rows in one share and in two, a first row of a
-# group that is not a multiple of 8 (G * seq_q = 76, 34, ...), no dropout.
+# group that is not a multiple of 8 (G * seq_q = 76, 34, ...), three key blocks (the last
+# overlapping), no dropout.
 CASES = [
     (1, 4, 2, 38, 75, 64, 0.1, None),
     (2, 2, 1, 34, 67, 128, 0.2, 1),
     (1, 2, 1, 36, 64, 64, 0.0, 1),
     (1, 4, 1, 34, 70, 64, 0.1, 2),
     (1, 10, 1, 8, 69, 64, 0.1, 1),
-    (1, 2, 2, 68, 65, 64, 0.1, 1),
+    (1, 2, 2, 68, 130, 64, 0.0, 1),
 ]
 
 
 @needs_kernels
 @pytest.mark.parametrize("b,h,kvh,sq,skv,d,p,split", CASES)
 def test_matches_reference(b, h, kvh, sq, skv, d, p, split):
+  """The default: the delta kernel, then the dS pass with dV (the rows that an overlapping
+  last tile repeats counted once)."""
   args = make_inputs(b, h, kvh, sq, skv, d, p, seed=3)
   out = rg.attention_softmax_dropout_value_backward(*args, p, split=split, interpret=INTERPRET)
   check(out, reference(*args, p))
 
 
-DV_CASES = CASES[:2] + [
-    (1, 4, 1, 34, 70, 64, 0.1, 2),      # two shares, each with an overlapping last tile
-    (1, 2, 2, 68, 130, 64, 0.0, 1),     # three key blocks, the last overlapping; no dropout
-]
-
-
 @needs_kernels
-@pytest.mark.parametrize("b,h,kvh,sq,skv,d,p,split,first_pass",
-                         [(*c, "mosaic") for c in DV_CASES] + [(*DV_CASES[0], "xla")])
-def test_dv_in_the_ds_pass_matches_reference(b, h, kvh, sq, skv, d, p, split, first_pass):
-  """dV summed in the dS pass (the rows that an overlapping last tile repeats counted once),
-  delta from this module's delta kernel (``"mosaic"``) or XLA's ``Pd @ V`` (``"xla"``)."""
+@pytest.mark.parametrize("case,options", [
+    (CASES[0], dict(first_pass="triton")),
+    (CASES[3], dict(first_pass="triton")),   # two shares
+    (CASES[0], dict(first_pass="xla")),
+    (CASES[3], dict(swizzle=False)),
+    (CASES[1], dict(stages=3)),
+])
+def test_other_first_passes_and_options(case, options):
+  """delta (and dV) from the Triton kernels' first pass or XLA's ``Pd @ V``; the boxes'
+  tiles unswizzled; a third ring slot."""
+  b, h, kvh, sq, skv, d, p, split = case
   args = make_inputs(b, h, kvh, sq, skv, d, p, seed=3)
-  out = rg.attention_softmax_dropout_value_backward(*args, p, first_pass=first_pass,
-                                                    split=split, interpret=INTERPRET)
+  out = rg.attention_softmax_dropout_value_backward(*args, p, split=split, interpret=INTERPRET,
+                                                    **options)
   check(out, reference(*args, p))
 
 
@@ -118,9 +121,10 @@ def test_lowers_for_a_gpu_at_the_benchmark_shapes(b, sq, skv, p):
   args = (s((b, sq, 80, 128), jnp.bfloat16), s((b, 80, sq, skv), jnp.bfloat16),
           s((b, 80, sq, skv), jnp.bfloat16), s((b, 8, skv, 128), jnp.bfloat16),
           s((b, 80, sq), jnp.float32))
-  for stages, with_dv in ((2, False), (4, False), (2, True), (4, True)):
-    lowered = jax.jit(lambda *a: rg.ds_pass(*a, rate=p, stages=stages, with_dv=with_dv)).trace(
-        *args).lower(lowering_platforms=("cuda",))
+  for stages, with_dv, swizzle in ((2, False, True), (4, True, True), (2, True, False)):
+    lowered = jax.jit(lambda *a: rg.ds_pass(*a, rate=p, stages=stages, with_dv=with_dv,
+                                            swizzle=swizzle)).trace(*args).lower(
+        lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
   for stages in (2, 4):
     lowered = jax.jit(lambda d_o, pd, v: rg.delta_pass(d_o, pd, v, stages=stages)).trace(
