@@ -60,10 +60,10 @@ VARIANTS = {
 # Rows whose length is not a multiple of 128 keys (the ragged workloads): the Triton first
 # pass and the Mosaic GPU dS pass of ragged_mosaic_gpu; name -> its keywords.
 RAGGED_VARIANTS = {
-    "ragged": {},
-    "ragged_s3": {"stages": 3},
-    "ragged_s4": {"stages": 4},
-    "ragged_split1": {"split": 1},
+    # the Triton first pass (dV, delta's partials), then the Mosaic GPU dS pass
+    "ragged": {"first_pass": "triton"},
+    "ragged_s3": {"first_pass": "triton", "stages": 3},
+    "ragged_split1": {"first_pass": "triton", "split": 1},
     # delta from XLA's Pd @ V, dV in the Mosaic GPU pass
     "ragged_xla": {"first_pass": "xla"},
     "ragged_xla_s3": {"first_pass": "xla", "stages": 3},
@@ -71,6 +71,7 @@ RAGGED_VARIANTS = {
     "ragged_mosaic": {"first_pass": "mosaic"},
     "ragged_mosaic_s3": {"first_pass": "mosaic", "stages": 3},
     "ragged_mosaic_s4": {"first_pass": "mosaic", "stages": 4},
+    "ragged_mosaic_plain": {"first_pass": "mosaic", "swizzle": False},   # bank conflicts
 }
 
 

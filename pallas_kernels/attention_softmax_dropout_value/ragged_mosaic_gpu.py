@@ -5,7 +5,7 @@ benchmark), opt-in (the entry point's dispatch does not pick it).
 TMA copies need row strides that are multiples of 16 bytes, which P ``[R, seq_k]`` (bf16,
 ``R = B * H * seq_q`` rows) lacks when ``seq_k % 8 != 0``. Its ``[R / 8, 8 * seq_k]`` view has
 them: view row ``i`` is rows ``8 i ... 8 i + 7``, row ``8 i + s`` at columns ``s * seq_k ...``.
-So a tile of 64 consecutive rows ``r0 ...`` and 64 keys is 8 unswizzled boxes ``[8, 64]`` of
+So a tile of 64 consecutive rows ``r0 ...`` and 64 keys is 8 boxes ``[8, 64]`` of
 the view, one per row class ``s = (r0 + s') % 8``; in shared memory, row ``8 s' + a`` holds row
 ``r0 + 8 a + s'``. dS leaves the same way. Pallas Mosaic GPU lowers a copy at such an odd
 minor start only without a tiling transform: the boxes' tiles are 128-byte swizzled (each
