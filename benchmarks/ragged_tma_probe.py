@@ -44,55 +44,37 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from benchmarks.timing import copy_ceiling, device_times_us, no_gpu
+from pallas_kernels.attention_softmax_dropout_value.ragged_mosaic_gpu import (
+    CLASSES, KEYS, box_tiles, class_boxes, prologue, ring_loop)
 
-CLASSES = 8      # rows per 16 bytes of a bf16 row of odd length
-KEYS = 64        # keys per tile
+STAGES = 2       # ring slots: the next tile's copies in flight while this one is read
 
 
-def _kernel(x_ref, o_ref, smem, bars, *, length, rows, tiles):
-  blk = lax.axis_index("blk")
+def _row_sums(smem, bars, fetch, tiles, length, swizzle):
+  """Row sums of the ``[64, 64]`` tiles that ``fetch(t, slot)`` brings in, key tile ``t``
+  at keys ``64 t ...`` (the columns past ``length``, the next row's, masked)."""
+  layout = plgpu.Layout.WGMMA
+  cols = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (64, KEYS), 1), layout)
+
+  def body(t, slot, acc):
+    x = plgpu.load(smem.at[slot], layout=layout, optimized=swizzle).astype(jnp.float32)
+    return acc + jnp.sum(jnp.where(cols + t * KEYS < length, x, 0.0), axis=1)
+
+  prologue(fetch, tiles, STAGES)
+  zero = plgpu.layout_cast(jnp.zeros((64,), jnp.float32), layout.reduce(1))
+  return ring_loop(fetch, bars, tiles, STAGES, body, zero)
+
+
+def _kernel(x_ref, o_ref, smem, bars, *, length, tiles):
+  """Rows ``8 i + s`` (``i0 <= i < i0 + 64``) of program ``(i0 / 64, s)``, one box per tile."""
+  i0 = lax.axis_index("blk") * 64
   s = lax.axis_index("s")
-  i0 = blk * rows
-  start = s * length            # the class's first key in a view row
 
   def fetch(t, slot):
-    plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(i0, rows), pl.ds(start + t * KEYS, KEYS)],
+    plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(i0, 64), pl.ds(s * length + t * KEYS, KEYS)],
                             smem.at[slot], bars.at[slot])
 
-  fetch(0, 0)
-  layout = plgpu.Layout.WGMMA
-  cols = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (rows, KEYS), 1), layout)
-
-  def body(t, acc):
-    slot = lax.rem(t, 2)
-
-    @pl.when(t + 1 < tiles)
-    def _():
-      plgpu.commit_smem()       # this warpgroup's reads of the other slot are done
-      fetch(t + 1, 1 - slot)
-
-    plgpu.barrier_wait(bars.at[slot])
-    x = plgpu.load(smem.at[slot], layout=layout, optimized=False).astype(jnp.float32)
-    x = jnp.where(cols + t * KEYS < length, x, 0.0)
-    return acc + jnp.sum(x, axis=1)
-
-  zero = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), layout.reduce(1))
-  o_ref[s, pl.ds(i0, rows)] = lax.fori_loop(0, tiles, body, zero)
-
-
-def _smem(shape, dtype, swizzle):
-  """A tile of class boxes: 128-byte swizzled (each [8, 64] box one swizzle block, no bank
-  conflicts in the WGMMA layout) or plain rows (8-way conflicts)."""
-  return plgpu.SMEM(shape, dtype,
-                    transforms=(plgpu.SwizzleTransform(128),) if swizzle else ())
-
-
-def _class_boxes(r0, length, k0):
-  """``(s, rows, keys)`` of the 8 boxes of rows ``r0 + 8 a + s`` and keys ``k0 ...``."""
-  for s in range(CLASSES):
-    r = r0 + s
-    yield (s, pl.ds(lax.div(r, CLASSES), CLASSES),
-           pl.ds(lax.rem(r, CLASSES) * length + k0, KEYS))
+  o_ref[s, pl.ds(i0, 64)] = _row_sums(smem, bars, fetch, tiles, length, False)
 
 
 def _tile_kernel(x_ref, o_ref, smem, bars, *, length, tiles, row0, swizzle):
@@ -102,29 +84,10 @@ def _tile_kernel(x_ref, o_ref, smem, bars, *, length, tiles, row0, swizzle):
   r0 = row0 + lax.axis_index("tile") * 64
 
   def fetch(t, slot):
-    for s, rows, keys in _class_boxes(r0, length, t * KEYS):
-      plgpu.copy_gmem_to_smem(x_ref.at[rows, keys], smem.at[slot, pl.ds(s * CLASSES, CLASSES)],
-                              bars.at[slot])
+    for dst, rows, keys in class_boxes(r0, length, t * KEYS):
+      plgpu.copy_gmem_to_smem(x_ref.at[rows, keys], smem.at[slot, dst], bars.at[slot])
 
-  fetch(0, 0)
-  layout = plgpu.Layout.WGMMA
-  cols = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (64, KEYS), 1), layout)
-
-  def body(t, acc):
-    slot = lax.rem(t, 2)
-
-    @pl.when(t + 1 < tiles)
-    def _():
-      plgpu.commit_smem()
-      fetch(t + 1, 1 - slot)
-
-    plgpu.barrier_wait(bars.at[slot])
-    x = plgpu.load(smem.at[slot], layout=layout, optimized=swizzle).astype(jnp.float32)
-    x = jnp.where(cols + t * KEYS < length, x, 0.0)
-    return acc + jnp.sum(x, axis=1)
-
-  zero = plgpu.layout_cast(jnp.zeros((64,), jnp.float32), layout.reduce(1))
-  o_ref[lax.axis_index("tile")] = lax.fori_loop(0, tiles, body, zero)
+  o_ref[lax.axis_index("tile")] = _row_sums(smem, bars, fetch, tiles, length, swizzle)
 
 
 def tile_row_sums(x, *, row0: int = 0, swizzle: bool = False, interpret: bool = False):
@@ -142,8 +105,8 @@ def tile_row_sums(x, *, row0: int = 0, swizzle: bool = False, interpret: bool = 
       kernel,
       out_type=jax.ShapeDtypeStruct((n_tiles, 64), jnp.float32),
       # One barrier per slot: each of the 8 copies arrives on it once.
-      scratch_types=[_smem((2, 64, KEYS), x.dtype, swizzle),
-                     plgpu.Barrier(num_arrivals=CLASSES, num_barriers=2)],
+      scratch_types=[box_tiles((STAGES, 64, KEYS), x.dtype, swizzle),
+                     plgpu.Barrier(num_arrivals=CLASSES, num_barriers=STAGES)],
       grid=(n_tiles,), grid_names=("tile",),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
   )(view)
@@ -155,35 +118,24 @@ def _copy_kernel(x_ref, o_ref, smem, out_smem, bars, *, length, blocks, swizzle)
   """``2 * x`` of 64 consecutive rows: key blocks of 64 (the last at ``L - 64``, overlapping)
   in by 8 boxes each and out by 8 boxes, through registers in the WGMMA layout."""
   r0 = lax.axis_index("tile") * 64
-  k0 = lambda t: jnp.minimum(t * KEYS, length - KEYS)
+  boxes = lambda t: class_boxes(r0, length, jnp.minimum(t * KEYS, length - KEYS))
 
   def fetch(t, slot):
-    for s, rows, keys in _class_boxes(r0, length, k0(t)):
-      plgpu.copy_gmem_to_smem(x_ref.at[rows, keys], smem.at[slot, pl.ds(s * CLASSES, CLASSES)],
-                              bars.at[slot])
+    for dst, rows, keys in boxes(t):
+      plgpu.copy_gmem_to_smem(x_ref.at[rows, keys], smem.at[slot, dst], bars.at[slot])
 
-  fetch(0, 0)
-
-  def body(t, carry):
-    slot = lax.rem(t, 2)
-
-    @pl.when(t + 1 < blocks)
-    def _():
-      plgpu.commit_smem()
-      fetch(t + 1, 1 - slot)
-
-    plgpu.barrier_wait(bars.at[slot])
+  def body(t, slot, carry):
     x = plgpu.load(smem.at[slot], layout=plgpu.Layout.WGMMA, optimized=swizzle)
     out = out_smem.at[slot]
     plgpu.wait_smem_to_gmem(1, wait_read_only=True)   # block t - 2's stores have read it
     out[...] = x * 2
     plgpu.commit_smem()
-    for s, rows, keys in _class_boxes(r0, length, k0(t)):
-      plgpu.copy_smem_to_gmem(out.at[pl.ds(s * CLASSES, CLASSES)], o_ref.at[rows, keys],
-                              commit_group=s == CLASSES - 1)
+    for s, (src, rows, keys) in enumerate(boxes(t)):
+      plgpu.copy_smem_to_gmem(out.at[src], o_ref.at[rows, keys], commit_group=s == CLASSES - 1)
     return carry
 
-  lax.fori_loop(0, blocks, body, 0)
+  prologue(fetch, blocks, STAGES)
+  ring_loop(fetch, bars, blocks, STAGES, body, 0)
   plgpu.wait_smem_to_gmem(0)
 
 
@@ -200,27 +152,29 @@ def tile_round_trip(x, *, swizzle: bool = False, interpret: bool = False):
   out = plgpu.kernel(
       kernel,
       out_type=jax.ShapeDtypeStruct(view.shape, x.dtype),
-      scratch_types=[_smem((2, 64, KEYS), x.dtype, swizzle), _smem((2, 64, KEYS), x.dtype, swizzle),
-                     plgpu.Barrier(num_arrivals=CLASSES, num_barriers=2)],
+      scratch_types=[box_tiles((STAGES, 64, KEYS), x.dtype, swizzle),
+                     box_tiles((STAGES, 64, KEYS), x.dtype, swizzle),
+                     plgpu.Barrier(num_arrivals=CLASSES, num_barriers=STAGES)],
       grid=(n // 64,), grid_names=("tile",),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
   )(view)
   return out.reshape(n, length)
 
 
-def class_row_sums(x, *, rows: int = 64, interpret: bool = False):
-  """``sum(x, axis=1)`` in fp32 of ``x [N, L]`` bf16 (``N`` a multiple of ``8 * rows``),
-  streamed by TMA through the ``[N / 8, 8 * L]`` view, one row class per program."""
+def class_row_sums(x, *, interpret: bool = False):
+  """``sum(x, axis=1)`` in fp32 of ``x [N, L]`` bf16 (``N`` a multiple of 512), streamed by
+  TMA through the ``[N / 8, 8 * L]`` view, 64 rows of one row class per program."""
   n, length = x.shape
-  if n % (CLASSES * rows):
-    raise ValueError(f"x: N={n} must be a multiple of {CLASSES * rows}")
+  if n % (CLASSES * 64):
+    raise ValueError(f"x: N={n} must be a multiple of {CLASSES * 64}")
   view = x.reshape(n // CLASSES, CLASSES * length)
-  kernel = functools.partial(_kernel, length=length, rows=rows, tiles=-(-length // KEYS))
+  kernel = functools.partial(_kernel, length=length, tiles=-(-length // KEYS))
   sums = plgpu.kernel(
       kernel,
       out_type=jax.ShapeDtypeStruct((CLASSES, n // CLASSES), jnp.float32),
-      scratch_types=[plgpu.SMEM((2, rows, KEYS), x.dtype), plgpu.Barrier(num_barriers=2)],
-      grid=(n // CLASSES // rows, CLASSES), grid_names=("blk", "s"),
+      scratch_types=[plgpu.SMEM((STAGES, 64, KEYS), x.dtype),
+                     plgpu.Barrier(num_barriers=STAGES)],
+      grid=(n // CLASSES // 64, CLASSES), grid_names=("blk", "s"),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
   )(view)
   return sums.T.reshape(n)      # row 8 * i + s is sums[s, i]

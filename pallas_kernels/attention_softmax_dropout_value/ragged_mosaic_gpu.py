@@ -87,67 +87,93 @@ def tile_rows(slab_rows, split, tiles):
   c0, c1 = c * slab_rows // split, (c + 1) * slab_rows // split
   t = jnp.arange(tiles)[None, :, None]
   m = jnp.arange(ROWS)[None, None, :]
-  return jnp.minimum(c0 + t * ROWS, c1 - ROWS) + CLASSES * (m % CLASSES) + m // CLASSES
+  return _tile_start(c0, c1, t) + CLASSES * (m % CLASSES) + m // CLASSES
+
+
+def _tile_start(c0, c1, t):
+  """The first row of tile ``t`` of the share ``[c0, c1)`` of a group's rows: every 64 rows
+  from ``c0``, the last tile ending at ``c1`` (overlapping the one before)."""
+  return jnp.minimum(c0 + t * ROWS, c1 - ROWS)
+
+
+def _share_rows(slab_rows, split):
+  """``(c0, c1)``: the rows of this program's share (grid axis ``"share"``) of its group."""
+  share = lax.axis_index("share")
+  return lax.div(share * slab_rows, split), lax.div((share + 1) * slab_rows, split)
+
+
+def class_boxes(r0, skv, k0):
+  """``(dst, rows, keys)`` of the 8 class boxes of rows ``r0 ... r0 + 63`` and keys ``k0 ...``
+  in the ``[R / 8, 8 * skv]`` view: box ``s`` is rows ``r0 + s + 8 a`` (``a < 8``; view rows
+  ``rows``, columns ``keys``), shared-memory rows ``dst = 8 s ... 8 s + 7``."""
+  for s in range(CLASSES):
+    r = r0 + s
+    yield (pl.ds(s * CLASSES, CLASSES), pl.ds(lax.div(r, CLASSES), CLASSES),
+           pl.ds(lax.rem(r, CLASSES) * skv + k0, KEYS))
+
+
+def prologue(fetch, steps, stages):
+  """The copies of a ring's first ``stages - 1`` steps (:func:`ring_loop`)."""
+  for i in range(min(stages - 1, steps)):
+    fetch(i, i)
+
+
+def ring_loop(fetch, bars, steps, stages, body, init):
+  """``lax.fori_loop`` over ``steps`` steps whose copies (``fetch(step, slot)``, arriving on
+  ``bars.at[slot]``) run ``stages - 1`` steps ahead in a ring of ``stages`` slots, after
+  :func:`prologue`: step ``i`` refills the slot that step ``i - 1`` read (its reads fenced
+  first: their wgmmas were waited for), waits for its own slot, and returns
+  ``body(i, slot, carry)``."""
+
+  def step(i, carry):
+    slot = lax.rem(i, stages)
+    ahead = i + stages - 1
+
+    @pl.when(ahead < steps)
+    def _():
+      plgpu.commit_smem()
+      fetch(ahead, lax.rem(ahead, stages))
+
+    plgpu.barrier_wait(bars.at[slot])
+    return body(i, slot, carry)
+
+  return lax.fori_loop(0, steps, step, init)
 
 
 def _ds_kernel(*refs, skv, slab_rows, split, tiles, stages, keep_scale, with_dv, swizzle):
+  has_pd = keep_scale is not None       # no dropout: Pd (== P) is not read
   refs = list(refs)
-  pd_stage = refs.pop() if with_dv else None
-  if keep_scale is None:   # no dropout: Pd (== P) is not read
-    refs[1:1] = [None]
-    refs[-5:-5] = [None]
-  (p_ref, pd_ref, do_ref, delta_ref, v_ref, ds_ref, *refs) = refs
-  dv_ref = refs.pop(0) if with_dv else None
-  v_smem, p_smem, pd_smem, do_smem, delta_smem, ds_smem, bars, v_bar = refs
+  take = lambda present=True: refs.pop(0) if present else None   # in :func:`_ds_call`'s order
+  p_ref, pd_ref, do_ref, delta_ref, v_ref = take(), take(has_pd), take(), take(), take()
+  ds_ref, dv_ref = take(), take(with_dv)
+  (v_smem, p_smem, pd_smem, do_smem, delta_smem, ds_smem, bars, v_bar, pd_stage) = (
+      take(), take(), take(has_pd), take(), take(), take(), take(), take(), take(with_dv))
   slab = lax.axis_index("slab")
   share = lax.axis_index("share")
   k0 = jnp.minimum(lax.axis_index("kb") * KEYS, skv - KEYS)    # the last block overlaps
-  c0 = lax.div(share * slab_rows, split)                        # this share's rows [c0, c1)
-  c1 = lax.div((share + 1) * slab_rows, split)
+  c0, c1 = _share_rows(slab_rows, split)
   plgpu.copy_gmem_to_smem(v_ref.at[slab, lax.axis_index("kb")], v_smem, v_bar)
-
-  def boxes(t):
-    """``(s, view row, column of key k0)`` of tile ``t``'s class boxes: box ``s`` is rows
-    ``r0 + s + 8 a`` (``a < 8``), shared-memory rows ``8 s ... 8 s + 7``."""
-    r0 = slab * slab_rows + jnp.minimum(c0 + t * ROWS, c1 - ROWS)   # the last tile overlaps
-    for s in range(CLASSES):
-      r = r0 + s
-      yield s, lax.div(r, CLASSES), lax.rem(r, CLASSES)
+  boxes = lambda t: class_boxes(slab * slab_rows + _tile_start(c0, c1, t), skv, k0)
 
   def fetch(t, slot):
-    for s, row, cls in boxes(t):
-      rows, dst = pl.ds(row, CLASSES), pl.ds(s * CLASSES, CLASSES)
-      keys = pl.ds(cls * skv + k0, KEYS)
+    for dst, rows, keys in boxes(t):
       plgpu.copy_gmem_to_smem(p_ref.at[rows, keys], p_smem.at[slot, dst], bars.at[slot])
-      if pd_ref is not None:
+      if has_pd:
         plgpu.copy_gmem_to_smem(pd_ref.at[rows, keys], pd_smem.at[slot, dst], bars.at[slot])
     # dO and delta of the tile's rows, already in its shared-memory row order
     plgpu.copy_gmem_to_smem(do_ref.at[slab, share, t], do_smem.at[slot], bars.at[slot])
     plgpu.copy_gmem_to_smem(delta_ref.at[slab, share, t], delta_smem.at[slot], bars.at[slot])
 
-  for t in range(min(stages - 1, tiles)):
-    fetch(t, t)
+  prologue(fetch, tiles, stages)
   plgpu.barrier_wait(v_bar)
   layout = plgpu.Layout.WGMMA
 
-  def body(t, carry, dv_acc=None):
-    slot = lax.rem(t, stages)
-    ahead = t + stages - 1
-
-    @pl.when(ahead < tiles)
-    def _():
-      # The slot's last reader was step t - 1 (its loads, and its wgmma, waited for): fence
-      # those generic reads before the async copies overwrite it.
-      plgpu.commit_smem()
-      fetch(ahead, lax.rem(ahead, stages))
-
-    plgpu.barrier_wait(bars.at[slot])
-
+  def body(t, slot, carry, dv_acc=None):
     def mm(acc):
       plgpu.wgmma(acc, do_smem.at[slot], v_smem.T)                  # dPd [rows, keys]
       p = plgpu.load(p_smem.at[slot], layout=layout, optimized=swizzle)
-      pd = (None if pd_ref is None
-            else plgpu.load(pd_smem.at[slot], layout=layout, optimized=swizzle))
+      pd = (plgpu.load(pd_smem.at[slot], layout=layout, optimized=swizzle) if has_pd
+            else None)
       delta = plgpu.load(delta_smem.at[slot], layout=layout.reduce(1))
       return acc[...], p, pd, delta
 
@@ -157,7 +183,7 @@ def _ds_kernel(*refs, skv, slab_rows, split, tiles, stages, keep_scale, with_dv,
       # share's overlapping last tile shares with the one before (counted once). Row m of
       # the tile in shared memory is its row 8 (m % 8) + m // 8.
       m = plgpu.broadcasted_iota(jnp.int32, (ROWS, KEYS), 0, layout=layout)
-      repeated = jnp.maximum(c0 + t * ROWS - (c1 - ROWS), 0)
+      repeated = c0 + t * ROWS - _tile_start(c0, c1, t)
       once = CLASSES * (m % CLASSES) + m // CLASSES >= repeated
       pd_stage[...] = jnp.where(once, p if pd is None else pd, 0).astype(pd_stage.dtype)
       plgpu.commit_smem()
@@ -168,9 +194,8 @@ def _ds_kernel(*refs, skv, slab_rows, split, tiles, stages, keep_scale, with_dv,
     plgpu.wait_smem_to_gmem(1, wait_read_only=True)   # step t - 2's stores have read it
     out[...] = ds.astype(out.dtype)
     plgpu.commit_smem()
-    for s, row, cls in boxes(t):
-      plgpu.copy_smem_to_gmem(out.at[pl.ds(s * CLASSES, CLASSES)],
-                              ds_ref.at[pl.ds(row, CLASSES), pl.ds(cls * skv + k0, KEYS)],
+    for s, (src, rows, keys) in enumerate(boxes(t)):
+      plgpu.copy_smem_to_gmem(out.at[src], ds_ref.at[rows, keys],
                               commit_group=s == CLASSES - 1)
     if with_dv:
       plgpu.wgmma_wait(0)   # dV has read the stage and the dO slot
@@ -178,12 +203,12 @@ def _ds_kernel(*refs, skv, slab_rows, split, tiles, stages, keep_scale, with_dv,
 
   if with_dv:
     def run(dv_acc):
-      lax.fori_loop(0, tiles, functools.partial(body, dv_acc=dv_acc), 0)
+      ring_loop(fetch, bars, tiles, stages, functools.partial(body, dv_acc=dv_acc), 0)
       return dv_acc[...]
     dv_ref.at[share, slab, lax.axis_index("kb")][...] = pl.run_scoped(
         run, plgpu.ACC((KEYS, dv_ref.shape[-1]), f32))
   else:
-    lax.fori_loop(0, tiles, body, 0)
+    ring_loop(fetch, bars, tiles, stages, body, 0)
   plgpu.wait_smem_to_gmem(0)
 
 
@@ -194,14 +219,11 @@ def _delta_kernel(pd_ref, do_ref, v_ref, delta_ref, do_smem, v_smem, pd_smem, ba
   written per tile in its shared-memory row order (what the dS pass reads)."""
   slab = lax.axis_index("slab")
   share = lax.axis_index("share")
-  c0 = lax.div(share * slab_rows, split)
-  c1 = lax.div((share + 1) * slab_rows, split)
+  c0, c1 = _share_rows(slab_rows, split)
   steps = tiles * n_kb
 
   def fetch(i, slot):
     t, kb = lax.div(i, n_kb), lax.rem(i, n_kb)
-    k0 = jnp.minimum(kb * KEYS, skv - KEYS)
-    r0 = slab * slab_rows + jnp.minimum(c0 + t * ROWS, c1 - ROWS)
 
     @pl.when(kb == 0)   # a new tile: its dO (the buffer's last reader finished a tile ago)
     def _():
@@ -209,35 +231,22 @@ def _delta_kernel(pd_ref, do_ref, v_ref, delta_ref, do_smem, v_smem, pd_smem, ba
                               do_bars.at[lax.rem(t, 2)])
 
     plgpu.copy_gmem_to_smem(v_ref.at[slab, kb], v_smem.at[slot], bars.at[slot])
-    for s in range(CLASSES):
-      r = r0 + s
-      plgpu.copy_gmem_to_smem(
-          pd_ref.at[pl.ds(lax.div(r, CLASSES), CLASSES),
-                    pl.ds(lax.rem(r, CLASSES) * skv + k0, KEYS)],
-          pd_smem.at[slot, pl.ds(s * CLASSES, CLASSES)], bars.at[slot])
+    for dst, rows, keys in class_boxes(slab * slab_rows + _tile_start(c0, c1, t), skv,
+                                       jnp.minimum(kb * KEYS, skv - KEYS)):
+      plgpu.copy_gmem_to_smem(pd_ref.at[rows, keys], pd_smem.at[slot, dst], bars.at[slot])
 
-  for i in range(min(stages - 1, steps)):
-    fetch(i, i)
+  prologue(fetch, steps, stages)
   layout = plgpu.Layout.WGMMA
   col = plgpu.broadcasted_iota(jnp.int32, (ROWS, KEYS), 1, layout=layout)
   # The last key block starts at skv - 64: its keys below (n_kb - 1) * 64 were counted.
   counted = (n_kb - 1) * KEYS - (skv - KEYS)
 
-  def body(i, delta):
-    slot = lax.rem(i, stages)
+  def body(i, slot, delta):
     t, kb = lax.div(i, n_kb), lax.rem(i, n_kb)
-    ahead = i + stages - 1
-
-    @pl.when(ahead < steps)
-    def _():
-      plgpu.commit_smem()
-      fetch(ahead, lax.rem(ahead, stages))
 
     @pl.when(kb == 0)
     def _():
       plgpu.barrier_wait(do_bars.at[lax.rem(t, 2)])
-
-    plgpu.barrier_wait(bars.at[slot])
 
     def mm(acc):
       plgpu.wgmma(acc, do_smem.at[lax.rem(t, 2)], v_smem.at[slot].T)   # dPd [rows, keys]
@@ -256,7 +265,7 @@ def _delta_kernel(pd_ref, do_ref, v_ref, delta_ref, do_smem, v_smem, pd_smem, ba
     return delta
 
   zero = plgpu.layout_cast(jnp.zeros((ROWS,), f32), layout.reduce(1))
-  lax.fori_loop(0, steps, body, zero)
+  ring_loop(fetch, bars, steps, stages, body, zero)
 
 
 def auto_split(programs: int, slab_rows: int) -> int:
@@ -305,7 +314,7 @@ def _plan(attn_weights, value_states, rate, split, stages) -> _Plan:
   return _Plan(b, h, kvh, sq, skv, d, split, pl.cdiv(pl.cdiv(slab_rows, split), ROWS), n_kb)
 
 
-def _box_tiles(shape, dtype, swizzle):
+def box_tiles(shape, dtype, swizzle):
   """Shared memory for tiles brought in (or sent out) as class boxes ``[8, 64]``: with
   ``swizzle``, 128-byte swizzled (each box one 1024-byte swizzle block, so the WGMMA-layout
   reads and writes are free of bank conflicts; a swizzle without tiling puts no condition on
@@ -352,7 +361,7 @@ def _delta_call(plan, pd_view, do_tiles, v_blocks, *, stages, swizzle, like, int
       scratch_types=[
           plgpu.SMEM((2, ROWS, plan.d), dtype, transforms=tiled),        # dO, per tile
           plgpu.SMEM((stages, KEYS, plan.d), dtype, transforms=tiled),   # V, per step
-          _box_tiles((stages, ROWS, KEYS), dtype, swizzle),              # Pd
+          box_tiles((stages, ROWS, KEYS), dtype, swizzle),              # Pd
           plgpu.Barrier(num_arrivals=1 + CLASSES, num_barriers=stages),  # V and Pd's boxes
           plgpu.Barrier(num_barriers=2),
       ],
@@ -379,7 +388,7 @@ def _ds_call(plan, p_view, pd_view, do_tiles, delta_tiles, v_blocks, *, rate, wi
     out_type = (out_type, out_struct((plan.split, plan.b * plan.kvh, plan.n_kb, KEYS, plan.d),
                                      f32, *like))
   tiled = _mosaic.tiled(dtype)
-  boxed = _box_tiles((stages, ROWS, KEYS), dtype, swizzle)
+  boxed = box_tiles((stages, ROWS, KEYS), dtype, swizzle)
   return plgpu.kernel(
       kernel,
       out_type=out_type,
@@ -389,7 +398,7 @@ def _ds_call(plan, p_view, pd_view, do_tiles, delta_tiles, v_blocks, *, rate, wi
           *([boxed] if has_pd else []),                                    # Pd
           plgpu.SMEM((stages, ROWS, plan.d), dtype, transforms=tiled),    # dO
           plgpu.SMEM((stages, ROWS), f32),                                 # delta
-          _box_tiles((2, ROWS, KEYS), dtype, swizzle),                     # dS
+          box_tiles((2, ROWS, KEYS), dtype, swizzle),                     # dS
           plgpu.Barrier(num_arrivals=arrivals, num_barriers=stages),       # one per ring slot
           plgpu.Barrier(),
           *([plgpu.SMEM((ROWS, KEYS), dtype, transforms=tiled)] if with_dv else []),  # Pd
@@ -420,7 +429,7 @@ def ds_pass(grad_attn_output, attn_weights, attn_weights_dropped, value_states, 
   not read). ``with_dv``: ``(dS, dV [B, KVH, seq_k, D])``, dV summed in the kernel too (each
   program its keys over its share of the group's rows, the shares' fp32 sums added here).
   ``split``: shares of each kv group's rows (default :func:`auto_split`). ``swizzle``: the
-  class boxes' tiles 128-byte swizzled in shared memory (:func:`_box_tiles`)."""
+  class boxes' tiles 128-byte swizzled in shared memory (:func:`box_tiles`)."""
   plan = _plan(attn_weights, value_states, rate, split, stages)
   like = (grad_attn_output, attn_weights, attn_weights_dropped, value_states, delta)
   do_tiles, v_blocks = _gathered(plan, grad_attn_output, value_states)
