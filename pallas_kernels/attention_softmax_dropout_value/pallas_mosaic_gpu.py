@@ -941,6 +941,22 @@ def resolve_split(split, b, kvh, skv, row_tiles) -> int:
   return split
 
 
+def checked_rate(args, *, causal, interpret, reason, kernels, hint="") -> float:
+  """The static dropout rate of an entry point's ``args`` (dO, P, Pd, V, keep, rate), after
+  checking them, the problem against ``reason`` (an ``unsupported_reason``; ``ValueError``
+  naming ``kernels`` and why, then ``hint``) and the device (:func:`_mosaic.check_hopper`)."""
+  p = validation.check_problem_a(*args)
+  _, attn_weights, _, value_states = args[:4]
+  b, h, sq, skv = attn_weights.shape
+  validation.check_causal(causal, sq, skv, every_row_has_keys=False)
+  kvh, d = value_states.shape[1], value_states.shape[3]
+  why = reason(b, h, kvh, sq, skv, d, attn_weights.dtype, p, causal)
+  if why:
+    raise ValueError(f"attention_softmax_dropout_value_backward ({kernels}): {why}{hint}")
+  _mosaic.check_hopper("attention_softmax_dropout_value_backward", interpret, *args[:4])
+  return p
+
+
 def attention_softmax_dropout_value_backward(
     grad_attn_output, attn_weights, attn_weights_dropped, value_states, dropout_mask,
     attention_dropout, *, config: Config | None = None, causal=False, interpret=False):
@@ -956,17 +972,12 @@ def attention_softmax_dropout_value_backward(
   a Hopper GPU unless ``interpret`` (the Mosaic GPU interpreter, any machine).
   ``config``: :class:`Config` (default :func:`default_config`).
   """
-  p = validation.check_problem_a(grad_attn_output, attn_weights, attn_weights_dropped,
-                                 value_states, dropout_mask, attention_dropout)
+  p = checked_rate((grad_attn_output, attn_weights, attn_weights_dropped, value_states,
+                    dropout_mask, attention_dropout), causal=causal, interpret=interpret,
+                   reason=unsupported_reason, kernels="mosaic_gpu",
+                   hint="; the Triton kernels take every shape")
   b, h, sq, skv = attn_weights.shape
-  validation.check_causal(causal, sq, skv, every_row_has_keys=False)
   kvh, d = value_states.shape[1], value_states.shape[3]
-  why = unsupported_reason(b, h, kvh, sq, skv, d, attn_weights.dtype, p, causal)
-  if why:
-    raise ValueError(f"attention_softmax_dropout_value_backward (mosaic_gpu): {why}; the "
-                     "Triton kernels take every shape")
-  _mosaic.check_hopper("attention_softmax_dropout_value_backward", interpret,
-                       grad_attn_output, attn_weights, attn_weights_dropped, value_states)
   if config is not None and not isinstance(config, Config):
     raise TypeError(f"config: expected a pallas_mosaic_gpu.Config, got {type(config).__name__}")
   config = config or default_config(b, h, kvh, sq, skv, d)

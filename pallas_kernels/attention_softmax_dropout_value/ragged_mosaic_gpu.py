@@ -49,10 +49,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import _mosaic, _tuning, validation
+from pallas_kernels import _mosaic, _tuning
 from pallas_kernels._util import dropout_scale, out_struct
 from pallas_kernels.attention_softmax_dropout_value import config as triton_config
-from pallas_kernels.attention_softmax_dropout_value import pallas_triton
+from pallas_kernels.attention_softmax_dropout_value import pallas_mosaic_gpu, pallas_triton
 
 f32 = jnp.float32
 CLASSES = 8     # rows per 16 bytes of a 16-bit row of odd length: one box per class
@@ -473,16 +473,12 @@ def attention_softmax_dropout_value_backward(
   (``keep == (Pd != 0)``, the precondition). Raises ``ValueError`` for a problem outside
   :func:`unsupported_reason`, and off a Hopper GPU unless ``interpret`` (then the passes run
   in their interpreters)."""
-  p = validation.check_problem_a(grad_attn_output, attn_weights, attn_weights_dropped,
-                                 value_states, dropout_mask, attention_dropout)
+  p = pallas_mosaic_gpu.checked_rate(
+      (grad_attn_output, attn_weights, attn_weights_dropped, value_states, dropout_mask,
+       attention_dropout), causal=causal, interpret=interpret, reason=unsupported_reason,
+      kernels="ragged mosaic_gpu")
   b, h, sq, skv = attn_weights.shape
-  validation.check_causal(causal, sq, skv, every_row_has_keys=False)
   kvh, d = value_states.shape[1], value_states.shape[3]
-  why = unsupported_reason(b, h, kvh, sq, skv, d, attn_weights.dtype, p, causal)
-  if why:
-    raise ValueError(f"attention_softmax_dropout_value_backward (ragged mosaic_gpu): {why}")
-  _mosaic.check_hopper("attention_softmax_dropout_value_backward", interpret,
-                       grad_attn_output, attn_weights, attn_weights_dropped, value_states)
   if first_pass not in FIRST_PASSES:
     raise ValueError(f"first_pass: expected one of {FIRST_PASSES}, got {first_pass!r}")
   if first_pass == "mosaic":   # both kernels here, sharing the gathered dO and V
