@@ -9,8 +9,8 @@ kernels' tiles and pipeline depths), checked against the reference with the work
 tolerance and timed the way ``benchmarks.run`` times (device time, input sets rotated so
 L2 is cold); plus each Mosaic kernel alone. With ``ragged*`` variants named
 (:data:`RAGGED_VARIANTS`), the workloads the Mosaic GPU kernels do not take run the Triton
-entry point and those variants of ``ragged_mosaic_gpu`` (``--parts``: the Triton first pass
-and the ragged dS pass alone), e.g. ``--workloads 1,5,8 --variants ragged,ragged_s3``.
+entry point and those variants of ``ragged_mosaic_gpu`` (``--parts``: its passes alone,
+:func:`ragged_fns`), e.g. ``--workloads 1,5,8 --variants ragged_mosaic,ragged --parts``.
 Prints one table; writes ``<out>/a_mosaic_variants.json``.
 """
 
@@ -82,15 +82,8 @@ def ragged_fns(rate, names, parts):
   fns = {n: jax.jit(lambda *a, kw=RAGGED_VARIANTS[n]: rg.attention_softmax_dropout_value_backward(
       *a, rate, **kw)) for n in names}
   if parts:
-    def first(d_o, probs, dropped, value, keep):
-      b, h, sq, skv = probs.shape
-      kvh, d = value.shape[1], value.shape[3]
-      cfg = pallas_triton.default_config(b, h, kvh, sq, skv, d, probs.dtype,
-                                         jax.devices()[0].device_kind)
-      return pallas_triton.dv_pass(d_o, dropped.reshape(b * h, sq, skv),
-                                   value.reshape(b * kvh, skv, d), num_heads=h, cfg=cfg.dv,
-                                   interpret=False)
-    fns["triton:dv"] = jax.jit(first)
+    fns["triton:dv"] = jax.jit(lambda d_o, probs, dropped, value, keep: rg.triton_first_pass(
+        d_o, dropped, value))
     zero_delta = lambda probs: jnp.zeros(probs.shape[:3], jnp.float32)
     fns["ragged:ds"] = jax.jit(lambda d_o, probs, dropped, value, keep: rg.ds_pass(
         d_o, probs, dropped, value, zero_delta(probs), rate=rate))
@@ -172,12 +165,12 @@ def main(argv=None):
     fns = {"triton": triton}
     if why:   # a ragged workload: the ragged variants only
       fns.update(ragged_fns(rate, ragged, args.parts))
-    for v in [] if why else args.variants.split(","):
-      if v in RAGGED_VARIANTS:
-        continue
-      fns[v] = mosaic_fn(v, rate)
-      if args.parts:
-        fns[v + ":delta"], fns[v + ":ds_dv"] = parts_fns(v, rate)
+    else:
+      for v in args.variants.split(","):
+        if v not in RAGGED_VARIANTS:
+          fns[v] = mosaic_fn(v, rate)
+          if args.parts:
+            fns[v + ":delta"], fns[v + ":ds_dv"] = parts_fns(v, rate)
     rows.append(variants_table.check_and_time(label, w, floor_us, fns, sets, refs,
                                               calls=args.calls,
                                               checked=lambda name: ":" not in name))

@@ -477,8 +477,6 @@ def attention_softmax_dropout_value_backward(
       (grad_attn_output, attn_weights, attn_weights_dropped, value_states, dropout_mask,
        attention_dropout), causal=causal, interpret=interpret, reason=unsupported_reason,
       kernels="ragged mosaic_gpu")
-  b, h, sq, skv = attn_weights.shape
-  kvh, d = value_states.shape[1], value_states.shape[3]
   if first_pass not in FIRST_PASSES:
     raise ValueError(f"first_pass: expected one of {FIRST_PASSES}, got {first_pass!r}")
   if first_pass == "mosaic":   # both kernels here, sharing the gathered dO and V
@@ -493,6 +491,8 @@ def attention_softmax_dropout_value_backward(
                       swizzle=swizzle, like=like, interpret=interpret)
     return _mosaic.varying_like(_assembled(plan, ds, dv, value_states.dtype), *like)
   if first_pass == "xla":
+    b, h, sq, skv = attn_weights.shape
+    kvh, d = value_states.shape[1], value_states.shape[3]
     g = h // kvh
     out = jnp.einsum("bkgqs,bksd->bqkgd", attn_weights_dropped.reshape(b, kvh, g, sq, skv),
                      value_states, preferred_element_type=f32)
@@ -500,14 +500,26 @@ def attention_softmax_dropout_value_backward(
     return ds_pass(grad_attn_output, attn_weights, attn_weights_dropped, value_states, delta,
                    rate=p, with_dv=True, stages=stages, split=split, swizzle=swizzle,
                    interpret=interpret)
+  dv, delta = triton_first_pass(grad_attn_output, attn_weights_dropped, value_states,
+                                interpret=interpret)
+  ds = ds_pass(grad_attn_output, attn_weights, attn_weights_dropped, value_states, delta,
+               rate=p, stages=stages, split=split, swizzle=swizzle, interpret=interpret)
+  return ds, dv
+
+
+def triton_first_pass(grad_attn_output, attn_weights_dropped, value_states, *,
+                      interpret=False):
+  """``(dV [B, KVH, seq_k, D], delta [B, H, seq_q])`` from the Triton kernels' first pass
+  (``pallas_triton.dv_pass`` with its config for the arrays' device, delta's partial row
+  sums added here): ``first_pass="triton"``."""
+  b, h, sq, skv = attn_weights_dropped.shape
+  kvh, d = value_states.shape[1], value_states.shape[3]
   cfg = triton_config.default_config(
-      b, h, kvh, sq, skv, d, attn_weights.dtype,
-      _tuning.device_kind_of(grad_attn_output, attn_weights, value_states, interpret=interpret))
+      b, h, kvh, sq, skv, d, attn_weights_dropped.dtype,
+      _tuning.device_kind_of(grad_attn_output, attn_weights_dropped, value_states,
+                             interpret=interpret))
   dv, dpart = pallas_triton.dv_pass(
       grad_attn_output, attn_weights_dropped.reshape(b * h, sq, skv),
       value_states.reshape(b * kvh, skv, d), num_heads=h, cfg=cfg.dv,
       interpret=bool(interpret), partials=True)
-  delta = jnp.sum(dpart, axis=1).reshape(b, h, sq)
-  ds = ds_pass(grad_attn_output, attn_weights, attn_weights_dropped, value_states, delta,
-               rate=p, stages=stages, split=split, swizzle=swizzle, interpret=interpret)
-  return ds, dv.reshape(b, kvh, skv, d)
+  return dv.reshape(b, kvh, skv, d), jnp.sum(dpart, axis=1).reshape(b, h, sq)
