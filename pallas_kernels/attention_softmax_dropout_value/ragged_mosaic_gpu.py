@@ -451,7 +451,7 @@ def delta_pass(grad_attn_output, attn_weights_dropped, value_states, *, stages=2
   do_tiles, v_blocks = _gathered(plan, grad_attn_output, value_states)
   tiles = _delta_call(plan, _row_view(attn_weights_dropped, plan), do_tiles, v_blocks,
                       stages=stages, swizzle=swizzle, like=like, interpret=interpret)
-  # Each row from the first tile that holds it (tiles are in row order, overlaps repeat).
+  # Rows that an overlapping tile repeats get the same value from both tiles.
   delta = jnp.zeros((plan.rows,), f32).at[_tile_order(plan)].set(tiles)
   return _mosaic.varying_like(delta.reshape(plan.b, plan.h, plan.sq), *like)
 
