@@ -40,7 +40,7 @@ import numpy as np
 
 import jax_ops
 from benchmarks.timing import device_times_us, no_gpu
-from jax_ops.attention_value import reference
+from jax_ops.ops.attention_softmax_dropout_value import reference
 from pallas_kernels.attention_softmax_dropout_value.forward import (
     attention_softmax_dropout_value_forward, forward_with_keep_bits)
 from pallas_kernels.attention_softmax_dropout_value.pallas_mosaic_gpu import keep_bits_of

@@ -28,7 +28,7 @@ import numpy as np
 
 import pallas_kernels
 from benchmarks.timing import compile_all, device_times_us, no_gpu
-from jax_ops.qk_softmax import reference
+from jax_ops.ops.qk_scale_softmax import reference
 from pallas_kernels import qk_scale_softmax as kernels
 from pallas_kernels.qk_scale_softmax import PassConfig, pallas_triton
 

@@ -39,7 +39,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from benchmarks.c_backward_step import D, make_inputs, parse_rows, parse_shapes, within
 from benchmarks.timing import compile_all, device_times_us, no_gpu
-from jax_ops.qk_softmax import reference
+from jax_ops.ops.qk_scale_softmax import reference
 from pallas_kernels._util import compiler_params, dot, out_struct, pallas_call
 from pallas_kernels.qk_scale_softmax import PassConfig
 from pallas_kernels.qk_scale_softmax.pallas_triton import _ZERO, _ColTiles, _dl_tile, _fori_loop

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.timing import compile_all, device_times_us, no_gpu
-from jax_ops.qk_softmax import reference
+from jax_ops.ops.qk_scale_softmax import reference
 from pallas_kernels.qk_scale_softmax import forward_mosaic_gpu
 from pallas_kernels.qk_scale_softmax.forward import (ForwardConfig, default_forward_config,
                                                      qk_scale_softmax_forward)

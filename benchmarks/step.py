@@ -133,28 +133,28 @@ def temp_mb(compiled) -> float:
 # writing P and Pd ("fused_inputs", the default before e50ed13).
 OPT_IN = {
     ("B", "key"): ("masked_softmax_dropout", "triton_key",
-                   "jax_ops.masked_softmax.pallas_triton", {"residuals": "key"}),
+                   "jax_ops.ops.masked_softmax_dropout.pallas_triton", {"residuals": "key"}),
     ("A", "inputs"): ("attention_softmax_dropout_value", "mosaic_gpu_jnp",
-                      "jax_ops.attention_value.pallas_mosaic_gpu", {"residuals": "inputs"}),
+                      "jax_ops.ops.attention_softmax_dropout_value.pallas_mosaic_gpu", {"residuals": "inputs"}),
     ("A", "fused_output"): ("attention_softmax_dropout_value", "mosaic_gpu_fused",
-                            "jax_ops.attention_value.pallas_mosaic_gpu",
+                            "jax_ops.ops.attention_softmax_dropout_value.pallas_mosaic_gpu",
                             {"residuals": "fused_output"}),
     ("A", "fused_inputs"): ("attention_softmax_dropout_value", "mosaic_gpu_pd",
-                            "jax_ops.attention_value.pallas_mosaic_gpu",
+                            "jax_ops.ops.attention_softmax_dropout_value.pallas_mosaic_gpu",
                             {"residuals": "fused_inputs"}),
     ("A", "fused_output_bits"): ("attention_softmax_dropout_value", "mosaic_gpu_fused_bits",
-                                 "jax_ops.attention_value.pallas_mosaic_gpu",
+                                 "jax_ops.ops.attention_softmax_dropout_value.pallas_mosaic_gpu",
                                  {"residuals": "fused_output", "keep": "bits"}),
     ("A", "mosaic_forward"): ("attention_softmax_dropout_value", "mosaic_gpu_fused_mgpu_fwd",
-                              "jax_ops.attention_value.pallas_mosaic_gpu",
+                              "jax_ops.ops.attention_softmax_dropout_value.pallas_mosaic_gpu",
                               {"residuals": "fused_output", "forward": "mosaic_gpu"}),
     # The portable Triton backend (the path off Hopper), saving the bool mask or the seeds.
     ("A", "triton"): ("attention_softmax_dropout_value", "triton_mask",
-                      "jax_ops.attention_value.pallas_triton", {}),
+                      "jax_ops.ops.attention_softmax_dropout_value.pallas_triton", {}),
     ("A", "triton_seeds"): ("attention_softmax_dropout_value", "triton_seeds",
-                            "jax_ops.attention_value.pallas_triton", {"keep": "seeds"}),
+                            "jax_ops.ops.attention_softmax_dropout_value.pallas_triton", {"keep": "seeds"}),
     # Op C's Triton backend with its dL + GEMM scheme on every row length it takes.
-    ("C", "dl_gemm"): ("qk_scale_softmax", "triton_dl_gemm", "jax_ops.qk_softmax.pallas_triton",
+    ("C", "dl_gemm"): ("qk_scale_softmax", "triton_dl_gemm", "jax_ops.ops.qk_scale_softmax.pallas_triton",
                        {"scheme": "dl_gemm"}),
 }
 

@@ -8,7 +8,9 @@ functions of :mod:`jax_ops.reference`.
 """
 
 from jax_ops import registry
-from jax_ops.ops import attention_softmax_dropout_value, masked_softmax_dropout, qk_scale_softmax
+from jax_ops.ops.attention_softmax_dropout_value.api import attention_softmax_dropout_value
+from jax_ops.ops.masked_softmax_dropout.api import masked_softmax_dropout
+from jax_ops.ops.qk_scale_softmax.api import qk_scale_softmax
 from jax_ops.reference import (
     attention_softmax_dropout_value_backward_reference,
     causal_mask,

@@ -4,7 +4,7 @@ Each layer projects ``x [B, S, E]`` to heads, runs one of the ops, and projects
 back to ``[B, S, E]``. Dropout keys come from the ``dropout`` stream of the
 ``nnx.Rngs`` given at construction; ``deterministic=True`` (at construction or
 per call) turns dropout off. ``implementation`` and ``interpret`` pass through
-to the op (see :mod:`jax_ops.ops`).
+to the op (see :mod:`jax_ops`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ import math
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_ops import ops
+from jax_ops.ops.attention_softmax_dropout_value.api import attention_softmax_dropout_value
+from jax_ops.ops.masked_softmax_dropout.api import masked_softmax_dropout
+from jax_ops.ops.qk_scale_softmax.api import qk_scale_softmax
 from pallas_kernels import validation
 
 
@@ -114,7 +116,7 @@ class GQASelfAttention(nnx.Module):
     scores = jnp.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(p.head_dim)
     if mask is not None:
       scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
-    out = ops.attention_softmax_dropout_value(
+    out = attention_softmax_dropout_value(
         scores, v, implementation=self.implementation, interpret=self.interpret,
         **_dropout_args(self, deterministic))
     return p.merge(out)
@@ -141,7 +143,7 @@ class MaskedAttention(nnx.Module):
     mask = _mask(mask, b, s, p.num_heads, heads_axis=False)
     q, k, v = (p.heads(x, f, p.num_heads) for f in (p.query, p.key, p.value))
     scores = jnp.einsum("bhqd,bhkd->bhqk", q, k).astype(jnp.float32) / math.sqrt(p.head_dim)
-    probs = ops.masked_softmax_dropout(
+    probs = masked_softmax_dropout(
         scores, mask, implementation=self.implementation, interpret=self.interpret,
         **_dropout_args(self, deterministic))
     return p.merge(jnp.einsum("bhqk,bhkd->bqhd", probs.astype(v.dtype), v))
@@ -165,7 +167,7 @@ class QKSoftmaxAttention(nnx.Module):
     p = self.proj
     p.check(x)
     q, k, v = (p.heads(x, f, p.num_heads) for f in (p.query, p.key, p.value))
-    weights = ops.qk_scale_softmax(q, k, causal=self.causal, implementation=self.implementation,
+    weights = qk_scale_softmax(q, k, causal=self.causal, implementation=self.implementation,
                                    interpret=self.interpret)
     return p.merge(jnp.einsum("bhqk,bhkd->bqhd", weights, v,
                               preferred_element_type=jnp.float32).astype(v.dtype))

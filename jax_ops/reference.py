@@ -3,15 +3,15 @@ also its ``"xla"`` backend) and forward. They live beside their ops
 (``jax_ops/<op folder>/reference.py``); this module gathers them."""
 
 from jax_ops._common import causal_mask, dropout_keep_mask, effective_dropout_rate
-from jax_ops.attention_value.reference import (
+from jax_ops.ops.attention_softmax_dropout_value.reference import (
     attention_softmax_dropout_value_backward_reference,
     attention_softmax_dropout_value_forward,
 )
-from jax_ops.masked_softmax.reference import (
+from jax_ops.ops.masked_softmax_dropout.reference import (
     masked_softmax_dropout_backward_reference,
     masked_softmax_dropout_forward,
 )
-from jax_ops.qk_softmax.reference import (
+from jax_ops.ops.qk_scale_softmax.reference import (
     qk_scale_softmax_backward_reference,
     qk_scale_softmax_forward,
 )

@@ -34,18 +34,18 @@ OPS = ("attention_softmax_dropout_value", "masked_softmax_dropout", "qk_scale_so
 
 _BUILTIN = {
     "attention_softmax_dropout_value": {
-        XLA: "jax_ops.attention_value.xla",
-        TRITON: "jax_ops.attention_value.pallas_triton",
-        MOSAIC_GPU: "jax_ops.attention_value.pallas_mosaic_gpu",
+        XLA: "jax_ops.ops.attention_softmax_dropout_value.xla",
+        TRITON: "jax_ops.ops.attention_softmax_dropout_value.pallas_triton",
+        MOSAIC_GPU: "jax_ops.ops.attention_softmax_dropout_value.pallas_mosaic_gpu",
     },
     "masked_softmax_dropout": {
-        XLA: "jax_ops.masked_softmax.xla",
-        TRITON: "jax_ops.masked_softmax.pallas_triton",
+        XLA: "jax_ops.ops.masked_softmax_dropout.xla",
+        TRITON: "jax_ops.ops.masked_softmax_dropout.pallas_triton",
     },
     "qk_scale_softmax": {
-        XLA: "jax_ops.qk_softmax.xla",
-        TRITON: "jax_ops.qk_softmax.pallas_triton",
-        MOSAIC_GPU: "jax_ops.qk_softmax.pallas_mosaic_gpu",
+        XLA: "jax_ops.ops.qk_scale_softmax.xla",
+        TRITON: "jax_ops.ops.qk_scale_softmax.pallas_triton",
+        MOSAIC_GPU: "jax_ops.ops.qk_scale_softmax.pallas_mosaic_gpu",
     },
 }
 

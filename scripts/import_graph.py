@@ -3,8 +3,8 @@
     .venv/bin/python scripts/import_graph.py
 
 Rules: no cycles; ``pallas_kernels`` imports nothing of ``jax_ops``; no ``jax_ops`` module
-imports a backend file (``jax_ops/<op folder>/xla.py``, ``pallas_triton.py``, ...), which the
-registry loads by name. Exits non-zero if a rule is broken.
+imports a backend file (``jax_ops/ops/<op>/xla.py``, ``pallas_triton.py``, ...), which the
+registry loads by name; no op's package imports another op's. Exits non-zero if a rule is broken.
 """
 
 from __future__ import annotations
@@ -58,7 +58,25 @@ def graph() -> dict[str, set[str]]:
 
 def is_backend(module: str) -> bool:
   parts = module.split(".")
-  return parts[0] == "jax_ops" and len(parts) == 3 and parts[2] not in ("api", "reference")
+  return parts[:2] == ["jax_ops", "ops"] and len(parts) == 4 and parts[3] not in ("api", "reference")
+
+
+def op_of(module: str) -> str | None:
+  """The op whose package holds ``module`` (``pallas_kernels.<op>...`` or
+  ``jax_ops.ops.<op>...``), else ``None``."""
+  parts = module.split(".")
+  if parts[0] == "pallas_kernels" and len(parts) > 1 and not parts[1].startswith("_") \
+      and parts[1] not in ("validation", "tuned"):
+    return parts[1]
+  if parts[:2] == ["jax_ops", "ops"] and len(parts) > 2:
+    return parts[2]
+  return None
+
+
+def cross_op_edges(g: dict[str, set[str]]) -> list[tuple[str, str]]:
+  """Imports from one op's package into another's."""
+  return sorted((m, d) for m, ds in g.items() for d in ds
+                if op_of(m) and op_of(d) and op_of(m) != op_of(d))
 
 
 def cycles(g: dict[str, set[str]]) -> list[list[str]]:
@@ -91,8 +109,9 @@ def main() -> int:
                for d in deps if d.startswith("jax_ops")]
   problems += [f"{m} imports the backend file {d}" for m, deps in g.items()
                if m.startswith("jax_ops") for d in deps if is_backend(d) and not is_backend(m)]
+  problems += [f"{m} imports another op's {d}" for m, d in cross_op_edges(g)]
   print("\n".join(problems) if problems else "\nno cycles; pallas_kernels does not import jax_ops; "
-        "no jax_ops module imports a backend file")
+        "no jax_ops module imports a backend file; no op's package imports another op's")
   return 1 if problems else 0
 
 

@@ -1,7 +1,7 @@
 """The forward of op A in one Pallas Triton kernel, drawing the dropout mask itself:
 ``O = transpose(dropout(softmax(scores)) @ V)`` with GQA value heads.
 
-As the jnp forward (``jax_ops.attention_value.reference.attention_softmax_dropout_value_forward``)
+As the jnp forward (``jax_ops.ops.attention_softmax_dropout_value.reference.attention_softmax_dropout_value_forward``)
 computes it::
 
     P  = softmax(scores) in fp32, rounded to the input dtype     # [B, H, Sq, Skv]
@@ -48,7 +48,7 @@ Writing ``(O, P, Pd)`` alone (no keep, no fp32 O), one hash per element: 1.22-1.
 than the jnp forward (``benchmarks/results/runs/a_forward_8ad47f9.log``); writing keep as a
 third ``[B, H, Sq, Skv]`` output costs about 45% more time, more than its bytes.
 
-Op A's Triton backend runs it on rows of >= 512 keys (``jax_ops.attention_value``'s residual
+Op A's Triton backend runs it on rows of >= 512 keys (``jax_ops.ops.attention_softmax_dropout_value``'s residual
 policy ``"fused_output"``: O, P, keep and O_f32); its Mosaic GPU backend runs it writing O, P
 and O_f32 on rows of more than 128 keys (``"fused_output"`` too: its backward draws keep
 again from the key) and O, P and Pd on rows of 128 keys (``"fused_inputs"``).
@@ -64,14 +64,11 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels import _triton_tiles as tiles
 from pallas_kernels import _dropout, _tuning, _util, validation
 from pallas_kernels._util import compiler_params, dot, next_power_of_2, out_struct, pallas_call
-# The tile helpers of the backward's Triton kernels (masks, masked loads and stores, int32
-# loops and indices).
-from pallas_kernels.attention_softmax_dropout_value.pallas_triton import (
-    _dim_mask, _fori_loop, _head_dims, _load, _outer, _padded_head_dim, _store, _tail_mask,
-    i32 as _I32)
 
+_I32 = tiles.i32
 _NAME = "attention_softmax_dropout_value_forward"
 _F32 = jnp.float32
 _U32 = jnp.uint32
@@ -107,9 +104,9 @@ def _kernel(seeds_ref, scale_ref, s_ref, v_ref, out_ref, *opt_refs,
   h = lax.rem(bh, _I32(num_heads))
   bk = b * num_kv_heads + lax.div(h, _I32(groups))
   rows = q0 + jnp.arange(block_q, dtype=jnp.int32)
-  q_mask = _tail_mask(q0, block_q, seq_q)
-  d_mask = _dim_mask(d_pad, head_dim)
-  head_dims = _head_dims(d_pad)
+  q_mask = tiles.tail_mask(q0, block_q, seq_q)
+  d_mask = tiles.dim_mask(d_pad, head_dim)
+  head_dims = tiles.head_dims(d_pad)
   n_k = pl.cdiv(seq_k, block_k)
   ragged_k = seq_k % block_k != 0
 
@@ -118,13 +115,13 @@ def _kernel(seeds_ref, scale_ref, s_ref, v_ref, out_ref, *opt_refs,
     k0 = j * block_k
     cols = k0 + jnp.arange(block_k, dtype=jnp.int32)
     k_mask = cols < seq_k if ragged_k else None
-    return cols, k_mask, _outer(q_mask, k_mask), (bh, pl.ds(q0, block_q), pl.ds(k0, block_k))
+    return cols, k_mask, tiles.outer(q_mask, k_mask), (bh, pl.ds(q0, block_q), pl.ds(k0, block_k))
 
   def scores(j):
     """Key tile ``j`` of the scores in fp32; keys past ``seq_k`` are ``-inf`` (padded rows
     load 0: finite, never stored)."""
     cols, k_mask, mask, idx = tile(j)
-    s = _load(s_ref.at[idx], mask, 0.0).astype(_F32)
+    s = tiles.load(s_ref.at[idx], mask, 0.0).astype(_F32)
     if k_mask is not None:
       s = jnp.where(k_mask[None, :], s, -jnp.inf)
     return s
@@ -143,7 +140,7 @@ def _kernel(seeds_ref, scale_ref, s_ref, v_ref, out_ref, *opt_refs,
     m, l = stats(_I32(0), init, s0)
   else:
     s0 = None
-    m, l = _fori_loop(0, n_k, stats, init)
+    m, l = tiles.fori_loop(0, n_k, stats, init)
   # jax.nn.softmax's exp(s - max) / sum, as XLA compiles it on CPU and GPU (its simplifier
   # turns a division by a broadcast into a product with the reciprocal): exp(s - m) * (1 / l).
   inv_l = (1.0 / l)[:, None]
@@ -157,7 +154,7 @@ def _kernel(seeds_ref, scale_ref, s_ref, v_ref, out_ref, *opt_refs,
     e = jnp.exp((scores(j) if s is None else s) - m[:, None])
     probs = (e * inv_l).astype(out_ref.dtype)
     if p_ref is not None:
-      _store(p_ref.at[idx], probs, mask)
+      tiles.store(p_ref.at[idx], probs, mask)
     if dropout:
       # block_k is even, so is the tile's start: a hash per two columns with pair_hash.
       u = _dropout.tile_bits16(k0s, k1s, bh.astype(_U32), rows.astype(_U32)[:, None],
@@ -167,26 +164,26 @@ def _kernel(seeds_ref, scale_ref, s_ref, v_ref, out_ref, *opt_refs,
       # invalid traced rate (a NaN scale) gives NaN.
       dropped = (probs.astype(_F32) * keep.astype(_F32) * scale).astype(out_ref.dtype)
       if pd_ref is not None:
-        _store(pd_ref.at[idx], dropped, mask)
+        tiles.store(pd_ref.at[idx], dropped, mask)
       if keep_ref is not None:
-        _store(keep_ref.at[idx], keep, mask)
+        tiles.store(keep_ref.at[idx], keep, mask)
       if bits_ref is not None:
         _store_bits(bits_ref, keep, cols, bk, lax.rem(h, _I32(groups)) * seq_q + q0, j,
                     block_q, block_k, q_mask, seq_k // 32)
     else:
       dropped = probs
-    v = _load(v_ref.at[bk, pl.ds(j * block_k, block_k), head_dims], _outer(k_mask, d_mask),
+    v = tiles.load(v_ref.at[bk, pl.ds(j * block_k, block_k), head_dims], tiles.outer(k_mask, d_mask),
               0.0)
     # Padded keys: P = 0 (exp(-inf)) and V = 0.
     return acc + dot(dropped, v)
 
   acc = jnp.zeros((block_q, d_pad), _F32)
-  acc = value(_I32(0), acc, s0) if n_k == 1 else _fori_loop(0, n_k, value, acc)
+  acc = value(_I32(0), acc, s0) if n_k == 1 else tiles.fori_loop(0, n_k, value, acc)
   o_idx = (b, pl.ds(q0, block_q), h, head_dims)
-  o_mask = _outer(q_mask, d_mask)
+  o_mask = tiles.outer(q_mask, d_mask)
   if out32_ref is not None:
-    _store(out32_ref.at[o_idx], acc, o_mask)
-  _store(out_ref.at[o_idx], acc.astype(out_ref.dtype), o_mask)
+    tiles.store(out32_ref.at[o_idx], acc, o_mask)
+  tiles.store(out_ref.at[o_idx], acc.astype(out_ref.dtype), o_mask)
 
 
 def _store_bits(bits_ref, keep, cols, bk, row0, j, block_q, block_k, q_mask, seq_words):
@@ -207,7 +204,7 @@ def _store_bits(bits_ref, keep, cols, bk, row0, j, block_q, block_k, q_mask, seq
   # holds words past seq_k / 32: they are not stored (they would land in the next group's).
   word_ok = j * words + jnp.arange(words, dtype=jnp.int32) < seq_words
   mask = word_ok[:, None] if q_mask is None else word_ok[:, None] & q_mask[None, :]
-  _store(bits_ref.at[bk, pl.ds(j * words, words), pl.ds(row0, block_q)], value.T, mask)
+  tiles.store(bits_ref.at[bk, pl.ds(j * words, words), pl.ds(row0, block_q)], value.T, mask)
 
 
 def bits_shape(b, h, kvh, seq_q, seq_k):
@@ -240,7 +237,7 @@ def _call(scores, value_states, seeds, scale, *, dropout, store_probs, store_dro
   kvh, d = value_states.shape[1], value_states.shape[3]
   kernel = functools.partial(
       _kernel, num_heads=h, num_kv_heads=kvh, seq_q=seq_q, seq_k=seq_k, head_dim=d,
-      d_pad=_padded_head_dim(d), block_q=block_q, block_k=block_k, dropout=dropout,
+      d_pad=tiles.padded_head_dim(d), block_q=block_q, block_k=block_k, dropout=dropout,
       store_probs=store_probs, store_dropped=store_dropped, store_keep=store_keep,
       store_f32=store_f32, pair_hash=pair_hash, store_bits=store_bits)
   flat = (b * h, seq_q, seq_k)

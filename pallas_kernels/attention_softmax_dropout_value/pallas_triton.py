@@ -31,6 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels import _triton_tiles as tiles
 from pallas_kernels import _dropout, _phase, _tuning, validation
 from pallas_kernels._util import (Dropout, check_can_compile, compiler_params, dot,
                                   next_power_of_2, out_struct, pallas_call)
@@ -45,63 +46,22 @@ i32 = np.int32  # index constants: int32 under x64 too (the kernels index with i
 # --------------------------------------------------------------------------------------
 # Small helpers: masks, masked loads and stores, dropout, dV shares.
 # --------------------------------------------------------------------------------------
-def _and(a, b):
-  """``a & b`` where either side may be ``None`` (meaning "all true")."""
-  if a is None:
-    return b
-  if b is None:
-    return a
-  return a & b
 
 
-def _outer(rows, cols):
-  """2D mask from optional row / column masks (``None`` = all valid)."""
-  r = None if rows is None else rows[:, None]
-  c = None if cols is None else cols[None, :]
-  return _and(r, c)
 
 
-def _tail_mask(start, size: int, n: int):
-  """``start + [0, size) < n`` (a tile's valid rows / columns), ``None`` when every tile
-  is full (``n % size == 0``)."""
-  return None if n % size == 0 else (start + jnp.arange(size, dtype=jnp.int32)) < n
 
 
-def _dim_mask(d_pad: int, head_dim: int):
-  """The valid columns of a head-dim tile padded to ``d_pad``; ``None`` if none is padding."""
-  return None if d_pad == head_dim else jnp.arange(d_pad, dtype=jnp.int32) < head_dim
 
 
-def _padded_head_dim(head_dim: int) -> int:
-  return next_power_of_2(max(head_dim, 16))
 
 
-def _head_dims(d_pad: int):
-  """The ``[0, d_pad)`` slice of the head dim. Its start is a static int32, like the
-  traced indices beside it: under x64 a Python 0 would become an int64 index in the
-  interpreter's ``dynamic_slice``, which needs one index type."""
-  return pl.ds(i32(0), d_pad)
 
 
-def _fori_loop(lower, upper, body, init):
-  """``lax.fori_loop`` with an int32 index, like the kernels' other indices: over static
-  bounds it counts in the default int type, int64 under x64 (then cast; a no-op without)."""
-  def int32_body(j, carry):
-    return body(j if j.dtype == jnp.int32 else j.astype(jnp.int32), carry)
-  return lax.fori_loop(lower, upper, int32_body, init)
 
 
-def _load(ref, mask, other):
-  if mask is None:
-    return pltriton.load(ref)
-  return pltriton.load(ref, mask=mask, other=other)
 
 
-def _store(ref, val, mask):
-  if mask is None:
-    pltriton.store(ref, val)
-  else:
-    pltriton.store(ref, val, mask=mask)
 
 
 def _traced_scales(scale_ref):
@@ -157,9 +117,9 @@ def _store_dv(dv_ref, acc, split, share, bk, k0, block_k, d_pad, mask):
   """Stores a program's dV block ``acc`` (fp32 ``[block_k, d_pad]``): in dV's dtype, or with
   ``split > 1`` as this share's fp32 partial sum (:func:`_dv_struct`)."""
   if split == 1:
-    _store(dv_ref.at[bk, pl.ds(k0, block_k), _head_dims(d_pad)], acc.astype(dv_ref.dtype), mask)
+    tiles.store(dv_ref.at[bk, pl.ds(k0, block_k), tiles.head_dims(d_pad)], acc.astype(dv_ref.dtype), mask)
   else:
-    _store(dv_ref.at[share, bk, pl.ds(k0, block_k), _head_dims(d_pad)], acc, mask)
+    tiles.store(dv_ref.at[share, bk, pl.ds(k0, block_k), tiles.head_dims(d_pad)], acc, mask)
 
 
 def _sum_dv_shares(dv, split, dtype):
@@ -185,9 +145,9 @@ def _dv_step(i, do_ref, pd_ref, *, b, kvh, k0, d_mask, kv_mask, nq, num_heads, g
   h = kvh * groups + g
   bh = b * num_heads + h
   q0 = qi * block_q
-  q_mask = _tail_mask(q0, block_q, seq_q)
-  do = _load(do_ref.at[b, pl.ds(q0, block_q), h, _head_dims(d_pad)], _outer(q_mask, d_mask), 0.0)
-  pd = _load(pd_ref.at[bh, pl.ds(q0, block_q), pl.ds(k0, block_k)], _outer(q_mask, kv_mask),
+  q_mask = tiles.tail_mask(q0, block_q, seq_q)
+  do = tiles.load(do_ref.at[b, pl.ds(q0, block_q), h, tiles.head_dims(d_pad)], tiles.outer(q_mask, d_mask), 0.0)
+  pd = tiles.load(pd_ref.at[bh, pl.ds(q0, block_q), pl.ds(k0, block_k)], tiles.outer(q_mask, kv_mask),
              0.0)
   return bh, q0, q_mask, do, pd
 
@@ -196,11 +156,11 @@ def _dv_kernel(do_ref, pd_ref, dv_ref, *, num_heads, num_kv_heads, seq_q, seq_k,
                block_q, block_k, split):
   """dV alone (the dS pass does not read delta's partials): no V, no dPd GEMM."""
   groups = num_heads // num_kv_heads
-  d_pad = _padded_head_dim(head_dim)
+  d_pad = tiles.padded_head_dim(head_dim)
   _, bk, share, b, kvh, k0 = _kv_block_ids(num_kv_heads, block_k)
-  d_mask = _dim_mask(d_pad, head_dim)
-  kv_mask = _tail_mask(k0, block_k, seq_k)
-  v_tile_mask = _outer(kv_mask, d_mask)
+  d_mask = tiles.dim_mask(d_pad, head_dim)
+  kv_mask = tiles.tail_mask(k0, block_k, seq_k)
+  v_tile_mask = tiles.outer(kv_mask, d_mask)
   nq = pl.cdiv(seq_q, block_q)
   start, stop = _share_range(share, groups * nq, split)
   step = functools.partial(_dv_step, do_ref=do_ref, pd_ref=pd_ref, b=b, kvh=kvh, k0=k0,
@@ -222,12 +182,12 @@ def _dv_delta_kernel(do_ref, pd_ref, v_ref, dv_ref, dpart_ref, *, num_heads, num
   """dV and delta's partial row sums: the program keeps its V block on chip, and per step
   also computes ``dPd = dO @ V^T`` and stores ``rowsum(dPd * Pd)`` over its kv block."""
   groups = num_heads // num_kv_heads
-  d_pad = _padded_head_dim(head_dim)
+  d_pad = tiles.padded_head_dim(head_dim)
   j, bk, share, b, kvh, k0 = _kv_block_ids(num_kv_heads, block_k)
-  d_mask = _dim_mask(d_pad, head_dim)
-  kv_mask = _tail_mask(k0, block_k, seq_k)
-  v_tile_mask = _outer(kv_mask, d_mask)
-  v = _load(v_ref.at[bk, pl.ds(k0, block_k), _head_dims(d_pad)], v_tile_mask, 0.0)
+  d_mask = tiles.dim_mask(d_pad, head_dim)
+  kv_mask = tiles.tail_mask(k0, block_k, seq_k)
+  v_tile_mask = tiles.outer(kv_mask, d_mask)
+  v = tiles.load(v_ref.at[bk, pl.ds(k0, block_k), tiles.head_dims(d_pad)], v_tile_mask, 0.0)
   nq = pl.cdiv(seq_q, block_q)
   start, stop = _share_range(share, groups * nq, split)
   step = functools.partial(_dv_step, do_ref=do_ref, pd_ref=pd_ref, b=b, kvh=kvh, k0=k0,
@@ -240,7 +200,7 @@ def _dv_delta_kernel(do_ref, pd_ref, v_ref, dv_ref, dpart_ref, *, num_heads, num
     acc = acc + dot(pd, do, trans_a=True)  # dV_j += Pd^T @ dO
     dpd = dot(do, v, trans_b=True)  # dPd = dO @ V_j^T    [block_q, block_k]
     part = jnp.sum(dpd * pd.astype(f32), axis=1)
-    _store(dpart_ref.at[bh, j, pl.ds(q0, block_q)], part, q_mask)
+    tiles.store(dpart_ref.at[bh, j, pl.ds(q0, block_q)], part, q_mask)
     return acc
 
   acc = lax.fori_loop(start, stop, body, jnp.zeros((block_k, d_pad), f32))
@@ -325,11 +285,11 @@ def _summed_partials(dpart_ref, bh, q0, q_mask, block_q):
 
   def add_chunk(c, acc):
     rows = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
-    mask = _outer(None if n_part % chunk == 0 else rows < n_part, q_mask)
-    part = _load(dpart_ref.at[bh, pl.ds(c * chunk, chunk), pl.ds(q0, block_q)], mask, 0.0)
+    mask = tiles.outer(None if n_part % chunk == 0 else rows < n_part, q_mask)
+    part = tiles.load(dpart_ref.at[bh, pl.ds(c * chunk, chunk), pl.ds(q0, block_q)], mask, 0.0)
     return acc + jnp.sum(part, axis=0)
 
-  return _fori_loop(0, pl.cdiv(n_part, chunk), add_chunk, jnp.zeros((block_q,), f32))
+  return tiles.fori_loop(0, pl.cdiv(n_part, chunk), add_chunk, jnp.zeros((block_q,), f32))
 
 
 class _DsRows:
@@ -355,7 +315,7 @@ class _DsRows:
      (self.ds_ref,)) = _ds_refs(refs, dropout.mode, nkv > 1)
 
     groups = num_heads // num_kv_heads
-    self.d_pad = _padded_head_dim(head_dim)
+    self.d_pad = tiles.padded_head_dim(head_dim)
     qi = pl.program_id(0)  # q block: fastest grid axis, so programs sharing V run together
     self.bh0 = pl.program_id(1) * heads  # b * H + first head; `heads` divides G
     b = lax.div(self.bh0, i32(num_heads))
@@ -364,10 +324,10 @@ class _DsRows:
     self.q0 = qi * block_q
     self.heads = range(heads)
 
-    self.d_mask = _dim_mask(self.d_pad, head_dim)
-    self.q_mask = _tail_mask(self.q0, block_q, seq_q)
-    self.do = [_load(do_ref.at[b, pl.ds(self.q0, block_q), self.h0 + r, _head_dims(self.d_pad)],
-                     _outer(self.q_mask, self.d_mask), 0.0) for r in self.heads]
+    self.d_mask = tiles.dim_mask(self.d_pad, head_dim)
+    self.q_mask = tiles.tail_mask(self.q0, block_q, seq_q)
+    self.do = [tiles.load(do_ref.at[b, pl.ds(self.q0, block_q), self.h0 + r, tiles.head_dims(self.d_pad)],
+                     tiles.outer(self.q_mask, self.d_mask), 0.0) for r in self.heads]
     self.ragged_kv = seq_k % block_k != 0
     if nkv == 1:
       self.delta = [None] * heads  # rowsum(dW * P) in the tile
@@ -385,13 +345,13 @@ class _DsRows:
 
   def load_p_keep(self, j, masked):
     """``[(P, keep) per head]`` of kv tile ``j`` (keep is a constant with no dropout)."""
-    mask = _outer(self.q_mask, self.kv_mask(j, masked))
+    mask = tiles.outer(self.q_mask, self.kv_mask(j, masked))
     out = []
     for r in self.heads:
       idx = (self.bh0 + r, pl.ds(self.q0, self.block_q), pl.ds(j * self.block_k, self.block_k))
-      p = _load(self.p_ref.at[idx], mask, 0.0)
+      p = tiles.load(self.p_ref.at[idx], mask, 0.0)
       keep = (jnp.zeros((), jnp.bool_) if self.dropout.mode == "none"
-              else _load(self.keep_ref.at[idx], mask, False))
+              else tiles.load(self.keep_ref.at[idx], mask, False))
       out.append((p, keep))
     return tuple(out)
 
@@ -400,9 +360,9 @@ class _DsRows:
     reach past seq_k); ``pk``: its P and keep if already loaded."""
     k0 = j * self.block_k
     kv_mask = self.kv_mask(j, masked)
-    v = _load(self.v_ref.at[self.bk, pl.ds(k0, self.block_k), _head_dims(self.d_pad)],
-              _outer(kv_mask, self.d_mask), 0.0)
-    mask = _outer(self.q_mask, kv_mask)
+    v = tiles.load(self.v_ref.at[self.bk, pl.ds(k0, self.block_k), tiles.head_dims(self.d_pad)],
+              tiles.outer(kv_mask, self.d_mask), 0.0)
+    mask = tiles.outer(self.q_mask, kv_mask)
     if pk is None:
       pk = self.load_p_keep(j, masked)
     for r in self.heads:
@@ -415,7 +375,7 @@ class _DsRows:
       p = p.astype(f32)
       row_delta = jnp.sum(dw * p, axis=1) if self.delta[r] is None else self.delta[r]
       ds = p * (dw - row_delta[:, None])
-      _store(self.ds_ref.at[self.bh0 + r, pl.ds(self.q0, self.block_q), pl.ds(k0, self.block_k)],
+      tiles.store(self.ds_ref.at[self.bh0 + r, pl.ds(self.q0, self.block_q), pl.ds(k0, self.block_k)],
              ds.astype(self.ds_ref.dtype), mask)
 
 
@@ -433,10 +393,10 @@ def _ds_kernel(*refs, **kwargs):
   if rows.ragged_kv:
     # The tail is a one-trip loop so its start index stays dynamic: a constant start
     # past the end would fail the static slice bounds check of the indexer.
-    _fori_loop(0, nkv - 1, body, 0)
-    _fori_loop(nkv - 1, nkv, functools.partial(body, masked=True), 0)
+    tiles.fori_loop(0, nkv - 1, body, 0)
+    tiles.fori_loop(nkv - 1, nkv, functools.partial(body, masked=True), 0)
   else:
-    _fori_loop(0, nkv, body, 0)
+    tiles.fori_loop(0, nkv, body, 0)
 
 
 def _ds_kernel_prefetch(*refs, **kwargs):
@@ -451,7 +411,7 @@ def _ds_kernel_prefetch(*refs, **kwargs):
     rows.tile(j, True, pk)
     return nxt
 
-  _fori_loop(0, rows.num_kv_tiles, body, rows.load_p_keep(rows.h0 * 0, True))
+  tiles.fori_loop(0, rows.num_kv_tiles, body, rows.load_p_keep(rows.h0 * 0, True))
 
 
 def _ds_kernel_phased(*refs, num_heads, num_kv_heads, seq_q, seq_k, head_dim, block_q,
@@ -475,7 +435,7 @@ def _ds_kernel_phased(*refs, num_heads, num_kv_heads, seq_q, seq_k, head_dim, bl
                                                                             dropout.mode)
 
   groups = num_heads // num_kv_heads
-  d_pad = _padded_head_dim(head_dim)
+  d_pad = tiles.padded_head_dim(head_dim)
   # u0, u: the tile's first row and its rows, within the group
   cls, u0, u = _phase.class_rows(pl.program_id(0), i32(align), block_q)
   bk = pl.program_id(1)  # b * KVH + kv head
@@ -489,8 +449,8 @@ def _ds_kernel_phased(*refs, num_heads, num_kv_heads, seq_q, seq_k, head_dim, bl
   d = jnp.arange(d_pad, dtype=jnp.int32)
   d_mask = None if d_pad == head_dim else d < head_dim
   base = _phase.aligned_base(row0 + u0, seq_k, ph, align)
-  do = _load(do_ref.at[((b * seq_q + q) * num_heads + bh - b * num_heads)[:, None] * head_dim
-                       + d[None, :]], _outer(row_ok, d_mask), 0.0)
+  do = tiles.load(do_ref.at[((b * seq_q + q) * num_heads + bh - b * num_heads)[:, None] * head_dim
+                       + d[None, :]], tiles.outer(row_ok, d_mask), 0.0)
 
   # delta = rowsum(dPd * Pd) = rowsum(dW * P) under the precondition: pass 1's partials.
   chunk = min(next_power_of_2(n_part), 32)
@@ -498,10 +458,10 @@ def _ds_kernel_phased(*refs, num_heads, num_kv_heads, seq_q, seq_k, head_dim, bl
   def add_chunk(c, acc):
     k = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
     offs = (bh[None, :] * n_part + k[:, None]) * seq_q + q[None, :]
-    mask = _outer(None if n_part % chunk == 0 else k < n_part, row_ok)
-    return acc + jnp.sum(_load(dpart_ref.at[offs], mask, 0.0), axis=0)
+    mask = tiles.outer(None if n_part % chunk == 0 else k < n_part, row_ok)
+    return acc + jnp.sum(tiles.load(dpart_ref.at[offs], mask, 0.0), axis=0)
 
-  delta = _fori_loop(0, pl.cdiv(n_part, chunk), add_chunk,
+  delta = tiles.fori_loop(0, pl.cdiv(n_part, chunk), add_chunk,
                         jnp.zeros((block_q,), f32))
 
   if dropout.mode == "traced":
@@ -509,36 +469,36 @@ def _ds_kernel_phased(*refs, num_heads, num_kv_heads, seq_q, seq_k, head_dim, bl
 
   def ds_tile(j, kv, v_mask, mask):
     """``(flat offsets, dS)`` of column tile ``j`` (keys ``kv``)."""
-    v = _load(v_ref.at[(bk * seq_k + kv)[:, None] * head_dim + d[None, :]],
-              _outer(v_mask, d_mask), 0.0)
+    v = tiles.load(v_ref.at[(bk * seq_k + kv)[:, None] * head_dim + d[None, :]],
+              tiles.outer(v_mask, d_mask), 0.0)
     offs = _phase.tile_offsets(base, seq_k, block_q, j * block_k, block_k, align)
-    p = _load(p_ref.at[offs], mask, 0.0).astype(f32)
+    p = tiles.load(p_ref.at[offs], mask, 0.0).astype(f32)
     dw = dot(do, v, trans_b=True)  # dPd, [block_q, block_k] fp32
     if dropout.mode == "static":
-      dw = jnp.where(_load(keep_ref.at[offs], mask, False), dw * dropout.scale, 0.0)
+      dw = jnp.where(tiles.load(keep_ref.at[offs], mask, False), dw * dropout.scale, 0.0)
     elif dropout.mode == "traced":
-      dw = dw * jnp.where(_load(keep_ref.at[offs], mask, False), keep_scale, drop_scale)
+      dw = dw * jnp.where(tiles.load(keep_ref.at[offs], mask, False), keep_scale, drop_scale)
     return offs, (p * (dw - delta[:, None])).astype(ds_ref.dtype)
 
   def body(j, carry, edge=False):
     # V is indexed by hand: tile 0 starts at a negative (masked) key, which a slice clamps.
     kv, valid, load, vector = _phase.tile_masks(j, seq_k, i32(block_k), ph)
     if not edge:  # the tile lies inside the rows: no column masks
-      offs, ds = ds_tile(j, kv, None, _outer(row_ok, None))
-      _store(ds_ref.at[offs], ds, _outer(row_ok, None))
+      offs, ds = ds_tile(j, kv, None, tiles.outer(row_ok, None))
+      tiles.store(ds_ref.at[offs], ds, tiles.outer(row_ok, None))
       return carry
-    offs, ds = ds_tile(j, kv, valid, _outer(row_ok, load))
+    offs, ds = ds_tile(j, kv, valid, tiles.outer(row_ok, load))
     # 16-byte vectors wholly inside the rows, then the rows' first / last few elements.
-    _store(ds_ref.at[offs], ds, _outer(row_ok, vector))
-    _store(ds_ref.at[offs], ds, _outer(row_ok, valid & jnp.logical_not(vector)))
+    tiles.store(ds_ref.at[offs], ds, tiles.outer(row_ok, vector))
+    tiles.store(ds_ref.at[offs], ds, tiles.outer(row_ok, valid & jnp.logical_not(vector)))
     return carry
 
   # Tiles 0 and nt - 1 reach outside the rows; the ones between take no column masks
   # (rows span at least 2 tiles here: the caller checks).
   nt = _phase.num_tiles(seq_k, i32(block_k), ph)
-  _fori_loop(0, 1, functools.partial(body, edge=True), 0)
-  _fori_loop(1, nt - 1, body, 0)
-  _fori_loop(nt - 1, nt, functools.partial(body, edge=True), 0)
+  tiles.fori_loop(0, 1, functools.partial(body, edge=True), 0)
+  tiles.fori_loop(1, nt - 1, body, 0)
+  tiles.fori_loop(nt - 1, nt, functools.partial(body, edge=True), 0)
 
 
 @functools.partial(jax.jit, static_argnames=["num_heads", "dropout", "cfg", "interpret"])
@@ -691,7 +651,7 @@ def _group_rows_do(do_ref, b, kvh, u, row_mask, d, d_mask, *, seq_q, num_heads, 
   h = kvh * groups + lax.div(u, i32(seq_q))
   q = lax.rem(u, i32(seq_q))
   offs = (((b * seq_q + q) * num_heads + h) * head_dim)[:, None] + d[None, :]
-  return _load(do_ref.at[offs], _outer(row_mask, d_mask), 0.0)
+  return tiles.load(do_ref.at[offs], tiles.outer(row_mask, d_mask), 0.0)
 
 
 def _ds_dv_kernel(*refs, num_heads, num_kv_heads, seq_q, seq_k, head_dim, block_q, block_k,
@@ -720,13 +680,13 @@ def _ds_dv_kernel(*refs, num_heads, num_kv_heads, seq_q, seq_k, head_dim, block_
 
   groups = num_heads // num_kv_heads
   rows = groups * seq_q
-  d_pad = _padded_head_dim(head_dim)
+  d_pad = tiles.padded_head_dim(head_dim)
   _, bk, share, b, kvh, k0 = _kv_block_ids(num_kv_heads, block_k)
   d = jnp.arange(d_pad, dtype=jnp.int32)
   d_mask = None if d_pad == head_dim else d < head_dim
-  kv_mask = _tail_mask(k0, block_k, seq_k)
-  v_tile_mask = _outer(kv_mask, d_mask)
-  v = _load(v_ref.at[bk, pl.ds(k0, block_k), _head_dims(d_pad)], v_tile_mask, 0.0)
+  kv_mask = tiles.tail_mask(k0, block_k, seq_k)
+  v_tile_mask = tiles.outer(kv_mask, d_mask)
+  v = tiles.load(v_ref.at[bk, pl.ds(k0, block_k), tiles.head_dims(d_pad)], v_tile_mask, 0.0)
   if mode == "traced":
     keep_scale, drop_scale = _traced_scales(scale_ref)
 
@@ -734,11 +694,11 @@ def _ds_dv_kernel(*refs, num_heads, num_kv_heads, seq_q, seq_k, head_dim, block_
     r0 = i * block_q
     u = r0 + jnp.arange(block_q, dtype=jnp.int32)
     row_mask = u < rows if masked else None
-    mask = _outer(row_mask, kv_mask)
+    mask = tiles.outer(row_mask, kv_mask)
     do = _group_rows_do(do_ref, b, kvh, u, row_mask, d, d_mask, seq_q=seq_q,
                         num_heads=num_heads, groups=groups, head_dim=head_dim)
     idx = (bk, pl.ds(r0, block_q), pl.ds(k0, block_k))
-    p = _load(p_ref.at[idx], mask, 0.0)
+    p = tiles.load(p_ref.at[idx], mask, 0.0)
     pf = p.astype(f32)
     dpd = dot(do, v, trans_b=True)  # [block_q, block_k] fp32
     if mode == "none":
@@ -752,7 +712,7 @@ def _ds_dv_kernel(*refs, num_heads, num_kv_heads, seq_q, seq_k, head_dim, block_
                                     k0.astype(jnp.uint32), block_k, seq_k,
                                     pairs=True) >= keep_ref[2]
       else:
-        keep = _load(keep_ref.at[idx], mask, False)
+        keep = tiles.load(keep_ref.at[idx], mask, False)
       if mode == "static":
         dw = jnp.where(keep, dpd * dropout.scale, 0.0)
         pd = jnp.where(keep, pf * dropout.scale, 0.0).astype(p.dtype)
@@ -763,8 +723,8 @@ def _ds_dv_kernel(*refs, num_heads, num_kv_heads, seq_q, seq_k, head_dim, block_
     if exact_delta:
       delta = jnp.sum(dw * pf, axis=1)
     else:
-      delta = _load(delta_ref.at[bk, pl.ds(r0, block_q)], row_mask, 0.0)
-    _store(ds_ref.at[idx], (pf * (dw - delta[:, None])).astype(ds_ref.dtype), mask)
+      delta = tiles.load(delta_ref.at[bk, pl.ds(r0, block_q)], row_mask, 0.0)
+    tiles.store(ds_ref.at[idx], (pf * (dw - delta[:, None])).astype(ds_ref.dtype), mask)
     # dV_j^T += dO^T @ Pd: Pd, made in registers, is the GEMM's B operand as it is
     # (as the A operand of Pd^T @ dO it would need a transpose, which measured slower).
     return acc + dot(do, pd, trans_a=True)

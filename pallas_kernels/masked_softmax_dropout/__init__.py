@@ -5,7 +5,7 @@ configuration, the tuned table's entries and the default for a device are in ``c
 ``forward.py`` has the fused forward (masked fill, softmax and dropout in one kernel, the mask
 drawn in the kernel); it and ``pallas_triton.masked_softmax_dropout_backward_from_scores`` (P
 recomputed from the scores, the mask redrawn from the key) are op B's Triton path
-(``jax_ops.masked_softmax``), and ``masked_softmax_dropout_backward_from_key`` (P read) its
+(``jax_ops.ops.masked_softmax_dropout``), and ``masked_softmax_dropout_backward_from_key`` (P read) its
 ``"key"`` residual policy's.
 """
 

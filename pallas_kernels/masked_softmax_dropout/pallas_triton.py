@@ -570,7 +570,7 @@ def masked_softmax_dropout_backward_from_key(grad_output, p_attn, mask, dropout_
   of read (1 B per element less; the forward need not store it). ``p_dropout`` is the rate
   as given (a Python float or a traced scalar); the kernel scales by the rate the mask draws
   (``pallas_kernels._dropout.effective_rate``). The op's Triton backend made with the
-  ``"key"`` residual policy of ``jax_ops.masked_softmax`` uses it.
+  ``"key"`` residual policy of ``jax_ops.ops.masked_softmax_dropout`` uses it.
   """
   return _from_key(grad_output, p_attn, mask, dropout_rng, p_dropout, config=config,
                    interpret=interpret, from_scores=False)

@@ -1,6 +1,6 @@
 """The forward of op C in one Pallas Triton kernel: ``P = softmax((Q @ K^T) * scaling)``.
 
-As the jnp forward (``jax_ops.qk_softmax.reference.qk_scale_softmax_forward``) computes it::
+As the jnp forward (``jax_ops.ops.qk_scale_softmax.reference.qk_scale_softmax_forward``) computes it::
 
     logits = (Q @ K^T) * scaling        # fp32 accumulation, input-dtype operands
     logits = -inf above the diagonal     # causal: keys k > q + (Sk - Sq)
@@ -33,10 +33,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from pallas_kernels import _triton_tiles as tiles
 from pallas_kernels import _tuning, _util, validation
 from pallas_kernels._util import compiler_params, dot, next_power_of_2, out_struct, pallas_call
-from pallas_kernels.attention_softmax_dropout_value.pallas_triton import (
-    _dim_mask, _fori_loop, _head_dims, _load, _outer, _padded_head_dim, _store, _tail_mask)
 from pallas_kernels.qk_scale_softmax.pallas_triton import (_row_num_full_k_tiles,
                                                            _row_num_k_tiles)
 
@@ -86,7 +85,7 @@ def default_forward_config(seq_q: int, seq_k: int, head_dim: int,
   Rows of a head wider than 256 bytes (bf16 D > 128, fp32 D > 64; untuned) take smaller
   tiles, so that the K tiles and Q fit in shared memory and registers: two passes of 64 x 64
   tiles on 2 stages up to 512 bytes, of 32 x 32 tiles on 1 stage beyond."""
-  width = _padded_head_dim(head_dim) * jnp.dtype(dtype).itemsize
+  width = tiles.padded_head_dim(head_dim) * jnp.dtype(dtype).itemsize
   rows = max(16, next_power_of_2(seq_q))
   if width > 512:
     return ForwardConfig(block_q=min(32, rows), block_k=min(32, max(16, next_power_of_2(seq_k))),
@@ -109,11 +108,11 @@ def _kernel(scale_ref, q_ref, k_ref, p_ref, *, seq_q, seq_k, head_dim, d_pad, bl
   bh = pl.program_id(1)
   q0 = qi * block_q
   rows = q0 + jnp.arange(block_q, dtype=jnp.int32)
-  q_mask = _tail_mask(q0, block_q, seq_q)
-  d_mask = _dim_mask(d_pad, head_dim)
-  dims = _head_dims(d_pad)
+  q_mask = tiles.tail_mask(q0, block_q, seq_q)
+  d_mask = tiles.dim_mask(d_pad, head_dim)
+  dims = tiles.head_dims(d_pad)
   scale = scale_ref[0]
-  q = _load(q_ref.at[bh, pl.ds(q0, block_q), dims], _outer(q_mask, d_mask), 0.0)
+  q = tiles.load(q_ref.at[bh, pl.ds(q0, block_q), dims], tiles.outer(q_mask, d_mask), 0.0)
   n_k = pl.cdiv(seq_k, block_k)
   ragged_k = seq_k % block_k != 0
   if causal:
@@ -125,14 +124,14 @@ def _kernel(scale_ref, q_ref, k_ref, p_ref, *, seq_q, seq_k, head_dim, d_pad, bl
   def tile(j):
     k0 = j * block_k
     cols = k0 + jnp.arange(block_k, dtype=jnp.int32)
-    k_mask = _tail_mask(k0, block_k, seq_k)
+    k_mask = tiles.tail_mask(k0, block_k, seq_k)
     return cols, k_mask, (bh, pl.ds(q0, block_q), pl.ds(k0, block_k))
 
   def logits(j, diagonal):
     """Key tile ``j`` of ``scaling * log2(e) * Q @ K^T`` in fp32; keys past ``seq_k`` (and,
     with ``diagonal``, above the causal diagonal) are ``-inf``."""
     cols, k_mask, _ = tile(j)
-    k = _load(k_ref.at[bh, pl.ds(j * block_k, block_k), dims], _outer(k_mask, d_mask), 0.0)
+    k = tiles.load(k_ref.at[bh, pl.ds(j * block_k, block_k), dims], tiles.outer(k_mask, d_mask), 0.0)
     s = dot(q, k, trans_b=True) * scale
     valid = None
     if ragged_k:
@@ -151,7 +150,7 @@ def _kernel(scale_ref, q_ref, k_ref, p_ref, *, seq_q, seq_k, head_dim, d_pad, bl
     e = jnp.exp2(s - jnp.max(s, axis=1)[:, None])
     probs = e * (1.0 / jnp.sum(e, axis=1))[:, None]
     _, k_mask, idx = tile(first)
-    _store(p_ref.at[idx], probs.astype(p_ref.dtype), _outer(q_mask, k_mask))
+    tiles.store(p_ref.at[idx], probs.astype(p_ref.dtype), tiles.outer(q_mask, k_mask))
     return
 
   # Pass 1: the row max m and the row sum l of exp2(s - m), online. Every row's first tile
@@ -164,28 +163,28 @@ def _kernel(scale_ref, q_ref, k_ref, p_ref, *, seq_q, seq_k, head_dim, d_pad, bl
     return m_new, l
 
   init = (jnp.full((block_q,), -jnp.inf, _F32), jnp.zeros((block_q,), _F32))
-  m, l = _fori_loop(0, n_full, stats, init)
+  m, l = tiles.fori_loop(0, n_full, stats, init)
   if causal:
-    m, l = _fori_loop(n_full, n_tiles, functools.partial(stats, diagonal=True), (m, l))
+    m, l = tiles.fori_loop(n_full, n_tiles, functools.partial(stats, diagonal=True), (m, l))
   inv_l = (1.0 / l)[:, None]
 
   # Pass 2: P = exp2(s - m) * (1 / l), rounded and stored.
   def write(j, carry, diagonal=False):
     _, k_mask, idx = tile(j)
     probs = jnp.exp2(logits(j, diagonal) - m[:, None]) * inv_l
-    _store(p_ref.at[idx], probs.astype(p_ref.dtype), _outer(q_mask, k_mask))
+    tiles.store(p_ref.at[idx], probs.astype(p_ref.dtype), tiles.outer(q_mask, k_mask))
     return carry
 
-  _fori_loop(0, n_full, write, 0)
+  tiles.fori_loop(0, n_full, write, 0)
   if causal:
-    _fori_loop(n_full, n_tiles, functools.partial(write, diagonal=True), 0)
+    tiles.fori_loop(n_full, n_tiles, functools.partial(write, diagonal=True), 0)
 
     def zeros(j, carry):
       _, k_mask, idx = tile(j)
-      _store(p_ref.at[idx], jnp.zeros((block_q, block_k), p_ref.dtype), _outer(q_mask, k_mask))
+      tiles.store(p_ref.at[idx], jnp.zeros((block_q, block_k), p_ref.dtype), tiles.outer(q_mask, k_mask))
       return carry
 
-    _fori_loop(n_tiles, n_k, zeros, 0)
+    tiles.fori_loop(n_tiles, n_k, zeros, 0)
 
 
 def takes(b, h, seq_q, seq_k, head_dim) -> bool:
@@ -199,7 +198,7 @@ def _call(query, key, scale, *, causal, config, interpret):
   b, h, seq_q, d = query.shape
   seq_k = key.shape[2]
   kernel = functools.partial(
-      _kernel, seq_q=seq_q, seq_k=seq_k, head_dim=d, d_pad=_padded_head_dim(d),
+      _kernel, seq_q=seq_q, seq_k=seq_k, head_dim=d, d_pad=tiles.padded_head_dim(d),
       block_q=config.block_q, block_k=config.block_k, causal=causal)
   args = (scale, query.reshape(b * h, seq_q, d), key.reshape(b * h, seq_k, d))
   probs = pallas_call(

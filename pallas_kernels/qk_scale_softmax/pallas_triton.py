@@ -64,6 +64,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels import _triton_tiles as tiles
 from pallas_kernels import _mosaic, _phase, _tuning, validation
 from pallas_kernels._util import (check_can_compile, compiler_params, dot,
                                   enable_load_cache_modifiers, next_power_of_2, out_struct,
@@ -85,14 +86,8 @@ _SUPPORTED = (jnp.bfloat16, jnp.float16, jnp.float32)
 _ZERO = np.int32(0)
 
 
-def _fori_loop(lower, upper, body, init):
-  """``jax.lax.fori_loop`` whose body gets an int32 index: with Python-int bounds the loop
-  counts in the default int type, int64 under x64, which int32 offsets cannot mix with."""
-  return jax.lax.fori_loop(lower, upper, lambda i, carry: body(i.astype(_I32), carry), init)
 
 
-def _padded_head_dim(head_dim: int) -> int:
-  return next_power_of_2(max(head_dim, 16))
 
 
 # ------------------------------------------------------------------------- dL, exactly
@@ -182,7 +177,7 @@ class _RowTiles:
     self.seq_q, self.seq_k = seq_q, seq_k
     self.block_q, self.block_k = block_q, block_k
     self.dtype = g_ref.dtype
-    self.d_pad = _padded_head_dim(head_dim)
+    self.d_pad = tiles.padded_head_dim(head_dim)
     self.scale = scale_ref[0]
     self.q_start = self.qi * block_q
     self.rows = self.q_start + jnp.arange(block_q, dtype=_I32)
@@ -249,7 +244,7 @@ def _row_kernel_one_tile(scale_ref, g_ref, p_ref, k_ref, dq_ref, delta_ref, *, c
     d_l = _dl_tile(g, p, delta, r.scale, r.dtype)
     return delta, carry[1] + dot(d_l, r.k(j))
 
-  delta, acc = _fori_loop(0, n_tiles, fused, (r.zero_delta(), acc))
+  delta, acc = tiles.fori_loop(0, n_tiles, fused, (r.zero_delta(), acc))
   r.store(dq_ref, delta_ref, acc, delta)
 
 
@@ -259,9 +254,9 @@ def _row_kernel_two_pass(scale_ref, g_ref, p_ref, k_ref, dq_ref, delta_ref, **di
   r = _RowTiles(scale_ref, g_ref, p_ref, k_ref, **dims)
   n_tiles = pl.cdiv(r.seq_k, r.block_k)
   acc = r.zero_acc()
-  delta = _fori_loop(0, n_tiles, lambda j, delta: delta + _row_delta(*r.gp(j, diagonal=False)),
+  delta = tiles.fori_loop(0, n_tiles, lambda j, delta: delta + _row_delta(*r.gp(j, diagonal=False)),
                      r.zero_delta())
-  acc = _fori_loop(0, n_tiles, lambda t, acc: r.dq_term(n_tiles - 1 - t, acc, delta,
+  acc = tiles.fori_loop(0, n_tiles, lambda t, acc: r.dq_term(n_tiles - 1 - t, acc, delta,
                                                         diagonal=False), acc)
   r.store(dq_ref, delta_ref, acc, delta)
 
@@ -279,15 +274,15 @@ def _row_kernel_causal(scale_ref, g_ref, p_ref, k_ref, dq_ref, delta_ref, **dims
   def pass_delta(j, delta, diagonal=False):
     return delta + _row_delta(*r.gp(j, diagonal=diagonal))
 
-  delta = _fori_loop(0, n_full, pass_delta, r.zero_delta())
-  delta = _fori_loop(n_full, n_tiles, functools.partial(pass_delta, diagonal=True), delta)
+  delta = tiles.fori_loop(0, n_full, pass_delta, r.zero_delta())
+  delta = tiles.fori_loop(n_full, n_tiles, functools.partial(pass_delta, diagonal=True), delta)
 
   def pass_dq(t, acc, last, diagonal=False):
     return r.dq_term(last - 1 - t, acc, delta, diagonal=diagonal)  # newest tiles first
 
-  acc = _fori_loop(0, n_tiles - n_full, functools.partial(pass_dq, last=n_tiles, diagonal=True),
+  acc = tiles.fori_loop(0, n_tiles - n_full, functools.partial(pass_dq, last=n_tiles, diagonal=True),
                    acc)
-  acc = _fori_loop(0, n_full, functools.partial(pass_dq, last=n_full), acc)
+  acc = tiles.fori_loop(0, n_full, functools.partial(pass_dq, last=n_full), acc)
   r.store(dq_ref, delta_ref, acc, delta)
 
 
@@ -309,7 +304,7 @@ def _row_kernel_prefetch(scale_ref, g_ref, p_ref, k_ref, dq_ref, delta_ref, *, c
     nxt = r.gp(j + 1, j + 1 < n_tiles, diagonal=causal)
     return (delta + _row_delta(g, p), *nxt)
 
-  delta, _, _ = _fori_loop(0, n_tiles, pass_delta,
+  delta, _, _ = tiles.fori_loop(0, n_tiles, pass_delta,
                            (r.zero_delta(), *r.gp(r.qi * 0, n_tiles > 0, diagonal=causal)))
 
   def pass_dq(t, carry):
@@ -319,7 +314,7 @@ def _row_kernel_prefetch(scale_ref, g_ref, p_ref, k_ref, dq_ref, delta_ref, *, c
     d_l = _dl_tile(g, p, delta, r.scale, r.dtype)
     return (acc + dot(d_l, r.k(j)), *nxt)
 
-  acc, _, _ = _fori_loop(0, n_tiles, pass_dq,
+  acc, _, _ = tiles.fori_loop(0, n_tiles, pass_dq,
                          (acc, *r.gp(r.qi * 0 + n_tiles - 1, n_tiles > 0, diagonal=causal)))
   r.store(dq_ref, delta_ref, acc, delta)
 
@@ -337,7 +332,7 @@ def _row_kernel_phased(scale_ref, g_ref, p_ref, k_ref, dq_ref, delta_ref, *, seq
   cls, q0, rows = _phase.class_rows(program, align, block_q)
   bh = pl.program_id(1)
   dtype = g_ref.dtype
-  d_pad = _padded_head_dim(head_dim)
+  d_pad = tiles.padded_head_dim(head_dim)
   scale = scale_ref[0]
   d = jnp.arange(d_pad, dtype=_I32)
   d_ok = d < head_dim
@@ -370,8 +365,8 @@ def _row_kernel_phased(scale_ref, g_ref, p_ref, k_ref, dq_ref, delta_ref, *, seq
                       mask=valid[:, None] & d_ok[None, :], other=0.0)
     return acc + dot(_dl_tile(g, p, delta, scale, dtype), k)
 
-  delta = _fori_loop(0, n_tiles, pass_delta, jnp.zeros((block_q,), _F32))
-  acc = _fori_loop(0, n_tiles, pass_dq, jnp.zeros((block_q, d_pad), _F32))
+  delta = tiles.fori_loop(0, n_tiles, pass_delta, jnp.zeros((block_q,), _F32))
+  acc = tiles.fori_loop(0, n_tiles, pass_dq, jnp.zeros((block_q, d_pad), _F32))
 
   offs = (bh * seq_q + rows)[:, None] * head_dim + d[None, :]
   pltriton.store(dq_ref.at[offs], acc.astype(dq_ref.dtype),
@@ -396,7 +391,7 @@ class _ColTiles:
     self.seq_q, self.seq_k = seq_q, seq_k
     self.block_q, self.block_k = block_q, block_k
     self.dtype = g_ref.dtype
-    self.d_pad = _padded_head_dim(head_dim)
+    self.d_pad = tiles.padded_head_dim(head_dim)
     self.scale = scale_ref[0]
     self.k_start = self.kj * block_k
     self.cols = self.k_start + jnp.arange(block_k, dtype=_I32)
@@ -446,7 +441,7 @@ def _col_kernel_dense(scale_ref, g_ref, p_ref, q_ref, delta_ref, dk_ref, **dims)
   """Dense: every query tile, plain loads."""
   c = _ColTiles(scale_ref, g_ref, p_ref, q_ref, delta_ref, **dims)
   acc = c.zero_acc()
-  acc = _fori_loop(0, c.num_q_tiles, lambda i, acc: c.step(i, acc, *c.gp(i, diagonal=False)),
+  acc = tiles.fori_loop(0, c.num_q_tiles, lambda i, acc: c.step(i, acc, *c.gp(i, diagonal=False)),
                    acc)
   c.store(dk_ref, acc)
 
@@ -459,8 +454,8 @@ def _col_kernel_causal(scale_ref, g_ref, p_ref, q_ref, delta_ref, dk_ref, **dims
   lo = c.causal_first_q_tile()
   acc = c.zero_acc()
   full = c.causal_first_full_q_tile()
-  acc = _fori_loop(lo, full, lambda i, acc: c.step(i, acc, *c.gp(i, diagonal=True)), acc)
-  acc = _fori_loop(full, c.num_q_tiles,
+  acc = tiles.fori_loop(lo, full, lambda i, acc: c.step(i, acc, *c.gp(i, diagonal=True)), acc)
+  acc = tiles.fori_loop(full, c.num_q_tiles,
                    lambda i, acc: c.step(i, acc, *c.gp(i, diagonal=False)), acc)
   c.store(dk_ref, acc)
 
@@ -479,7 +474,7 @@ def _col_kernel_prefetch(scale_ref, g_ref, p_ref, q_ref, delta_ref, dk_ref, *, c
     nxt = c.gp(i + 1, diagonal=causal)
     return (c.step(i, acc, g, p), *nxt)
 
-  acc, _, _ = _fori_loop(lo, c.num_q_tiles, body, (acc, *c.gp(c.kj * 0 + lo, diagonal=causal)))
+  acc, _, _ = tiles.fori_loop(lo, c.num_q_tiles, body, (acc, *c.gp(c.kj * 0 + lo, diagonal=causal)))
   c.store(dk_ref, acc)
 
 
@@ -497,7 +492,7 @@ def _head_kernel(scale_ref, g_ref, p_ref, q_ref, k_ref, dq_ref, dk_ref, *, seq_q
   """
   bh = pl.program_id(0)
   dtype = g_ref.dtype
-  d_pad = _padded_head_dim(head_dim)
+  d_pad = tiles.padded_head_dim(head_dim)
   block_k = next_power_of_2(max(seq_k, 16))
   scale = scale_ref[0]
   cols = jnp.arange(block_k, dtype=_I32)
@@ -525,7 +520,7 @@ def _head_kernel(scale_ref, g_ref, p_ref, q_ref, k_ref, dq_ref, dk_ref, *, seq_q
     q = pltriton.load(q_ref.at[qd_idx], mask=qd_mask, other=0.0)
     return acc + dot(d_l, q, trans_a=True)
 
-  acc = _fori_loop(0, pl.cdiv(seq_q, block_q), body, jnp.zeros((block_k, d_pad), _F32))
+  acc = tiles.fori_loop(0, pl.cdiv(seq_q, block_q), body, jnp.zeros((block_k, d_pad), _F32))
   pltriton.store(dk_ref.at[bh, pl.ds(_ZERO, block_k), pl.ds(_ZERO, d_pad)],
                  acc.astype(dk_ref.dtype), mask=col_ok[:, None] & d_ok[None, :])
 
@@ -628,15 +623,8 @@ def head_pass(scale, g, p, q, k, *, causal, cfg, interpret):
   )(scale, g, p, q, k)
 
 
-def _load(ref, mask, **kwargs):
-  """``pltriton.load`` of ``ref``, masked (zero outside) unless ``mask`` is ``None``."""
-  fill = {} if mask is None else {"mask": mask, "other": 0.0}
-  return pltriton.load(ref, **fill, **kwargs)
 
 
-def _store(ref, value, mask):
-  """``pltriton.store`` of ``value``, masked unless ``mask`` is ``None``."""
-  pltriton.store(ref, value, **({} if mask is None else {"mask": mask}))
 
 
 def _dl_kernel(scale_ref, g_ref, p_ref, dl_ref, *, seq_q: int, seq_k: int, block_q: int,
@@ -690,14 +678,14 @@ def _dl_block(q0, *, bh, scale_ref, g_ref, p_ref, dl_ref, seq_q: int, seq_k: int
       written = cols[None, :] < (last[:, None] + (seq_k - seq_q) + keys - 1) // keys * keys
       store = written if store is None else store & written
   tile = (bh, pl.ds(q0, block_q), pl.ds(_ZERO, width))
-  g = _load(g_ref.at[tile], read, cache_modifier=".cg")
-  p = _load(p_ref.at[tile], read, cache_modifier=".cg")
+  g = tiles.load(g_ref.at[tile], read, cache_modifier=".cg")
+  p = tiles.load(p_ref.at[tile], read, cache_modifier=".cg")
   if causal:  # the keys past the diagonal that the vectors brought in
     below = cols[None, :] < end
     g = jnp.where(below, g, jnp.zeros_like(g))
     p = jnp.where(below, p, jnp.zeros_like(p))
   dl = _dl_tile(g, p, _row_delta(g, p), scale_ref[0], dl_ref.dtype)  # 0 where not read
-  _store(dl_ref.at[tile], dl, store)
+  tiles.store(dl_ref.at[tile], dl, store)
 
 
 def dl_classes(seq_q: int, seq_k: int, stride: int, rows: int,
@@ -775,8 +763,8 @@ def _dl_kernel_phased(scale_ref, g_ref, p_ref, dl_ref, *, seq_q: int, seq_k: int
   g = jnp.where(inside, g, jnp.zeros_like(g))  # neighbouring rows' keys, keys above the diagonal
   p = jnp.where(inside, p, jnp.zeros_like(p))
   dl = _dl_tile(g, p, _row_delta(g, p), scale_ref[0], dl_ref.dtype)
-  _store(dl_ref.at[offs], dl, row_ok & vector[None, :])
-  _store(dl_ref.at[offs], dl, row_ok & (valid & jnp.logical_not(vector))[None, :])
+  tiles.store(dl_ref.at[offs], dl, row_ok & vector[None, :])
+  tiles.store(dl_ref.at[offs], dl, row_ok & (valid & jnp.logical_not(vector))[None, :])
 
 
 def dl_phased(seq_k: int, cfg: DlConfig, *sizes: int) -> bool:
@@ -867,7 +855,7 @@ def _dl_matmul_tile(i, dl_head, head, dl_ref, x_ref, o_ref, *, transpose: bool, 
                     seq_q: int, seq_k: int, head_dim: int, block_q: int, block_k: int):
   """Output tile ``i`` of :func:`_dl_matmul_kernel`, from head ``dl_head`` of ``dL`` and
   head ``head`` of ``x`` and the output."""
-  d_pad = _padded_head_dim(head_dim)
+  d_pad = tiles.padded_head_dim(head_dim)
   d_ok = None if d_pad == head_dim else (jnp.arange(d_pad, dtype=_I32) < head_dim)[None, :]
   out_block, red_block = (block_k, block_q) if transpose else (block_q, block_k)
   # dL's rows may be padded past seq_k (zeros): its key masks take its own row length.
@@ -893,8 +881,8 @@ def _dl_matmul_tile(i, dl_head, head, dl_ref, x_ref, o_ref, *, transpose: bool, 
     else:  # dL tile [out (queries), red (keys)]
       idx = (dl_head, pl.ds(o0, out_block), pl.ds(r0, red_block))
       a_mask = _and_masks(ok(o0, out_block, dl_out, 0), ok(r0, red_block, dl_red, 1))
-    a = _load(dl_ref.at[idx], a_mask)
-    x = _load(x_ref.at[head, pl.ds(r0, red_block), pl.ds(_ZERO, d_pad)],
+    a = tiles.load(dl_ref.at[idx], a_mask)
+    x = tiles.load(x_ref.at[head, pl.ds(r0, red_block), pl.ds(_ZERO, d_pad)],
               _and_masks(ok(r0, red_block, red_len, 0), d_ok))
     return acc + dot(a, x, trans_a=transpose)
 
@@ -903,8 +891,8 @@ def _dl_matmul_tile(i, dl_head, head, dl_ref, x_ref, o_ref, *, transpose: bool, 
     lo = _col_first_q_tile(i, seq_q, seq_k, block_q, block_k)
   elif causal:
     hi = _row_num_k_tiles(i, seq_q, seq_k, block_q, block_k)
-  acc = _fori_loop(lo, hi, body, jnp.zeros((out_block, d_pad), _F32))
-  _store(o_ref.at[head, pl.ds(o0, out_block), pl.ds(_ZERO, d_pad)], acc.astype(o_ref.dtype),
+  acc = tiles.fori_loop(lo, hi, body, jnp.zeros((out_block, d_pad), _F32))
+  tiles.store(o_ref.at[head, pl.ds(o0, out_block), pl.ds(_ZERO, d_pad)], acc.astype(o_ref.dtype),
          _and_masks(ok(o0, out_block, out_len, 0), d_ok))
 
 
@@ -994,7 +982,7 @@ def one_launch_takes(dtype, head_dim: int) -> bool:
   """Whether :func:`dl_gemm` runs its GEMMs as the one Triton launch: 16-bit inputs and a
   padded head dim of at most 128 (what was measured; fp32 or wider heads would need tiles
   that fit shared memory), else XLA's GEMMs."""
-  return jnp.dtype(dtype).itemsize <= 2 and _padded_head_dim(head_dim) <= 128
+  return jnp.dtype(dtype).itemsize <= 2 and tiles.padded_head_dim(head_dim) <= 128
 
 
 def dl_gemm(scale, g, p, q, k, *, causal=False, cfg, interpret, gemm=None):

@@ -15,7 +15,7 @@ import pytest
 from conftest import INTERPRET, ON_GPU, ulps_apart
 import jax_ops
 from jax_ops._common import apply_dropout
-from jax_ops.attention_value import reference
+from jax_ops.ops.attention_softmax_dropout_value import reference
 from pallas_kernels.attention_softmax_dropout_value.forward import (
     attention_softmax_dropout_value_forward as forward, bits_shape, forward_with_keep_bits)
 

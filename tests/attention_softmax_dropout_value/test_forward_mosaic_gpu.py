@@ -11,7 +11,7 @@ import pytest
 
 from conftest import INTERPRET, ON_GPU
 import jax_ops
-from jax_ops.attention_value import reference as ref_a
+from jax_ops.ops.attention_softmax_dropout_value import reference as ref_a
 from pallas_kernels._util import is_hopper
 from pallas_kernels.attention_softmax_dropout_value import forward_mosaic_gpu as fm
 
@@ -111,7 +111,7 @@ def test_backend_with_the_mosaic_forward_matches_the_xla_path():
   """``AttentionValueMosaicGpu(forward="mosaic_gpu")`` in the op: its value and gradients
   are the XLA path's for the same key."""
   from jax_ops import registry
-  from jax_ops.attention_value import pallas_mosaic_gpu as backend_module
+  from jax_ops.ops.attention_softmax_dropout_value import pallas_mosaic_gpu as backend_module
   name = "mosaic_gpu_test_mgpu_forward"
   registry.register("attention_softmax_dropout_value", name,
                     type(backend_module.BACKEND)(name, residuals="fused_output",
@@ -126,7 +126,7 @@ def test_backend_with_the_mosaic_forward_matches_the_xla_path():
 
 
 def _check_step(name, scores, value, rng):
-  from jax_ops.attention_value import pallas_mosaic_gpu as backend_module
+  from jax_ops.ops.attention_softmax_dropout_value import pallas_mosaic_gpu as backend_module
   calls = []
   mosaic_forward = backend_module.forward_mosaic.forward_with_output
 

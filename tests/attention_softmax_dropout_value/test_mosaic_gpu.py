@@ -374,7 +374,7 @@ def test_lowers_for_a_gpu(skv, config):
 def _forward_residuals(b, h, kvh, sq, skv, d, p, seed):
   """``(dO, P, Pd, V, keep, O_f32)`` from the jnp forward with the op's mask."""
   import jax_ops
-  from jax_ops.attention_value import reference as ref_a
+  from jax_ops.ops.attention_softmax_dropout_value import reference as ref_a
   k = jax.random.split(jax.random.key(seed), 4)
   scores = jax.random.normal(k[0], (b, h, sq, skv), jnp.bfloat16)
   value = jax.random.normal(k[1], (b, kvh, skv, d), jnp.bfloat16)

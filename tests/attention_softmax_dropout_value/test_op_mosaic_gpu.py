@@ -98,7 +98,7 @@ def test_gradient_types_under_shard_map(monkeypatch):
 @pytest.fixture
 def fused_backend():
   from jax_ops import registry
-  from jax_ops.attention_value.pallas_mosaic_gpu import AttentionValueMosaicGpu
+  from jax_ops.ops.attention_softmax_dropout_value.pallas_mosaic_gpu import AttentionValueMosaicGpu
   registry.register("attention_softmax_dropout_value", "mosaic_gpu_fused",
                     AttentionValueMosaicGpu("mosaic_gpu_fused", residuals="fused_output"))
   yield "mosaic_gpu_fused"
@@ -139,7 +139,7 @@ def test_fused_output_policy_saves_no_mask(keep):
   """Under "fused_output" the Mosaic GPU backend's forward saves no bool mask and no Pd (one
   residual of the scores' shape: P), and of the mask only the key's seeds (``[4]`` uint32;
   the backward draws keep again) or, with ``keep="bits"``, int32 bits (1/8 B per element)."""
-  from jax_ops.attention_value.pallas_mosaic_gpu import AttentionValueMosaicGpu
+  from jax_ops.ops.attention_softmax_dropout_value.pallas_mosaic_gpu import AttentionValueMosaicGpu
   from pallas_kernels.attention_softmax_dropout_value.forward import bits_shape
   registry.register("attention_softmax_dropout_value", "mosaic_gpu_fused_test",
                     AttentionValueMosaicGpu("mosaic_gpu_fused_test", residuals="fused_output",
@@ -168,7 +168,7 @@ def test_fused_inputs_policy_saves_no_keep_mask():
   keep mask saved; a traced rate saves the jnp forward's keep mask too (the Triton kernels
   it runs read it). The default ``"fused_output"`` takes it on rows of 128 keys; problems
   past the kernel's int32 offsets keep ``"inputs"``."""
-  from jax_ops.attention_value.pallas_mosaic_gpu import AttentionValueMosaicGpu
+  from jax_ops.ops.attention_softmax_dropout_value.pallas_mosaic_gpu import AttentionValueMosaicGpu
   from jax_ops.backend import FUSED_INPUTS, FUSED_OUTPUT, INPUTS
   k = keys(5, 3)
   scores = jax.random.normal(k[0], (1, 4, 64, 256), jnp.bfloat16)

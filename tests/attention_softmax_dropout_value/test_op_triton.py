@@ -28,7 +28,7 @@ def test_grad_from_saved_output(monkeypatch, b, h, kvh, sq, skv, d, rate):
   op's path on rows of >= 512 aligned keys, the threshold lowered here so small rows take
   it), against autodiff of the fp32 forward; 64-key tiles: rows of 80 keys read the delta
   made from the saved output, shorter ones compute it in the tile."""
-  from jax_ops.attention_value import pallas_triton
+  from jax_ops.ops.attention_softmax_dropout_value import pallas_triton
   monkeypatch.setattr(pallas_triton, "FROM_OUTPUT_MIN_KEYS", 8)
   k = keys(7, 4)
   p = 0.15 if rate == "traced" else rate
@@ -77,7 +77,7 @@ def test_fused_forward_equals_the_xla_path(monkeypatch, rate):
   """On the "fused_output" path (threshold lowered) the op's output and gradients agree with
   the XLA path's (jnp forward, the same mask) to bf16 rounding: the kernel's P can be one
   ulp off the jnp softmax's."""
-  from jax_ops.attention_value import pallas_triton
+  from jax_ops.ops.attention_softmax_dropout_value import pallas_triton
   monkeypatch.setattr(pallas_triton, "FROM_OUTPUT_MIN_KEYS", 8)
   k = keys(9, 4)
   scores = jax.random.normal(k[0], (1, 4, 7, 24), jnp.bfloat16)
@@ -109,8 +109,8 @@ def test_seeds_instead_of_the_mask(monkeypatch, rate):
   and saves the key's seeds (``[3]`` uint32, no bool residual); the kernel from delta draws
   the mask again: the same gradients, bit for bit, as the default backend reading the mask
   it saved (rows spanning two heads in a tile, a ragged key tile), a traced rate too."""
-  from jax_ops.attention_value import pallas_triton
-  from jax_ops.attention_value.pallas_triton import AttentionValueTriton
+  from jax_ops.ops.attention_softmax_dropout_value import pallas_triton
+  from jax_ops.ops.attention_softmax_dropout_value.pallas_triton import AttentionValueTriton
   monkeypatch.setattr(pallas_triton, "FROM_OUTPUT_MIN_KEYS", 8)
   registry = jax_ops.registry
   registry.register("attention_softmax_dropout_value", "triton_seeds",
@@ -152,7 +152,7 @@ def test_seeds_instead_of_the_mask(monkeypatch, rate):
 def test_residual_policy_of_the_largest_problems():
   """Scores of 2**31 elements or more keep the jnp forward (the fused kernel's offsets are
   int32): policy "output"; below, "fused_output"."""
-  from jax_ops.attention_value.pallas_triton import BACKEND
+  from jax_ops.ops.attention_softmax_dropout_value.pallas_triton import BACKEND
   from jax_ops.backend import Problem
   def policy(b, h, s):
     return BACKEND.residual_policy(Problem(

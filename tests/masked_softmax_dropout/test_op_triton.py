@@ -30,7 +30,7 @@ def implementation():
 @pytest.fixture(scope="module", autouse=True)
 def key_backend():
   """``"triton_key"``: the Triton backend with the ``"key"`` policy (P saved)."""
-  from jax_ops.masked_softmax.pallas_triton import MaskedSoftmaxTriton
+  from jax_ops.ops.masked_softmax_dropout.pallas_triton import MaskedSoftmaxTriton
   registry.register(OP, "triton_key", MaskedSoftmaxTriton("triton_key", residuals="key"))
   yield "triton_key"
   registry.unregister(OP, "triton_key")
@@ -216,5 +216,5 @@ def test_scores_policy_saves_only_the_inputs_and_the_key():
     kernels = [e for e in _eqns(fwd.jaxpr) if e.primitive.name == "pallas_call"]
     assert [len(e.outvars) for e in kernels] == [outputs], path
   with pytest.raises(ValueError, match="residuals"):
-    from jax_ops.masked_softmax.pallas_triton import MaskedSoftmaxTriton
+    from jax_ops.ops.masked_softmax_dropout.pallas_triton import MaskedSoftmaxTriton
     MaskedSoftmaxTriton(residuals="p")

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import INTERPRET, ON_GPU, ulps_apart
 from jax_ops._common import causal_mask
-from jax_ops.qk_softmax import reference
+from jax_ops.ops.qk_scale_softmax import reference
 from pallas_kernels.qk_scale_softmax.forward import (ForwardConfig, default_forward_config,
                                                      qk_scale_softmax_forward as forward)
 
@@ -147,7 +147,7 @@ def test_the_op_runs_the_fused_forward(pretend_gpu, monkeypatch, implementation,
   import jax_ops
   from conftest import FakeHopper, triton_calls_in_gpu_lowering
   from jax_ops import _common
-  from jax_ops.qk_softmax import pallas_triton as backend_module
+  from jax_ops.ops.qk_scale_softmax import pallas_triton as backend_module
   monkeypatch.setattr(_common, "device_of", lambda *a: FakeHopper())
   shapes = [jax.ShapeDtypeStruct((1, 2, 128, 128), jnp.bfloat16)] * 2
   fn = lambda q, k, _: jax_ops.qk_scale_softmax(q, k, implementation=implementation)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import INTERPRET, ON_GPU, ulps_apart
-from jax_ops.qk_softmax import reference
+from jax_ops.ops.qk_scale_softmax import reference
 from pallas_kernels._util import is_hopper
 from pallas_kernels.qk_scale_softmax import forward_mosaic_gpu as fm
 
@@ -113,7 +113,7 @@ def test_the_op_picks_it_compiled_on_hopper_for_long_dense_rows(monkeypatch):
   256 keys that it takes; the Triton forward in the interpreter, on other GPUs, on short
   rows, causal calls and shapes it does not take."""
   from conftest import FakeBlackwell, FakeHopper
-  from jax_ops.qk_softmax import pallas_triton as backend_module
+  from jax_ops.ops.qk_scale_softmax import pallas_triton as backend_module
   q = jax.ShapeDtypeStruct((1, 2, 256, 128), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((1, 2, 512, 128), jnp.bfloat16)
   pick = backend_module.forward_kernel_for
@@ -138,7 +138,7 @@ def test_op_with_the_mosaic_forward_matches_the_xla_path():
   the op's P and gradients are the XLA path's, and the Mosaic GPU forward ran."""
   import jax_ops
   from jax_ops import registry
-  from jax_ops.qk_softmax import pallas_triton as backend_module
+  from jax_ops.ops.qk_scale_softmax import pallas_triton as backend_module
   op, name = "qk_scale_softmax", "triton_test_mgpu_forward"
   registry.register(op, name, backend_module.QKSoftmaxTriton(name, forward="mosaic_gpu"))
   query, key = _inputs(1, 2, 128, 384, 64, seed=4)

@@ -389,7 +389,7 @@ def test_dl_configs():
 
 def test_backend_scheme_option():
   from jax_ops.backend import Problem
-  from jax_ops.qk_softmax import pallas_triton as backend
+  from jax_ops.ops.qk_scale_softmax import pallas_triton as backend
   with pytest.raises(ValueError, match="scheme"):
     backend.QKSoftmaxTriton(scheme="fused")
   impl = backend.QKSoftmaxTriton(scheme="dl_gemm")

@@ -8,7 +8,7 @@ the Triton kernels that skip them). Rows of 256 keys take the Triton kernels: th
 entry point's Mosaic GPU pair kernel (``implementation="mosaic_gpu"`` there) measured
 slower. Forced with ``implementation="mosaic_gpu"`` on another problem or device it
 raises saying why. Residuals: Q, K and P. The op's forward is the Triton backend's
-(:func:`jax_ops.qk_softmax.pallas_triton.pallas_forward`): at 128 keys the fused Pallas
+(:func:`jax_ops.ops.qk_scale_softmax.pallas_triton.pallas_forward`): at 128 keys the fused Pallas
 Triton forward kernel, measured faster there than the Mosaic GPU forward.
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 from pallas_kernels import qk_scale_softmax as kernels
 from pallas_kernels.qk_scale_softmax import pallas_mosaic_gpu as mosaic
 from jax_ops import backend
-from jax_ops.qk_softmax.pallas_triton import pallas_forward
+from jax_ops.ops.qk_scale_softmax.pallas_triton import pallas_forward
 
 
 class QKSoftmaxMosaicGpu(backend.MosaicGpuBackend):
@@ -41,7 +41,7 @@ class QKSoftmaxMosaicGpu(backend.MosaicGpuBackend):
     return None
 
   def forward(self, query, key, scaling, *, causal=False, interpret=False):
-    """The op's forward: :func:`jax_ops.qk_softmax.pallas_triton.pallas_forward`."""
+    """The op's forward: :func:`jax_ops.ops.qk_scale_softmax.pallas_triton.pallas_forward`."""
     return pallas_forward(query, key, scaling, causal=causal, interpret=interpret)
 
   def backward(self, grad_output, query, key, attn_weights, scaling, *, causal=False,

@@ -4,7 +4,7 @@ The backward is the backend that :func:`jax_ops.registry.resolve` picks, and tha
 residual policy says what the forward is and what it saves:
 
 * ``"inputs"`` (the ``"xla"`` backend, registered functions): the forward is plain jnp
-  (:mod:`jax_ops.masked_softmax.reference`), the keep mask drawn by
+  (:mod:`jax_ops.ops.masked_softmax_dropout.reference`), the keep mask drawn by
   :func:`jax_ops.dropout_keep_mask`; residuals: P, the attention mask and the keep mask (the
   reference backward's arguments).
 * ``"key"`` (a Triton backend made with ``residuals="key"``): the forward is the backend's
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from jax_ops import _common
 from jax_ops.backend import INPUTS, KEY, SCORES
-from jax_ops.masked_softmax import reference
+from jax_ops.ops.masked_softmax_dropout import reference
 from pallas_kernels import validation
 
 OP = "masked_softmax_dropout"

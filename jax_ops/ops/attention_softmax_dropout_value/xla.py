@@ -1,6 +1,6 @@
 """The ``"xla"`` backend of op A's backward: the plain-jnp reference."""
 
 from jax_ops.backend import ReferenceBackend
-from jax_ops.attention_value.reference import attention_softmax_dropout_value_backward_reference
+from jax_ops.ops.attention_softmax_dropout_value.reference import attention_softmax_dropout_value_backward_reference
 
 BACKEND = ReferenceBackend(attention_softmax_dropout_value_backward_reference)

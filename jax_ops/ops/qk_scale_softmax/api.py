@@ -4,7 +4,7 @@ The backward is the backend that :func:`jax_ops.registry.resolve` picks, given `
 that it may skip the tiles above the diagonal; the forward is that backend's ``forward``
 where it has one (the Pallas backends: the fused kernel of
 :mod:`pallas_kernels.qk_scale_softmax.forward`, the logits never in memory), else plain jnp
-(:mod:`jax_ops.qk_softmax.reference`; the ``"xla"`` backend). Residuals: Q, K and P.
+(:mod:`jax_ops.ops.qk_scale_softmax.reference`; the ``"xla"`` backend). Residuals: Q, K and P.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import jax
 
 from jax_ops import _common
 from jax_ops.backend import INPUTS
-from jax_ops.qk_softmax import reference
+from jax_ops.ops.qk_scale_softmax import reference
 from pallas_kernels import validation
 
 OP = "qk_scale_softmax"

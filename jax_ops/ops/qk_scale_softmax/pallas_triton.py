@@ -22,7 +22,7 @@ from pallas_kernels.qk_scale_softmax import forward as forward_kernel
 from pallas_kernels.qk_scale_softmax import forward_mosaic_gpu
 from pallas_kernels.qk_scale_softmax import pallas_triton
 from jax_ops import backend
-from jax_ops.qk_softmax import reference
+from jax_ops.ops.qk_scale_softmax import reference
 
 
 FORWARDS = ("auto", "triton", "mosaic_gpu")

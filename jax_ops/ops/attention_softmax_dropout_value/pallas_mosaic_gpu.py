@@ -29,7 +29,7 @@ from pallas_kernels import _dropout as kernels_dropout
 from pallas_kernels import validation
 from pallas_kernels.attention_softmax_dropout_value import pallas_mosaic_gpu as mosaic
 from jax_ops import backend
-from jax_ops.attention_value import pallas_triton as triton
+from jax_ops.ops.attention_softmax_dropout_value import pallas_triton as triton
 from jax_ops.backend import FUSED_INPUTS, FUSED_OUTPUT, INPUTS
 from pallas_kernels.attention_softmax_dropout_value import forward as forward_kernel
 from pallas_kernels.attention_softmax_dropout_value import forward_mosaic_gpu as forward_mosaic

@@ -1,6 +1,6 @@
 """The ``"xla"`` backend of op B's backward: the plain-jnp reference."""
 
 from jax_ops.backend import ReferenceBackend
-from jax_ops.masked_softmax.reference import masked_softmax_dropout_backward_reference
+from jax_ops.ops.masked_softmax_dropout.reference import masked_softmax_dropout_backward_reference
 
 BACKEND = ReferenceBackend(masked_softmax_dropout_backward_reference)

@@ -2,7 +2,7 @@
 
 The backward is the backend that :func:`jax_ops.registry.resolve` picks, and that backend's
 residual policy says what the forward is and what it saves: ``"inputs"`` (a jnp forward,
-:mod:`jax_ops.attention_value.reference`, the keep mask drawn by
+:mod:`jax_ops.ops.attention_softmax_dropout_value.reference`, the keep mask drawn by
 :func:`jax_ops.dropout_keep_mask`; P, Pd, V and the keep mask, the reference backward's
 arguments), ``"fused_inputs"`` (P, Pd and V from the backend's fused forward kernel,
 ``forward_with_dropped``, which draws the same keep mask itself and does not store it: for
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_ops import _common
-from jax_ops.attention_value import reference
+from jax_ops.ops.attention_softmax_dropout_value import reference
 from jax_ops.backend import FUSED_INPUTS, FUSED_OUTPUT, INPUTS, OUTPUT
 from pallas_kernels import validation
 
