@@ -1,4 +1,4 @@
-"""Flax NNX attention layers built on the ops (needs ``flax``: ``pip install '.[flax]'``).
+"""Flax NNX attention layers built on the ops (the ``[flax]`` extra).
 
 Each layer projects ``x [B, S, E]`` to heads, runs one of the ops, and projects
 back to ``[B, S, E]``. Dropout keys come from the ``dropout`` stream of the
@@ -12,7 +12,12 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
-from flax import nnx
+
+try:
+  from flax import nnx
+except ImportError as e:
+  raise ImportError("jax_ops.nnx needs flax, which the [flax] extra installs: "
+                    "pip install 'attention-backward-kernels[flax]'") from e
 
 from jax_ops.ops.attention_softmax_dropout_value.api import attention_softmax_dropout_value
 from jax_ops.ops.masked_softmax_dropout.api import masked_softmax_dropout
