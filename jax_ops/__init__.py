@@ -2,7 +2,8 @@
 
 Ops: :func:`attention_softmax_dropout_value`, :func:`masked_softmax_dropout`,
 :func:`qk_scale_softmax`. Each takes ``implementation=`` (``None``, ``"pallas"``,
-``"triton"``, ``"xla"`` or a name added with :func:`jax_ops.registry.register`).
+``"triton"``, ``"mosaic_gpu"``, ``"xla"`` or a name added with
+:func:`jax_ops.registry.register`); see :mod:`jax_ops.registry`.
 References (pure jnp): the ``*_backward_reference`` functions and the ``*_forward``
 functions of :mod:`jax_ops.reference`.
 """

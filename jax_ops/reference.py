@@ -1,6 +1,6 @@
 """The plain-jnp references of the three ops, in one place: each op's backward (the spec,
 also its ``"xla"`` backend) and forward. They live beside their ops
-(``jax_ops/<op folder>/reference.py``); this module gathers them."""
+(``jax_ops/ops/<op>/reference.py``); this module gathers them."""
 
 from jax_ops._common import causal_mask, dropout_keep_mask, effective_dropout_rate
 from jax_ops.ops.attention_softmax_dropout_value.reference import (

@@ -1,32 +1,18 @@
 """Aligned tiles of rows whose length is not a multiple of 8 elements.
 
-A row-major ``[N, S, L]`` array with ``L % 8 != 0`` starts each row at a different
-offset modulo 8 elements ("phase"), so a ``[rows, cols]`` tile of consecutive rows is not
-16-byte aligned (bf16) and Triton lowers its loads to 2-byte scalar loads, which it
-cannot pipeline. Rows ``align`` apart (``align`` = 8, 16, 32 or 64) are ``align * L``
-elements apart: every row of ``{c, c + align, c + 2 * align, ...}`` has the same phase
-modulo ``align`` elements. A kernel that takes such a "row class" per tile and starts its
-column tiles ``phase`` elements early (tile ``j`` covers columns
-``[j * BK - phase, (j + 1) * BK - phase)``) loads and stores 16-byte vectors, and its row
-segments start on 16- to 128-byte boundaries.
+In a row-major ``[N, S, L]`` array with ``L % 8 != 0`` consecutive rows start at different
+offsets modulo 8 elements (their "phase"), so a tile of consecutive rows is not 16-byte
+aligned (bf16) and Triton lowers its loads to scalar loads it cannot pipeline. Rows
+``align`` apart (8, 16, 32 or 64) share a phase modulo ``align``: a kernel that takes such a
+"row class" per tile and starts its column tiles ``phase`` columns early (tile ``j`` covers
+columns ``[j * BK - phase, (j + 1) * BK - phase)``) loads and stores 16-byte vectors.
 
-The first and the last column tile of a row then reach outside ``[0, L)``. The tiles in
-between need only the row mask, which is constant along a row and keeps the accesses
-vectorised. The edge tiles load whole vectors too (:func:`tile_masks`): the first tile's
-extra columns are the end of earlier rows (a class's first tile never starts before the
-array: its offset is the row's offset minus its phase), the last tile's are the start of
-the next row or, for the array's last row, the rest of the ``ALIGN``-element granule
-holding its last element (16 bytes in bf16, 32 in fp32; never past it: a load never
-touches a granule without an element of the array, whose base XLA aligns to far more).
-Kernels zero those columns before computing with them, or compute and never store them,
-and store edge tiles in two parts: the vectors wholly inside the row, and the rest of
-the row (at most 7 elements at each end) with a scalar mask. In bf16 / fp16 a vector is
-the 16 bytes of ``ALIGN`` elements; the offsets are element counts, so fp32 gets the
-same structure (32-byte granules).
-
-The arrays are indexed through flat 1D views with offsets computed here; ``pl.multiple_of``
-tells Triton that a tile's base offset is a multiple of ``align``. Offsets are int32:
-callers use this only for arrays of fewer than ``2**31`` elements (:func:`usable`).
+A row's first and last tiles reach outside ``[0, L)``: into earlier rows (never before the
+array) and into the next row or, for the last row, the rest of the 16-byte granule holding
+its last element, never past it (:func:`tile_masks`). Kernels zero those columns or never
+store them, and store edge tiles as whole vectors plus a scalar-masked rest (at most 7
+elements at each end). Offsets are int32 into flat 1D views, so arrays hold fewer than
+``2**31`` elements (:func:`usable`).
 """
 
 from __future__ import annotations
@@ -62,7 +48,7 @@ def choose(rows: int, block_rows: int, min_use: float = 0.85,
 
   Rows ``align`` elements apart start at the same offset modulo ``align`` elements, so
   with larger classes the tiles start on 32-, 64- or 128-byte boundaries (whole DRAM
-  sectors, which stream faster: ``benchmarks/results/attention_ragged_rows.log``). The largest ``align`` whose classes
+  sectors, which stream faster). The largest ``align`` whose classes
   still fill at least ``min_use`` of their tiles wins (else the best-filled); ``block`` is
   ``block_rows`` capped at the class size (and >= 16, the tensor-core minimum). ``align``
   is at most ``max_align`` (a kernel that peels only the first column tile needs

@@ -3,9 +3,8 @@
 A tuned table is ``pallas_kernels/tuned/<device folder>/<kernel>.json`` (the folder is the
 device kind in lower case with ``_`` for other characters: ``NVIDIA H200`` ->
 ``nvidia_h200``). It maps a row-length class to the config that was fastest there, with
-named fields. It is written by ``benchmarks/tune.py`` / ``benchmarks/tune_attention.py``;
-notes and measurements live in ``benchmarks/results/``. A kernel uses a table only on the
-device kind it was measured on, and a heuristic elsewhere.
+named fields, and is written by the tuner in ``benchmarks/``. A kernel uses a table only on
+the device kind it was measured on, and a heuristic elsewhere.
 """
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ next_power_of_2 = pl.next_power_of_2
 def dropout_scale(p: float) -> float:
   """``1 / (1 - p)`` for a static dropout rate ``p``, computed in fp32 as the ops' forward
   computes it (``jax_ops.reference``), so a kernel scales by the very factor the forward
-  used (and A's backward from delta rebuilds Pd bit for bit). In double precision it
-  differs by one fp32 ulp for some rates (p = 0.15, say)."""
+  used and a backward that rebuilds Pd from P rebuilds it bit for bit. (In float64 the
+  factor differs by one fp32 ulp for some rates, p = 0.15 for one.)"""
   one = np.float32(1.0)
   return float(one / (one - np.float32(p)))
 
@@ -35,9 +35,8 @@ def compiler_params(num_warps: int, num_stages: int):
 def pallas_call(*args, **kwargs):
   """``pl.pallas_call`` with the Triton lowering's deprecation warning silenced.
 
-  The Triton lowering is the only ``pallas_call`` GPU path in jax 0.11 and is
-  deprecated upstream in favour of Mosaic GPU; kernels sit behind the
-  implementation registry in ``jax_ops`` so a Mosaic GPU version can be added.
+  The Triton lowering is deprecated upstream since jax 0.11 but is the portable GPU path
+  (any CUDA GPU); the Mosaic GPU kernels are Hopper-only.
   """
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
