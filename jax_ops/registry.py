@@ -2,13 +2,13 @@
 
 ``implementation=`` of every op takes:
 
-* ``None``: the backend of highest priority that supports the device and the problem
-  (the builtin priorities follow measured speed: on a Hopper GPU the Mosaic GPU kernels of
-  ops A and C where they take the shapes, then the Triton kernels, faster than XLA on every benchmark
-  workload, on any CUDA GPU), else ``"xla"``. Never an error because of the device;
+* ``None``: the backend of highest priority that supports the device and the problem: on a
+  Hopper GPU the Mosaic GPU kernels where they take the shapes, then the Triton kernels on
+  any CUDA GPU (under ``interpret=True`` anywhere), else ``"xla"``. Never an error because
+  of the device;
 * ``"pallas"``: the best Pallas backend for the device;
-* a backend's name (``"xla"``, ``"triton"``, ``"mosaic_gpu"`` (ops A and C), or one added with
-  :func:`register`).
+* a backend's name (``"xla"``, ``"triton"``, ``"mosaic_gpu"`` (``attention_softmax_dropout_value``
+  and ``qk_scale_softmax``), or one added with :func:`register`).
 
 The builtin backends are listed by module path and imported on first use, so an op's code
 never imports a backend file: adding one is a file with a :class:`jax_ops.backend.Backend`
