@@ -1,15 +1,19 @@
 """Benchmarks the Pallas kernels against the XLA references on the spec's workloads.
 
-Usage (on a GPU)::
+Usage (on a GPU, from the root of the checkout to time)::
 
-    PYTHONPATH=. python3 -m benchmarks.run [--op NAME ...] [--quick] [--out benchmarks/results]
+    PYTHONPATH=. python3 -m benchmarks.run [--op NAME ...] [--quick] [--out DIR]
+    python3 -m benchmarks.run --compare OLD_DIR NEW_DIR   # two runs, workload by workload
 
 For each op and each of its 16 workloads (``benchmarks/workloads.json``) it
 checks the kernel against the reference (>= 99% of elements within the
 workload's tolerance, no NaN/Inf) and times both under ``jax.jit`` the same way
 (device time from the profiler, median, input sets rotated so L2 is cold). The
 memory floor is the problem's minimum bytes over the copy bandwidth measured in
-the same run. Writes ``<out>/<op>.md`` and ``<out>/<op>.json``.
+the same run. Writes ``<out>/<op>.{md,json,png}``, by default in
+``benchmarks/results/<device>/`` (``nvidia_h200``, as the tuned tables name devices); each
+JSON row holds the workload, the kernels that ran, ``pallas_us``, ``xla_us``, the floor
+fractions and ``passed``.
 """
 
 from __future__ import annotations
@@ -48,22 +52,22 @@ class Problem:
   floor_bytes: Callable  # (workload, constants) -> minimum DRAM bytes
   kernel: Callable       # (args, workload, constants) -> outputs
   xla: Callable          # (args, workload, constants) -> outputs
-  causal: bool = False   # op C: a causal P
+  causal: bool = False   # qk_scale_softmax: a causal P
 
 
 def _softmax(key, shape, dtype):
   return jax.nn.softmax(jax.random.normal(key, shape, F32), axis=-1).astype(dtype)
 
 
-# --- A -------------------------------------------------------------------------------------
+# --- attention_softmax_dropout_value -----------------------------------------------------
 
-def _a_dims(w, c):
+def _attention_dims(w, c):
   return (w["batch_size"], c["num_attention_heads"], c["num_key_value_heads"], w["seq_len_q"],
           w["seq_len_kv"], c["head_dim"])
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _a_inputs(dims, p, key):
+def _attention_inputs(dims, p, key):
   b, h, kvh, sq, skv, d = dims
   k = jax.random.split(key, 4)
   # The barrier keeps XLA from making Pd out of the unrounded fp32 softmax (on a GPU it
@@ -77,16 +81,16 @@ def _a_inputs(dims, p, key):
   return d_o, probs, dropped, value, keep
 
 
-def _a_floor(w, c):
-  b, h, kvh, sq, skv, d = _a_dims(w, c)
+def _attention_floor(w, c):
+  b, h, kvh, sq, skv, d = _attention_dims(w, c)
   return 7 * b * h * sq * skv + 2 * (b * sq * h * d + 2 * b * kvh * skv * d)
 
 
-PROBLEM_A = Problem(
+PROBLEM_ATTENTION = Problem(
     "attention_softmax_dropout_value",
     lambda w: f"{w['batch_size']}, {w['seq_len_q']}, {w['seq_len_kv']}",
-    lambda w, c, key: _a_inputs(_a_dims(w, c), c["attention_dropout"], key),
-    _a_floor,
+    lambda w, c, key: _attention_inputs(_attention_dims(w, c), c["attention_dropout"], key),
+    _attention_floor,
     lambda args, w, c: _jit_kernel("attention_softmax_dropout_value")(*args, c["attention_dropout"]),
     lambda args, w, c: _jit_ref(reference.attention_softmax_dropout_value_backward_reference)(
         *args, c["attention_dropout"]),
@@ -97,44 +101,45 @@ PROBLEM_A = Problem(
 # (``pallas_kernels.attention_softmax_dropout_value_backward_from_delta``): its forward saved
 # P, keep and the fp32 output instead of Pd, so its backward is delta = rowsum(dO * O) and
 # one kernel that reads 5 B per element. Timed on all 16 workloads to show where it pays.
-A_OP = "attention_softmax_dropout_value_from_delta"
-A_OP_FLOOR_NOTE = ("problem A's (7 B per element: P, Pd, keep and dS), as for the kernel "
-                   "entry point; this backward reads P and keep and writes dS (5 B), its delta "
-                   "from the fp32 output the op's forward saved; Pallas time includes that "
-                   "delta (an XLA einsum); XLA is the reference backward of the same problem")
+FROM_DELTA = "attention_softmax_dropout_value_from_delta"
+FROM_DELTA_FLOOR_NOTE = ("the entry point's (7 B per element: P, Pd, keep and dS); this "
+                         "backward reads P and keep and writes dS (5 B), its delta "
+                         "from the fp32 output the op's forward saved; Pallas time includes "
+                         "that delta (an XLA einsum); XLA is the reference backward of the "
+                         "same problem")
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _a_op_inputs(dims, p, key):
-  d_o, probs, dropped, value, keep = _a_inputs(dims, p, key)
+def _from_delta_inputs(dims, p, key):
+  d_o, probs, dropped, value, keep = _attention_inputs(dims, p, key)
   b, h, kvh, sq, skv, d = dims
   out32 = jnp.einsum("bkgqs,bksd->bqkgd", dropped.reshape(b, kvh, h // kvh, sq, skv), value,
                      preferred_element_type=F32).reshape(b, sq, h, d)
   return d_o, probs, dropped, value, keep, out32
 
 
-def _a_op_backward(d_o, probs, dropped, value, keep, out32, p):
+def _from_delta_backward(d_o, probs, dropped, value, keep, out32, p):
   del dropped  # the op does not save Pd
   backend = registry.get("attention_softmax_dropout_value",
                          "triton" if BACKEND[0] == ENTRY else BACKEND[0])
   return backend.backward_from_output(d_o, probs, value, keep, p, out32)
 
 
-PROBLEM_A_OP = Problem(
+PROBLEM_FROM_DELTA = Problem(
     "attention_softmax_dropout_value",
-    PROBLEM_A.label,
-    lambda w, c, key: _a_op_inputs(_a_dims(w, c), c["attention_dropout"], key),
-    _a_floor,
-    lambda args, w, c: _jitted(_a_op_backward)(*args, c["attention_dropout"]),
+    PROBLEM_ATTENTION.label,
+    lambda w, c, key: _from_delta_inputs(_attention_dims(w, c), c["attention_dropout"], key),
+    _attention_floor,
+    lambda args, w, c: _jitted(_from_delta_backward)(*args, c["attention_dropout"]),
     lambda args, w, c: _jit_ref(reference.attention_softmax_dropout_value_backward_reference)(
         *args[:5], c["attention_dropout"]),
 )
 
 
-# --- B -------------------------------------------------------------------------------------
+# --- masked_softmax_dropout --------------------------------------------------------------
 
 @functools.partial(jax.jit, static_argnums=(0,))
-def _b_inputs(dims, key):
+def _masked_inputs(dims, key):
   b, h, s = dims
   k = jax.random.split(key, 4)
   grad = jax.random.normal(k[0], (b, h, s, s), F32)
@@ -144,26 +149,26 @@ def _b_inputs(dims, key):
   return grad, probs, mask, keep
 
 
-def _b_floor(w, c):
+def _masked_floor(w, c):
   b, h, s, p = w["batch_size"], w["n_heads"], w["seq_len"], w["p_dropout"]
   return b * h * s * s * (12 + (1 if p > 0 else 0)) + b * s * s
 
 
-PROBLEM_B = Problem(
+PROBLEM_MASKED = Problem(
     "masked_softmax_dropout",
     lambda w: f"{w['batch_size']}, {w['n_heads']}, {w['seq_len']}, {w['p_dropout']}",
-    lambda w, c, key: _b_inputs((w["batch_size"], w["n_heads"], w["seq_len"]), key),
-    _b_floor,
+    lambda w, c, key: _masked_inputs((w["batch_size"], w["n_heads"], w["seq_len"]), key),
+    _masked_floor,
     lambda args, w, c: _jit_kernel("masked_softmax_dropout")(*args, w["p_dropout"]),
     lambda args, w, c: _jit_ref(reference.masked_softmax_dropout_backward_reference)(
         *args, w["p_dropout"]),
 )
 
 
-# --- C -------------------------------------------------------------------------------------
+# --- qk_scale_softmax --------------------------------------------------------------------
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _c_inputs(dims, causal, key):
+def _qk_inputs(dims, causal, key):
   b, h, sq, sk, d = dims
   k = jax.random.split(key, 4)
   logits = jax.random.normal(k[0], (b, h, sq, sk), F32)
@@ -176,7 +181,7 @@ def _c_inputs(dims, causal, key):
   return grad, query, key_, probs
 
 
-def _c_dims(w, c):
+def _qk_dims(w, c):
   return (w["batch_size"], c["num_heads"], w["seq_len_q"], w["seq_len_k"], c["head_dim"])
 
 
@@ -186,28 +191,20 @@ def causal_elements(sq: int, sk: int) -> int:
   return sum(min(sk, max(0, i + sk - sq + 1)) for i in range(sq))
 
 
-def _c_floor(w, c, causal=False):
+def _qk_floor(w, c, causal=False):
   """Read g and P once (4 B per element; with ``causal`` only the elements on or below the
   diagonal), plus Q, K, dQ, dK."""
-  b, h, sq, sk, d = _c_dims(w, c)
+  b, h, sq, sk, d = _qk_dims(w, c)
   elements = causal_elements(sq, sk) if causal else sq * sk
   return 4 * b * h * elements + 2 * 2 * b * h * (sq + sk) * d
 
 
-def c_sets_and_floor(w, c, index, ceiling_tbps, causal=False):
-  """A C workload's rotated input sets (``g, Q, K, P``; :func:`input_sets`) and its floor
-  in microseconds at ``ceiling_tbps``, for the variant scripts that time it."""
-  dims = _c_dims(w, c)
-  sets = input_sets(lambda key: _c_inputs(dims, causal, key), index)
-  return sets, _c_floor(w, c, causal=causal) / (ceiling_tbps * 1e6)
-
-
-def _c_problem(causal):
+def _qk_problem(causal):
   return Problem(
       "qk_scale_softmax",
       lambda w: f"{w['batch_size']}, {w['seq_len_q']}, {w['seq_len_k']}" + (" causal" if causal else ""),
-      lambda w, c, key: _c_inputs(_c_dims(w, c), causal, key),
-      functools.partial(_c_floor, causal=causal),
+      lambda w, c, key: _qk_inputs(_qk_dims(w, c), causal, key),
+      functools.partial(_qk_floor, causal=causal),
       lambda args, w, c: _jit_kernel("qk_scale_softmax", causal=causal)(*args, c["scaling"]),
       lambda args, w, c: _jit_ref(reference.qk_scale_softmax_backward_reference)(
           *args, c["scaling"]),
@@ -215,8 +212,8 @@ def _c_problem(causal):
   )
 
 
-PROBLEMS = {"attention_softmax_dropout_value": PROBLEM_A, "masked_softmax_dropout": PROBLEM_B,
-            "qk_scale_softmax": _c_problem(False)}
+PROBLEMS = {"attention_softmax_dropout_value": PROBLEM_ATTENTION,
+            "masked_softmax_dropout": PROBLEM_MASKED, "qk_scale_softmax": _qk_problem(False)}
 
 
 @functools.cache
@@ -241,11 +238,12 @@ def _jit_kernel(op, **kw):
 
 
 def kernels_used(problem: Problem, args, constants) -> str:
-  """The kernels that time a workload: the entry point's choice (ops A and C: Mosaic GPU or
-  Triton, C's Triton with its scheme; B: Triton), or the ``--backend`` named."""
+  """The kernels that time a workload: the entry point's choice (Mosaic GPU or Triton for
+  attention_softmax_dropout_value and qk_scale_softmax, the latter's Triton with its scheme;
+  Triton for masked_softmax_dropout), or the ``--backend`` named."""
   if BACKEND[0] != ENTRY:
     return BACKEND[0]
-  if problem.name == PROBLEM_A.name and len(args) == 5:
+  if problem.name == PROBLEM_ATTENTION.name and len(args) == 5:
     return asdv.kernels_for(*args, constants["attention_dropout"])
   if problem.name.startswith("qk_scale_softmax"):
     used = qks.kernels_for(*args, constants["scaling"])
@@ -390,38 +388,89 @@ CAUSAL_FLOOR_NOTE = ("the causal problem's: g and P read once on and below the d
 
 
 def _commit():
+  """The commit of the checkout whose ``pallas_kernels`` is timed (``BENCH_COMMIT``
+  overrides it), with ``+local changes`` if its kernels or ops differ from that commit."""
   commit = os.environ.get("BENCH_COMMIT")
   if commit:
     return commit
+  tree = os.path.dirname(os.path.dirname(os.path.abspath(pallas_kernels.__file__)))
+  git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True, cwd=tree)
   try:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True, check=True, cwd=HERE).stdout.strip()
-  except (OSError, subprocess.CalledProcessError):
+    head = git("rev-parse", "--short", "HEAD")
+  except OSError:
     return "unknown"
+  if head.returncode:
+    return "unknown"
+  dirty = git("diff", "--quiet", "HEAD", "--", "pallas_kernels", "jax_ops").returncode
+  return head.stdout.strip() + (" +local changes" if dirty else "")
+
+
+def results_dir(device_kind: str) -> str:
+  """``benchmarks/results/<device>/``: ``"NVIDIA H200"`` -> ``.../nvidia_h200``."""
+  return os.path.join(HERE, "results", _tuning.device_dir(device_kind))
+
+
+def compare(old_dir: str, new_dir: str, *, slower: float = 1.03) -> list[dict]:
+  """Per results JSON in both folders (this script's and ``benchmarks.step``'s), per row (a
+  workload or a step shape): the Pallas time of each run and new / old. Prints the rows, a
+  ``SLOWER`` mark where new / old exceeds ``slower``, and the geomean per file."""
+  out = []
+  for name in sorted(f for f in os.listdir(new_dir) if f.endswith(".json")):
+    if not os.path.exists(os.path.join(old_dir, name)):
+      continue
+    runs = []
+    for folder in (old_dir, new_dir):
+      with open(os.path.join(folder, name)) as f:
+        res = json.load(f)
+      runs.append((res, {r.get("workload", r.get("step")): r for r in res.get("rows", [])}))
+    (old, old_rows), (new, new_rows) = runs
+    print(f"{name}: {old.get('commit')} ({old.get('device')}) -> {new.get('commit')} "
+          f"({new.get('device')})")
+    ratios = []
+    for label, row in new_rows.items():
+      if label not in old_rows or "pallas_us" not in row:
+        continue
+      before, after = old_rows[label]["pallas_us"], row["pallas_us"]
+      ratio = after / before
+      ratios.append(ratio)
+      item = {"file": name, "row": label, "old_us": before, "new_us": after, "ratio": ratio,
+              "passed": row.get("passed", True)}
+      out.append(item)
+      print(f"  {label:>40}  {before:9.1f} -> {after:9.1f} us  x{ratio:5.3f}"
+            + ("  SLOWER" if ratio > slower else "") + ("" if item["passed"] else "  FAIL"))
+    if ratios:
+      print(f"  {'geomean':>40}  x{geomean(ratios):5.3f} over {len(ratios)}")
+  return out
 
 
 def problem_of(op: str) -> Problem:
   """The :class:`Problem` of a results file's ``op`` (a registry op or a variant above)."""
   if op == "qk_scale_softmax_causal":
-    return _c_problem(True)
-  return PROBLEM_A_OP if op == A_OP else PROBLEMS[op]
+    return _qk_problem(True)
+  return PROBLEM_FROM_DELTA if op == FROM_DELTA else PROBLEMS[op]
 
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--op", action="append",
-                      choices=sorted(PROBLEMS) + ["qk_scale_softmax_causal", A_OP],
+                      choices=sorted(PROBLEMS) + ["qk_scale_softmax_causal", FROM_DELTA],
                       help="op(s) to run; default: every op that has a Pallas kernel")
   parser.add_argument("--backend", default=ENTRY,
                       help="what to time: 'entry' (the kernel entry points, which pick their "
                            "kernels per device) or a Pallas backend of jax_ops.registry.available")
-  parser.add_argument("--out", default=os.path.join(HERE, "results"))
+  parser.add_argument("--out", default=None,
+                      help="results folder (default: benchmarks/results/<device>/)")
   parser.add_argument("--calls", type=int, default=30)
   parser.add_argument("--quick", action="store_true", help="first 4 workloads only")
   parser.add_argument("--workloads", default=None,
                       help="comma-separated indices into the op's 16 workloads (default: all; "
                            "the causal op keeps the square ones); results go to <op>_subset.*")
+  parser.add_argument("--compare", nargs=2, metavar=("OLD_DIR", "NEW_DIR"),
+                      help="compare two results folders workload by workload (no GPU needed)")
   args = parser.parse_args(argv)
+  if args.compare:
+    compare(*args.compare)
+    return 0
   if no_gpu("timing the kernels", "the tests run them on CPU instead"):
     return 2
   with open(os.path.join(HERE, "workloads.json")) as f:
@@ -432,14 +481,16 @@ def main(argv=None):
     parser.error(f"--backend: expected one of {sorted(names)}, got {args.backend!r}")
   ops = args.op or [op for op in PROBLEMS
                     if args.backend == ENTRY or args.backend in registry.available(op)]
-  if A_OP in ops and args.backend != ENTRY and not hasattr(registry.get(PROBLEM_A.name, args.backend),
-                                 "backward_from_output"):
-    parser.error(f"--op {A_OP}: the {args.backend!r} backend has no backward from the output")
+  if FROM_DELTA in ops and args.backend != ENTRY and not hasattr(
+      registry.get(PROBLEM_ATTENTION.name, args.backend), "backward_from_output"):
+    parser.error(f"--op {FROM_DELTA}: the {args.backend!r} backend has no backward from "
+                 "the output")
   ceiling = copy_ceiling()
   print(f"copy ceiling {ceiling['TBps']:.3f} TB/s via {ceiling['method']} {ceiling['all_TBps']}")
   meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
           "device": jax.devices()[0].device_kind, "jax": jax.__version__, "commit": _commit(),
           "ceiling": ceiling, "calls": args.calls, "backend": args.backend}
+  args.out = args.out or results_dir(meta["device"])
   os.makedirs(args.out, exist_ok=True)
   summaries = {}
   for op in ops:
@@ -455,7 +506,7 @@ def main(argv=None):
     subset = bool(args.workloads or args.quick)
     print(f"{op}:")
     op_meta = (dict(meta, floor_note=CAUSAL_FLOOR_NOTE) if causal
-               else dict(meta, floor_note=A_OP_FLOOR_NOTE) if op == A_OP else meta)
+               else dict(meta, floor_note=FROM_DELTA_FLOOR_NOTE) if op == FROM_DELTA else meta)
 
     def write(rows, op=op, planned=len(workloads), subset=subset, op_meta=op_meta):
       """Results so far; a run cut short, or run on a subset, says so in its file (and a

@@ -3,14 +3,16 @@ Pallas path, in one run.
 
 Usage (on a GPU)::
 
-    PYTHONPATH=. python3 -m benchmarks.step [--calls 20] [--only A,C] [--out benchmarks/results]
+    PYTHONPATH=. python3 -m benchmarks.step [--calls 20] [--op NAME ...] [--out DIR]
 
 For each step shape (``STEPS``: the shapes of the tracking table plus others) it builds
 ``loss = sum(op(x) * w)`` for a fixed random ``w``, jits ``jax.value_and_grad`` of it with
 ``implementation="xla"`` and with the default (Pallas) path, and reports the median device time
 (JAX profiler, all kernels of a call; two input sets rotated), the speedup and the compiled
 temporary memory (``memory_analysis().temp_size_in_bytes``). Writes ``<out>/step.md``,
-``.json`` and ``.png`` with the date, device, jax version and commit.
+``.json`` and ``.png`` with the date, device, jax version and commit, by default in
+``benchmarks/results/<device>/``; each JSON row holds the step's times (``xla_us``,
+``pallas_us``, the forwards') and temporary memory (``xla_temp_mb``, ``pallas_temp_mb``).
 """
 
 from __future__ import annotations
@@ -32,18 +34,21 @@ from benchmarks.timing import device_times_us, kernel_breakdown_us, no_gpu
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 RATE = 0.1
+ATTENTION = "attention_softmax_dropout_value"
+MASKED = "masked_softmax_dropout"
+QK = "qk_scale_softmax"
 
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-  op: str                  # "A", "B" or "C"
+  op: str                  # the op's name in the registry
   label: str
   make: Callable           # key -> (primals tuple, weight w)
   loss: Callable           # (primals, w, implementation, rng, interpret) -> scalar
   listed: bool = True      # a shape of the tracking table (else one timed besides)
 
 
-def _a(b, s, *, h=80, kvh=8, d=128, listed=True):
+def attention_step(b, s, *, h=80, kvh=8, d=128, listed=True):
   def make(key):
     k = jax.random.split(key, 3)
     scores = jax.random.normal(k[0], (b, h, s, s), BF16)
@@ -55,10 +60,11 @@ def _a(b, s, *, h=80, kvh=8, d=128, listed=True):
     out = jax_ops.attention_softmax_dropout_value(
         *primals, dropout_rate=RATE, dropout_rng=rng, implementation=impl, interpret=interpret)
     return jnp.sum(out.astype(F32) * w.astype(F32))
-  return Step("A", f"A, B={b} S={s} (H={h}, KVH={kvh}, D={d})", make, loss, listed)
+  return Step(ATTENTION, f"{ATTENTION}, B={b} S={s} (H={h}, KVH={kvh}, D={d})", make, loss,
+              listed)
 
 
-def _b(b, h, s, *, listed=True):
+def masked_step(b, h, s, *, listed=True):
   def make(key):
     k = jax.random.split(key, 3)
     scores = jax.random.normal(k[0], (b, h, s, s), F32)
@@ -71,10 +77,10 @@ def _b(b, h, s, *, listed=True):
     out = jax_ops.masked_softmax_dropout(scores, mask, dropout_rate=RATE, dropout_rng=rng,
                                          implementation=impl, interpret=interpret)
     return jnp.sum(out * w)
-  return Step("B", f"B, B={b} H={h} S={s}", make, loss, listed)
+  return Step(MASKED, f"{MASKED}, B={b} H={h} S={s}", make, loss, listed)
 
 
-def _c(b, h, s, *, causal=False, d=128, listed=True):
+def qk_step(b, h, s, *, causal=False, d=128, listed=True):
   def make(key):
     k = jax.random.split(key, 3)
     query = jax.random.normal(k[0], (b, h, s, d), BF16)
@@ -86,36 +92,38 @@ def _c(b, h, s, *, causal=False, d=128, listed=True):
     out = jax_ops.qk_scale_softmax(*primals, causal=causal, implementation=impl,
                                    interpret=interpret)
     return jnp.sum(out.astype(F32) * w.astype(F32))
-  name = "C causal" if causal else "C"
-  return Step("C", f"{name}, B={b} H={h} S={s}", make, loss, listed)
+  name = f"{QK} causal" if causal else QK
+  return Step(QK, f"{name}, B={b} H={h} S={s}", make, loss, listed)
 
 
 STEPS = [
-    _a(2, 2048), _a(8, 512), _a(4, 1024, listed=False),
-    _b(8, 16, 1024), _b(32, 8, 256), _b(16, 8, 2048, listed=False),
-    _c(1, 32, 4096), _c(4, 32, 1024), _c(1, 32, 4096, causal=True),
-    _c(32, 32, 128, listed=False), _c(8, 32, 256, listed=False),
+    attention_step(2, 2048), attention_step(8, 512), attention_step(4, 1024, listed=False),
+    masked_step(8, 16, 1024), masked_step(32, 8, 256), masked_step(16, 8, 2048, listed=False),
+    qk_step(1, 32, 4096), qk_step(4, 32, 1024), qk_step(1, 32, 4096, causal=True),
+    qk_step(32, 32, 128, listed=False), qk_step(8, 32, 256, listed=False),
 ]
+OPS = (ATTENTION, MASKED, QK)
 
 
 def step_fn(step: Step, impl, interpret=False):
   """The jitted training step: loss and gradients w.r.t. the op's differentiable inputs
   (``interpret``: the Pallas kernels in the interpreter, for tests off a GPU)."""
-  argnums = 0 if step.op == "B" else (0, 1)
+  argnums = 0 if step.op == MASKED else (0, 1)
 
   def fn(primals, w, rng):
     def f(*x):
       full = tuple(x) + tuple(primals[len(x):])
       return step.loss(full, w, impl, rng, interpret)
-    diff = primals[:1] if step.op == "B" else primals
+    diff = primals[:1] if step.op == MASKED else primals
     return jax.value_and_grad(f, argnums=argnums)(*diff)
   return jax.jit(fn)
 
 
 def forward_fn(step: Step, impl="xla", interpret=False):
   """The step's forward alone (the loss, no gradient) on the path of ``impl``: jnp on the
-  XLA path; on the Pallas path the fused forward kernels of ops B and C, and of op A where
-  its Mosaic GPU backend runs or its Triton backend on rows of >= 512 keys."""
+  XLA path; on the Pallas path the fused forward kernels of masked_softmax_dropout and
+  qk_scale_softmax, and of attention_softmax_dropout_value where its Mosaic GPU backend runs
+  or its Triton backend on rows of >= 512 keys."""
   return jax.jit(lambda primals, w, rng: step.loss(primals, w, impl, rng, interpret))
 
 
@@ -124,67 +132,19 @@ def temp_mb(compiled) -> float:
   return compiled.memory_analysis().temp_size_in_bytes / 2 ** 20
 
 
-# The opt-in backends a step can time, per (op, residual policy): (registry op,
-# implementation name, backend module). B "key": the Triton backend that saves P and the key
-# (the default saves the scores and recomputes P in the backward). A: the Mosaic GPU backend
-# with the jnp forward ("inputs": P, Pd and keep saved), or with the fused forward writing
-# no Pd and the backward from delta, drawing keep again ("fused_output", the default, made
-# explicit), with the mask written as bits ("fused_output_bits") or with the fused forward
-# writing P and Pd ("fused_inputs", the default before e50ed13).
-OPT_IN = {
-    ("B", "key"): ("masked_softmax_dropout", "triton_key",
-                   "jax_ops.ops.masked_softmax_dropout.pallas_triton", {"residuals": "key"}),
-    ("A", "inputs"): ("attention_softmax_dropout_value", "mosaic_gpu_jnp",
-                      "jax_ops.ops.attention_softmax_dropout_value.pallas_mosaic_gpu", {"residuals": "inputs"}),
-    ("A", "fused_output"): ("attention_softmax_dropout_value", "mosaic_gpu_fused",
-                            "jax_ops.ops.attention_softmax_dropout_value.pallas_mosaic_gpu",
-                            {"residuals": "fused_output"}),
-    ("A", "fused_inputs"): ("attention_softmax_dropout_value", "mosaic_gpu_pd",
-                            "jax_ops.ops.attention_softmax_dropout_value.pallas_mosaic_gpu",
-                            {"residuals": "fused_inputs"}),
-    ("A", "fused_output_bits"): ("attention_softmax_dropout_value", "mosaic_gpu_fused_bits",
-                                 "jax_ops.ops.attention_softmax_dropout_value.pallas_mosaic_gpu",
-                                 {"residuals": "fused_output", "keep": "bits"}),
-    ("A", "mosaic_forward"): ("attention_softmax_dropout_value", "mosaic_gpu_fused_mgpu_fwd",
-                              "jax_ops.ops.attention_softmax_dropout_value.pallas_mosaic_gpu",
-                              {"residuals": "fused_output", "forward": "mosaic_gpu"}),
-    # The portable Triton backend (the path off Hopper), saving the bool mask or the seeds.
-    ("A", "triton"): ("attention_softmax_dropout_value", "triton_mask",
-                      "jax_ops.ops.attention_softmax_dropout_value.pallas_triton", {}),
-    ("A", "triton_seeds"): ("attention_softmax_dropout_value", "triton_seeds",
-                            "jax_ops.ops.attention_softmax_dropout_value.pallas_triton", {"keep": "seeds"}),
-    # Op C's Triton backend with its dL + GEMM scheme on every row length it takes.
-    ("C", "dl_gemm"): ("qk_scale_softmax", "triton_dl_gemm", "jax_ops.ops.qk_scale_softmax.pallas_triton",
-                       {"scheme": "dl_gemm"}),
-}
-
-
-def register_opt_in(op: str, residuals: str) -> str:
-  """Registers the opt-in backend of ``op`` ("A", "B" or "C") under that key of :data:`OPT_IN`
-  and returns its name."""
-  import importlib
-  from jax_ops import registry
-  registry_op, name, module, kwargs = OPT_IN[op, residuals]
-  backend = type(importlib.import_module(module).BACKEND)(name, **kwargs)
-  registry.register(registry_op, name, backend)
-  return name
-
-
-def measure(step: Step, calls: int, pallas=None) -> dict:
-  """``pallas``: the Pallas path's implementation (``None``: the default one)."""
+def measure(step: Step, calls: int) -> dict:
+  """The step's row: its times and temporary memory on the XLA and the default path."""
   sets = []
   for i in range(2):
     primals, w = step.make(jax.random.key(i))
     sets.append((primals, w, jax.random.key(100 + i)))
   # Compiled once: the executables are timed and give their memory.
   fns = {name: step_fn(step, impl).lower(*sets[0]).compile()
-         for name, impl in (("xla", "xla"), ("pallas", pallas))}
+         for name, impl in (("xla", "xla"), ("pallas", None))}
   row = {"op": step.op, "step": step.label, "listed": step.listed}
-  if pallas is not None:
-    row["pallas_implementation"] = pallas
   for name, fn in fns.items():
     row[f"{name}_temp_mb"] = temp_mb(fn)
-  times = device_times_us([*fns.values(), forward_fn(step), forward_fn(step, pallas)], sets,
+  times = device_times_us([*fns.values(), forward_fn(step), forward_fn(step, None)], sets,
                           calls=calls)
   row["xla_us"], row["pallas_us"] = times[0]["median_us"], times[1]["median_us"]
   row["forward_us"], row["pallas_forward_us"] = times[2]["median_us"], times[3]["median_us"]
@@ -199,9 +159,9 @@ def markdown(meta, rows) -> str:
            f"- commit: {meta['commit']}",
            f"- times: median device time (JAX profiler, all kernels of a call), {meta['calls']} "
            "calls, two input sets rotated; memory: the compiled step's temporary buffers",
-           "- dropout rate 0.1 (A, B), the keep mask of `jax_ops.dropout_keep_mask` on both "
+           f"- dropout rate {RATE} ({ATTENTION}, {MASKED}), the keep mask of `jax_ops.dropout_keep_mask` on both "
            "paths; the XLA path is jnp throughout; the Pallas path runs the Pallas backward "
-           "kernels and their fused forward kernels (op A's where its Mosaic GPU backend runs, "
+           f"kernels and their fused forward kernels ({ATTENTION}'s where its Mosaic GPU backend runs, "
            "or its Triton backend on rows of >= 512 keys)", "",
            "- forward: the loss alone, no gradient, on each path; a step's backward is about "
            "its time minus its forward's", "",
@@ -210,8 +170,6 @@ def markdown(meta, rows) -> str:
            "|---|---|---|---|---|---|"]
   for r in rows:
     extra = "" if r["listed"] else " (not in the table)"
-    if r.get("pallas_implementation"):
-      extra += f" (Pallas path: implementation={r['pallas_implementation']!r})"
     if not r.get("split_ok", True):
       extra += " (calls not told apart in the trace: mean, not median)"
     forward = "-"
@@ -236,7 +194,7 @@ def write_chart(rows, png_path):
   fig = Figure(figsize=(max(6.0, 1.4 + 0.7 * len(rows)), 4.8), dpi=100)
   FigureCanvasAgg(fig)
   ax = fig.add_subplot()
-  colors = {"A": "#1f77b4", "B": "#2ca02c", "C": "#9467bd"}
+  colors = {ATTENTION: "#1f77b4", MASKED: "#2ca02c", QK: "#9467bd"}
   xs = range(len(rows))
   ax.bar(xs, [r["speedup"] for r in rows], color=[colors.get(r["op"], "gray") for r in rows])
   ax.axhline(1.0, color="black", linewidth=0.8)
@@ -252,62 +210,33 @@ def write_chart(rows, png_path):
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--calls", type=int, default=20)
-  parser.add_argument("--only", default=None, help="comma-separated ops (A, B, C)")
-  parser.add_argument("--out", default=os.path.join(run.HERE, "results"))
-  parser.add_argument("--b-residuals", choices=("scores", "key"), default="scores",
-                      help="op B's Pallas path: the default backend (saves the scores and "
-                           "recomputes P in the backward) or the one that saves P and the key "
-                           "(results go to step_b_key.*)")
-  parser.add_argument("--a-residuals", choices=("default", "fused_inputs", "inputs",
-                                                "fused_output", "fused_output_bits", "triton",
-                                                "triton_seeds", "mosaic_forward"),
-                      default="default",
-                      help="op A's Pallas path on a Hopper GPU: the default Mosaic GPU backend "
-                           "(the fused forward writing P and no Pd or mask, the backward "
-                           "drawing keep again), or an opt-in one: the fused forward writing "
-                           "P and Pd (results go to step_a_fused_inputs.*), the jnp forward "
-                           "(step_a_inputs.*), the default's policy made explicit "
-                           "(step_a_fused.*), the fused forward writing the mask as bits "
-                           "(step_a_fused_bits.*), or the Triton backend saving the bool "
-                           "mask (step_a_triton.*) or the key's seeds (step_a_triton_seeds.*), "
-                           "or the default with the Mosaic GPU forward kernel "
-                           "(step_a_mosaic_forward.*)")
-  parser.add_argument("--c-scheme", choices=("default", "dl_gemm"), default="default",
-                      help="op C's Pallas path: the default backend, or its Triton backend "
-                           "with the dL + GEMM scheme on all rows of <= 16384 keys (results go to "
-                           "step_c_dl_gemm.*)")
+  parser.add_argument("--op", action="append", choices=OPS,
+                      help="op(s) whose steps to time; default: all")
+  parser.add_argument("--out", default=None,
+                      help="results folder (default: benchmarks/results/<device>/)")
   parser.add_argument("--profile", action="store_true",
                       help="instead of the table: where each chosen step's device time goes on "
                            "the Pallas path, per kernel (printed, and step_profile.json)")
   args = parser.parse_args(argv)
   if no_gpu("the step benchmark"):
     return 2
-  ops = set(args.only.split(",")) if args.only else {"A", "B", "C"}
+  ops = set(args.op or OPS)
   meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
           "device": jax.devices()[0].device_kind, "jax": jax.__version__,
           "commit": run._commit(), "calls": args.calls}
+  args.out = args.out or run.results_dir(meta["device"])
   os.makedirs(args.out, exist_ok=True)
-  base = os.path.join(args.out, "step")
-  impls = {}
-  if args.b_residuals == "key":
-    impls["B"], base = register_opt_in("B", "key"), base + "_b_key"
-  if args.c_scheme != "default":
-    impls["C"], base = register_opt_in("C", args.c_scheme), base + "_c_dl_gemm"
-  if args.a_residuals != "default":
-    impls["A"] = register_opt_in("A", args.a_residuals)
-    base += {"inputs": "_a_inputs", "fused_output": "_a_fused", "fused_inputs":
-             "_a_fused_inputs", "fused_output_bits": "_a_fused_bits", "triton": "_a_triton",
-             "triton_seeds": "_a_triton_seeds",
-             "mosaic_forward": "_a_mosaic_forward"}[args.a_residuals]
+  # A run of some ops writes step_subset.*, so it never replaces a full run's results.
+  base = os.path.join(args.out, "step_subset" if ops != set(OPS) else "step")
   if args.profile:
-    return _profile([s for s in STEPS if s.op in ops], impls, args, meta)
+    return _profile([s for s in STEPS if s.op in ops], args, meta)
   rows = []
   for step in STEPS:
     if step.op not in ops:
       continue
-    row = measure(step, args.calls, impls.get(step.op))
+    row = measure(step, args.calls)
     rows.append(row)
-    print(f"{row['step']:45s} xla {row['xla_us']:9.0f} us  pallas {row['pallas_us']:9.0f} us  "
+    print(f"{row['step']:60s} xla {row['xla_us']:9.0f} us  pallas {row['pallas_us']:9.0f} us  "
           f"x{row['speedup']:.2f}  temp {row['xla_temp_mb']:.0f}/{row['pallas_temp_mb']:.0f} MB",
           flush=True)
     write(base, meta, rows)   # after each step: a run cut short keeps what it measured
@@ -316,7 +245,7 @@ def main(argv=None):
   return 0
 
 
-def _profile(steps, impls, args, meta):
+def _profile(steps, args, meta):
   """``--profile``: the Pallas path's kernels per step, their median time per call."""
   out = []
   for step in steps:
@@ -324,7 +253,7 @@ def _profile(steps, impls, args, meta):
     for i in range(2):
       primals, w = step.make(jax.random.key(i))
       sets.append((primals, w, jax.random.key(100 + i)))
-    fn = step_fn(step, impls.get(step.op)).lower(*sets[0]).compile()
+    fn = step_fn(step, None).lower(*sets[0]).compile()
     rows = kernel_breakdown_us(fn, sets, calls=args.calls)
     total = sum(r["median_us"] for r in rows)
     print(f"{step.label}: {total:.0f} us in all (sum of per-kernel medians)")

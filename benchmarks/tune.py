@@ -2,7 +2,7 @@
 
 Usage (on a GPU)::
 
-    PYTHONPATH=. python3 -m benchmarks.tune [--out PATH] | tee -a benchmarks/results/masked_softmax_dropout_tune.log
+    PYTHONPATH=. python3 -m benchmarks.tune [--out PATH]
 
 For every workload of ``benchmarks/workloads.json`` it times a set of
 candidate configs (elements per program, warps, split columns) in one profiler
@@ -15,8 +15,7 @@ The table (default ``pallas_kernels/tuned/<device>/masked_softmax_dropout.json``
 folder of ``jax.devices()[0].device_kind``) holds configs only: per class a
 ``TableEntry``'s JSON object (``target``, ``num_warps``, ``split``), as
 ``masked_softmax_dropout.default_config`` reads it. The notes (each entry's
-``geomean_vs_best``, the times) are printed; keep them by appending stdout to
-``benchmarks/results/masked_softmax_dropout_tune.log`` as above.
+``geomean_vs_best``, the times) are printed.
 
 ``write_table`` is shared with ``benchmarks/tune_attention.py``.
 """
@@ -169,11 +168,11 @@ def main(argv=None):
   result = None
   for index, w in enumerate(workloads):
     sq = sk = w["seq_len"]
-    sets = [bench.PROBLEM_B.make_inputs(w, {}, jax.random.key(7000 + 100 * index + i))
+    sets = [bench.PROBLEM_MASKED.make_inputs(w, {}, jax.random.key(7000 + 100 * index + i))
             for i in range(2)]
     set_bytes = sum(x.size * x.dtype.itemsize for x in sets[0])
     n_sets = int(min(32, max(2, math.ceil(bench._ROTATE_BYTES / set_bytes))))
-    sets += [bench.PROBLEM_B.make_inputs(w, {}, jax.random.key(7000 + 100 * index + i))
+    sets += [bench.PROBLEM_MASKED.make_inputs(w, {}, jax.random.key(7000 + 100 * index + i))
              for i in range(2, n_sets)]
     cands = {}
     for cand in CANDIDATES:
@@ -191,8 +190,8 @@ def main(argv=None):
     fns = [exe for exe in compiled if exe is not None]
     times = [t["median_us"] for t in device_times_us(fns, sets, calls=args.calls, warmup=2)]
     best = min(times)
-    floor = bench._b_floor(w, {}) / (4.27e6)
-    print(f"{bench.PROBLEM_B.label(w):>22}  best {best:8.1f} us (~{floor / best:.0%} of a 4.27 TB/s "
+    floor = bench._masked_floor(w, {}) / (4.27e6)
+    print(f"{bench.PROBLEM_MASKED.label(w):>22}  best {best:8.1f} us (~{floor / best:.0%} of a 4.27 TB/s "
           "floor)  " + "  ".join(f"{c.block_rows}r/{c.num_warps}w/{'s' if c.split else 'p'}:{t:.1f}"
                                 for c, t in zip(configs, times)), flush=True)
     ratio = {}

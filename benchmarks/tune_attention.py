@@ -1,40 +1,42 @@
-"""Tunes the two passes of the attention kernels (problems A and C) on this GPU.
+"""Tunes the passes of the attention_softmax_dropout_value and qk_scale_softmax kernels.
 
 Usage (on a GPU)::
 
     PYTHONPATH=. python3 -m benchmarks.tune_attention --op attention_softmax_dropout_value
     PYTHONPATH=. python3 -m benchmarks.tune_attention --op qk_scale_softmax
 
-Each kernel runs as two Pallas calls (A: dV + delta, then dS; C: delta + grad_query,
-then grad_key); they are timed apart, each over a list of candidate tiles and launch
-parameters, on a spread of the op's workloads (inputs rotated so L2 is cold). For each
-length class of the kernel (``length_class``) the table keeps, per pass, the candidate
-with the best geomean of time / best time over the class's workloads, and is written
-after every workload (default ``pallas_kernels/tuned/<device>/<op>.json``, the folder of
-``jax.devices()[0].device_kind``; used when the device matches). ``--passes`` limits the
-run to some passes; the passes not tuned keep their entries from the table already there.
+Each kernel runs as two Pallas calls (attention_softmax_dropout_value: dV + delta, then dS;
+qk_scale_softmax: delta + grad_query, then grad_key); they are timed apart, each over a list
+of candidate tiles and launch parameters, on a spread of the op's workloads (inputs rotated
+so L2 is cold). For each length class of the kernel (``length_class``) the table keeps, per
+pass, the candidate with the best geomean of time / best time over the class's workloads,
+and is written after every workload (default ``pallas_kernels/tuned/<device>/<op>.json``,
+the folder of ``jax.devices()[0].device_kind``; used when the device matches). ``--passes``
+limits the run to some passes; the passes not tuned keep their entries from the table
+already there.
 
 The table holds configs only, with named fields, as the op's ``default_config`` reads
-them (A: ``Config.to_json()``, ``{"dv": {...}, "ds": {...}}``; C: ``{"scheme": ...,
-"row": {...}, "col": {...}, "head": {...}}`` of ``qk_scale_softmax.table_entry``). The
-notes (each pass's ``geomean_vs_best``, the schemes' geomeans, the times) are printed;
-keep them by appending stdout to ``benchmarks/results/<op>_tune.log``.
+them (attention_softmax_dropout_value: ``Config.to_json()``, ``{"dv": {...}, "ds": {...}}``;
+qk_scale_softmax: ``{"scheme": ..., "row": {...}, "col": {...}, "head": {...}}`` of
+``qk_scale_softmax.table_entry``). The notes (each pass's ``geomean_vs_best``, the schemes'
+geomeans, the times) are printed.
 
 A candidate is a pass's table entry: its ``PassConfig`` fields by name (fields left out
-take their defaults; C's ``"block_k": "row"`` (``WHOLE_ROW``) is a whole padded row as one
-tile). ``--cands`` replaces the lists for one run; it takes the old positional tuples (A:
-``(block_q, block_k, num_warps, num_stages[, prefetch, split, heads, row_align])``, split
-0 = ``"auto"``; C: ``(block_q, block_k, num_warps, num_stages[, prefetch, row_align])``,
-block_k 0 = the whole row) or dicts of named fields.
+take their defaults; qk_scale_softmax's ``"block_k": "row"`` (``WHOLE_ROW``) is a whole
+padded row as one tile). ``--cands`` replaces the lists for one run; it takes positional
+tuples (``TUPLE_FIELDS``; attention_softmax_dropout_value: ``(block_q, block_k, num_warps,
+num_stages[, prefetch, split, heads, row_align])``, split 0 = ``"auto"``; qk_scale_softmax:
+``(block_q, block_k, num_warps, num_stages[, prefetch, row_align])``, block_k 0 = the whole
+row) or dicts of named fields.
 
-A's pass 1 is timed with delta's partials. Where the dS pass takes a whole row in one tile
-it needs none, and pass 1 then runs without its dPd GEMM; the tuner does not time that
-pairing: the table's "128" entry (one-tile dS rows, a dV-only pass 1) was chosen from
-``benchmarks/results/attention_dv_only.log``, and re-tuning that class replaces it.
+attention_softmax_dropout_value's pass 1 is timed with delta's partials. Where the dS pass
+takes a whole row in one tile it needs none, and pass 1 then runs without its dPd GEMM; the
+tuner does not time that pairing: re-tuning the table's "128" class (one-tile dS rows, a
+dV-only pass 1) replaces its entry with a two-pass one.
 
-For C the tuner also times the whole backward with the table's two-pass config and, for
-rows of <= 256 keys, the one-kernel ``per_head`` scheme (pass ``head``); the table's
-``scheme`` for a class is the one with the best geomean over its workloads.
+For qk_scale_softmax the tuner also times the whole backward with the table's two-pass
+config and, for rows of <= 256 keys, the one-kernel ``per_head`` scheme (pass ``head``);
+the table's ``scheme`` for a class is the one with the best geomean over its workloads.
 """
 
 from __future__ import annotations
@@ -60,11 +62,12 @@ from pallas_kernels import qk_scale_softmax as qks
 from pallas_kernels._util import Dropout
 from pallas_kernels.attention_softmax_dropout_value.config import AUTO
 
-A = "attention_softmax_dropout_value"
-C = "qk_scale_softmax"
+ATTENTION = "attention_softmax_dropout_value"
+QK = "qk_scale_softmax"
 
-# Kernel A: candidates of each pass (asdv.PassConfig fields; split "auto" by default).
-A_DV = [
+# attention_softmax_dropout_value: candidates of each pass (asdv.PassConfig fields; split
+# "auto" by default).
+ATTENTION_DV = [
     dict(block_q=64, block_k=64, num_warps=4, num_stages=2),
     dict(block_q=64, block_k=64, num_warps=4, num_stages=3),
     dict(block_q=32, block_k=128, num_warps=8, num_stages=2),
@@ -77,23 +80,22 @@ A_DV = [
     dict(block_q=32, block_k=128, num_warps=4, num_stages=3),
 ]
 # dV pass: split=1 vs the automatic split (the default).
-A_DV += [
+ATTENTION_DV += [
     dict(block_q=64, block_k=64, num_warps=4, num_stages=3, split=1),
     dict(block_q=128, block_k=64, num_warps=8, num_stages=2, split=1),
     dict(block_q=64, block_k=128, num_warps=4, num_stages=2, split=1),
     dict(block_q=64, block_k=32, num_warps=4, num_stages=3),
 ]
 # Explicit larger splits: small ragged launches run one partial wave at 250 registers per
-# program (benchmarks/results/attention_softmax_dropout_value_profile.log).
-A_DV += [
+# program.
+ATTENTION_DV += [
     dict(block_q=64, block_k=64, num_warps=4, num_stages=3, split=4),
     dict(block_q=64, block_k=64, num_warps=4, num_stages=3, split=8),
     dict(block_q=128, block_k=64, num_warps=8, num_stages=2, split=4),
 ]
-# 128 x 128 tiles with 3 stages: 0.90 of 64x64/4w/3s on rows of >= 1024 keys
-# (benchmarks/results/attention_dv_only.log, section 6).
-A_DV += [dict(block_q=128, block_k=128, num_warps=8, num_stages=3)]
-A_DS = [
+# 128 x 128 tiles with 3 stages, for rows of >= 1024 keys.
+ATTENTION_DV += [dict(block_q=128, block_k=128, num_warps=8, num_stages=3)]
+ATTENTION_DS = [
     dict(block_q=64, block_k=64, num_warps=4, num_stages=2),
     dict(block_q=128, block_k=64, num_warps=8, num_stages=2),
     dict(block_q=128, block_k=64, num_warps=8, num_stages=3),
@@ -107,19 +109,19 @@ A_DS = [
 ]
 # Register prefetch on tiles of consecutive rows (row_align=0: on rows of Skv % 8 != 0 the
 # default is the phase-aligned kernel, which does not prefetch).
-A_DS += [
+ATTENTION_DS += [
     dict(block_q=64, block_k=64, num_warps=4, num_stages=2, prefetch=True, row_align=0),
     dict(block_q=64, block_k=128, num_warps=4, num_stages=2, prefetch=True, row_align=0),
     dict(block_q=32, block_k=64, num_warps=4, num_stages=2, prefetch=True, row_align=0),
     dict(block_q=64, block_k=64, num_warps=4, num_stages=1, prefetch=True, row_align=0),
     dict(block_q=64, block_k=32, num_warps=4, num_stages=2, prefetch=True, row_align=0),
 ]
-A_WORKLOADS = [0, 1, 2, 3, 4, 8, 10, 15]
+ATTENTION_WORKLOADS = [0, 1, 2, 3, 4, 8, 10, 15]
 
-# Kernel C: candidates of each kernel (qks.PassConfig fields); block_k WHOLE_ROW ("row") is
+# qk_scale_softmax: candidates of each kernel (qks.PassConfig fields); block_k WHOLE_ROW ("row") is
 # the whole padded row as one tile (row kernel: timed only on rows of <= 512 keys).
 ROW = qks.WHOLE_ROW
-C_ROW = [
+QK_ROW = [
     dict(block_q=16, block_k=ROW, num_warps=4, num_stages=1),
     dict(block_q=32, block_k=ROW, num_warps=4, num_stages=1),
     dict(block_q=32, block_k=ROW, num_warps=8, num_stages=1),
@@ -133,7 +135,7 @@ C_ROW = [
     dict(block_q=32, block_k=256, num_warps=8, num_stages=2),
     dict(block_q=64, block_k=256, num_warps=8, num_stages=2),
 ]
-C_COL = [
+QK_COL = [
     dict(block_q=64, block_k=128, num_warps=8, num_stages=2),
     dict(block_q=32, block_k=128, num_warps=4, num_stages=3),
     dict(block_q=64, block_k=64, num_warps=4, num_stages=3),
@@ -144,22 +146,22 @@ C_COL = [
     dict(block_q=64, block_k=128, num_warps=8, num_stages=3),
     dict(block_q=128, block_k=64, num_warps=4, num_stages=3),
 ]
-C_ROW += [
+QK_ROW += [
     dict(block_q=32, block_k=128, num_warps=4, num_stages=2, prefetch=True, row_align=0),
     dict(block_q=16, block_k=128, num_warps=4, num_stages=2, prefetch=True, row_align=0),
     dict(block_q=32, block_k=64, num_warps=4, num_stages=2, prefetch=True, row_align=0),
     dict(block_q=32, block_k=128, num_warps=4, num_stages=1, prefetch=True, row_align=0),
     dict(block_q=32, block_k=64, num_warps=4, num_stages=2, row_align=16),
 ]
-C_COL += [
+QK_COL += [
     dict(block_q=32, block_k=64, num_warps=4, num_stages=3, prefetch=True),
     dict(block_q=32, block_k=64, num_warps=4, num_stages=2, prefetch=True),
     dict(block_q=64, block_k=64, num_warps=4, num_stages=2, prefetch=True),
     dict(block_q=32, block_k=128, num_warps=4, num_stages=2, prefetch=True),
 ]
-C_WORKLOADS = [0, 1, 2, 4, 8, 9, 10, 13, 14]
-# Kernel C's "per_head" scheme (one program per head, rows <= 256 keys, whole rows).
-C_HEAD = [
+QK_WORKLOADS = [0, 1, 2, 4, 8, 9, 10, 13, 14]
+# qk_scale_softmax's "per_head" scheme (one program per head, rows <= 256 keys, whole rows).
+QK_HEAD = [
     dict(block_q=16, block_k=ROW, num_warps=4, num_stages=2),
     dict(block_q=32, block_k=ROW, num_warps=4, num_stages=2),
     dict(block_q=32, block_k=ROW, num_warps=8, num_stages=2),
@@ -174,30 +176,31 @@ C_HEAD = [
 
 # Candidate lists per op and pass (``--cands`` replaces them for one run).
 CANDIDATES = {
-    A: {"dv": A_DV, "ds": A_DS},
-    C: {"row": C_ROW, "col": C_COL, "head": C_HEAD},
+    ATTENTION: {"dv": ATTENTION_DV, "ds": ATTENTION_DS},
+    QK: {"row": QK_ROW, "col": QK_COL, "head": QK_HEAD},
 }
 
-# The positional order of a ``--cands`` tuple (the old PassConfig NamedTuples' fields).
+# The positional order of a ``--cands`` tuple.
 TUPLE_FIELDS = {
-    A: ("block_q", "block_k", "num_warps", "num_stages", "prefetch", "split", "heads",
+    ATTENTION: ("block_q", "block_k", "num_warps", "num_stages", "prefetch", "split", "heads",
         "row_align"),
-    C: ("block_q", "block_k", "num_warps", "num_stages", "prefetch", "row_align"),
+    QK: ("block_q", "block_k", "num_warps", "num_stages", "prefetch", "row_align"),
 }
 
 
 # ----------------------------------------------------------------------- candidates
 
 
-def a_pass_entry(entry: dict) -> dict:
-  """A pass candidate of kernel A as the table holds it (``PassConfig.to_json``: the
-  launch fields, then the others that differ from their defaults); raises
+def attention_pass_entry(entry: dict) -> dict:
+  """A pass candidate of attention_softmax_dropout_value as the table holds it
+  (``PassConfig.to_json``: the launch fields, then the others that differ from their
+  defaults); raises
   ``ValueError`` naming a bad field."""
   return asdv.PassConfig.from_json(entry).to_json()
 
 
-def c_pass_entry(entry: dict) -> dict:
-  """A pass candidate of kernel C as the table holds it (``table_entry``; a whole-row
+def qk_pass_entry(entry: dict) -> dict:
+  """A pass candidate of qk_scale_softmax as the table holds it (``table_entry``; a whole-row
   ``block_k`` stays ``WHOLE_ROW``); raises ``ValueError`` naming a bad field."""
   entry = dict(entry)
   whole = entry.get("block_k") == qks.WHOLE_ROW
@@ -210,13 +213,14 @@ def c_pass_entry(entry: dict) -> dict:
   return qks.table_entry(qks.PassConfig(**entry), whole_row=whole)
 
 
-PASS_ENTRY = {A: a_pass_entry, C: c_pass_entry}
+PASS_ENTRY = {ATTENTION: attention_pass_entry, QK: qk_pass_entry}
 
 
 def pass_config(op: str, entry: dict, seq_q: int, seq_k: int):
   """The pass config a candidate runs with on a workload: tiles capped at the padded
-  lengths (C: a whole-row tile is the padded row), as the op's ``default_config`` does."""
-  if op == A:
+  lengths (qk_scale_softmax: a whole-row tile is the padded row), as the op's
+  ``default_config`` does."""
+  if op == ATTENTION:
     return asdv.PassConfig.from_json(entry).capped(seq_q, seq_k)
   return qks.pass_config(entry, seq_q, seq_k)
 
@@ -227,16 +231,16 @@ def candidate_key(op: str, entry: dict) -> tuple:
 
 
 def from_tuple(op: str, values) -> dict:
-  """An old positional candidate as named fields (``TUPLE_FIELDS``): A's split 0 is
-  ``"auto"``, C's block_k 0 the whole row (``WHOLE_ROW``)."""
+  """A positional candidate as named fields (``TUPLE_FIELDS``): attention_softmax_dropout_value's
+  split 0 is ``"auto"``, qk_scale_softmax's block_k 0 the whole row (``WHOLE_ROW``)."""
   fields = TUPLE_FIELDS[op]
   if not 4 <= len(values) <= len(fields):
     raise ValueError(f"candidate {tuple(values)}: expected 4 to {len(fields)} values "
                      f"({', '.join(fields)})")
   entry = dict(zip(fields, values))
-  if op == A and entry.get("split") == 0:
+  if op == ATTENTION and entry.get("split") == 0:
     entry["split"] = AUTO
-  if op == C and entry["block_k"] == 0:
+  if op == QK and entry["block_k"] == 0:
     entry["block_k"] = qks.WHOLE_ROW
   return entry
 
@@ -281,12 +285,13 @@ def _label(cand):
 # ----------------------------------------------------------------------- the passes
 
 
-def _a_passes(w, constants, sets, cands=None):
-  """``{pass: (candidates, [fn(*set) per candidate], sets)}`` for problem A."""
-  cands = cands or CANDIDATES[A]
+def _attention_passes(w, constants, sets, cands=None):
+  """``{pass: (candidates, [fn(*set) per candidate], sets)}`` of
+  attention_softmax_dropout_value."""
+  cands = cands or CANDIDATES[ATTENTION]
   p = constants["attention_dropout"]
   h = constants["num_attention_heads"]
-  b, _, kvh, sq, skv, d = bench._a_dims(w, constants)
+  b, _, kvh, sq, skv, d = bench._attention_dims(w, constants)
 
   def views(d_o, probs, dropped, value, keep):
     return (d_o, dropped.reshape(b * h, sq, skv), probs.reshape(b * h, sq, skv),
@@ -302,7 +307,8 @@ def _a_passes(w, constants, sets, cands=None):
   dropout = Dropout.of(p)
 
   def keyed(entries):
-    return [(candidate_key(A, e), pass_config(A, e, sq, skv)) for e in entries]
+    return [(candidate_key(ATTENTION, e), pass_config(ATTENTION, e, sq, skv))
+            for e in entries]
 
   dv = [(c, lambda d_o, pd3, v3, cfg=cfg: asdv.dv_pass(d_o, pd3, v3, num_heads=h, cfg=cfg,
                                                        interpret=False))
@@ -313,9 +319,9 @@ def _a_passes(w, constants, sets, cands=None):
   return {"dv": (dv, dv_sets), "ds": (ds, ds_sets)}, asdv.length_class(skv)
 
 
-def _c_passes(w, constants, sets, cands=None):
-  cands = cands or CANDIDATES[C]
-  b, h, sq, sk, d = bench._c_dims(w, constants)
+def _qk_passes(w, constants, sets, cands=None):
+  cands = cands or CANDIDATES[QK]
+  b, h, sq, sk, d = bench._qk_dims(w, constants)
   scale = jnp.asarray([constants["scaling"]], jnp.float32)
   pk = max(16, pl.next_power_of_2(sk))
 
@@ -334,7 +340,7 @@ def _c_passes(w, constants, sets, cands=None):
     col_sets.append((g, p, q, delta))
 
   def keyed(entries):
-    return [(candidate_key(C, e), pass_config(C, e, sq, sk)) for e in entries]
+    return [(candidate_key(QK, e), pass_config(QK, e, sq, sk)) for e in entries]
 
   row_cands = [c for c in cands["row"] if c["block_k"] != qks.WHOLE_ROW or pk <= 512]
   row = [(c, lambda g, p, k, cfg=cfg: qks.row_pass(
@@ -355,27 +361,27 @@ def _c_passes(w, constants, sets, cands=None):
   return passes, qks.length_class(sk)
 
 
-# Per scheme of kernel C, the passes whose times add up to one backward.
-C_SCHEMES = {"two_pass": ("two_pass",), "per_head": ("head",)}
+# Per scheme of qk_scale_softmax, the passes whose times add up to one backward.
+QK_SCHEMES = {"two_pass": ("two_pass",), "per_head": ("head",)}
 
 
 OPS = {
-    A: (bench.PROBLEM_A, A_WORKLOADS, _a_passes),
-    C: (bench.PROBLEMS[C], C_WORKLOADS, _c_passes),
+    ATTENTION: (bench.PROBLEM_ATTENTION, ATTENTION_WORKLOADS, _attention_passes),
+    QK: (bench.PROBLEMS[QK], QK_WORKLOADS, _qk_passes),
 }
 
 
 # ----------------------------------------------------------------------- the table
 
 
-def a_table_entry(entry: dict) -> dict:
-  """A class's entry of kernel A's table as ``default_config`` reads it
+def attention_table_entry(entry: dict) -> dict:
+  """A class's entry of attention_softmax_dropout_value's table as ``default_config`` reads it
   (``Config.from_json(...).to_json()``); raises if it is not one."""
   return asdv.Config.from_json(entry).to_json()
 
 
-def c_table_entry(entry: dict) -> dict:
-  """A class's entry of kernel C's table (``scheme``, ``row``, ``col`` and, if measured,
+def qk_table_entry(entry: dict) -> dict:
+  """A class's entry of qk_scale_softmax's table (``scheme``, ``row``, ``col`` and, if measured,
   ``head``; ``dl`` with its ``phased`` flag) as ``default_config`` reads it; raises if it is
   not one."""
   scheme = entry.get("scheme", "two_pass")
@@ -384,7 +390,7 @@ def c_table_entry(entry: dict) -> dict:
   out = {"scheme": scheme}
   for name in ("row", "col", "head"):
     if name in entry:
-      out[name] = c_pass_entry(entry[name])
+      out[name] = qk_pass_entry(entry[name])
     elif name != "head":
       raise KeyError(f"no {name!r} pass")
   if "dl" in entry:
@@ -396,14 +402,14 @@ def c_table_entry(entry: dict) -> dict:
   return out
 
 
-TABLE_ENTRY = {A: a_table_entry, C: c_table_entry}
+TABLE_ENTRY = {ATTENTION: attention_table_entry, QK: qk_table_entry}
 
 
 def _choose_scheme(best_times):
   """``best_times[pass]`` = per-workload best times of one class -> (scheme, {scheme: geomean
   of its time / the best scheme's time}); a scheme counts only if measured on every workload."""
   totals = {}
-  for scheme, names in C_SCHEMES.items():
+  for scheme, names in QK_SCHEMES.items():
     if all(n in best_times and None not in best_times[n] for n in names):
       totals[scheme] = [sum(ts) for ts in zip(*(best_times[n] for n in names))]
   if not totals:
@@ -416,7 +422,7 @@ def _choose_scheme(best_times):
 
 def select(ratios, best_times=None) -> tuple[dict, dict]:
   """ratios[class][pass] = list of {candidate: time / best} dicts, one per workload;
-  best_times[class][pass] = that pass's best time per workload (kernel C: picks the scheme).
+  best_times[class][pass] = that pass's best time per workload (qk_scale_softmax: picks the scheme).
   -> ``({class: {pass: entry, ["scheme": ...]}}, {class: {note: geomean}})``."""
   table, notes = {}, {}
   for key, passes in ratios.items():
@@ -443,12 +449,12 @@ def _write_table(op, ratios, out, best_times=None, device_kind=None):
   run, and the classes not measured, keep their entries from the table already at
   ``out``) and prints the notes."""
   table, notes = select(ratios, best_times)
-  if op == C:  # the dL + GEMM scheme is timed by benchmarks/c_dl_gemm, not by this tuner
+  if op == QK:  # this tuner does not time the dL + GEMM scheme: its classes keep it
     old = read_table(out, device_kind or jax.devices()[0].device_kind)
     for key in table:
       if old.get(key, {}).get("scheme") == "dl_gemm" and "scheme" in table[key]:
         table[key].pop("scheme")
-        notes[key]["scheme"] = "dl_gemm kept from the table (benchmarks/c_dl_gemm times it)"
+        notes[key]["scheme"] = "dl_gemm kept from the table (not timed here)"
   for key in table:
     print(f"  selected {key}: " + "  ".join(
         f"{name}={_label(tuple(v.items())) if isinstance(v, dict) else v}"
@@ -475,10 +481,11 @@ def main(argv=None):
   parser.add_argument("--workloads", default=None,
                       help="comma-separated workload indices (default: a fixed spread)")
   parser.add_argument("--cands", default=None,
-                      help="replace candidate lists, e.g. 'ds=[(64,64,4,2),(64,64,4,2,True)];dv=[...]' "
-                           "(tuples in the old PassConfig field order: A (block_q, block_k, "
-                           "num_warps, num_stages, prefetch, split, heads, row_align), split 0 = "
-                           "auto; C (block_q, block_k, num_warps, num_stages, prefetch, "
+                      help="replace candidate lists, e.g. "
+                           "'ds=[(64,64,4,2),(64,64,4,2,True)];dv=[...]' (tuples in TUPLE_FIELDS "
+                           "order: attention_softmax_dropout_value (block_q, block_k, num_warps, "
+                           "num_stages, prefetch, split, heads, row_align), split 0 = auto; "
+                           "qk_scale_softmax (block_q, block_k, num_warps, num_stages, prefetch, "
                            "row_align), block_k 0 = whole row; or dicts of named fields)")
   args = parser.parse_args(argv)
   cands = dict(CANDIDATES[args.op])
@@ -533,7 +540,7 @@ def main(argv=None):
           {cand: t / best for (cand, _), t in zip(ok, times)})
       line.append(f"{name}: " + " ".join(f"{_label(c)}={t:.1f}" for (c, _), t in zip(ok, times)))
     print("  ".join(line), flush=True)
-    result = _write_table(args.op, ratios, out, best_times if args.op == C else None,
+    result = _write_table(args.op, ratios, out, best_times if args.op == QK else None,
                           device_kind)
   print(json.dumps(result, indent=1))
   return 0

@@ -1,4 +1,5 @@
-"""The benchmark's problem-A inputs meet the precondition the kernel documents."""
+"""The benchmark's inputs meet the preconditions the kernels document, and its floors count
+the minimum bytes."""
 
 from __future__ import annotations
 
@@ -8,12 +9,12 @@ import jax.numpy as jnp
 from benchmarks import run as bench
 
 
-def test_a_inputs_meet_precondition():
+def test_attention_inputs_meet_precondition():
   """``Pd == bf16(P * keep / (1 - p))`` bit for bit, with P the bf16 softmax. (Without a
   barrier, XLA on a GPU made Pd from the unrounded fp32 softmax: 24% of Pd missed by
   an ulp. The CPU backend keeps the rounding either way; the GPU run is the real check.)"""
   p = 0.1
-  d_o, probs, dropped, value, keep = bench._a_inputs((1, 4, 2, 64, 96, 16), p,
+  d_o, probs, dropped, value, keep = bench._attention_inputs((1, 4, 2, 64, 96, 16), p,
                                                      jax.random.key(3))
   assert probs.dtype == dropped.dtype == jnp.bfloat16 and keep.dtype == jnp.bool_
   expected = jax.jit(lambda pr, k: (pr.astype(jnp.float32) * k / (1.0 - p)).astype(
@@ -33,6 +34,19 @@ def test_pd_is_made_from_the_rounded_p():
   fwd = jax.make_jaxpr(lambda s, v: reference.attention_softmax_dropout_value_forward(
       s, v, keep, 0.1))(s, v)
   assert "optimization_barrier" in str(fwd)
-  gen = jax.make_jaxpr(lambda key: bench._a_inputs((1, 2, 1, 3, 8, 16), 0.1, key))(
+  gen = jax.make_jaxpr(lambda key: bench._attention_inputs((1, 2, 1, 3, 8, 16), 0.1, key))(
       jax.random.key(0))
   assert "optimization_barrier" in str(gen)
+
+
+def test_causal_floor_counts_the_elements_on_and_below_the_diagonal():
+  """The causal table's floor reads g and P only where a causal P may be non-zero."""
+  import numpy as np
+  for sq, sk in [(1, 1), (5, 5), (3, 7), (7, 3), (211, 211)]:
+    brute = int(np.sum(np.arange(sk)[None, :] <= np.arange(sq)[:, None] + (sk - sq)))
+    assert bench.causal_elements(sq, sk) == brute, (sq, sk)
+  w = {"batch_size": 2, "seq_len_q": 8, "seq_len_k": 8}
+  c = {"num_heads": 3, "head_dim": 4}
+  qkd = 2 * 2 * 2 * 3 * (8 + 8) * 4
+  assert bench._qk_floor(w, c) == 4 * 2 * 3 * 64 + qkd
+  assert bench._qk_floor(w, c, causal=True) == 4 * 2 * 3 * 36 + qkd

@@ -1,132 +1,108 @@
-"""The GPU-only diagnostic scripts import on CPU, say they need a GPU and exit 2, and parse
-what they are given."""
+"""The benchmark scripts on CPU: they import, say they need a GPU and exit 2; their results
+go to ``benchmarks/results/<device>/`` with the date, device, jax version and commit; two
+runs compare workload by workload."""
+
+import json
+import os
 
 import pytest
 
 from conftest import ON_GPU
-from benchmarks import (a_hash_cost, b_backward_sweep, b_ncu_driver, b_triton_row, c_band,
-                        c_backward_step, c_dl_gemm, c_dq_atomic, c_forward, l2_read,
-                        ptx_dump, ragged_tma_probe, size_ceiling)
-from pallas_kernels.qk_scale_softmax import DlConfig
-from pallas_kernels.masked_softmax_dropout import Config
+from benchmarks import chart, run, step, tune, tune_attention
 
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the scripts run")
 @pytest.mark.parametrize("script, argv", [
-    (a_hash_cost, []),
-    (b_backward_sweep, ["--configs", "1/8/pub"]),
-    (b_triton_row, ["--only", "4,4,4096"]),
-    (b_triton_row, ["--only", "4,4,4096", "--carveout", "100"]),
-    (b_ncu_driver, ["4,4,4096,0.1"]),
-    (ptx_dump, ["--out", "/nonexistent"]),
-    (size_ceiling, []),
-    (l2_read, ["--sizes-mb", "8"]),
-    (c_band, ["--workloads", "2", "--programs", "132,66"]),
-    (c_forward, ["--configs", "64/64/4/3", "--shapes", "1,2,256,1"]),
-    (c_backward_step, ["--shapes", "1,2,256", "--rows", "16/128/4/2"]),
-    (c_dq_atomic, ["--shapes", "1,2,256", "--configs", "16/32/4/1"]),
-    (c_dl_gemm, ["--dl", "1/8", "--workloads", "0"]),
-    (ragged_tma_probe, ["--lengths", "449"]),
+    (run, ["--quick"]),
+    (run, ["--op", "qk_scale_softmax_causal", "--out", "/nonexistent"]),
+    (step, ["--op", "masked_softmax_dropout"]),
+    (tune, []),
+    (tune_attention, ["--op", tune_attention.ATTENTION]),
 ])
 def test_scripts_exit_2_without_a_gpu(script, argv, capsys):
   assert script.main(argv) == 2
   assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
-def test_dl_variant_names():
-  assert c_dl_gemm.parse_dls("1/8,4/4/pad,8/8/phased") == {
-      "dl": None, "dl:1/8": DlConfig(1, 8), "dl:4/4/pad": DlConfig(4, 4, pad_rows=True),
-      "dl:8/8/phased": DlConfig(8, 8, phased=True)}
-  with pytest.raises(ValueError, match="config.dl.rows"):
-    c_dl_gemm.parse_dls("3/8")
-  with pytest.raises(ValueError, match="rows/num_warps"):
-    c_dl_gemm.parse_dls("1")
+def test_op_names_are_the_registry_names():
+  from jax_ops import registry
+  for op in run.PROBLEMS:
+    assert registry.available(op)
+  assert set(step.OPS) == set(run.PROBLEMS)
+  assert {s.op for s in step.STEPS} == set(step.OPS)
 
 
-def test_sweep_launch_names():
-  assert b_backward_sweep.parse_launch("2/8") == Config(2, 8, True)
-  assert b_backward_sweep.parse_launch("1/4/ef") == Config(1, 4, True,
-                                                           store_eviction="evict_first")
-  pub = b_backward_sweep.parse_launch("1/16/pub+r")
-  assert (pub.stream_cache, pub.stream_eviction, pub.mask_cache, pub.mask_after_sum,
-          pub.row_group) == (".cg", None, ".ca", True, 1 << 16)
-  with pytest.raises(KeyError):
-    b_backward_sweep.parse_launch("1/4/nope")
+def test_results_go_to_a_folder_per_device():
+  assert run.results_dir("NVIDIA H200") == os.path.join(run.HERE, "results", "nvidia_h200")
+  assert run.results_dir("NVIDIA H100 80GB HBM3").endswith(
+      os.path.join("results", "nvidia_h100_80gb_hbm3"))
 
 
-def test_c_forward_parses_configs_and_shapes():
-  from pallas_kernels.qk_scale_softmax.forward import ForwardConfig
-  assert c_forward.parse_configs("64/128/4/2,128/64/8/3") == [ForwardConfig(64, 128, 4, 2),
-                                                              ForwardConfig(128, 64, 8, 3)]
-  assert c_forward.parse_shapes("1,32,4096,1;2,4,128,0") == [(1, 32, 4096, True),
-                                                             (2, 4, 128, False)]
-  assert c_forward.parse_shapes("") == c_forward.SHAPES
+def test_results_header_names_date_device_jax_commit():
+  meta = {"date": "2026-12-05T20:00:00+00:00", "device": "NVIDIA H200", "jax": "0.11.2",
+          "commit": "c51e9d0", "calls": 30, "backend": "entry",
+          "ceiling": {"TBps": 4.3, "method": "pallas_copy", "all_TBps": {"pallas_copy": 4.3}}}
+  rows = [{"workload": "1, 128, 128", "kernels": "triton", "floor_us": 1.0, "pallas_us": 2.0,
+           "xla_us": 4.0, "pallas_frac_floor": 0.5, "xla_frac_floor": 0.25, "speedup": 2.0,
+           "checks": [{"within": 1.0, "ok": True}], "passed": True}]
+  summary = dict(run.summarize(rows), workloads="1 of 1")
+  text = run.markdown("qk_scale_softmax", meta, rows, summary)
+  for line in ("- date: 2026-12-05", "- device: NVIDIA H200", "- jax: 0.11.2",
+               "- commit: c51e9d0"):
+    assert line in text
+  assert "| 1, 128, 128 | triton | 1.0 | 2.0 | 50.0% | 4.0 | 25.0% | 2.00x | pass" in text
+  text = step.markdown(meta, [])
+  assert "- device: NVIDIA H200" in text and "- commit: c51e9d0" in text
 
 
-def test_c_backward_step_parses_shapes_and_rows():
-  from pallas_kernels.qk_scale_softmax import PassConfig
-  assert c_backward_step.parse_shapes("1,32,4096;4,2,128") == [(1, 32, 4096), (4, 2, 128)]
-  assert c_backward_step.parse_shapes("") == c_backward_step.SHAPES
-  assert c_backward_step.parse_rows("16/128/4/2") == [PassConfig(16, 128, 4, 2)]
-  with pytest.raises(ValueError):
-    c_backward_step.parse_rows("16/24/4/2")
+def test_commit_names_the_timed_tree():
+  commit = run._commit()
+  assert commit == "unknown" or len(commit.split()[0]) >= 7
 
 
-def test_dq_atomic_variant_matches_the_reference_in_the_interpreter(capsys):
-  """The experiment's kernel (dQ by atomics) is checked before it is timed: odd lengths and
-  a padded head dim in the interpreter; its check fails on a wrong dQ."""
-  assert c_dq_atomic.main(["--interpret"]) == 0
-  assert "dq 1.0000, dk 1.0000" in capsys.readouterr().out
+def test_compare_pairs_rows_by_workload(tmp_path, capsys):
+  def write(folder, name, times):
+    folder.mkdir(exist_ok=True)
+    rows = [{"workload" if "step" not in name else "step": label, "pallas_us": t,
+             "passed": True} for label, t in times.items()]
+    (folder / name).write_text(json.dumps({"commit": folder.name, "device": "GPU",
+                                           "rows": rows}))
+  old, new = tmp_path / "old", tmp_path / "new"
+  write(old, "masked_softmax_dropout.json", {"1, 2, 256, 0.1": 10.0, "4, 4, 4096, 0.1": 100.0})
+  write(new, "masked_softmax_dropout.json", {"4, 4, 4096, 0.1": 110.0, "1, 2, 256, 0.1": 10.1})
+  write(old, "step.json", {"qk_scale_softmax, B=1 H=32 S=4096": 50.0})
+  write(new, "step.json", {"qk_scale_softmax, B=1 H=32 S=4096": 40.0})
+  write(new, "qk_scale_softmax.json", {"1, 128, 128": 1.0})  # not in the old run: skipped
+  assert run.main(["--compare", str(old), str(new)]) == 0
+  out = capsys.readouterr().out
+  rows = run.compare(str(old), str(new))
+  assert [(r["file"], r["row"], round(r["ratio"], 3)) for r in rows] == [
+      ("masked_softmax_dropout.json", "4, 4, 4096, 0.1", 1.1),
+      ("masked_softmax_dropout.json", "1, 2, 256, 0.1", 1.01),
+      ("step.json", "qk_scale_softmax, B=1 H=32 S=4096", 0.8)]
+  assert out.count("SLOWER") == 1 and "old (GPU) -> new (GPU)" in out
 
 
-def test_dq_atomic_variant_lowers_to_triton(pretend_h200, monkeypatch):
-  import jax
-  import jax.numpy as jnp
-  from conftest import triton_calls_in_gpu_lowering
-  from pallas_kernels.qk_scale_softmax import PassConfig
-  shapes = [jax.ShapeDtypeStruct((1, 2, 300, 300), jnp.bfloat16),
-            jax.ShapeDtypeStruct((1, 2, 300, 128), jnp.bfloat16),
-            jax.ShapeDtypeStruct((1, 2, 300, 128), jnp.bfloat16),
-            jax.ShapeDtypeStruct((1, 2, 300, 300), jnp.bfloat16)]
-  fn = lambda g, q, k, p, s: c_dq_atomic.backward(g, q, k, p, s, cfg=PassConfig(64, 128, 8, 2))
-  assert triton_calls_in_gpu_lowering(fn, shapes) == 1
+def test_chart_needs_a_results_file(capsys):
+  assert chart.main([]) == 2
+  assert "usage" in capsys.readouterr().err
 
 
-def test_l2_read_kernels_read_what_they_say(capsys):
-  """The L2 read kernels in the interpreters: program p sums blocks (p + r P) mod blocks
-  (every block read the same number of times); the TMA ring builds and runs."""
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-  x = jax.random.normal(jax.random.key(0), (l2_read._BLOCK * 6,), jnp.float32)
-  got = np.asarray(l2_read.triton_read(x, repeats=2, programs=4, interpret=True))
-  blocks = np.asarray(x).reshape(6, -1).sum(1)
-  want = [sum(blocks[(p + r * 4) % 6] for r in range(3)) for p in range(4)]
-  np.testing.assert_allclose(got, want, rtol=1e-5)
-  y = jnp.ones((l2_read._TILE[0] * 6, l2_read._TILE[1]), jnp.bfloat16)
-  assert l2_read.tma_read(y, repeats=2, programs=4, interpret=True).shape == (4,)
-
-
-@pytest.mark.parametrize("length", [37, 130])
-def test_ragged_tma_probe_sums_class_rows(length):
-  """The probe's rows (odd lengths, one class of every 8th row per program, masked past the
-  row's end) sum as jnp sums them, in the Mosaic GPU interpreter; it lowers for CUDA at 449."""
-  import jax
-  import jax.numpy as jnp
-  x = jax.random.normal(jax.random.key(length), (8 * 64, length), jnp.bfloat16)
-  want = jnp.sum(x.astype(jnp.float32), axis=1)
-  tol = 1e-4 * float(jnp.max(jnp.abs(want)))
-  got = ragged_tma_probe.class_row_sums(x, interpret=True)
-  assert float(jnp.max(jnp.abs(got - want))) <= tol
-  # Tiles of consecutive rows from a first row that is not a multiple of 8.
-  for swizzle in (False, True):
-    got = ragged_tma_probe.tile_row_sums(x[:8 * 60], row0=32, swizzle=swizzle, interpret=True)
-    assert float(jnp.max(jnp.abs(got - want[32:8 * 60]))) <= tol
-  if length >= 64:   # every element in and out through the boxes, exactly
-    got = ragged_tma_probe.tile_round_trip(x, swizzle=True, interpret=True)
-    assert bool(jnp.all(got == x * 2))
-  for fn in (ragged_tma_probe.class_row_sums, ragged_tma_probe.tile_row_sums,
-             ragged_tma_probe.tile_round_trip):
-    lowered = jax.jit(fn).trace(jax.ShapeDtypeStruct((8 * 64 * 2, 449), jnp.bfloat16)).lower(
-        lowering_platforms=("cuda",))
-    assert "mosaic_gpu" in lowered.as_text()
+def test_committed_results_carry_their_provenance():
+  """Every results JSON under benchmarks/results/<device>/ names its date, device, jax
+  version and commit, and its device matches its folder."""
+  from pallas_kernels import _tuning
+  root = os.path.join(run.HERE, "results")
+  found = 0
+  for folder in sorted(os.listdir(root)):
+    if folder == "runs" or not os.path.isdir(os.path.join(root, folder)):
+      continue
+    for name in sorted(os.listdir(os.path.join(root, folder))):
+      if not name.endswith(".json"):
+        continue
+      with open(os.path.join(root, folder, name)) as f:
+        res = json.load(f)
+      assert {"date", "device", "jax", "commit"} <= set(res), name
+      assert _tuning.device_dir(res["device"]) == folder, name
+      found += 1
+  assert found

@@ -10,10 +10,10 @@ from benchmarks import step
 
 
 @pytest.mark.parametrize("make", [
-    lambda: step._a(1, 16, h=4, kvh=2, d=16),
-    lambda: step._b(1, 2, 8),
-    lambda: step._c(1, 2, 8, d=16),
-    lambda: step._c(1, 2, 8, d=16, causal=True),
+    lambda: step.attention_step(1, 16, h=4, kvh=2, d=16),
+    lambda: step.masked_step(1, 2, 8),
+    lambda: step.qk_step(1, 2, 8, d=16),
+    lambda: step.qk_step(1, 2, 8, d=16, causal=True),
 ])
 def test_step_fn_same_on_both_paths(make):
   s = make()
@@ -39,44 +39,20 @@ def test_step_fn_same_on_both_paths(make):
                              float(loss_p), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("op,residuals", list(step.OPT_IN))
-def test_opt_in_backends_same_on_both_paths(op, residuals):
-  """Op B's backend that saves P and the key (``--b-residuals key``) and op A's Mosaic GPU
-  backends with the jnp forward (``--a-residuals inputs``), with the fused forward writing
-  P and Pd (``fused_inputs``), writing no Pd and no mask (``fused_output``, the default on a
-  Hopper GPU, made explicit) and writing the mask as bits (``fused_output_bits``) give the
-  XLA path's loss and gradients (A: to bf16 rounding), and so does op C's Triton backend with
-  its dL + GEMM scheme on an odd row length."""
-  from jax_ops import registry
-  s = {"A": lambda: step._a(1, 128, h=4, kvh=2, d=64), "B": lambda: step._b(1, 2, 8),
-       "C": lambda: step._c(1, 2, 131, d=40)}[op]()
-  primals, w = s.make(jax.random.key(0))
-  rng = jax.random.key(1)
-  impl = step.register_opt_in(op, residuals)
-  try:
-    loss_x, grads_x = step.step_fn(s, "xla")(primals, w, rng)
-    loss_p, grads_p = step.step_fn(s, impl, interpret=True)(primals, w, rng)
-  finally:
-    registry.unregister(step.OPT_IN[op, residuals][0], impl)
-  tol = 1e-5 if s.op == "B" else 2e-2
-  np.testing.assert_allclose(float(loss_p), float(loss_x), rtol=tol, atol=tol)
-  for gx, gp in zip(jax.tree.leaves(grads_x), jax.tree.leaves(grads_p)):
-    scale = float(np.abs(np.asarray(gx, np.float32)).max()) + 1e-6
-    np.testing.assert_allclose(np.asarray(gp, np.float32), np.asarray(gx, np.float32),
-                               atol=tol * scale, rtol=5 * tol)
-
-
 def test_report_and_chart(tmp_path):
-  rows = [{"op": "A", "step": "A, B=2 S=2048 (H=80, KVH=8, D=128)", "listed": True,
+  rows = [{"op": step.ATTENTION, "step": "attention_softmax_dropout_value, B=2 S=2048 (H=80, "
+           "KVH=8, D=128)", "listed": True,
            "xla_us": 6000.0, "pallas_us": 3000.0, "speedup": 2.0, "xla_temp_mb": 4480.0,
            "pallas_temp_mb": 2112.0, "split_ok": True},
-          {"op": "C", "step": "C, B=32 H=32 S=128", "listed": False, "xla_us": 500.0,
+          {"op": step.QK, "step": "qk_scale_softmax, B=32 H=32 S=128", "listed": False,
+           "xla_us": 500.0,
            "pallas_us": 400.0, "speedup": 1.25, "xla_temp_mb": 10.0, "pallas_temp_mb": 9.0,
            "split_ok": True}]
   meta = {"date": "2026-12-01", "device": "NVIDIA H200", "jax": "0.11.2", "commit": "abc",
           "calls": 20}
   text = step.markdown(meta, rows)
-  assert "| A, B=2 S=2048 (H=80, KVH=8, D=128) | 6000 | 3000 | 2.00x | - | 4480 / 2112 |" in text
+  assert ("| attention_softmax_dropout_value, B=2 S=2048 (H=80, KVH=8, D=128) | 6000 | 3000 | "
+          "2.00x | - | 4480 / 2112 |") in text
   rows[0]["forward_us"] = 2500.0
   assert "| 2.00x | 2500 | 4480 / 2112 |" in step.markdown(meta, rows)
   rows[0]["pallas_forward_us"] = 1200.0
@@ -90,4 +66,4 @@ def test_report_and_chart(tmp_path):
 def test_needs_a_gpu():
   if jax.default_backend() == "gpu":
     pytest.skip("on a GPU the benchmark runs")
-  assert step.main(["--out", "/nonexistent"]) == 2
+  assert step.main(["--out", "/nonexistent", "--op", step.QK]) == 2

@@ -24,7 +24,7 @@ SHAPES = [(1, 1), (16, 100), (128, 128), (300, 293), (1024, 1024), (4096, 4096)]
 
 # The candidate lists as they were (positional tuples), which the named lists must keep.
 OLD = {
-    ta.A: {
+    ta.ATTENTION: {
         "dv": [(64, 64, 4, 2), (64, 64, 4, 3), (32, 128, 8, 2), (64, 128, 8, 2), (64, 128, 8, 3),
                (128, 128, 8, 2), (32, 64, 4, 3), (128, 64, 8, 2), (64, 128, 4, 2), (32, 128, 4, 3),
                (64, 64, 4, 3, False, 1), (128, 64, 8, 2, False, 1), (64, 128, 4, 2, False, 1),
@@ -36,7 +36,7 @@ OLD = {
                (32, 64, 4, 2, True, 0, 1, 0), (64, 64, 4, 1, True, 0, 1, 0),
                (64, 32, 4, 2, True, 0, 1, 0)],
     },
-    ta.C: {
+    ta.QK: {
         "row": [(16, 0, 4, 1), (32, 0, 4, 1), (32, 0, 8, 1), (64, 0, 8, 1), (16, 128, 4, 2),
                 (32, 128, 4, 2), (32, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3), (64, 64, 4, 3),
                 (32, 256, 8, 2), (64, 256, 8, 2), (32, 128, 4, 2, True, 0), (16, 128, 4, 2, True, 0),
@@ -49,7 +49,7 @@ OLD = {
                  (32, 0, 16, 2), (64, 0, 16, 2), (32, 0, 8, 3), (16, 0, 4, 3), (128, 0, 16, 2)],
     },
 }
-OLD_B = [(512, 1), (512, 2), (512, 4), (1024, 1), (1024, 2), (1024, 4), (1024, 8), (2048, 2),
+OLD_MASKED = [(512, 1), (512, 2), (512, 4), (1024, 1), (1024, 2), (1024, 4), (1024, 8), (2048, 2),
          (2048, 4), (2048, 8), (4096, 4), (4096, 8), (4096, 16), (8192, 8), (8192, 16)]
 
 
@@ -65,14 +65,14 @@ def tuned_dir(tmp_path, monkeypatch):
 # ------------------------------------------------------------------- candidate lists
 
 
-@pytest.mark.parametrize("op", [ta.A, ta.C])
+@pytest.mark.parametrize("op", [ta.ATTENTION, ta.QK])
 def test_candidates_build_valid_configs(op):
   for name, entries in ta.CANDIDATES[op].items():
     assert entries, (op, name)
     for entry in entries:
-      expected = asdv.PassConfig if op == ta.A else qks.PassConfig
+      expected = asdv.PassConfig if op == ta.ATTENTION else qks.PassConfig
       for sq, sk in SHAPES:
-        if op == ta.C and entry["block_k"] == qks.WHOLE_ROW and sk > 512:
+        if op == ta.QK and entry["block_k"] == qks.WHOLE_ROW and sk > 512:
           continue  # whole-row candidates are timed on short rows only
         cfg = ta.pass_config(op, entry, sq, sk)  # the dataclass validation runs
         assert type(cfg) is expected
@@ -84,15 +84,15 @@ def test_candidates_build_valid_configs(op):
     assert len(set(keys)) == len(keys), (op, name, "duplicate candidates")
 
 
-@pytest.mark.parametrize("op", [ta.A, ta.C])
+@pytest.mark.parametrize("op", [ta.ATTENTION, ta.QK])
 def test_candidates_are_the_old_ones(op):
   for name, old in OLD[op].items():
     assert ([ta.candidate_key(op, ta.from_tuple(op, t)) for t in old]
             == [ta.candidate_key(op, e) for e in ta.CANDIDATES[op][name]]), name
 
 
-def test_b_candidates_build_valid_configs():
-  assert [(c["target"], c["num_warps"]) for c in tune.CANDIDATES] == OLD_B
+def test_masked_candidates_build_valid_configs():
+  assert [(c["target"], c["num_warps"]) for c in tune.CANDIDATES] == OLD_MASKED
   for cand in tune.CANDIDATES:
     for split in (True, False):
       entry = msd.TableEntry(**cand, split=split)
@@ -105,58 +105,58 @@ def test_b_candidates_build_valid_configs():
 
 def test_invalid_candidates_raise():
   with pytest.raises(ValueError, match="block_q"):
-    ta.a_pass_entry(dict(block_q=48, block_k=64, num_warps=4, num_stages=2))
+    ta.attention_pass_entry(dict(block_q=48, block_k=64, num_warps=4, num_stages=2))
   with pytest.raises(ValueError, match="split"):
-    ta.a_pass_entry(dict(block_q=64, block_k=64, num_warps=4, num_stages=2, split=0))
+    ta.attention_pass_entry(dict(block_q=64, block_k=64, num_warps=4, num_stages=2, split=0))
   with pytest.raises(ValueError, match="row_align"):
-    ta.c_pass_entry(dict(block_q=32, block_k=ta.ROW, num_warps=4, num_stages=2, row_align=3))
+    ta.qk_pass_entry(dict(block_q=32, block_k=ta.ROW, num_warps=4, num_stages=2, row_align=3))
   with pytest.raises(ValueError, match="heads"):  # not a field of C's PassConfig
-    ta.c_pass_entry(dict(block_q=32, block_k=64, num_warps=4, num_stages=2, heads=2))
+    ta.qk_pass_entry(dict(block_q=32, block_k=64, num_warps=4, num_stages=2, heads=2))
 
 
 # ------------------------------------------------------------------- --cands
 
 
 def test_cands_maps_old_tuples_to_named_fields():
-  got = ta.parse_cands(ta.A, "ds=[(64,64,4,2),(64,128,4,2,True,0,2,16)];dv=[(64,64,4,3,False,1)]")
+  got = ta.parse_cands(ta.ATTENTION, "ds=[(64,64,4,2),(64,128,4,2,True,0,2,16)];dv=[(64,64,4,3,False,1)]")
   assert got == {
       "ds": [dict(block_q=64, block_k=64, num_warps=4, num_stages=2),
              dict(block_q=64, block_k=128, num_warps=4, num_stages=2, prefetch=True,
                   split="auto", heads=2, row_align=16)],
       "dv": [dict(block_q=64, block_k=64, num_warps=4, num_stages=3, prefetch=False, split=1)],
   }
-  assert ta.candidate_key(ta.A, got["ds"][1]) == (
+  assert ta.candidate_key(ta.ATTENTION, got["ds"][1]) == (
       ("block_q", 64), ("block_k", 128), ("num_warps", 4), ("num_stages", 2),
       ("prefetch", True), ("heads", 2), ("row_align", 16))
-  got = ta.parse_cands(ta.C, "row=[(16,0,4,1),(32,64,4,2,False,16)];head=(32,0,8,3)")
+  got = ta.parse_cands(ta.QK, "row=[(16,0,4,1),(32,64,4,2,False,16)];head=(32,0,8,3)")
   assert got == {
       "row": [dict(block_q=16, block_k="row", num_warps=4, num_stages=1),
               dict(block_q=32, block_k=64, num_warps=4, num_stages=2, prefetch=False,
                    row_align=16)],
       "head": [dict(block_q=32, block_k="row", num_warps=8, num_stages=3)],
   }
-  assert ta.pass_config(ta.C, got["row"][0], 100, 200) == qks.PassConfig(16, 256, 4, 1)
+  assert ta.pass_config(ta.QK, got["row"][0], 100, 200) == qks.PassConfig(16, 256, 4, 1)
   # Named fields work too.
-  assert ta.parse_cands(ta.C, "col=[{'block_q': 32, 'block_k': 64, 'num_warps': 4, "
+  assert ta.parse_cands(ta.QK, "col=[{'block_q': 32, 'block_k': 64, 'num_warps': 4, "
                               "'num_stages': 3, 'prefetch': True}]") == {
       "col": [dict(block_q=32, block_k=64, num_warps=4, num_stages=3, prefetch=True)]}
 
 
 def test_cands_errors():
   with pytest.raises(ValueError, match="no pass"):
-    ta.parse_cands(ta.A, "row=[(64,64,4,2)]")
+    ta.parse_cands(ta.ATTENTION, "row=[(64,64,4,2)]")
   with pytest.raises(ValueError, match="4 to 6 values"):
-    ta.parse_cands(ta.C, "row=[(64,64,4,2,True,0,1)]")
+    ta.parse_cands(ta.QK, "row=[(64,64,4,2,True,0,1)]")
   with pytest.raises(ValueError, match="num_warps"):
-    ta.parse_cands(ta.A, "dv=[(64,64,3,2)]")
+    ta.parse_cands(ta.ATTENTION, "dv=[(64,64,3,2)]")
 
 
 def test_main_checks_cands_then_needs_a_gpu(capsys):
   if jax.default_backend() == "gpu":
     pytest.skip("would tune")
   with pytest.raises(ValueError, match="block_k"):  # validated before the GPU check
-    ta.main(["--op", ta.C, "--cands", "col=[(64,24,4,2)]"])
-  assert ta.main(["--op", ta.A, "--cands", "ds=[(64,64,4,2,True)]"]) == 2
+    ta.main(["--op", ta.QK, "--cands", "col=[(64,24,4,2)]"])
+  assert ta.main(["--op", ta.ATTENTION, "--cands", "ds=[(64,64,4,2,True)]"]) == 2
   assert tune.main([]) == 2
   assert "needs a CUDA GPU" in capsys.readouterr().err
 
@@ -169,7 +169,7 @@ def _ratios(keys, scores):
   return dict(zip(keys, scores))
 
 
-def test_b_table_round_trip(tuned_dir):
+def test_masked_table_round_trip(tuned_dir):
   out = _tuning.table_path(msd.config.KERNEL, FAKE)
   assert out.startswith(str(tuned_dir))
   win = msd.TableEntry(target=2048, num_warps=8, split=False)
@@ -193,40 +193,40 @@ def test_b_table_round_trip(tuned_dir):
   assert msd.tuned_entry(300, FAKE) == win_ragged
 
 
-def test_a_table_round_trip(tuned_dir):
+def test_attention_table_round_trip(tuned_dir):
   out = _tuning.table_path(asdv.config.KERNEL, FAKE)
-  dv = [ta.candidate_key(ta.A, e) for e in ta.A_DV[9:12]]  # split=1 among them
-  ds = [ta.candidate_key(ta.A, e) for e in ta.A_DS[-5:-2]]  # prefetch, row_align=0
+  dv = [ta.candidate_key(ta.ATTENTION, e) for e in ta.ATTENTION_DV[9:12]]  # split=1 among them
+  ds = [ta.candidate_key(ta.ATTENTION, e) for e in ta.ATTENTION_DS[-5:-2]]  # prefetch, row_align=0
   ratios = {"256": {"dv": [_ratios(dv, [1.2, 1.0, 1.1])], "ds": [_ratios(ds, [1.0, 1.5, 1.1])]}}
-  ta._write_table(ta.A, ratios, out, device_kind=FAKE)
+  ta._write_table(ta.ATTENTION, ratios, out, device_kind=FAKE)
   with open(out) as f:
     entry = json.load(f)["configs"]["256"]
   assert entry == {"dv": dict(dv[1]), "ds": dict(ds[0])}
   assert entry["dv"]["split"] == 1 and "split" not in entry["ds"]
   for sq, sk in [(256, 256), (40, 200)]:
     got = asdv.default_config(2, 8, 2, sq, sk, 128, jnp.bfloat16, FAKE)
-    assert got == asdv.Config(ta.pass_config(ta.A, dict(dv[1]), sq, sk),
-                              ta.pass_config(ta.A, dict(ds[0]), sq, sk))
+    assert got == asdv.Config(ta.pass_config(ta.ATTENTION, dict(dv[1]), sq, sk),
+                              ta.pass_config(ta.ATTENTION, dict(ds[0]), sq, sk))
     assert got.ds.prefetch and got.ds.row_align == 0 and got.dv.split == 1
   assert asdv.Config.from_json(entry).to_json() == entry
   # A run of one pass keeps the other pass's entry.
   _tuning.table.cache_clear()
-  ta._write_table(ta.A, {"256": {"ds": [_ratios(ds, [1.3, 1.0, 1.1])]}}, out, device_kind=FAKE)
+  ta._write_table(ta.ATTENTION, {"256": {"ds": [_ratios(ds, [1.3, 1.0, 1.1])]}}, out, device_kind=FAKE)
   got = asdv.default_config(2, 8, 2, 256, 256, 128, jnp.bfloat16, FAKE)
-  assert got == asdv.Config(ta.pass_config(ta.A, dict(dv[1]), 256, 256),
-                            ta.pass_config(ta.A, dict(ds[1]), 256, 256))
+  assert got == asdv.Config(ta.pass_config(ta.ATTENTION, dict(dv[1]), 256, 256),
+                            ta.pass_config(ta.ATTENTION, dict(ds[1]), 256, 256))
 
 
-def test_c_table_round_trip(tuned_dir):
+def test_qk_table_round_trip(tuned_dir):
   out = _tuning.table_path(qks.config.KERNEL, FAKE)
-  row = [ta.candidate_key(ta.C, e) for e in (ta.C_ROW[0], ta.C_ROW[-1])]  # whole row; row_align
-  col = [ta.candidate_key(ta.C, e) for e in ta.C_COL[-2:]]
-  head = [ta.candidate_key(ta.C, e) for e in ta.C_HEAD[:2]]
+  row = [ta.candidate_key(ta.QK, e) for e in (ta.QK_ROW[0], ta.QK_ROW[-1])]  # whole row; row_align
+  col = [ta.candidate_key(ta.QK, e) for e in ta.QK_COL[-2:]]
+  head = [ta.candidate_key(ta.QK, e) for e in ta.QK_HEAD[:2]]
   ratios = {"256": {"row": [_ratios(row, [1.0, 1.4])], "col": [_ratios(col, [1.2, 1.0])],
                     "two_pass": [_ratios(["table"], [1.0])], "head": [_ratios(head, [1.1, 1.0])]},
             "512-ragged": {"row": [_ratios(row, [1.3, 1.0])], "col": [_ratios(col, [1.0, 1.2])]}}
   best_times = {"256": {"two_pass": [10.0], "head": [8.0]}, "512-ragged": {"two_pass": [5.0]}}
-  ta._write_table(ta.C, ratios, out, best_times, device_kind=FAKE)
+  ta._write_table(ta.QK, ratios, out, best_times, device_kind=FAKE)
   with open(out) as f:
     configs = json.load(f)["configs"]
   assert list(configs) == ["256", "512-ragged"]
@@ -236,12 +236,12 @@ def test_c_table_round_trip(tuned_dir):
   assert configs["512-ragged"]["scheme"] == "two_pass"
   assert configs["512-ragged"]["row"]["row_align"] == 16
   # Read back by the kernel.
-  cfg = ta.pass_config(ta.C, dict(head[1]), 256, 256)
+  cfg = ta.pass_config(ta.QK, dict(head[1]), 256, 256)
   assert qks.default_config(256, 256, 128, jnp.bfloat16, FAKE) == qks.Config(cfg, cfg, "per_head")
   two = qks.default_config(100, 256, 128, jnp.bfloat16, FAKE, schemes=("two_pass",))
-  assert two == qks.Config(qks.PassConfig(16, 256, 4, 1), ta.pass_config(ta.C, dict(col[1]), 100, 256))
+  assert two == qks.Config(qks.PassConfig(16, 256, 4, 1), ta.pass_config(ta.QK, dict(col[1]), 100, 256))
   assert qks.default_config(300, 293, 64, jnp.float16, FAKE) == qks.Config(
-      qks.PassConfig(32, 64, 4, 2, row_align=16), ta.pass_config(ta.C, dict(col[0]), 300, 293))
+      qks.PassConfig(32, 64, 4, 2, row_align=16), ta.pass_config(ta.QK, dict(col[0]), 300, 293))
 
 
 def test_writer_leaves_out_entries_it_cannot_read(tuned_dir, capsys):
@@ -252,8 +252,8 @@ def test_writer_leaves_out_entries_it_cannot_read(tuned_dir, capsys):
         "256": {"scheme": "two_pass", "row": {"block_q": 64, "block_k": 256, "num_warps": 8,
                                               "num_stages": 2},
                 "col": {"block_q": 32, "block_k": 64, "num_warps": 4, "num_stages": 3}}}}, f)
-  col = ta.candidate_key(ta.C, ta.C_COL[0])
-  result = ta._write_table(ta.C, {"256": {"col": [_ratios([col], [1.0])]}}, old, {},
+  col = ta.candidate_key(ta.QK, ta.QK_COL[0])
+  result = ta._write_table(ta.QK, {"256": {"col": [_ratios([col], [1.0])]}}, old, {},
                            device_kind=FAKE)
   assert list(result["configs"]) == ["256"]
   assert result["configs"]["256"]["col"] == dict(col)
@@ -261,7 +261,7 @@ def test_writer_leaves_out_entries_it_cannot_read(tuned_dir, capsys):
   assert "class 128 left out" in capsys.readouterr().out
 
 
-def test_c_tuner_keeps_dl_gemm_classes(tuned_dir, capsys):
+def test_qk_tuner_keeps_dl_gemm_classes(tuned_dir, capsys):
   """The tuner does not time the dL + GEMM scheme: a class whose entry uses it keeps its
   scheme and dl field, and takes the new passes (its two-pass fallback)."""
   old = str(tuned_dir / "old.json")
@@ -270,19 +270,19 @@ def test_c_tuner_keeps_dl_gemm_classes(tuned_dir, capsys):
            "col": {"block_q": 32, "block_k": 64, "num_warps": 4, "num_stages": 3}}
   with open(old, "w") as f:
     json.dump({"device_kind": FAKE, "configs": {"1024": entry}}, f)
-  col = ta.candidate_key(ta.C, ta.C_COL[0])
+  col = ta.candidate_key(ta.QK, ta.QK_COL[0])
   ratios = {"1024": {"col": [_ratios([col], [1.0])], "two_pass": [_ratios(["table"], [1.0])]}}
-  result = ta._write_table(ta.C, ratios, old, {"1024": {"two_pass": [9.0]}}, device_kind=FAKE)
+  result = ta._write_table(ta.QK, ratios, old, {"1024": {"two_pass": [9.0]}}, device_kind=FAKE)
   got = result["configs"]["1024"]
   assert got["scheme"] == "dl_gemm" and got["dl"] == {"rows": 2, "num_warps": 4}
   assert got["col"] == dict(col) and got["row"] == entry["row"]
   assert "dl_gemm kept" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("op", [ta.A, ta.C, msd.config.KERNEL])
+@pytest.mark.parametrize("op", [ta.ATTENTION, ta.QK, msd.config.KERNEL])
 def test_checked_in_tables_are_valid_entries(op):
   """The writer keeps (re-writes unchanged in meaning) the classes of the tables there."""
-  canonical = {ta.A: ta.TABLE_ENTRY[ta.A], ta.C: ta.TABLE_ENTRY[ta.C]}.get(op, tune.entry_json)
+  canonical = {ta.ATTENTION: ta.TABLE_ENTRY[ta.ATTENTION], ta.QK: ta.TABLE_ENTRY[ta.QK]}.get(op, tune.entry_json)
   with open(_tuning.table_path(op, "NVIDIA H200")) as f:
     configs = json.load(f)["configs"]
   for key, entry in configs.items():
@@ -297,8 +297,8 @@ def test_merge_into_checked_in_tables_keeps_their_configs(tuned_dir):
   folder.mkdir()
   lengths = [1, 100, 128, 131, 200, 256, 293, 512, 541, 1024, 1500, 2048, 4096]
   ops = {
-      ta.A: lambda sk: asdv.default_config(2, 8, 2, 256, sk, 128, jnp.bfloat16, kind),
-      ta.C: lambda sk: qks.default_config(256, sk, 128, jnp.bfloat16, kind),
+      ta.ATTENTION: lambda sk: asdv.default_config(2, 8, 2, 256, sk, 128, jnp.bfloat16, kind),
+      ta.QK: lambda sk: qks.default_config(256, sk, 128, jnp.bfloat16, kind),
       msd.config.KERNEL: lambda sk: msd.default_config(256, sk, kind),
   }
   for op, default in ops.items():
