@@ -183,8 +183,9 @@ def markdown(meta, rows) -> str:
   return "\n".join(lines) + "\n"
 
 
-def write_chart(rows, png_path):
-  """Bars of the speedup of the Pallas path over the XLA path per step (1.0: a tie)."""
+def write_chart(rows, png_path, meta=None):
+  """Bars of the speedup of the Pallas path over the XLA path per step (1.0: a tie); the
+  title names the device, date and commit of ``meta``."""
   try:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -201,7 +202,12 @@ def write_chart(rows, png_path):
   ax.set_xticks(list(xs), [r["step"].replace(" (", "\n(") for r in rows], rotation=60,
                 ha="right", fontsize=7)
   ax.set_ylabel("speedup of the Pallas path over XLA")
-  ax.set_title("Training step (jitted value_and_grad), device time", fontsize=10)
+  title = "Training step (jitted value_and_grad), device time"
+  if meta:
+    import textwrap
+    tail = f"{meta['device']}  |  {meta['date']}  |  jax {meta['jax']}  |  commit {meta['commit']}"
+    title = "\n".join([title, *textwrap.wrap(tail, int(fig.get_figwidth() * 14))])
+  ax.set_title(title, fontsize=9, loc="left")
   fig.tight_layout()
   fig.savefig(png_path)
   return png_path
@@ -240,7 +246,7 @@ def main(argv=None):
           f"x{row['speedup']:.2f}  temp {row['xla_temp_mb']:.0f}/{row['pallas_temp_mb']:.0f} MB",
           flush=True)
     write(base, meta, rows)   # after each step: a run cut short keeps what it measured
-  write_chart(rows, base + ".png")
+  write_chart(rows, base + ".png", meta)
   print(markdown(meta, rows))
   return 0
 
