@@ -1,14 +1,14 @@
 """Bar charts of benchmark results: the fraction of the memory floor per workload.
 
-``write_chart(json_path)`` reads a results JSON written by ``benchmarks/run.py`` (or
-``benchmarks/merge.py``) and writes a PNG next to it: for each workload the Pallas kernel's and
-XLA's fraction of the memory floor (floor time / measured time, so 1.0 is the floor and higher is
-better) as grouped bars, a line at 1.0, the geomeans in the legend.
+``write_chart(json_path)`` reads a results JSON written by ``benchmarks/run.py`` and writes a
+PNG next to it: for each workload the Pallas kernel's and XLA's fraction of the memory floor
+(floor time / measured time, so 1.0 is the floor and higher is better) as grouped bars, a line
+at 1.0, the geomeans in the legend; the title names the device, date and commit.
 
 matplotlib is optional (``pip install -e '.[bench]' -c constraints.txt``); without it
 ``write_chart`` prints a one-line note and returns None, so a benchmark run never fails for it.
 
-    python -m benchmarks.chart benchmarks/results/*.json   # regenerate the charts of these files
+    python -m benchmarks.chart benchmarks/results/nvidia_h200/*softmax*.json   # redraw these charts
 """
 
 from __future__ import annotations

@@ -110,7 +110,7 @@ def test_invalid_candidates_raise():
     ta.attention_pass_entry(dict(block_q=64, block_k=64, num_warps=4, num_stages=2, split=0))
   with pytest.raises(ValueError, match="row_align"):
     ta.qk_pass_entry(dict(block_q=32, block_k=ta.ROW, num_warps=4, num_stages=2, row_align=3))
-  with pytest.raises(ValueError, match="heads"):  # not a field of C's PassConfig
+  with pytest.raises(ValueError, match="heads"):  # not a field of qk_scale_softmax's PassConfig
     ta.qk_pass_entry(dict(block_q=32, block_k=64, num_warps=4, num_stages=2, heads=2))
 
 
