@@ -3,7 +3,7 @@
 ``write_chart(json_path)`` reads a results JSON written by ``benchmarks/run.py`` and writes a
 PNG next to it: for each workload the Pallas kernel's and XLA's fraction of the memory floor
 (floor time / measured time, so 1.0 is the floor and higher is better) as grouped bars, a line
-at 1.0, the geomeans in the legend; the title names the device, date and commit.
+at 1.0, the geomeans in the legend; the title names the device, date, jax and commit.
 
 matplotlib is optional (``pip install -e '.[bench]' -c constraints.txt``); without it
 ``write_chart`` prints a one-line note and returns None, so a benchmark run never fails for it.
@@ -96,7 +96,7 @@ def write_chart(json_path, png_path=None):
 def _title(res, fig):
   head = f"{res.get('op', '?')}: fraction of the memory floor, Pallas kernel vs XLA"
   tail = (f"{res.get('device', '?')}  |  {_short_dates(str(res.get('date', '?')))}  |  "
-          f"commit {res.get('commit', '?')}")
+          f"jax {res.get('jax', '?')}  |  commit {res.get('commit', '?')}")
   chars = int(fig.get_figwidth() * 14)  # about what fits at fontsize 9
   return "\n".join([head, *textwrap.wrap(tail, chars)])
 
