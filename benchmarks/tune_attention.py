@@ -25,8 +25,8 @@ A candidate is a pass's table entry: its ``PassConfig`` fields by name (fields l
 take their defaults; qk_scale_softmax's ``"block_k": "row"`` (``WHOLE_ROW``) is a whole
 padded row as one tile). ``--cands`` replaces the lists for one run; it takes positional
 tuples (``TUPLE_FIELDS``; attention_softmax_dropout_value: ``(block_q, block_k, num_warps,
-num_stages[, prefetch, split, heads, row_align])``, split 0 = ``"auto"``; qk_scale_softmax:
-``(block_q, block_k, num_warps, num_stages[, prefetch, row_align])``, block_k 0 = the whole
+num_stages[, split, heads, row_align])``, split 0 = ``"auto"``; qk_scale_softmax:
+``(block_q, block_k, num_warps, num_stages[, row_align])``, block_k 0 = the whole
 row) or dicts of named fields.
 
 attention_softmax_dropout_value's pass 1 is timed with delta's partials. Where the dS pass
@@ -107,15 +107,6 @@ ATTENTION_DS = [
     dict(block_q=128, block_k=64, num_warps=4, num_stages=3),
     dict(block_q=64, block_k=32, num_warps=4, num_stages=3),
 ]
-# Register prefetch on tiles of consecutive rows (row_align=0: on rows of Skv % 8 != 0 the
-# default is the phase-aligned kernel, which does not prefetch).
-ATTENTION_DS += [
-    dict(block_q=64, block_k=64, num_warps=4, num_stages=2, prefetch=True, row_align=0),
-    dict(block_q=64, block_k=128, num_warps=4, num_stages=2, prefetch=True, row_align=0),
-    dict(block_q=32, block_k=64, num_warps=4, num_stages=2, prefetch=True, row_align=0),
-    dict(block_q=64, block_k=64, num_warps=4, num_stages=1, prefetch=True, row_align=0),
-    dict(block_q=64, block_k=32, num_warps=4, num_stages=2, prefetch=True, row_align=0),
-]
 ATTENTION_WORKLOADS = [0, 1, 2, 3, 4, 8, 10, 15]
 
 # qk_scale_softmax: candidates of each kernel (qks.PassConfig fields); block_k WHOLE_ROW ("row") is
@@ -146,19 +137,7 @@ QK_COL = [
     dict(block_q=64, block_k=128, num_warps=8, num_stages=3),
     dict(block_q=128, block_k=64, num_warps=4, num_stages=3),
 ]
-QK_ROW += [
-    dict(block_q=32, block_k=128, num_warps=4, num_stages=2, prefetch=True, row_align=0),
-    dict(block_q=16, block_k=128, num_warps=4, num_stages=2, prefetch=True, row_align=0),
-    dict(block_q=32, block_k=64, num_warps=4, num_stages=2, prefetch=True, row_align=0),
-    dict(block_q=32, block_k=128, num_warps=4, num_stages=1, prefetch=True, row_align=0),
-    dict(block_q=32, block_k=64, num_warps=4, num_stages=2, row_align=16),
-]
-QK_COL += [
-    dict(block_q=32, block_k=64, num_warps=4, num_stages=3, prefetch=True),
-    dict(block_q=32, block_k=64, num_warps=4, num_stages=2, prefetch=True),
-    dict(block_q=64, block_k=64, num_warps=4, num_stages=2, prefetch=True),
-    dict(block_q=32, block_k=128, num_warps=4, num_stages=2, prefetch=True),
-]
+QK_ROW += [dict(block_q=32, block_k=64, num_warps=4, num_stages=2, row_align=16)]
 QK_WORKLOADS = [0, 1, 2, 4, 8, 9, 10, 13, 14]
 # qk_scale_softmax's "per_head" scheme (one program per head, rows <= 256 keys, whole rows).
 QK_HEAD = [
@@ -182,9 +161,8 @@ CANDIDATES = {
 
 # The positional order of a ``--cands`` tuple.
 TUPLE_FIELDS = {
-    ATTENTION: ("block_q", "block_k", "num_warps", "num_stages", "prefetch", "split", "heads",
-        "row_align"),
-    QK: ("block_q", "block_k", "num_warps", "num_stages", "prefetch", "row_align"),
+    ATTENTION: ("block_q", "block_k", "num_warps", "num_stages", "split", "heads", "row_align"),
+    QK: ("block_q", "block_k", "num_warps", "num_stages", "row_align"),
 }
 
 
@@ -382,8 +360,8 @@ def attention_table_entry(entry: dict) -> dict:
 
 def qk_table_entry(entry: dict) -> dict:
   """A class's entry of qk_scale_softmax's table (``scheme``, ``row``, ``col`` and, if measured,
-  ``head``; ``dl`` with its ``phased`` flag) as ``default_config`` reads it; raises if it is
-  not one."""
+  ``head``; ``dl`` and ``causal_dl``, the dL kernel's launch for dense and causal calls, kept
+  as they are) as ``default_config`` reads it; raises if it is not one."""
   scheme = entry.get("scheme", "two_pass")
   if scheme not in qks.SCHEMES:
     raise ValueError(f"scheme: expected one of {qks.SCHEMES}, got {scheme!r}")
@@ -393,12 +371,11 @@ def qk_table_entry(entry: dict) -> dict:
       out[name] = qk_pass_entry(entry[name])
     elif name != "head":
       raise KeyError(f"no {name!r} pass")
-  if "dl" in entry:
-    dl = qks.DlConfig(int(entry["dl"]["rows"]), int(entry["dl"]["num_warps"]),
-                      phased=entry["dl"].get("phased", False))
-    out["dl"] = {"rows": dl.rows, "num_warps": dl.num_warps}
-    if dl.phased:
-      out["dl"]["phased"] = True
+  for name in ("dl", "causal_dl"):
+    if name in entry:
+      fields = {k: entry[name][k] for k in ("rows", "num_warps", "phased") if k in entry[name]}
+      qks.DlConfig(**fields)  # raises on a bad value
+      out[name] = dict(entry[name])
   return out
 
 
@@ -484,8 +461,8 @@ def main(argv=None):
                       help="replace candidate lists, e.g. "
                            "'ds=[(64,64,4,2),(64,64,4,2,True)];dv=[...]' (tuples in TUPLE_FIELDS "
                            "order: attention_softmax_dropout_value (block_q, block_k, num_warps, "
-                           "num_stages, prefetch, split, heads, row_align), split 0 = auto; "
-                           "qk_scale_softmax (block_q, block_k, num_warps, num_stages, prefetch, "
+                           "num_stages, split, heads, row_align), split 0 = auto; "
+                           "qk_scale_softmax (block_q, block_k, num_warps, num_stages, "
                            "row_align), block_k 0 = whole row; or dicts of named fields)")
   args = parser.parse_args(argv)
   cands = dict(CANDIDATES[args.op])

@@ -27,24 +27,17 @@ OLD = {
     ta.ATTENTION: {
         "dv": [(64, 64, 4, 2), (64, 64, 4, 3), (32, 128, 8, 2), (64, 128, 8, 2), (64, 128, 8, 3),
                (128, 128, 8, 2), (32, 64, 4, 3), (128, 64, 8, 2), (64, 128, 4, 2), (32, 128, 4, 3),
-               (64, 64, 4, 3, False, 1), (128, 64, 8, 2, False, 1), (64, 128, 4, 2, False, 1),
-               (64, 32, 4, 3), (64, 64, 4, 3, False, 4), (64, 64, 4, 3, False, 8),
-               (128, 64, 8, 2, False, 4), (128, 128, 8, 3)],
+               (64, 64, 4, 3, 1), (128, 64, 8, 2, 1), (64, 128, 4, 2, 1), (64, 32, 4, 3),
+               (64, 64, 4, 3, 4), (64, 64, 4, 3, 8), (128, 64, 8, 2, 4), (128, 128, 8, 3)],
         "ds": [(64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 128, 4, 2),
-               (64, 128, 8, 3), (128, 32, 4, 3), (256, 64, 8, 2), (128, 64, 4, 3), (64, 32, 4, 3),
-               (64, 64, 4, 2, True, 0, 1, 0), (64, 128, 4, 2, True, 0, 1, 0),
-               (32, 64, 4, 2, True, 0, 1, 0), (64, 64, 4, 1, True, 0, 1, 0),
-               (64, 32, 4, 2, True, 0, 1, 0)],
+               (64, 128, 8, 3), (128, 32, 4, 3), (256, 64, 8, 2), (128, 64, 4, 3), (64, 32, 4, 3)],
     },
     ta.QK: {
         "row": [(16, 0, 4, 1), (32, 0, 4, 1), (32, 0, 8, 1), (64, 0, 8, 1), (16, 128, 4, 2),
                 (32, 128, 4, 2), (32, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3), (64, 64, 4, 3),
-                (32, 256, 8, 2), (64, 256, 8, 2), (32, 128, 4, 2, True, 0), (16, 128, 4, 2, True, 0),
-                (32, 64, 4, 2, True, 0), (32, 128, 4, 1, True, 0), (32, 64, 4, 2, False, 16)],
+                (32, 256, 8, 2), (64, 256, 8, 2), (32, 64, 4, 2, 16)],
         "col": [(64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (128, 64, 8, 2), (64, 128, 4, 2),
-                (128, 128, 8, 2), (32, 64, 4, 3), (64, 128, 8, 3), (128, 64, 4, 3),
-                (32, 64, 4, 3, True), (32, 64, 4, 2, True), (64, 64, 4, 2, True),
-                (32, 128, 4, 2, True)],
+                (128, 128, 8, 2), (32, 64, 4, 3), (64, 128, 8, 3), (128, 64, 4, 3)],
         "head": [(16, 0, 4, 2), (32, 0, 4, 2), (32, 0, 8, 2), (64, 0, 8, 2), (16, 0, 8, 2),
                  (32, 0, 16, 2), (64, 0, 16, 2), (32, 0, 8, 3), (16, 0, 4, 3), (128, 0, 16, 2)],
     },
@@ -118,35 +111,34 @@ def test_invalid_candidates_raise():
 
 
 def test_cands_maps_old_tuples_to_named_fields():
-  got = ta.parse_cands(ta.ATTENTION, "ds=[(64,64,4,2),(64,128,4,2,True,0,2,16)];dv=[(64,64,4,3,False,1)]")
+  got = ta.parse_cands(ta.ATTENTION, "ds=[(64,64,4,2),(64,128,4,2,0,2,16)];dv=[(64,64,4,3,1)]")
   assert got == {
       "ds": [dict(block_q=64, block_k=64, num_warps=4, num_stages=2),
-             dict(block_q=64, block_k=128, num_warps=4, num_stages=2, prefetch=True,
-                  split="auto", heads=2, row_align=16)],
-      "dv": [dict(block_q=64, block_k=64, num_warps=4, num_stages=3, prefetch=False, split=1)],
+             dict(block_q=64, block_k=128, num_warps=4, num_stages=2, split="auto", heads=2,
+                  row_align=16)],
+      "dv": [dict(block_q=64, block_k=64, num_warps=4, num_stages=3, split=1)],
   }
   assert ta.candidate_key(ta.ATTENTION, got["ds"][1]) == (
       ("block_q", 64), ("block_k", 128), ("num_warps", 4), ("num_stages", 2),
-      ("prefetch", True), ("heads", 2), ("row_align", 16))
-  got = ta.parse_cands(ta.QK, "row=[(16,0,4,1),(32,64,4,2,False,16)];head=(32,0,8,3)")
+      ("heads", 2), ("row_align", 16))
+  got = ta.parse_cands(ta.QK, "row=[(16,0,4,1),(32,64,4,2,16)];head=(32,0,8,3)")
   assert got == {
       "row": [dict(block_q=16, block_k="row", num_warps=4, num_stages=1),
-              dict(block_q=32, block_k=64, num_warps=4, num_stages=2, prefetch=False,
-                   row_align=16)],
+              dict(block_q=32, block_k=64, num_warps=4, num_stages=2, row_align=16)],
       "head": [dict(block_q=32, block_k="row", num_warps=8, num_stages=3)],
   }
   assert ta.pass_config(ta.QK, got["row"][0], 100, 200) == qks.PassConfig(16, 256, 4, 1)
   # Named fields work too.
   assert ta.parse_cands(ta.QK, "col=[{'block_q': 32, 'block_k': 64, 'num_warps': 4, "
-                              "'num_stages': 3, 'prefetch': True}]") == {
-      "col": [dict(block_q=32, block_k=64, num_warps=4, num_stages=3, prefetch=True)]}
+                              "'num_stages': 3, 'row_align': 0}]") == {
+      "col": [dict(block_q=32, block_k=64, num_warps=4, num_stages=3, row_align=0)]}
 
 
 def test_cands_errors():
   with pytest.raises(ValueError, match="no pass"):
     ta.parse_cands(ta.ATTENTION, "row=[(64,64,4,2)]")
-  with pytest.raises(ValueError, match="4 to 6 values"):
-    ta.parse_cands(ta.QK, "row=[(64,64,4,2,True,0,1)]")
+  with pytest.raises(ValueError, match="4 to 5 values"):
+    ta.parse_cands(ta.QK, "row=[(64,64,4,2,0,1)]")
   with pytest.raises(ValueError, match="num_warps"):
     ta.parse_cands(ta.ATTENTION, "dv=[(64,64,3,2)]")
 
@@ -156,7 +148,7 @@ def test_main_checks_cands_then_needs_a_gpu(capsys):
     pytest.skip("would tune")
   with pytest.raises(ValueError, match="block_k"):  # validated before the GPU check
     ta.main(["--op", ta.QK, "--cands", "col=[(64,24,4,2)]"])
-  assert ta.main(["--op", ta.ATTENTION, "--cands", "ds=[(64,64,4,2,True)]"]) == 2
+  assert ta.main(["--op", ta.ATTENTION, "--cands", "ds=[(64,64,4,2,0,2)]"]) == 2
   assert tune.main([]) == 2
   assert "needs a CUDA GPU" in capsys.readouterr().err
 
@@ -196,7 +188,7 @@ def test_masked_table_round_trip(tuned_dir):
 def test_attention_table_round_trip(tuned_dir):
   out = _tuning.table_path(asdv.config.KERNEL, FAKE)
   dv = [ta.candidate_key(ta.ATTENTION, e) for e in ta.ATTENTION_DV[9:12]]  # split=1 among them
-  ds = [ta.candidate_key(ta.ATTENTION, e) for e in ta.ATTENTION_DS[-5:-2]]  # prefetch, row_align=0
+  ds = [ta.candidate_key(ta.ATTENTION, dict(e, row_align=0)) for e in ta.ATTENTION_DS[:3]]
   ratios = {"256": {"dv": [_ratios(dv, [1.2, 1.0, 1.1])], "ds": [_ratios(ds, [1.0, 1.5, 1.1])]}}
   ta._write_table(ta.ATTENTION, ratios, out, device_kind=FAKE)
   with open(out) as f:
@@ -207,7 +199,7 @@ def test_attention_table_round_trip(tuned_dir):
     got = asdv.default_config(2, 8, 2, sq, sk, 128, jnp.bfloat16, FAKE)
     assert got == asdv.Config(ta.pass_config(ta.ATTENTION, dict(dv[1]), sq, sk),
                               ta.pass_config(ta.ATTENTION, dict(ds[0]), sq, sk))
-    assert got.ds.prefetch and got.ds.row_align == 0 and got.dv.split == 1
+    assert got.ds.row_align == 0 and got.dv.split == 1
   assert asdv.Config.from_json(entry).to_json() == entry
   # A run of one pass keeps the other pass's entry.
   _tuning.table.cache_clear()
@@ -263,9 +255,10 @@ def test_writer_leaves_out_entries_it_cannot_read(tuned_dir, capsys):
 
 def test_qk_tuner_keeps_dl_gemm_classes(tuned_dir, capsys):
   """The tuner does not time the dL + GEMM scheme: a class whose entry uses it keeps its
-  scheme and dl field, and takes the new passes (its two-pass fallback)."""
+  scheme and its dl and causal_dl fields, and takes the new passes (its two-pass fallback)."""
   old = str(tuned_dir / "old.json")
   entry = {"scheme": "dl_gemm", "dl": {"rows": 2, "num_warps": 4},
+           "causal_dl": {"rows": 1, "num_warps": 2},
            "row": {"block_q": 32, "block_k": 128, "num_warps": 4, "num_stages": 2},
            "col": {"block_q": 32, "block_k": 64, "num_warps": 4, "num_stages": 3}}
   with open(old, "w") as f:
@@ -275,6 +268,7 @@ def test_qk_tuner_keeps_dl_gemm_classes(tuned_dir, capsys):
   result = ta._write_table(ta.QK, ratios, old, {"1024": {"two_pass": [9.0]}}, device_kind=FAKE)
   got = result["configs"]["1024"]
   assert got["scheme"] == "dl_gemm" and got["dl"] == {"rows": 2, "num_warps": 4}
+  assert got["causal_dl"] == {"rows": 1, "num_warps": 2}
   assert got["col"] == dict(col) and got["row"] == entry["row"]
   assert "dl_gemm kept" in capsys.readouterr().out
 
@@ -298,7 +292,8 @@ def test_merge_into_checked_in_tables_keeps_their_configs(tuned_dir):
   lengths = [1, 100, 128, 131, 200, 256, 293, 512, 541, 1024, 1500, 2048, 4096]
   ops = {
       ta.ATTENTION: lambda sk: asdv.default_config(2, 8, 2, 256, sk, 128, jnp.bfloat16, kind),
-      ta.QK: lambda sk: qks.default_config(256, sk, 128, jnp.bfloat16, kind),
+      ta.QK: lambda sk: (qks.default_config(256, sk, 128, jnp.bfloat16, kind),
+                         qks.default_config(sk, sk, 128, jnp.bfloat16, kind, causal=True)),
       msd.config.KERNEL: lambda sk: msd.default_config(256, sk, kind),
   }
   for op, default in ops.items():
