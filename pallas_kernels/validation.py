@@ -176,7 +176,7 @@ def check_problem_a(grad_attn_output, attn_weights, attn_weights_dropped, value_
 
 
 def check_scores_and_mask(scores, mask, *, dtypes=_LOW) -> None:
-  """Checks the inputs of the masked softmax-dropout forward (problem B): ``scores``
+  """Checks the inputs of the masked softmax-dropout forward: ``scores``
   ``[B, H, Sq, Sk]`` float, ``mask`` ``[B, 1, Sq, Sk]`` bool."""
   check_array("scores", scores, ("B", "H", "Sq", "Sk"), dtypes=dtypes)
   check_positive("scores", scores, ("B", "H", "Sq", "Sk"))
@@ -203,9 +203,9 @@ def _check_rows_and_value(name, rows, value_states, dtypes) -> None:
   check_divisible(h, value_states.shape[1])
 
 
-def check_problem_b(grad_output, p_attn, mask, dropout_mask, p_dropout, *,
-                    dtypes=_LOW) -> float | None:
-  """Checks the arguments of the masked softmax-dropout backward (problem B)."""
+def check_masked_softmax_dropout(grad_output, p_attn, mask, dropout_mask, p_dropout, *,
+                                 dtypes=_LOW) -> float | None:
+  """Checks the arguments of the masked softmax-dropout backward."""
   axes = ("B", "H", "Sq", "Sk")
   check_array("p_attn", p_attn, axes, dtypes=dtypes)
   check_positive("p_attn", p_attn, axes)

@@ -1,5 +1,5 @@
-"""Kernel B's tests, written once for every backend: a module that runs them defines the
-fixture ``backward``, a callable with the signature of
+"""The backward kernel's tests, written once for every backend: a module that runs them
+defines the fixture ``backward``, a callable with the signature of
 ``pallas_kernels.masked_softmax_dropout_backward(grad_output, p_attn, mask, dropout_mask,
 p_dropout, *, interpret=False)``. Only that signature is used here: no backend internals."""
 

@@ -1,4 +1,4 @@
-"""Op B's tests, written once and run for every backend (fixture ``implementation``, set by
+"""The op's tests, written once and run for every backend (fixture ``implementation``, set by
 each ``test_op_<backend>.py``)."""
 
 import jax

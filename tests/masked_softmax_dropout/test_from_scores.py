@@ -1,19 +1,19 @@
-"""Kernel B's backward given the scores instead of P
-(``masked_softmax_dropout_backward_from_scores``): it recomputes P in the kernel, as the
-fused forward computes it, and draws the keep mask from the key; against the key-drawn
-backward fed the forward kernel's P, and against the reference, on odd shapes and configs,
-static and traced rates, fp32 and bf16. Its Triton lowering is tested in test_from_key.py."""
+"""The backward given the scores instead of P (``masked_softmax_dropout_backward_from_scores``):
+it recomputes P in the kernel, as the fused forward computes it, and draws the keep mask
+from the key; against the keep-reading kernel fed the jnp P and ``jax_ops.dropout_keep_mask``,
+and against the reference, on odd shapes and configs, static and traced rates, fp32 and
+bf16, and lowered to Triton IR."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import INTERPRET
+from conftest import INTERPRET, triton_calls_in_gpu_lowering
+import jax_ops
 from jax_ops import reference
 from pallas_kernels.masked_softmax_dropout import Config
 from pallas_kernels.masked_softmax_dropout import pallas_triton as kernels
-from pallas_kernels.masked_softmax_dropout.forward import masked_softmax_dropout_forward
 
 
 def _inputs(b, h, sq, sk, dtype=jnp.float32, seed=0):
@@ -25,20 +25,20 @@ def _inputs(b, h, sq, sk, dtype=jnp.float32, seed=0):
 
 
 def _from_p(g, scores, mask, rng, rate, **kw):
-  """The key-drawn backward fed the P of the forward kernel."""
-  _, p, _ = masked_softmax_dropout_forward(scores, mask, rate, rng, interpret=INTERPRET)
-  return p, kernels.masked_softmax_dropout_backward_from_key(g, p, mask, rng, rate,
-                                                             interpret=INTERPRET, **kw)
+  """The keep-reading kernel fed the jnp forward's P and the jnp keep mask."""
+  keep = jax_ops.dropout_keep_mask(rng, rate, g.shape) if rate else None
+  _, p = reference.masked_softmax_dropout_forward(scores, mask, None, 0.0)
+  return p, kernels.masked_softmax_dropout_backward(
+      g, p, mask, keep, jax_ops.effective_dropout_rate(rate), interpret=INTERPRET, **kw)
 
 
 @pytest.mark.parametrize("b,h,sq,sk,rate", [(2, 3, 7, 33, 0.1), (1, 2, 5, 131, 0.3),
-                                            (1, 1, 1, 293, 0.0)])
+                                            (1, 1, 1, 293, 0.0), (1, 2, 3, 1, 0.3)])
 @pytest.mark.parametrize("config", [None, Config(2, 4, True),
-                                    Config(1, 4, False, heads_per_program=2, row_group=2,
-                                           mask_after_sum=True)])
+                                    Config(1, 4, False, row_group=2, mask_after_sum=True)])
 def test_matches_the_backward_fed_p(b, h, sq, sk, rate, config):
-  """Split rows (two chunks: 131 = 128 + 3, 293 = 256 + 37), two heads per program, a mask
-  asked after the sums (loaded first here: P needs it)."""
+  """Split rows (two chunks: 131 = 128 + 3, 293 = 256 + 37), a one-column row, rows in
+  groups, a mask asked after the sums (loaded first here: P needs it)."""
   g, scores, mask, rng = _inputs(b, h, sq, sk)
   kw = {} if config is None else {"config": config}
   _, want = _from_p(g, scores, mask, rng, rate, **kw)
@@ -60,8 +60,18 @@ def test_matches_the_reference_in_bf16_and_with_a_traced_rate():
   assert np.all(np.isnan(np.asarray(fn(jnp.float32(1.5)), np.float32)))  # invalid: NaN
 
 
+def test_traced_rate_equals_the_static_rate():
+  g, scores, mask, rng = _inputs(1, 2, 6, 40, seed=3)
+  fn = jax.jit(lambda r: kernels.masked_softmax_dropout_backward_from_scores(
+      g, scores, mask, rng, r, interpret=INTERPRET))
+  static = kernels.masked_softmax_dropout_backward_from_scores(g, scores, mask, rng, 0.25,
+                                                               interpret=INTERPRET)
+  # The same mask; the scale 1 / (1 - p) computed in the kernel or folded in: to rounding.
+  np.testing.assert_allclose(np.asarray(fn(jnp.float32(0.25))), np.asarray(static),
+                             rtol=1e-6, atol=1e-7)
+
+
 def test_matches_the_reference_backward_with_the_reference_p():
-  import jax_ops
   g, scores, mask, rng = _inputs(2, 2, 9, 24, seed=2)
   rate = 0.1
   p = jax.nn.softmax(jnp.where(mask, scores, -1e4), axis=-1)
@@ -88,29 +98,22 @@ def test_errors():
     with pytest.raises(TypeError, match="dropout_rng: expected one PRNG key"):
       kernels.masked_softmax_dropout_backward_from_scores(g, scores, mask, key, 0.1,
                                                           interpret=True)
-  with pytest.raises(ValueError, match="config.chunk"):
+  with pytest.raises(TypeError, match="config"):
     kernels.masked_softmax_dropout_backward_from_scores(g, scores, mask, rng, 0.1,
-                                                        config=Config(1, 4, False, chunk=4),
-                                                        interpret=True)
+                                                        config=(1, 4), interpret=True)
 
 
-def test_forward_without_p():
-  _, scores, mask, rng = _inputs(1, 2, 7, 33)
-  full = masked_softmax_dropout_forward(scores, mask, 0.1, rng, interpret=INTERPRET)
-  y, p, keep = masked_softmax_dropout_forward(scores, mask, 0.1, rng, store_probs=False,
-                                              store_keep=False, interpret=INTERPRET)
-  assert p is None and keep is None
-  np.testing.assert_array_equal(np.asarray(y), np.asarray(full[0]))
-  with pytest.raises(TypeError, match="store_probs"):
-    masked_softmax_dropout_forward(scores, mask, 0.1, rng, store_probs=1, interpret=True)
+@pytest.fixture
+def pretend_gpu(pretend_h200, monkeypatch):
+  monkeypatch.setattr(kernels._util, "check_can_compile", lambda *a, **k: None)
 
 
-def test_warp_rows_config_takes_the_row_kernel():
-  """A ``warp_rows`` config (no P in memory to sum: the row kernel at the same warps instead)
-  gives the backward fed P."""
-  g, scores, mask, rng = _inputs(1, 2, 3, 300, seed=5)
-  config = Config(1, 4, False, warp_rows=True)
-  _, want = _from_p(g, scores, mask, rng, 0.2, config=config)
-  got = kernels.masked_softmax_dropout_backward_from_scores(g, scores, mask, rng, 0.2,
-                                                            config=config, interpret=INTERPRET)
-  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+@pytest.mark.parametrize("rate,config", [(0.1, None), (None, None), (0.0, None),
+                                         (0.1, Config(2, 4, True))])
+def test_lowers_to_triton(pretend_gpu, rate, config):
+  shapes = [jax.ShapeDtypeStruct((2, 3, 131, 131), jnp.float32)] * 2 + [
+      jax.ShapeDtypeStruct((2, 1, 131, 131), jnp.bool_)]
+  rng = jax.random.key(0)
+  fn = lambda g, s, m, r: kernels.masked_softmax_dropout_backward_from_scores(
+      g, s, m, rng, r, config=config)
+  assert triton_calls_in_gpu_lowering(fn, shapes, rate) == 1

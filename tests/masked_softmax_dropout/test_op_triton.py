@@ -1,9 +1,8 @@
-"""Op B's base suite on the ``"triton"`` backend, and the backend's two residual policies:
-``"scores"`` (the default: the fused forward kernel writes only the output, the forward
-saves the scores, the attention mask and the key, and the backward recomputes P and redraws
-the keep mask) and ``"key"`` (a backend registered for it: the forward saves P instead of
-the scores). Neither saves a keep mask. Values and gradients equal the ``"xla"`` path's
-(jnp forward, stored keep) for the same key."""
+"""The op's base suite on the ``"triton"`` backend, and its residual policy ``"scores"``:
+the fused forward kernel writes only the output, the forward saves the scores, the
+attention mask and the key, and the backward recomputes P and redraws the keep mask; no
+keep mask is saved. Values and gradients equal the ``"xla"`` path's (jnp forward, stored
+keep) for the same key."""
 
 import jax
 import jax.extend
@@ -14,7 +13,7 @@ import pytest
 from conftest import INTERPRET, keys
 import jax_ops
 from jax_ops import registry
-from jax_ops.backend import INPUTS, KEY, SCORES, Problem
+from jax_ops.backend import INPUTS, SCORES, Problem
 
 from .op_base import *  # noqa: F401,F403
 from .op_base import F32
@@ -27,19 +26,9 @@ def implementation():
   return "triton"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def key_backend():
-  """``"triton_key"``: the Triton backend with the ``"key"`` policy (P saved)."""
-  from jax_ops.ops.masked_softmax_dropout.pallas_triton import MaskedSoftmaxTriton
-  registry.register(OP, "triton_key", MaskedSoftmaxTriton("triton_key", residuals="key"))
-  yield "triton_key"
-  registry.unregister(OP, "triton_key")
-
-
-# The Triton paths: the default ("scores": P recomputed in the backward, its row sums maybe
-# in another order than the forward's, so equal to rounding) and "key" (P saved: equal).
-PATHS = pytest.mark.parametrize("path", ["triton", "triton_key"])
-TOL = {"triton": 1e-5, "triton_key": 1e-6}
+# P recomputed in the backward, its row sums maybe in another order than the forward's:
+# equal to rounding.
+TOL = 1e-5
 
 
 def _op(implementation, mask, rng, **kw):
@@ -71,26 +60,24 @@ def _assert_same(got, want, tol=1e-6):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=tol, atol=tol)
 
 
-@PATHS
 @pytest.mark.parametrize("b,h,s,rate", [(1, 1, 1, 0.1), (2, 3, 7, 0.1), (1, 3, 131, 0.1),
                                         (2, 1, 7, 0.0), (1, 1, 131, 0.0)])
-def test_equals_the_xla_path(path, b, h, s, rate):
-  """Forward values and gradients of the Triton paths (fused forward; the backward
-  recomputing P, or reading the saved P; the keep mask redrawn from the key) equal the XLA
-  path's (jnp forward, the jnp keep mask saved) for the same key."""
+def test_equals_the_xla_path(b, h, s, rate):
+  """Forward values and gradients of the Triton path (fused forward; the backward
+  recomputing P; the keep mask redrawn from the key) equal the XLA path's (jnp forward, the
+  jnp keep mask saved) for the same key."""
   scores, mask, ct, rng = _inputs(b, h, s)
-  got = _value_and_grad(path, scores, mask, rng, rate, ct)
+  got = _value_and_grad("triton", scores, mask, rng, rate, ct)
   want = _value_and_grad("xla", scores, mask, rng, rate, ct)
-  _assert_same(got, want, TOL[path])
+  _assert_same(got, want, TOL)
 
 
-@PATHS
 @pytest.mark.parametrize("rate", [0.1, 0.0])
-def test_traced_rate_equals_the_xla_path(path, rate):
+def test_traced_rate_equals_the_xla_path(rate):
   scores, mask, ct, rng = _inputs(1, 3, 7, seed=1)
-  got = _value_and_grad(path, scores, mask, rng, rate, ct, jit_rate=True)
+  got = _value_and_grad("triton", scores, mask, rng, rate, ct, jit_rate=True)
   want = _value_and_grad("xla", scores, mask, rng, rate, ct, jit_rate=True)
-  _assert_same(got, want, TOL[path])
+  _assert_same(got, want, TOL)
 
 
 def test_raw_uint32_key():
@@ -98,7 +85,7 @@ def test_raw_uint32_key():
   scores, mask, ct, _ = _inputs(1, 2, 7, seed=2)
   raw, typed = jax.random.PRNGKey(5), jax.random.key(5)
   got = _value_and_grad("triton", scores, mask, raw, 0.2, ct)
-  _assert_same(got, _value_and_grad("xla", scores, mask, typed, 0.2, ct), TOL["triton"])
+  _assert_same(got, _value_and_grad("xla", scores, mask, typed, 0.2, ct), TOL)
 
 
 def _residuals(implementation, scores, mask, rng, rate):
@@ -123,9 +110,8 @@ def _eqns(jaxpr):
       yield from _eqns(sub)
 
 
-@PATHS
-def test_saves_the_key_not_a_keep_mask(path):
-  """The Triton paths' residuals: the scores or P, the attention mask, the key and the
+def test_saves_the_key_not_a_keep_mask():
+  """The Triton path's residuals: the scores, the attention mask, the key and the
   rate; no bool ``[B, H, S, S]``, and their forwards compute none (no jnp mask drawing).
   The XLA path saves the keep mask (the check can fail)."""
   scores, mask, _, rng = _inputs(2, 3, 7, seed=3)
@@ -133,15 +119,15 @@ def test_saves_the_key_not_a_keep_mask(path):
   is_keep = lambda a: a.shape == full and a.dtype == jnp.bool_
   for rate in (0.1, "traced"):
     if rate == "traced":
-      res = jax.jit(lambda s, r: _residuals(path, s, mask, rng, r))(scores, 0.1)
+      res = jax.jit(lambda s, r: _residuals("triton", s, mask, rng, r))(scores, 0.1)
     else:
-      res = _residuals(path, scores, mask, rng, rate)
+      res = _residuals("triton", scores, mask, rng, rate)
     assert not any(is_keep(r) for r in res), rate
     assert [r.shape for r in res] == [full, (2, 1, 7, 7), (), ()]
     assert jax.dtypes.issubdtype(res[2].dtype, jax.dtypes.prng_key)
   assert any(is_keep(r) for r in _residuals("xla", scores, mask, rng, 0.1))
   # Not drawn either: no equation of the Triton path's forward or gradient makes one.
-  for implementation in (path, "xla"):
+  for implementation in ("triton", "xla"):
     op = _op(implementation, mask, rng)
     fwd = jax.make_jaxpr(lambda s: jax.vjp(lambda s: op(s, 0.1), s)[0])(scores)
     step = jax.make_jaxpr(jax.grad(lambda s: jnp.sum(op(s, 0.1) ** 2)))(scores)
@@ -149,7 +135,7 @@ def test_saves_the_key_not_a_keep_mask(path):
       drawn = any(is_keep(a) for a in _eqn_outputs(jaxpr.jaxpr))
       assert drawn == (implementation == "xla"), implementation
   # Without dropout no key is saved (none is needed).
-  res = _residuals(path, scores, mask, None, 0.0)
+  res = _residuals("triton", scores, mask, None, 0.0)
   assert [r.shape for r in res] == [full, (2, 1, 7, 7), ()]
 
 
@@ -164,17 +150,15 @@ def test_vmap_over_keys_and_grad():
       return op(scores, 0.3), jax.grad(loss)(scores)
     return jax.jit(jax.vmap(f))(rngs)
   got, want = per_key("triton"), per_key("xla")
-  _assert_same(got, want, TOL["triton"])
+  _assert_same(got, want, TOL)
   assert not np.array_equal(np.asarray(got[0][0]), np.asarray(got[0][1]))  # two masks
 
 
 def test_residual_policies():
-  """``"scores"`` for the Triton backend (its default), ``"key"`` for the one made with
-  it, ``"inputs"`` for XLA."""
+  """``"scores"`` for the Triton backend, ``"inputs"`` for XLA."""
   problem = Problem(op=OP, shapes=(("scores", (2, 3, 7, 7)), ("mask", (2, 1, 7, 7))),
                     dtype="float32", interpret=True)
   assert registry.get(OP, "triton").residual_policy(problem) == SCORES
-  assert registry.get(OP, "triton_key").residual_policy(problem) == KEY
   assert registry.get(OP, "xla").residual_policy(problem) == INPUTS
 
 
@@ -198,23 +182,16 @@ def test_errors_on_the_triton_path():
                                    interpret=INTERPRET)
 
 
-# --- What each policy's forward writes and saves ----------------------------------------
+# --- What the forward writes and saves -------------------------------------------------
 
 def test_scores_policy_saves_only_the_inputs_and_the_key():
-  """The default ``"scores"`` policy's residuals are the scores themselves (no P, no keep
-  mask), the attention mask, the key and the rate; its forward kernel writes only the
-  output. The ``"key"`` policy's forward kernel writes the output and P, and saves P (the
-  checks can fail)."""
+  """The ``"scores"`` policy's residuals are the scores themselves (no P, no keep mask),
+  the attention mask, the key and the rate; its forward kernel writes only the output."""
   scores, mask, _, rng = _inputs(2, 3, 7, seed=6)
-  for path, outputs in (("triton", 1), ("triton_key", 2)):
-    res = _residuals(path, scores, mask, rng, 0.1)
-    assert [r.shape for r in res] == [(2, 3, 7, 7), (2, 1, 7, 7), (), ()]
-    saved_scores = res[0] is scores or np.array_equal(np.asarray(res[0]), np.asarray(scores))
-    assert saved_scores == (path == "triton"), path
-    op = _op(path, mask, rng)
-    fwd = jax.make_jaxpr(lambda s: jax.vjp(lambda s: op(s, 0.1), s)[0])(scores)
-    kernels = [e for e in _eqns(fwd.jaxpr) if e.primitive.name == "pallas_call"]
-    assert [len(e.outvars) for e in kernels] == [outputs], path
-  with pytest.raises(ValueError, match="residuals"):
-    from jax_ops.ops.masked_softmax_dropout.pallas_triton import MaskedSoftmaxTriton
-    MaskedSoftmaxTriton(residuals="p")
+  res = _residuals("triton", scores, mask, rng, 0.1)
+  assert [r.shape for r in res] == [(2, 3, 7, 7), (2, 1, 7, 7), (), ()]
+  assert res[0] is scores or np.array_equal(np.asarray(res[0]), np.asarray(scores))
+  op = _op("triton", mask, rng)
+  fwd = jax.make_jaxpr(lambda s: jax.vjp(lambda s: op(s, 0.1), s)[0])(scores)
+  kernels = [e for e in _eqns(fwd.jaxpr) if e.primitive.name == "pallas_call"]
+  assert [len(e.outvars) for e in kernels] == [1]

@@ -1,12 +1,11 @@
-"""Kernel B's base suite on the Pallas Triton kernel, plus the Triton backend's own configs,
-tuned table and lowering."""
+"""The backward kernel's base suite on the Pallas Triton kernel, plus its configs, tuned
+table and lowering."""
 
 import json
 
 import jax
 import jax.numpy as jnp
 import pytest
-import numpy as np
 
 import pallas_kernels
 from conftest import INTERPRET, ON_GPU, assert_close, triton_calls_in_gpu_lowering
@@ -76,25 +75,17 @@ def test_off_gpu_without_interpret_says_so():
     (dict(block_rows=2.0), "block_rows"), (dict(num_warps=3), "num_warps"),
     (dict(num_warps=64), "num_warps"), (dict(split=1), "split"),
     (dict(stream_cache=".cs"), "stream_cache"), (dict(mask_cache="ca"), "mask_cache"),
-    (dict(stream_eviction="first"), "stream_eviction"), (dict(mask_eviction=1), "mask_eviction"),
+    (dict(stream_eviction="first"), "stream_eviction"),
     (dict(store_eviction="evict"), "store_eviction"), (dict(mask_after_sum=None), "mask_after_sum"),
-    (dict(heads_per_program=0), "heads_per_program"),
-    (dict(heads_per_program=True), "heads_per_program"),
     (dict(row_group=-1), "row_group"), (dict(row_group=1.5), "row_group"),
-    (dict(blocks_per_program=0), "blocks_per_program"),
-    (dict(blocks_per_program=2, row_group=4), "blocks_per_program"),
-    (dict(chunk=48), "chunk"), (dict(chunk=-2), "chunk"),
-    (dict(chunk=64, blocks_per_program=2), "chunk"), (dict(prefetch=0), "prefetch"),
-    (dict(num_stages=0), "num_stages")])
+    (dict(row_group=True), "row_group")])
 def test_config_validates_its_fields(kwargs, field):
   with pytest.raises(ValueError, match=f"config.{field}"):
     Config(**{"block_rows": 2, "num_warps": 4, **kwargs})
 
 
-def test_num_stages_and_config_type_are_checked():
+def test_config_type_is_checked():
   args = make_inputs(1, 1, 3, 3)
-  with pytest.raises(ValueError, match="num_stages"):
-    kernel(*args, 0.1, num_stages=0, interpret=True)
   with pytest.raises(TypeError, match="config"):
     kernel(*args, 0.1, config=(1, 4), interpret=True)
 
@@ -121,14 +112,14 @@ def test_tuned_table_has_named_configs_only():
 
 
 def test_table_entries_round_trip_variant_fields():
-  config = Config(1, 4, False, stream_cache=".cg", stream_eviction=None, mask_after_sum=True,
-                  heads_per_program=2)
+  config = Config(2, 4, False, stream_cache=".cg", stream_eviction=None, mask_after_sum=True,
+                  row_group=8)
   entry = TableEntry.of(512, config)
   assert entry.to_json() == {"target": 512, "num_warps": 4, "split": False,
                              "stream_cache": ".cg", "stream_eviction": None,
-                             "mask_after_sum": True, "heads_per_program": 2}
+                             "mask_after_sum": True, "row_group": 8}
   assert TableEntry.from_json(entry.to_json()) == entry
-  # 512 elements over 2 heads of 256-wide rows: one row each.
+  # 512 elements of 256-wide rows: two rows.
   assert entry.config(256, 256) == config
   assert TableEntry.of(1024, Config(2, 8)).to_json() == {"target": 1024, "num_warps": 8,
                                                          "split": True}
@@ -162,64 +153,43 @@ def test_lowers_to_triton(pretend_gpu, p, split):
   assert triton_calls_in_gpu_lowering(kernel, shapes, p, config=Config(4, 4, split)) == 1
 
 
-@pytest.mark.parametrize("config", [Config(2, 4, True, blocks_per_program=3),
-                                    Config(2, 4, True, blocks_per_program=3, prefetch=False,
-                                           num_stages=3),
-                                    Config(1, 4, False, chunk=64, stream_eviction="evict_last"),
-                                    Config(1, 2, False, row_group=8, heads_per_program=2)])
+@pytest.mark.parametrize("config", [Config(1, 2, False, row_group=8),
+                                    Config(2, 4, True, row_group=1 << 16)])
 def test_program_orders_lower_to_triton(pretend_gpu, config):
-  """The row-block loop (a carried prefetch) and the 1-D grid lower to Triton IR."""
+  """The 1-D grid of a row group lowers to Triton IR."""
   b, h, s = 2, 3, 131
   shapes = [jax.ShapeDtypeStruct((b, h, s, s), jnp.float32)] * 2 + [
       jax.ShapeDtypeStruct((b, 1, s, s), jnp.bool_), jax.ShapeDtypeStruct((b, h, s, s), jnp.bool_)]
   assert triton_calls_in_gpu_lowering(kernel, shapes, 0.1, config=config) == 1
 
 
-# --- Config fields that change the loads, the store and the grouping of heads --------------
+# --- Config fields that change the loads, the store and the order of the programs ----------
 
 VARIANTS = {
     "stream_cg": Config(2, 4, True, stream_cache=".cg", stream_eviction=None),
     "stream_ca": Config(1, 2, False, stream_cache=".ca", stream_eviction=None),
     "stream_evict_last": Config(1, 2, False, stream_eviction="evict_last"),
     "mask_ca": Config(4, 4, True, mask_cache=".ca"),
-    "mask_evict_last": Config(4, 4, True, mask_eviction="evict_last"),
     "mask_after_sum": Config(2, 4, True, mask_cache=".cg", mask_after_sum=True),
     "store_streaming": Config(2, 4, False, stream_eviction=None, store_eviction="evict_first"),
-    "heads_2": Config(2, 4, True, heads_per_program=2),  # H = 3: the last program has one
-    "heads_4": Config(1, 4, False, heads_per_program=4),  # more than H = 3: capped
     "public_like": Config(1, 4, False, stream_cache=".cg", stream_eviction=None,
-                          mask_cache=".ca", mask_after_sum=True, store_eviction="evict_first",
-                          heads_per_program=2),
+                          mask_cache=".ca", mask_after_sum=True, store_eviction="evict_first"),
     # Program orders: one head's row blocks in groups (3 does not divide the row blocks
-    # of 7, 131 or 293 rows: the last group's extra programs are masked off), with head
-    # groups; capped at a head's row blocks (rows fastest).
-    "row_group_3": Config(2, 4, True, heads_per_program=2, row_group=3),
+    # of 7, 131 or 293 rows: the last group's extra programs are masked off); capped at a
+    # head's row blocks (rows fastest), as the tuned table's 512 classes run.
+    "row_group_3": Config(2, 4, True, row_group=3),
     "rows_fastest": Config(4, 2, False, row_group=1 << 20),
-    # A loop over row blocks with the next block's loads prefetched: 3 blocks of 2 rows
-    # leave the last program of 7 or 131 rows partly past the end; with split columns and
-    # two heads per program (H = 3); one row at a time with the mask after the sums.
-    "loop_3": Config(2, 4, True, heads_per_program=2, blocks_per_program=3),
-    "loop_rows": Config(1, 2, False, stream_cache=".cg", stream_eviction=None,
-                        mask_cache=".ca", mask_after_sum=True, blocks_per_program=4),
-    # The loop left to Triton's pipeliner.
-    "loop_pipelined": Config(2, 4, False, blocks_per_program=3, prefetch=False, num_stages=3),
-    # Two passes over column chunks (the last chunk of a ragged row partly past its end;
-    # a chunk wider than a row of 7), with two heads per program, and rows fastest.
-    "two_pass_64": Config(2, 4, False, chunk=64, heads_per_program=2,
-                          stream_eviction="evict_last"),
-    "two_pass_rows": Config(1, 2, False, chunk=32, row_group=1 << 20, stream_cache=".cg",
-                            stream_eviction=None, mask_cache=".ca"),
+    "rows_fastest_cg": Config(1, 1, False, stream_cache=".cg", stream_eviction=None,
+                              store_eviction="evict_first", row_group=65536),
 }
 RATES = (0.0, 0.1, None)  # None: traced
 
 
 def test_cache_modifier_and_eviction_policy_do_not_combine():
-  """ptxas refuses a load with both (found compiling on an H200): said when the config is made."""
+  """ptxas refuses a load with both: said when the config is made."""
   with pytest.raises(ValueError, match=r"config.stream_cache='.cg' cannot be combined with "
                                        r"config.stream_eviction='evict_first'"):
     Config(2, 4, True, stream_cache=".cg")
-  with pytest.raises(ValueError, match=r"config.mask_cache='.ca' cannot be combined"):
-    Config(2, 4, True, mask_cache=".ca", mask_eviction="evict_last")
 
 
 def _run(args, p, config):
@@ -230,13 +200,12 @@ def _run(args, p, config):
   return kernel(*args, p, config=config, interpret=INTERPRET), reference(*args, p)
 
 
-# The program orders and loops (measured, not in the table) on two of the rows: 7 (a last
-# group or block past the end) and 131 (split columns). The variants that only set cache
+# The program orders on two of the rows: 7 (a last group past the end) and 131 (split
+# columns). The variants that only set cache
 # hints compute as their tiling does (the interpreter has no caches; every variant is
 # lowered to Triton IR at every rate below): one row each. The others on two of the four.
-_HINTS_ONLY = ("stream_cg", "stream_ca", "stream_evict_last", "mask_ca", "mask_evict_last",
-               "store_streaming")
-_ROWS = {name: (7, 131) if name.startswith(("row_group", "rows_", "loop", "two_pass"))
+_HINTS_ONLY = ("stream_cg", "stream_ca", "stream_evict_last", "mask_ca", "store_streaming")
+_ROWS = {name: (7, 131) if name.startswith(("row_group", "rows_"))
          else ((1, 7, 131, 293)[i % 4],) if name in _HINTS_ONLY
          else ((1, 7, 131, 293)[i % 4], (1, 7, 131, 293)[(i + 2) % 4])
          for i, name in enumerate(VARIANTS)}
@@ -322,8 +291,6 @@ def test_mask_cache_eviction_and_order(triton_ir):
   reduces = lambda lines: [i for i, l in enumerate(lines) if "tt.reduce" in l]
   before = triton_ir(Config(2, 4, True, mask_cache=".ca"))
   after = triton_ir(Config(2, 4, True, mask_cache=".ca", mask_after_sum=True))
-  evict = triton_ir(Config(2, 4, True, mask_eviction="evict_last"))
-  assert sum("evictionPolicy = evict_last" in l for l in evict) == 2
   assert len(mask_lines(before)) == len(mask_lines(after)) == 2
   assert mask_lines(before)[-1] < reduces(before)[-1]  # loaded with the streams
   assert mask_lines(after)[0] > reduces(after)[-1]  # after every row sum
@@ -335,89 +302,9 @@ def test_store_eviction(triton_ir):
   assert len(stores) == 2 and all("evictionPolicy = evict_first" in l for l in stores)
 
 
-@pytest.mark.parametrize("heads", [4, 3])
-def test_heads_per_program_loads_the_mask_once(triton_ir, heads):
-  lines = triton_ir(Config(2, 4, False, heads_per_program=2, mask_cache=".ca"), heads=heads)
-  assert len([l for l in lines if "cacheModifier = ca" in l]) == 1  # one chunk, one mask load
-  assert len(_loads(lines, "i8")) == 3  # + keep of each head
-  assert len([l for l in lines if l.startswith("tt.store")]) == 2
-
-
-@pytest.mark.parametrize("config", [Config(1, 2, False, chunk=8),
-                                    Config(2, 4, True, blocks_per_program=3),
-                                    Config(2, 4, True, row_group=3, heads_per_program=2)])
-def test_program_orders_and_loops_under_x64(config):
-  """The loops (two passes, row blocks) and the 1-D grid keep int32 indices with x64 on."""
+def test_row_group_under_x64():
+  """The 1-D grid keeps int32 indices with x64 on."""
   with jax.enable_x64(True):
     args = make_inputs(1, 3, 7, 13, seed=2)
-    out = kernel(*args, 0.1, config=config, interpret=INTERPRET)
+    out = kernel(*args, 0.1, config=Config(2, 4, True, row_group=3), interpret=INTERPRET)
     assert_close(out, reference(*args, 0.1), atol=1e-5, rtol=1e-5)
-
-
-# --- One row per program on one warp per 128 columns (Config.warp_rows) -------------------
-
-def _warp_rows(seq_k, **kw):
-  from pallas_kernels.masked_softmax_dropout.config import warp_rows_warps
-  return Config(1, warp_rows_warps(seq_k), False, warp_rows=True, **kw)
-
-
-@pytest.mark.parametrize("b,h,sq,sk,p", [
-    (2, 3, 5, 7, 0.1),      # 1 warp: no partial sums
-    (1, 2, 3, 200, None),   # 2 warps, a ragged last segment, a traced rate
-    (1, 3, 2, 293, 0.0),    # 4 warps (512 columns), the last one partly past the row
-    (1, 1, 2, 1000, 0.2),   # 8 warps
-    (2, 2, 3, 256, 0.1)])   # 2 full warps
-def test_warp_rows_matches_reference(b, h, sq, sk, p):
-  """The partial row sums meet through the global buffer: every warp count, ragged
-  segments, the three dropout modes; public loads on one of them."""
-  args = make_inputs(b, h, sq, sk, seed=sk)
-  extra = PUBLIC_LOADS if sk == 200 else {}
-  out, ref = _run(args, p, _warp_rows(sk, **extra))
-  assert out.shape == (b, h, sq, sk) and out.dtype == jnp.float32
-  assert_close(out, ref, atol=1e-5, rtol=1e-5)
-  assert float(jnp.abs(out - ref).max()) < 1e-5
-
-
-PUBLIC_LOADS = dict(stream_cache=".cg", stream_eviction=None, mask_cache=".ca",
-                    mask_after_sum=True, store_eviction="evict_first")
-
-
-def test_warp_rows_from_key_equals_the_keep_reading_kernel():
-  """Drawn from the key, the warp_rows kernel gives its keep-reading gradient bit for bit
-  (per-element hash; a traced rate too)."""
-  import jax_ops
-  from pallas_kernels.masked_softmax_dropout import pallas_triton as kernels
-  g, probs, mask, _ = make_inputs(1, 2, 3, 300, seed=4)
-  rng = jax.random.key(11)
-  config = _warp_rows(300)
-  keep = jax_ops.dropout_keep_mask(rng, 0.3, g.shape)
-  want = kernels.masked_softmax_dropout_backward(g, probs, mask, keep,
-                                                 jax_ops.effective_dropout_rate(0.3),
-                                                 config=config, interpret=INTERPRET)
-  got = kernels.masked_softmax_dropout_backward_from_key(g, probs, mask, rng, 0.3,
-                                                         config=config, interpret=INTERPRET)
-  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-  traced = jax.jit(lambda r: kernels.masked_softmax_dropout_backward_from_key(
-      g, probs, mask, rng, r, config=config, interpret=INTERPRET))(jnp.float32(0.3))
-  np.testing.assert_array_equal(np.asarray(traced), np.asarray(want))
-
-
-def test_warp_rows_checks_its_launch():
-  with pytest.raises(ValueError, match="config.warp_rows needs one row"):
-    Config(2, 4, False, warp_rows=True)
-  with pytest.raises(ValueError, match="heads_per_program=2"):
-    Config(1, 4, False, warp_rows=True, heads_per_program=2)
-  with pytest.raises(ValueError, match="config.warp_rows"):
-    Config(1, 4, False, warp_rows=1)
-  args = make_inputs(1, 1, 2, 300)
-  with pytest.raises(ValueError, match="runs 4 warps"):
-    kernel(*args, 0.1, config=Config(1, 8, False, warp_rows=True), interpret=INTERPRET)
-
-
-def test_warp_rows_lowers_without_a_cross_warp_reduction(triton_ir):
-  """On a GPU the row sums stay inside each warp: the launch's one-warp-per-row tile
-  ``[4, 128]`` (131 keys -> 256 columns = 2 warps here) is reduced along its columns, and the
-  partial sums go out and come back through the global buffer (a barrier between)."""
-  lines = triton_ir(_warp_rows(131))
-  assert sum(l.startswith("tt.store") for l in lines) == 2  # the partial sums, the output
-  assert any("tensor<2x128x" in l for l in lines if "tt.load" in l)

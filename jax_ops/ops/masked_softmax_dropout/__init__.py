@@ -1,4 +1,4 @@
-"""Op B: masked_fill -> softmax -> dropout (fp32), with its backends.
+"""masked_softmax_dropout: ``dropout(softmax(scores.masked_fill(~mask, -1e4)))`` (fp32).
 
 ``api.py`` is the differentiable op, ``reference.py`` its plain-jnp forward and backward
 (the spec), ``xla.py`` and ``pallas_triton.py`` the backends of its backward.

@@ -1,4 +1,4 @@
-"""The differentiable op B: ``dropout(softmax(scores.masked_fill(~mask, -1e4)))``.
+"""The differentiable op ``dropout(softmax(scores.masked_fill(~mask, -1e4)))``.
 
 The backward is the backend that :func:`jax_ops.registry.resolve` picks, and that backend's
 residual policy says what the forward is and what it saves:
@@ -7,13 +7,10 @@ residual policy says what the forward is and what it saves:
   (:mod:`jax_ops.ops.masked_softmax_dropout.reference`), the keep mask drawn by
   :func:`jax_ops.dropout_keep_mask`; residuals: P, the attention mask and the keep mask (the
   reference backward's arguments).
-* ``"key"`` (a Triton backend made with ``residuals="key"``): the forward is the backend's
-  ``forward_from_key`` (the fused Pallas kernel, which draws the same keep mask bit for bit
-  and does not store it); residuals: P, the attention mask and the dropout key, from which
-  the backend's ``backward_from_key`` redraws the mask. No ``[B, H, Sq, Sk]`` keep mask is saved.
-* ``"scores"`` (the ``"triton"`` backend, its default policy): the forward
-  (``forward_from_scores``) writes only the output; residuals: the scores (an input), the
-  attention mask and the key; ``backward_from_scores`` recomputes P and redraws the mask.
+* ``"scores"`` (the ``"triton"`` backend): the forward (``forward_from_scores``, the fused
+  kernel, which draws the same keep mask bit for bit) writes only the output; residuals: the
+  scores (an input), the attention mask and the key; ``backward_from_scores`` recomputes P
+  and redraws the mask.
 
 Both scale by ``1 / (1 - effective rate)`` (the rate rounded to a multiple of ``2**-16``).
 """
@@ -26,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_ops import _common
-from jax_ops.backend import INPUTS, KEY, SCORES
+from jax_ops.backend import INPUTS, SCORES
 from jax_ops.ops.masked_softmax_dropout import reference
 from pallas_kernels import validation
 
@@ -54,11 +51,11 @@ def masked_softmax_dropout(scores, mask, *, dropout_rate=0.0, dropout_rng=None,
   # The rate and the key are checked before the backend is picked (the same errors on
   # every path); the rates are the effective ones, which the mask draws.
   p_static, rate = _common.op_dropout_rate(dropout_rng, dropout_rate)
-  backend, policy = _common.backend_for(OP, implementation, interpret, (INPUTS, KEY, SCORES),
+  backend, policy = _common.backend_for(OP, implementation, interpret, (INPUTS, SCORES),
                                         scores=scores, mask=mask)
-  # Under "key" and "scores" the backend draws the mask itself, in its forward and backward.
+  # Under "scores" the backend draws the mask itself, in its forward and backward.
   keep, rng = _common.op_keep_or_key(dropout_rng, p_static, rate, scores.shape,
-                                     backend_draws=policy in (KEY, SCORES))
+                                     backend_draws=policy == SCORES)
   return _op(scores, mask, keep, rng, rate, p_static, backend, policy, bool(interpret))
 
 
@@ -68,22 +65,19 @@ def _op(scores, mask, keep, rng, rate, p_static, backend, policy, interpret):
 
 
 def _forward(scores, mask, keep, rng, rate, p_static, backend, policy, interpret):
-  """``(y, P)``: the backend's fused forward under the ``"key"`` policy (``"scores"``:
-  ``(y, None)``), else jnp."""
+  """``(y, P)``: the backend's fused forward under the ``"scores"`` policy (``(y, None)``),
+  else jnp."""
   if policy == SCORES:
     return backend.forward_from_scores(scores, mask, rng, _common.known_rate(p_static, rate),
                                        interpret=interpret), None
-  if policy == KEY:
-    return backend.forward_from_key(scores, mask, rng, _common.known_rate(p_static, rate),
-                                    interpret=interpret)
   return reference.masked_softmax_dropout_forward(scores, mask, keep, rate)
 
 
 def _fwd(scores, mask, keep, rng, rate, p_static, backend, policy, interpret):
   scores = _common.first_order_only(backend, scores)
   out, probs = _forward(scores, mask, keep, rng, rate, p_static, backend, policy, interpret)
-  # One of keep (policy "inputs") and rng (policies "key", "scores") is saved; both are None
-  # without dropout. Under "scores" the scores stand where P stands in the others.
+  # One of keep (policy "inputs") and rng (policy "scores") is saved; both are None
+  # without dropout. Under "scores" the scores stand where P stands under "inputs".
   if policy == SCORES:
     probs = scores
   return out, (probs, mask, keep, rng, rate)
@@ -96,10 +90,6 @@ def _bwd(p_static, backend, policy, interpret, res, grad_out):
     d_scores = backend.backward_from_scores(grad_out, probs, mask, rng,
                                             _common.known_rate(p_static, rate),
                                             causal=False, interpret=interpret)
-  elif policy == KEY:
-    d_scores = backend.backward_from_key(grad_out, probs, mask, rng,
-                                         _common.known_rate(p_static, rate),
-                                         causal=False, interpret=interpret)
   else:
     d_scores = backend.backward(grad_out, probs, mask, keep,
                                 _common.rate_for_backward(keep, p_static, rate),

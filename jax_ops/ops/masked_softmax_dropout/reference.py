@@ -1,4 +1,4 @@
-"""Plain-jnp forward and backward of op B: ``dropout(softmax(scores.masked_fill(~mask, -1e4)))``.
+"""Plain-jnp forward and backward of ``dropout(softmax(scores.masked_fill(~mask, -1e4)))``.
 
 The backward is the spec, in fp32 throughout; it is the ``"xla"`` backend and the
 yardstick of the kernels.
@@ -26,7 +26,7 @@ def masked_softmax_dropout_backward_reference(grad_output, p_attn, mask, dropout
   Returns:
     ``grad_scores [B, H, Sq, Sk]`` in the dtype of ``p_attn``.
   """
-  p = validation.check_problem_b(grad_output, p_attn, mask, dropout_mask, p_dropout)
+  p = validation.check_masked_softmax_dropout(grad_output, p_attn, mask, dropout_mask, p_dropout)
   g = grad_output.astype(f32)
   scale = dropout_scale(dropout_mask, p_dropout, p)
   gd = g if scale is None else g * scale

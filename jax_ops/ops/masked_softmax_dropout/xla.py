@@ -1,4 +1,4 @@
-"""The ``"xla"`` backend of op B's backward: the plain-jnp reference."""
+"""The ``"xla"`` backend of the masked_softmax_dropout backward: the plain-jnp reference."""
 
 from jax_ops.backend import ReferenceBackend
 from jax_ops.ops.masked_softmax_dropout.reference import masked_softmax_dropout_backward_reference
