@@ -35,8 +35,10 @@ tuner does not time that pairing: re-tuning the table's "128" class (one-tile dS
 dV-only pass 1) replaces its entry with a two-pass one.
 
 For qk_scale_softmax the tuner also times the whole backward with the table's two-pass
-config and, for rows of <= 256 keys, the one-kernel ``per_head`` scheme (pass ``head``);
-the table's ``scheme`` for a class is the one with the best geomean over its workloads.
+config, for rows of <= 256 keys the one-kernel ``per_head`` scheme (pass ``head``), and the
+``dl_gemm`` scheme over the dL kernel's launches (pass ``dl``, :data:`QK_DL`); the table's
+``scheme`` for a class is the one with the best geomean over its workloads. The causal dL
+launch (``causal_dl``) is not timed: a class keeps the one its table has.
 """
 
 from __future__ import annotations
@@ -152,6 +154,10 @@ QK_HEAD = [
     dict(block_q=16, block_k=ROW, num_warps=4, num_stages=3),
     dict(block_q=128, block_k=ROW, num_warps=16, num_stages=2),
 ]
+# qk_scale_softmax's "dl_gemm" scheme: its dL kernel's launch (``dl_config`` fields), timed as
+# the whole backward; ``phased`` only on rows of ``Sk % 8 != 0`` keys.
+QK_DL = [dict(rows=r, num_warps=w) for r in (1, 2, 4, 8) for w in (1, 2, 4, 8)]
+QK_DL += [dict(e, phased=True) for e in QK_DL if e["rows"] <= 2]
 
 # Candidate lists per op and pass (``--cands`` replaces them for one run).
 CANDIDATES = {
@@ -254,6 +260,8 @@ def _label(cand):
   if isinstance(cand, str):
     return cand
   e = dict(cand)
+  if "rows" in e:  # a dL kernel's launch
+    return f"dl {e['rows']}r/{e['num_warps']}w" + ("/phased" if e.get("phased") else "")
   label = f"{e['block_q']}x{e['block_k']}/{e['num_warps']}w/{e['num_stages']}s"
   for name, value in list(e.items())[4:]:
     label += f"/{name}" if value is True else f"/{name}={value}"
@@ -336,11 +344,32 @@ def _qk_passes(w, constants, sets, cands=None):
         scale, g, p, q, k, causal=False, cfg=cfg, interpret=False))
             for c, cfg in keyed(cands["head"])]
     passes["head"] = (head, [(g, p, q, k) for g, p, q, k in view_sets])
+  if sk <= qks.MAX_DL_ROW:
+    passes["dl"] = (_dl_candidates(base, sk, constants["scaling"]),
+                    [(g, p, q, k) for g, p, q, k in view_sets])
   return passes, qks.length_class(sk)
 
 
+def _dl_candidates(base, seq_k, scaling):
+  """``[(key, fn)]``: the whole backward on the ``dl_gemm`` scheme, one per distinct dL
+  launch of :data:`QK_DL` at this row length (``dl_config`` caps rows and warps)."""
+  out, seen = [], set()
+  for entry in QK_DL:
+    if entry.get("phased") and seq_k % 8 == 0:
+      continue
+    dl = qks.dl_config(entry, seq_k)
+    if dl in seen:
+      continue
+    seen.add(dl)
+    cfg = qks.Config(base.row, base.col, "dl_gemm", dl)
+    out.append((tuple(entry.items()), lambda g, p, q, k, cfg=cfg: qks.qk_scale_softmax_backward(
+        g[None], q[None], k[None], p[None], scaling, causal=False, config=cfg,
+        interpret=False)))
+  return out
+
+
 # Per scheme of qk_scale_softmax, the passes whose times add up to one backward.
-QK_SCHEMES = {"two_pass": ("two_pass",), "per_head": ("head",)}
+QK_SCHEMES = {"two_pass": ("two_pass",), "per_head": ("head",), "dl_gemm": ("dl",)}
 
 
 OPS = {
@@ -426,12 +455,13 @@ def _write_table(op, ratios, out, best_times=None, device_kind=None):
   run, and the classes not measured, keep their entries from the table already at
   ``out``) and prints the notes."""
   table, notes = select(ratios, best_times)
-  if op == QK:  # this tuner does not time the dL + GEMM scheme: its classes keep it
+  if op == QK:  # a dl_gemm class whose dL launch this run did not time keeps its scheme
     old = read_table(out, device_kind or jax.devices()[0].device_kind)
     for key in table:
-      if old.get(key, {}).get("scheme") == "dl_gemm" and "scheme" in table[key]:
+      if (old.get(key, {}).get("scheme") == "dl_gemm" and "scheme" in table[key]
+          and "dl" not in ratios.get(key, {})):
         table[key].pop("scheme")
-        notes[key]["scheme"] = "dl_gemm kept from the table (not timed here)"
+        notes[key]["scheme"] = "dl_gemm kept from the table (dl not timed in this run)"
   for key in table:
     print(f"  selected {key}: " + "  ".join(
         f"{name}={_label(tuple(v.items())) if isinstance(v, dict) else v}"

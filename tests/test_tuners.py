@@ -273,6 +273,44 @@ def test_qk_tuner_keeps_dl_gemm_classes(tuned_dir, capsys):
   assert "dl_gemm kept" in capsys.readouterr().out
 
 
+def test_dl_candidates_build_valid_launches():
+  for sk in (1, 100, 128, 293, 1024, 4096):
+    for entry in ta.QK_DL:
+      dl = qks.dl_config(entry, sk)
+      assert isinstance(dl, qks.DlConfig) and dl.phased == entry.get("phased", False)
+  assert ta._label(tuple(ta.QK_DL[-1].items())) == "dl 2r/8w/phased"
+  assert len({tuple(e.items()) for e in ta.QK_DL}) == len(ta.QK_DL)
+
+
+def test_qk_tuner_picks_dl_gemm_when_its_launch_is_fastest(tuned_dir, capsys):
+  """A class whose dL launch was timed takes the scheme with the best geomean, dl_gemm
+  included, and its ``dl`` entry; ``default_config`` then runs that launch."""
+  old = _tuning.table_path(qks.config.KERNEL, FAKE)
+  os.makedirs(os.path.dirname(old))
+  with open(old, "w") as f:  # a dl_gemm class whose causal launch the tuner does not time
+    json.dump({"device_kind": FAKE, "configs": {"1024": {
+        "scheme": "dl_gemm", "dl": {"rows": 1, "num_warps": 1},
+        "causal_dl": {"rows": 2, "num_warps": 4},
+        "row": {"block_q": 32, "block_k": 128, "num_warps": 4, "num_stages": 2},
+        "col": {"block_q": 32, "block_k": 64, "num_warps": 4, "num_stages": 3}}}}, f)
+  row, col = ta.candidate_key(ta.QK, ta.QK_ROW[5]), ta.candidate_key(ta.QK, ta.QK_COL[0])
+  fast, slow = (tuple(e.items()) for e in ta.QK_DL[5:7])
+  ratios = {key: {"row": [_ratios([row], [1.0])], "col": [_ratios([col], [1.0])],
+                  "two_pass": [_ratios(["table"], [1.0])],
+                  "dl": [_ratios([fast, slow], [1.0, 1.2])]} for key in ("1024", "2048")}
+  best_times = {"1024": {"two_pass": [10.0], "dl": [8.0]},
+                "2048": {"two_pass": [10.0], "dl": [12.0]}}
+  result = ta._write_table(ta.QK, ratios, old, best_times, device_kind=FAKE)
+  got = result["configs"]
+  assert got["1024"]["scheme"] == "dl_gemm" and got["1024"]["dl"] == dict(fast)
+  assert got["1024"]["causal_dl"] == {"rows": 2, "num_warps": 4}
+  assert got["2048"]["scheme"] == "two_pass"
+  _tuning.table.cache_clear()
+  cfg = qks.default_config(1024, 1024, 128, jnp.bfloat16, FAKE)
+  assert cfg.scheme == "dl_gemm" and cfg.dl == qks.dl_config(dict(fast), 1024)
+  assert "dl 2r/2w" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("op", [ta.ATTENTION, ta.QK, msd.config.KERNEL])
 def test_checked_in_tables_are_valid_entries(op):
   """The writer keeps (re-writes unchanged in meaning) the classes of the tables there."""
