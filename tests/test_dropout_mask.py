@@ -110,8 +110,8 @@ def test_keep_mask_checks_its_arguments():
 
 
 def test_the_ops_drop_with_it_and_scale_by_the_rate_drawn():
-  """B's op output is softmax * keep / (1 - effective rate), keep from the documented mask,
-  and its gradient runs."""
+  """masked_softmax_dropout's output is softmax * keep / (1 - effective rate), keep from the
+  documented mask, and its gradient runs."""
   k = jax.random.split(jax.random.key(7), 3)
   scores = jax.random.normal(k[0], (2, 3, 8, 10), jnp.float32)
   mask = jnp.ones((2, 1, 8, 10), bool)
