@@ -24,6 +24,15 @@ def test_scripts_exit_2_without_a_gpu(script, argv, capsys):
   assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
+def test_run_checks_its_arguments_before_the_gpu(capsys):
+  with pytest.raises(SystemExit):
+    run.main(["--backend", "nope"])
+  assert "--backend: expected one of" in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    run.main(["--op", run.FROM_DELTA, "--backend", "mosaic_gpu"])
+  assert "times the Triton backend's" in capsys.readouterr().err
+
+
 def test_op_names_are_the_registry_names():
   from jax_ops import registry
   for op in run.PROBLEMS:
