@@ -5,7 +5,7 @@ Usage (on a GPU)::
 
     PYTHONPATH=. python3 -m benchmarks.step [--calls 20] [--op NAME ...] [--out DIR]
 
-For each step shape (``STEPS``: the shapes of the tracking table plus others) it builds
+For each step shape (``STEPS``) it builds
 ``loss = sum(op(x) * w)`` for a fixed random ``w``, jits ``jax.value_and_grad`` of it with
 ``implementation="xla"`` and with the default (Pallas) path, and reports the median device time
 (JAX profiler, all kernels of a call; two input sets rotated), the speedup and the compiled
@@ -45,10 +45,9 @@ class Step:
   label: str
   make: Callable           # key -> (primals tuple, weight w)
   loss: Callable           # (primals, w, implementation, rng, interpret) -> scalar
-  listed: bool = True      # a shape of the tracking table (else one timed besides)
 
 
-def attention_step(b, s, *, h=80, kvh=8, d=128, listed=True):
+def attention_step(b, s, *, h=80, kvh=8, d=128):
   def make(key):
     k = jax.random.split(key, 3)
     scores = jax.random.normal(k[0], (b, h, s, s), BF16)
@@ -60,11 +59,10 @@ def attention_step(b, s, *, h=80, kvh=8, d=128, listed=True):
     out = jax_ops.attention_softmax_dropout_value(
         *primals, dropout_rate=RATE, dropout_rng=rng, implementation=impl, interpret=interpret)
     return jnp.sum(out.astype(F32) * w.astype(F32))
-  return Step(ATTENTION, f"{ATTENTION}, B={b} S={s} (H={h}, KVH={kvh}, D={d})", make, loss,
-              listed)
+  return Step(ATTENTION, f"{ATTENTION}, B={b} S={s} (H={h}, KVH={kvh}, D={d})", make, loss)
 
 
-def masked_step(b, h, s, *, listed=True):
+def masked_step(b, h, s):
   def make(key):
     k = jax.random.split(key, 3)
     scores = jax.random.normal(k[0], (b, h, s, s), F32)
@@ -77,10 +75,10 @@ def masked_step(b, h, s, *, listed=True):
     out = jax_ops.masked_softmax_dropout(scores, mask, dropout_rate=RATE, dropout_rng=rng,
                                          implementation=impl, interpret=interpret)
     return jnp.sum(out * w)
-  return Step(MASKED, f"{MASKED}, B={b} H={h} S={s}", make, loss, listed)
+  return Step(MASKED, f"{MASKED}, B={b} H={h} S={s}", make, loss)
 
 
-def qk_step(b, h, s, *, causal=False, d=128, listed=True):
+def qk_step(b, h, s, *, causal=False, d=128):
   def make(key):
     k = jax.random.split(key, 3)
     query = jax.random.normal(k[0], (b, h, s, d), BF16)
@@ -93,14 +91,14 @@ def qk_step(b, h, s, *, causal=False, d=128, listed=True):
                                    interpret=interpret)
     return jnp.sum(out.astype(F32) * w.astype(F32))
   name = f"{QK} causal" if causal else QK
-  return Step(QK, f"{name}, B={b} H={h} S={s}", make, loss, listed)
+  return Step(QK, f"{name}, B={b} H={h} S={s}", make, loss)
 
 
 STEPS = [
-    attention_step(2, 2048), attention_step(8, 512), attention_step(4, 1024, listed=False),
-    masked_step(8, 16, 1024), masked_step(32, 8, 256), masked_step(16, 8, 2048, listed=False),
+    attention_step(2, 2048), attention_step(8, 512), attention_step(4, 1024),
+    masked_step(8, 16, 1024), masked_step(32, 8, 256), masked_step(16, 8, 2048),
     qk_step(1, 32, 4096), qk_step(4, 32, 1024), qk_step(1, 32, 4096, causal=True),
-    qk_step(32, 32, 128, listed=False), qk_step(8, 32, 256, listed=False),
+    qk_step(32, 32, 128), qk_step(8, 32, 256),
 ]
 OPS = (ATTENTION, MASKED, QK)
 
@@ -141,7 +139,7 @@ def measure(step: Step, calls: int) -> dict:
   # Compiled once: the executables are timed and give their memory.
   fns = {name: step_fn(step, impl).lower(*sets[0]).compile()
          for name, impl in (("xla", "xla"), ("pallas", None))}
-  row = {"op": step.op, "step": step.label, "listed": step.listed}
+  row = {"op": step.op, "step": step.label}
   for name, fn in fns.items():
     row[f"{name}_temp_mb"] = temp_mb(fn)
   times = device_times_us([*fns.values(), forward_fn(step), forward_fn(step, None)], sets,
@@ -169,7 +167,7 @@ def markdown(meta, rows) -> str:
            "temp memory, XLA / Pallas MB |",
            "|---|---|---|---|---|---|"]
   for r in rows:
-    extra = "" if r["listed"] else " (not in the table)"
+    extra = ""
     if not r.get("split_ok", True):
       extra += " (calls not told apart in the trace: mean, not median)"
     forward = "-"
