@@ -1,35 +1,33 @@
 """The backend interface: one object per implementation of an op's backward pass.
 
 An op (``jax_ops.attention_softmax_dropout_value`` and the others) is a ``jax.custom_vjp``
-whose forward is plain jnp (except under a residual policy whose backend brings its own
-forward kernel: op B's ``"scores"`` and ``"key"``, op A's ``"fused_inputs"`` and
-``"fused_output"``; op C's Pallas backends have a ``forward``) and whose backward comes
-from a :class:`Backend` that the registry (:mod:`jax_ops.registry`) picks by name, device
-and problem. A backend says:
+whose backward comes from a :class:`Backend` that the registry (:mod:`jax_ops.registry`)
+picks by name, device and problem. Its forward is plain jnp unless the backend's residual
+policy brings a forward kernel (``"scores"``, ``"fused_inputs"``, ``"fused_output"``) or the
+backend has a ``forward`` (``qk_scale_softmax``). A backend says:
 
 * ``name``: what ``implementation=`` takes (``"xla"``, ``"triton"``, ``"mosaic_gpu"``);
-* ``pallas``: whether it is a Pallas kernel (``implementation="pallas"`` takes the best
+* ``pallas``: whether it runs Pallas kernels (``implementation="pallas"`` takes the best
   Pallas backend for the device);
 * ``priority``: the order in which ``implementation=None`` tries the backends that support
-  a call (higher first; the registry's builtin priorities follow measured speed);
+  a call (higher first);
 * ``supported_on(device)``: the devices it compiles for (the interpreter runs Pallas
   backends anywhere; ``auto_in_interpreter``: whether ``implementation=None`` or
   ``"pallas"`` may pick it under ``interpret=True``);
 * ``supports(problem)``: the shapes and dtypes it takes;
-* ``residual_policy(problem)``: what the op's forward saves for it (the op defines the
-  policy names; ``"inputs"``, the reference backward's arguments, is the default);
-* ``config(problem)`` (the Pallas backends): the kernels' launch config for the problem on its
-  device, from the tuned table of that device kind or the heuristic;
+* ``residual_policy(problem)``: what the op's forward saves for it (the policies below;
+  ``"inputs"``, the reference backward's arguments, is the default);
+* ``config(problem)`` (the Pallas backends): the kernels' launch config for the problem on
+  its device, from the tuned table of that device kind or the heuristic;
 * ``backward(*args, causal=False, interpret=False)``: the backward with the reference
-  backward's positional arguments; ops with other residual policies call the backend's
-  methods of that policy (for example ``backward_from_output``; op B's ``"key"`` policy:
-  ``forward_from_key`` and ``backward_from_key``; its ``"scores"``: ``forward_from_scores``
-  and ``backward_from_scores``; op A's ``"fused_inputs"``: ``forward_with_dropped`` and
-  ``backward``, its ``"fused_output"``: ``forward_with_output`` and ``backward_from_output``,
-  both ``forward_output`` for a value without a gradient);
-* ``forward(query, key, scaling, *, causal=False, interpret=False)`` (op C, optional): the
-  op's forward ``P`` where the backend has its own kernel (op C's Pallas backends: the fused
-  forward); an op C backend without it gets the jnp forward.
+  backward's positional arguments. Under another policy the op calls that policy's methods:
+  ``"scores"``: ``forward_from_scores`` and ``backward_from_scores``; ``"fused_inputs"``:
+  ``forward_with_dropped`` and ``backward``; ``"fused_output"``: ``forward_with_output`` and
+  ``backward_from_output`` (``"output"``: the jnp forward and ``backward_from_output``); both
+  fused policies: ``forward_output`` for a value without a gradient;
+* ``forward(query, key, scaling, *, causal=False, interpret=False)`` (``qk_scale_softmax``,
+  optional): the op's forward ``P`` from the backend's own kernel; without it, the jnp
+  forward.
 """
 
 from __future__ import annotations
@@ -42,22 +40,22 @@ import jax
 from pallas_kernels._util import is_hopper
 
 INPUTS = "inputs"  # the residual policy of the reference backward: its own arguments
-OUTPUT = "output"  # op A: P, V, keep and the forward's fp32 output (delta = rowsum(dO * O))
-# Op B: the backend's forward draws the keep mask itself and saves P, the attention mask and
-# the dropout key (no keep mask); its backward redraws the mask from the key.
-KEY = "key"
-# Op B, more compact: the backend's forward writes only its output and saves the scores (an
-# input, alive anyway), the attention mask and the key; its backward recomputes P from the
-# scores and redraws the mask.
+# attention_softmax_dropout_value: P, V, keep and the forward's fp32 output
+# (delta = rowsum(dO * O)).
+OUTPUT = "output"
+# masked_softmax_dropout: the backend's forward draws the keep mask itself, writes only its
+# output and saves the scores (an input, alive anyway), the attention mask and the key; its
+# backward recomputes P from the scores and redraws the mask.
 SCORES = "scores"
-# Op A: as "output", with the backend's fused forward (``forward_with_output``), which draws
-# the keep mask itself and returns (O, P, keep, O in fp32); "keep" is whatever the backend's
-# ``backward_from_output`` takes of the mask: a bool mask (the Triton backend), the key's
-# seeds (the Mosaic GPU backend, whose kernel draws the mask again) or bits.
+# attention_softmax_dropout_value: as "output", with the backend's fused forward
+# (``forward_with_output``), which draws the keep mask itself and returns (O, P, keep, O in
+# fp32); "keep" is what the backend's ``backward_from_output`` takes of the mask: a bool mask
+# (the Triton backend) or the key's seeds (the Mosaic GPU backend, whose kernel draws the
+# mask again).
 FUSED_OUTPUT = "fused_output"
-# Op A: the reference backward's P and Pd, from the backend's fused forward
-# (``forward_with_dropped``), which draws the keep mask itself and does not store it; for a
-# traced rate the jnp forward and "inputs" (keep saved).
+# attention_softmax_dropout_value: the reference backward's P and Pd, from the backend's
+# fused forward (``forward_with_dropped``), which draws the keep mask itself and does not
+# store it; for a traced rate the jnp forward and "inputs" (keep saved).
 FUSED_INPUTS = "fused_inputs"
 
 
@@ -109,7 +107,7 @@ class Backend:
 
 class ResidualChoice:
   """A backend class that offers several residual policies: an instance is made with a name
-  and one of ``POLICIES`` (the first, the default, is the measured one); its
+  and one of ``POLICIES`` (the first is the default); its
   :meth:`residual_policy` may narrow the choice per problem (``self.residuals``)."""
 
   POLICIES: tuple[str, ...] = ()
@@ -166,8 +164,8 @@ class ReferenceBackend(Backend):
 
 class TritonBackend(Backend):
   """Base of the ``"triton"`` backends: Pallas Triton kernels, for any CUDA GPU (and the
-  interpreter anywhere). Their priority puts them first on a GPU: they are measured faster
-  than XLA on every benchmark workload (``benchmarks/results/``)."""
+  interpreter anywhere). Their priority puts them before ``"xla"``: they beat it on every
+  benchmark workload (``docs/performance.md``)."""
 
   name = "triton"
   pallas = True
@@ -185,7 +183,7 @@ class TritonBackend(Backend):
 class MosaicGpuBackend(Backend):
   """Base of the ``"mosaic_gpu"`` backends: Pallas Mosaic GPU kernels (TMA, wgmma, warp
   specialization) for Hopper GPUs. Their priority puts them before Triton where they
-  take a problem: they are measured faster there (``benchmarks/results/``). Under
+  take a problem, the shapes on which they beat it (``docs/performance.md``). Under
   ``interpret=True`` they run only when named (``implementation="mosaic_gpu"``): the
   default interpreter path stays the portable Triton one."""
 
