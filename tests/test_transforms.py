@@ -53,26 +53,28 @@ def _second_order(op, implementation):
   s = jnp.einsum("bhqd,bhkd->bhqk", q, k)
   kw = dict(implementation=implementation, interpret=INTERPRET)
   inner = {
-      "A": lambda s: jax_ops.attention_softmax_dropout_value(s, v, dropout_rate=0.1,
-                                                             dropout_rng=rng, **kw),
-      "B": lambda s: jax_ops.masked_softmax_dropout(s, mask, dropout_rate=0.2, dropout_rng=rng,
-                                                    **kw),
-      "C": lambda q: jax_ops.qk_scale_softmax(q, k, scaling=0.25, **kw),
-      "C_jnp": lambda q: reference.qk_scale_softmax_forward(q, k, 0.25),
+      "attention_softmax_dropout_value": lambda s: jax_ops.attention_softmax_dropout_value(
+          s, v, dropout_rate=0.1, dropout_rng=rng, **kw),
+      "masked_softmax_dropout": lambda s: jax_ops.masked_softmax_dropout(
+          s, mask, dropout_rate=0.2, dropout_rng=rng, **kw),
+      "qk_scale_softmax": lambda q: jax_ops.qk_scale_softmax(q, k, scaling=0.25, **kw),
+      "qk_scale_softmax_jnp": lambda q: reference.qk_scale_softmax_forward(q, k, 0.25),
   }[op]
-  x = q if op.startswith("C") else s
+  x = q if op.startswith("qk_scale_softmax") else s
   g = lambda x: jax.grad(lambda x: jnp.sum(inner(x) ** 3))(x)
   return jax.grad(lambda x: jnp.sum(g(x) ** 2))(x)
 
 
-@pytest.mark.parametrize("op", ["A", "B", "C"])
+@pytest.mark.parametrize("op", ["attention_softmax_dropout_value", "masked_softmax_dropout",
+                                "qk_scale_softmax"])
 def test_second_order_gradients(op):
   """The XLA path's gradients are differentiable again; a Pallas backend's say they are not,
   by name, instead of failing inside Pallas."""
   xla = _second_order(op, "xla")
   assert bool(jnp.isfinite(xla).all())
-  if op == "C":   # no dropout: plain jnp autodiff of the forward is the same function
-    assert_close(xla, _second_order("C_jnp", None), atol=1e-5, rtol=1e-4, name="second order")
+  if op == "qk_scale_softmax":   # no dropout: jnp autodiff of the forward is the same function
+    assert_close(xla, _second_order("qk_scale_softmax_jnp", None), atol=1e-5, rtol=1e-4,
+                 name="second order")
   with pytest.raises(NotImplementedError, match="implementation='triton'.*second-order"):
     _second_order(op, "triton")
 
