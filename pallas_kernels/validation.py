@@ -239,9 +239,10 @@ def check_query_and_key(query, key, *, dtypes=_LOW) -> None:
   check_positive("key", key, ("B", "H", "Sk", "D"))
 
 
-def check_problem_c(grad_output, query, key, attn_weights, scaling, *,
-                    dtypes=_LOW) -> float | None:
-  """Checks the arguments of the QK-scale-softmax backward (problem C)."""
+def check_qk_scale_softmax(grad_output, query, key, attn_weights, scaling, *,
+                           dtypes=_LOW) -> float | None:
+  """Checks the arguments of the qk_scale_softmax backward; returns the scale as a float
+  (``None`` when traced)."""
   check_query_and_key(query, key, dtypes=dtypes)
   b, h, sq, d = query.shape
   sk = key.shape[2]

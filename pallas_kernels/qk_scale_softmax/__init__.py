@@ -1,9 +1,13 @@
-"""The backward of ``softmax((Q @ K^T) * scaling)`` to ``Q`` and ``K``: Pallas Triton kernels.
+"""The qk_scale_softmax kernels: the backward of ``softmax((Q @ K^T) * scaling)`` to ``Q`` and
+``K``, and the fused forward.
 
-``dispatch.py``: the entry point :func:`qk_scale_softmax_backward` (the Mosaic GPU kernel of
-``pallas_mosaic_gpu.py`` on a Hopper GPU where it takes the problem, the Pallas Triton
-kernels of ``pallas_triton.py`` elsewhere); ``config.py``: the Triton launch configurations
-(dataclasses, heuristic, tuned table).
+``dispatch.py``: the entry points :func:`qk_scale_softmax_backward` and
+:func:`qk_scale_softmax_forward` and the rule that picks their kernels (the Mosaic GPU
+kernels of ``pallas_mosaic_gpu.py`` and ``forward_mosaic_gpu.py`` on a Hopper GPU where they
+take the problem, the Pallas Triton kernels elsewhere); ``pallas_triton.py``: the Triton
+backward's entry point, over the schemes ``two_pass.py``, ``per_head.py`` and
+``dl_gemm.py``; ``forward.py``: the Triton forward; ``config.py``: the Triton launch
+configurations (dataclasses, heuristic, tuned table).
 """
 
 from pallas_kernels.qk_scale_softmax.config import (
@@ -26,20 +30,18 @@ from pallas_kernels.qk_scale_softmax.config import (
     pass_config,
     table_entry,
 )
-from pallas_kernels.qk_scale_softmax.dispatch import kernels_for, qk_scale_softmax_backward
-from pallas_kernels.qk_scale_softmax.pallas_triton import (
-    col_pass,
-    dl_gemm,
-    dl_gemms,
-    dl_pass,
-    head_pass,
-    row_pass,
-    use_phased,
-)
+from pallas_kernels.qk_scale_softmax.dispatch import (forward_kernel_for, kernels_for,
+                                                      qk_scale_softmax_backward,
+                                                      qk_scale_softmax_forward)
+from pallas_kernels.qk_scale_softmax.dl_gemm import dl_gemms, dl_pass
+from pallas_kernels.qk_scale_softmax.per_head import head_pass
+from pallas_kernels.qk_scale_softmax.two_pass import col_pass, row_pass, use_phased
 
 __all__ = [
     "qk_scale_softmax_backward",
+    "qk_scale_softmax_forward",
     "kernels_for",
+    "forward_kernel_for",
     "Config",
     "DlConfig",
     "PassConfig",
@@ -62,7 +64,6 @@ __all__ = [
     "col_pass",
     "head_pass",
     "dl_pass",
-    "dl_gemm",
     "dl_gemms",
     "use_phased",
 ]

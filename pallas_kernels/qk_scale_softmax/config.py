@@ -10,10 +10,11 @@ tuned table ``pallas_kernels/tuned/<device>/qk_scale_softmax.json`` maps a row-l
    "head": {"block_q": 64, "block_k": "row", "num_warps": 8, "num_stages": 2}}
 
 ``row`` / ``col`` configure the ``"two_pass"`` scheme's row and column kernels, ``head`` the
-``"per_head"`` kernel (present only where that scheme was measured). ``"block_k": "row"``
+``"per_head"`` kernel (present where the table has that scheme). ``"block_k": "row"``
 (:data:`WHOLE_ROW`) asks for a whole row as one tile. :func:`pass_config` turns an entry
 into a :class:`PassConfig` for a shape, :func:`table_entry` a :class:`PassConfig` into an
-entry. How the table was chosen: ``benchmarks/results/qk_scale_softmax_tuned.md``.
+entry. A ``dl_gemm`` entry may add ``dl`` and ``causal_dl`` (:func:`dl_config`). How the
+table was chosen: ``docs/qk_scale_softmax.md``.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ SCHEMES = ("two_pass", "per_head", "dl_gemm")
 
 # The "dl_gemm" scheme holds whole (padded) rows in registers: rows of at most this many keys,
 # at most MAX_DL_ELEMENTS elements per program; the tuned table takes it for rows of at most
-# DL_TUNED_MAX_ROW keys (the lengths measured).
+# DL_TUNED_MAX_ROW keys (the lengths tuned).
 MAX_DL_ROW = 1 << 14
 MAX_DL_ELEMENTS = 1 << 16
 DL_TUNED_MAX_ROW = 4096
@@ -49,19 +50,11 @@ MAX_PER_HEAD_ROW = 512
 class PassConfig(_tuning.TritonPassConfig):
   """Tiles and Triton launch parameters of one kernel (tiles: powers of two >= 16).
 
-  ``prefetch``: load the next tile's ``g`` and ``P`` while this one is computed (rows of
-  odd length cannot use Triton's pipelined 16-byte copies).
   ``row_align`` (row kernel, dense): rows of ``Sk % 8 != 0`` keys take aligned tiles of
-  every ``row_align``-th row (the phase-aligned row kernel; ``prefetch`` is then unused):
-  8, 16, 32 or 64; -1 = ``_phase.choose``; 0 = off (tiles of consecutive rows, scalar loads).
+  every ``row_align``-th row (the phase-aligned row kernel): 8, 16, 32 or 64;
+  -1 = ``_phase.choose``; 0 = off (tiles of consecutive rows, scalar loads).
   """
-  prefetch: bool = False
   row_align: int = -1
-
-  def __post_init__(self):
-    super().__post_init__()
-    if not isinstance(self.prefetch, bool):
-      raise ValueError(f"config.prefetch: expected a bool, got {self.prefetch!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,12 +63,11 @@ class Config:
 
   * ``"two_pass"``: ``row`` is the delta + grad_query kernel, ``col`` the grad_key kernel.
   * ``"per_head"``: one kernel, one program per head (``col.block_q`` query rows per step,
-    whole rows as one tile; ``row`` unused). Rows of at most :data:`MAX_PER_HEAD_ROW` keys
-    (the tuned table uses it up to 256).
+    whole rows as one tile; ``row`` unused). Rows of at most :data:`MAX_PER_HEAD_ROW` keys.
   * ``"dl_gemm"``: the kernel writing ``dL`` (``dl``, :class:`DlConfig`; ``None``:
-    :func:`default_dl_config`), then the two GEMMs (one Triton launch, or XLA's; ``dl.gemm``);
-    ``row`` and ``col`` unused. Rows of at
-    most :data:`MAX_DL_ROW` keys.
+    :func:`default_dl_config`), then the two GEMMs in one launch (tiles ``dl.gemm``);
+    ``row`` and ``col`` unused. Rows of at most :data:`MAX_DL_ROW` keys, 16-bit inputs,
+    ``D <= 128``.
   """
   row: PassConfig
   col: PassConfig
@@ -93,55 +85,29 @@ class Config:
       raise TypeError(f"config.dl: expected a DlConfig or None, got {type(self.dl).__name__}")
 
 
-# The dl_gemm scheme's one GEMM launch (both GEMMs' tiles): the fastest measured on the H200.
+# The dl_gemm scheme's GEMM launch (both GEMMs' tiles).
 DL_GEMM = PassConfig(128, 64, 8, 3)
 
 
 @dataclasses.dataclass(frozen=True)
 class DlConfig:
-  """The ``"dl_gemm"`` scheme's ``dL`` kernel: ``rows`` whole rows per program (a power of
-  two >= 1; the padded row sits in registers) on ``num_warps`` warps (1-16, a power of
-  two). ``pad_rows``: rows of ``Sk % 8 != 0`` keys are written to a ``dL`` buffer whose rows
-  are padded with zeros to a multiple of 8 keys, so that the GEMMs read 16-byte aligned rows
-  (the one GEMM launch masks ``K``'s rows past ``Sk`` itself; XLA's GEMMs take ``K`` padded to
-  match and ``grad_key`` sliced back); no effect on other lengths, and ``phased`` is then
-  off. Off by default: on the H200 it measured slower than unpadded rows at Sk = 211 and 449,
-  with XLA's GEMMs (the padding and slicing copies) and with the one launch (the plain dL
-  kernel's unaligned loads: 290 against 224 us at (2, 449, 449);
-  ``qk_scale_softmax_design.log``).
-  ``gemm``: the tiles of the one Triton launch that computes ``dQ = dL @ K`` and ``dK = dL^T
-  @ Q`` (``block_q`` output rows of either, steps of ``block_k``; :func:`.pallas_triton.dl_gemms`;
-  16-bit inputs with ``D <= 128`` only, others take XLA's), or ``None`` for two XLA GEMMs (2.5-9% slower in all on the five workloads timed on the
-  H200). ``phased``: rows of ``Sk % 8 != 0`` keys (without ``pad_rows``) are read and
-  written as row classes on 16-byte aligned tiles (``pallas_kernels._phase``: ``rows`` rows
-  8 apart per program, the row held from up to 7 keys early) instead of with scalar
-  accesses; the same ``dL``, bit for bit. The H200
-  table turns it on for ragged rows of 257-512 keys (225 against 238 us unphased at
-  (2, 449, 449), one row on one warp; ``qk_scale_softmax_design.log``).
-  ``mosaic_gemm``: the two GEMMs run as one Pallas Mosaic GPU launch (TMA and wgmma;
-  :func:`.gemm_mosaic_gpu.dl_gemms`) where it takes the problem (bf16/fp16, ``D`` of 64 or
-  128, ``Sq`` and ``Sk`` multiples of 128, ``Sq <= Sk`` when causal), else as ``gemm`` says.
-  Compiles for a Hopper GPU only (the entry point raises elsewhere unless ``interpret``).
-  ``classes``: causal calls whose GEMMs read ``dL`` only up to their tiles
-  (:func:`.pallas_triton.causal_tile_of`) take the rows in classes of halving row lengths,
-  ``rows * dl_width(Sk)`` elements per program (:func:`.pallas_triton.dl_classes`), instead
-  of a short and a long block per program (H200, (1, 4096, 4096) causal: the dL kernel 1628
-  against 1926 us); no effect on dense calls or ``phased`` rows."""
+  """The ``"dl_gemm"`` scheme: its ``dL`` kernel takes ``rows`` whole rows per program (a
+  power of two >= 1; the padded row sits in registers) on ``num_warps`` warps (1-16, a power
+  of two); ``gemm`` holds the tiles of the one launch that computes ``dQ = dL @ K`` and
+  ``dK = dL^T @ Q`` (``block_q`` output rows of either, steps of ``block_k``). ``phased``:
+  dense rows of ``Sk % 8 != 0`` keys are read and written as row classes on 16-byte aligned
+  tiles (``pallas_kernels._phase``: ``rows`` rows 8 apart per program, the row held from up
+  to 7 keys early) instead of with scalar accesses; the same ``dL``, bit for bit."""
   rows: int = 1
   num_warps: int = 8
-  pad_rows: bool = False
-  gemm: PassConfig | None = DL_GEMM
+  gemm: PassConfig = DL_GEMM
   phased: bool = False
-  mosaic_gemm: bool = False
-  classes: bool = False
 
   def __post_init__(self):
-    for name in ("pad_rows", "phased", "mosaic_gemm", "classes"):
-      if not isinstance(getattr(self, name), bool):
-        raise ValueError(f"config.dl.{name}: expected a bool, got {getattr(self, name)!r}")
-    if self.gemm is not None and not isinstance(self.gemm, PassConfig):
-      raise TypeError(f"config.dl.gemm: expected a PassConfig or None, got "
-                      f"{type(self.gemm).__name__}")
+    if not isinstance(self.phased, bool):
+      raise ValueError(f"config.dl.phased: expected a bool, got {self.phased!r}")
+    if not isinstance(self.gemm, PassConfig):
+      raise TypeError(f"config.dl.gemm: expected a PassConfig, got {type(self.gemm).__name__}")
     for name, top in (("rows", 1 << 12), ("num_warps", 16)):
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v > top or v & (v - 1):
@@ -162,32 +128,26 @@ def default_dl_config(seq_k: int) -> DlConfig:
 
 
 # The most elements of a dL program per warp that a table entry may ask for; an entry that
-# asks for more for some row length gives that length :func:`default_dl_config` instead. On
-# the H200 (benchmarks/results/runs/c_smem0_d28a1c6.log) 1 row of 4096 keys on one warp ran
-# at 5431 us against the default's 5139 (1 row on 8 warps), 8 rows of 449 on one warp at
-# 305 us against 295, while 1024 and 2048 elements per warp were the fastest measured.
+# asks for more at some row length gives that length :func:`default_dl_config` instead (more
+# per warp spills the row's registers).
 DL_MAX_PER_WARP = 2048
 
 
 def dl_config(entry: dict | None, seq_k: int) -> DlConfig:
-  """A table entry's ``dl`` field (``{"rows": r, "num_warps": w}``, either absent: the
-  default's, and the flags ``phased``, ``mosaic_gemm``, ``classes``; ``None``: the default)
-  as a :class:`DlConfig` for rows of ``seq_k`` keys; ``rows`` is capped so that a program
-  holds at most 8192 elements (2 rows of 4096 keys ran at full speed; 8 rows of 4096 keys on
-  4 warps ran 7.8x slower), and an entry whose program would hold more than
-  :data:`DL_MAX_PER_WARP` elements per warp at this length takes the default."""
+  """A table entry's ``dl`` field (``{"rows": r, "num_warps": w, "phased": bool}``, each
+  optional: the default's; ``None``: the default) as a :class:`DlConfig` for rows of
+  ``seq_k`` keys. ``rows`` is capped so that a program holds at most 8192 elements, and an
+  entry whose program would hold more than :data:`DL_MAX_PER_WARP` elements per warp at
+  this length takes the default."""
   default = default_dl_config(seq_k)
   if entry is None:
     return default
   width = dl_width(seq_k)
   rows = max(1, min(int(entry.get("rows", default.rows)), (1 << 13) // width))
   warps = int(entry.get("num_warps", default.num_warps))
-  flags = {name: bool(entry.get(name, False)) for name in ("phased", "mosaic_gemm", "classes")}
   if rows * width > DL_MAX_PER_WARP * warps:
     rows, warps = default.rows, default.num_warps
-  gemm = entry.get("gemm", DL_GEMM)
-  return DlConfig(rows=rows, num_warps=warps, **flags,
-                  gemm=gemm if gemm is None or isinstance(gemm, PassConfig) else PassConfig(**gemm))
+  return DlConfig(rows=rows, num_warps=warps, phased=bool(entry.get("phased", False)))
 
 
 def length_class(seq_k: int) -> str:
@@ -222,7 +182,7 @@ def heuristic(seq_q: int, seq_k: int, head_dim: int, *, row: bool) -> PassConfig
 
 def pass_config(entry: dict, seq_q: int, seq_k: int) -> PassConfig:
   """The :class:`PassConfig` of a table entry (``{"block_q": ..., "block_k": int |
-  WHOLE_ROW, "num_warps": ..., "num_stages": ..., ["prefetch", "row_align"]}``) for rows
+  WHOLE_ROW, "num_warps": ..., "num_stages": ..., ["row_align"]}``) for rows
   of ``seq_k`` keys: tiles capped at the padded lengths; a whole-row ``block_k`` is the
   padded ``Sk`` (:data:`LONG_ROW_BLOCK_K` for rows longer than :data:`MAX_WHOLE_ROW`)."""
   fields = dict(entry)
@@ -248,18 +208,15 @@ def table_entry(config: PassConfig, *, whole_row: bool = False) -> dict:
 def default_config(seq_q: int, seq_k: int, head_dim: int, dtype, device_kind=None,
                    schemes=SCHEMES, *, causal: bool = False) -> Config:
   """The tuned config (bf16/fp16, D <= 128, on the device kind it was tuned on), else the
-  heuristic.
+  heuristic's ``"two_pass"`` config.
 
   ``device_kind``: the kind of the device that runs the call (``None``: the heuristic). The
-  table's scheme is used if it is in ``schemes`` (and ``per_head`` only for rows of at
-  most 256 keys, and ``dl_gemm`` only for rows of at most :data:`DL_TUNED_MAX_ROW` keys;
-  where ``dl_gemm`` is not taken, the class's ``per_head`` entry if it has one), else its
+  table's scheme is used if it is in ``schemes`` (``per_head`` only for rows of at most 256
+  keys, ``dl_gemm`` only for rows of at most :data:`DL_TUNED_MAX_ROW` keys; where
+  ``dl_gemm`` is not taken, the class's ``per_head`` entry if it has one), else its
   ``two_pass`` entry. A ``dl_gemm`` entry carries its :class:`DlConfig` as ``dl``
   (:func:`dl_config`; absent: :func:`default_dl_config`), and may carry another for causal
-  calls as ``causal_dl`` (``null``: :func:`default_dl_config`). Causal calls take
-  ``dl_gemm`` too since its dL kernel and GEMMs skip the upper triangle (H200: 1.17-1.57x
-  faster than the two-pass and per-head kernels on the 11 causal workloads of more than
-  128 keys, ``qk_scale_softmax_design.log``).
+  calls as ``causal_dl``.
   """
   tuned = _tuning.lookup(_tuning.table(KERNEL, device_kind or ""), length_class(seq_k))
   if not tuned or jnp.dtype(dtype).itemsize > 2 or next_power_of_2(head_dim) > 128:

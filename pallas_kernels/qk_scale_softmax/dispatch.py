@@ -1,48 +1,52 @@
-"""The kernel entry point of the QK-scale-softmax backward: it picks the Mosaic GPU kernel
-(:mod:`.pallas_mosaic_gpu`) on a Hopper GPU for the problems it takes, and the Triton kernels
-(:mod:`.pallas_triton`) everywhere else."""
+"""Which kernels run the qk_scale_softmax forward and backward, for a device and a shape: the
+one place of that rule. The kernel entry points :func:`qk_scale_softmax_backward` and
+:func:`qk_scale_softmax_forward` follow it; the op (``jax_ops.ops.qk_scale_softmax``) asks
+it too."""
 
 from __future__ import annotations
 
 from pallas_kernels import validation
 from pallas_kernels._util import device_of, is_hopper
-from pallas_kernels.qk_scale_softmax import pallas_mosaic_gpu, pallas_triton
+from pallas_kernels.qk_scale_softmax import (forward, forward_mosaic_gpu, pallas_mosaic_gpu,
+                                             pallas_triton)
+from pallas_kernels.qk_scale_softmax._common import SUPPORTED
 
 MOSAIC_GPU = "mosaic_gpu"
 TRITON = "triton"
 IMPLEMENTATIONS = (MOSAIC_GPU, TRITON)
 _TRITON_OPTIONS = ("config", "block_q", "block_k", "num_warps", "num_stages")
+# The Mosaic GPU forward's key tiles pay off on rows longer than the Triton forward's one tile.
+MOSAIC_FORWARD_MIN_KEYS = 257
+
+
+def mosaic_gpu_reason(query_shape, key_shape, dtype, scaling_static) -> str | None:
+  """What of a problem the Mosaic GPU backward kernel does not take (``None``: it takes it):
+  rows of 128 keys, ``D == 128``, ``Sq % 64 == 0``, bf16/fp16, a static scale. A causal P
+  takes it too (the kernel computes the masked tiles, which hold zeros)."""
+  b, h, sq, d = query_shape
+  return pallas_mosaic_gpu.unsupported_reason(b, h, sq, key_shape[2], d, dtype,
+                                              scaling_static)
 
 
 def kernels_for(grad_output, query, key, attn_weights, scaling, *, causal=False,
                 interpret=False) -> str:
-  """``"mosaic_gpu"`` or ``"triton"``: the kernels that ``implementation=None`` runs.
-
-  The Mosaic GPU kernel on a Hopper GPU for rows of 128 keys that
-  :func:`pallas_mosaic_gpu.unsupported_reason` allows (``D == 128``; measured faster there:
-  ``benchmarks/results/qk_scale_softmax.md``); the Triton kernels otherwise (rows of 256
-  keys too: the Mosaic GPU pair kernel measured 0.82-0.90x their speed,
-  ``benchmarks/results/qk_scale_softmax_mosaic_gpu.md``), and always
-  under ``interpret=True`` (the portable path; name ``"mosaic_gpu"`` to run the Mosaic GPU
-  interpreter). A causal P takes the same choice: the Mosaic GPU kernel computes every tile
-  (the dense math gives the causal result) and still beats the Triton kernels that skip
-  the tiles above the diagonal (``benchmarks/results/qk_scale_softmax_causal.md``).
-  """
-  scale = validation.check_problem_c(grad_output, query, key, attn_weights, scaling,
-                                     dtypes=pallas_triton._SUPPORTED)
+  """``"mosaic_gpu"`` or ``"triton"``: the backward kernels that ``implementation=None``
+  runs. The Mosaic GPU kernel compiled on a Hopper GPU where :func:`mosaic_gpu_reason`
+  allows; the Triton kernels otherwise, and always under ``interpret=True`` (name
+  ``"mosaic_gpu"`` to run the Mosaic GPU interpreter)."""
+  del causal
+  scale = validation.check_qk_scale_softmax(grad_output, query, key, attn_weights, scaling,
+                                            dtypes=SUPPORTED)
   if interpret or not is_hopper(device_of(grad_output, query, key, attn_weights)):
     return TRITON
-  b, h, sq, d = query.shape
-  sk = key.shape[2]
-  why = pallas_mosaic_gpu.unsupported_reason(b, h, sq, sk, d, query.dtype, scale)
-  return TRITON if why or sk != pallas_mosaic_gpu.SEQ_K else MOSAIC_GPU
+  why = mosaic_gpu_reason(query.shape, key.shape, query.dtype, scale)
+  return TRITON if why else MOSAIC_GPU
 
 
 def qk_scale_softmax_backward(grad_output, query, key, attn_weights, scaling, *,
                               causal=False, implementation: str | None = None,
                               interpret=False, **triton_options):
-  """Backward of ``softmax((Q @ K^T) * scaling)`` to ``Q`` and ``K`` (problem C's kernel
-  entry point).
+  """Backward of ``softmax((Q @ K^T) * scaling)`` to ``Q`` and ``K``: the kernel entry point.
 
   Args:
     grad_output: ``g`` ``[B, H, Sq, Sk]``, the gradient of the attention weights.
@@ -81,3 +85,28 @@ def qk_scale_softmax_backward(grad_output, query, key, attn_weights, scaling, *,
                                                    **triton_options)
   raise ValueError(f"implementation: expected None or one of {IMPLEMENTATIONS}, got "
                    f"{implementation!r}")
+
+
+def forward_kernel_for(query, key, scaling, *, causal=False, interpret=False) -> str | None:
+  """The fused forward kernel for a problem: ``"mosaic_gpu"`` compiled on a Hopper GPU for
+  the dense problems :func:`forward_mosaic_gpu.unsupported_reason` allows with rows of at
+  least :data:`MOSAIC_FORWARD_MIN_KEYS` keys; else ``"triton"`` where its int32 offsets
+  reach every element (:func:`forward.takes`); else ``None`` (no Pallas forward)."""
+  b, h, seq_q, d = query.shape
+  seq_k = key.shape[2]
+  if not interpret and seq_k >= MOSAIC_FORWARD_MIN_KEYS and is_hopper(device_of(query, key)):
+    scale = scaling if isinstance(scaling, (int, float)) else None
+    if forward_mosaic_gpu.unsupported_reason(b, h, seq_q, seq_k, d, query.dtype, scale,
+                                             causal) is None:
+      return MOSAIC_GPU
+  return TRITON if forward.takes(b, h, seq_q, seq_k, d) else None
+
+
+def qk_scale_softmax_forward(query, key, scaling, *, causal=False, interpret=False):
+  """``P = softmax((Q @ K^T) * scaling)`` ``[B, H, Sq, Sk]`` from the fused kernel that
+  :func:`forward_kernel_for` picks; raises ``ValueError`` where none takes the problem."""
+  kernel = forward_kernel_for(query, key, scaling, causal=causal, interpret=interpret)
+  if kernel == MOSAIC_GPU:
+    return forward_mosaic_gpu.qk_scale_softmax_forward(query, key, scaling, causal,
+                                                       interpret=interpret)
+  return forward.qk_scale_softmax_forward(query, key, scaling, causal, interpret=interpret)

@@ -1,4 +1,4 @@
-"""The forward of op C in one Pallas Triton kernel: ``P = softmax((Q @ K^T) * scaling)``.
+"""The qk_scale_softmax forward in one Pallas Triton kernel: ``P = softmax((Q @ K^T) * scaling)``.
 
 As the jnp forward (``jax_ops.ops.qk_scale_softmax.reference.qk_scale_softmax_forward``) computes it::
 
@@ -10,8 +10,8 @@ One program owns ``block_q`` query rows of one (batch, head); its ``Q`` rows sta
 registers. Rows of one key tile (``Sk <= block_k``) take one GEMM and the softmax from
 registers. Longer rows take two passes: pass 1 walks the key tiles (``block_k`` keys each):
 ``s = Q @ K_j^T`` on the tensor cores, then the running row max and the running sum of
-``exp(s * scaling - max)`` in fp32 (rescaled when the max grows). Pass 2 computes the same tiles again and stores ``P =
-exp(s * scaling - m) * (1 / l)`` rounded to the input dtype. The logits never reach memory:
+``exp(s * scaling - max)`` in fp32 (rescaled when the max grows). Pass 2 computes the same
+tiles again and stores ``P = exp(s * scaling - m) * (1 / l)`` rounded to the input dtype. The logits never reach memory:
 the kernel reads ``Q`` and ``K`` and writes ``P`` once (2 B per element in bf16), at the cost
 of computing ``Q @ K^T`` twice. A causal call skips the GEMMs and the exponentials of the key
 tiles wholly above the diagonal and stores zeros there; only the tiles that cross the diagonal
@@ -36,8 +36,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels import _triton_tiles as tiles
 from pallas_kernels import _tuning, _util, validation
 from pallas_kernels._util import compiler_params, dot, next_power_of_2, out_struct, pallas_call
-from pallas_kernels.qk_scale_softmax.pallas_triton import (_row_num_full_k_tiles,
-                                                           _row_num_k_tiles)
+from pallas_kernels.qk_scale_softmax._common import row_num_full_k_tiles, row_num_k_tiles
 
 __all__ = ["qk_scale_softmax_forward", "ForwardConfig", "default_forward_config", "takes"]
 
@@ -52,11 +51,8 @@ class ForwardConfig:
   keys per tile (powers of two >= 16), Triton's ``num_warps`` and
   ``num_stages``.
 
-  Key tiles of more than 256 keys are refused: on an H200 a 64 x 512 tile (one GEMM of
-  N = 512 on the tensor cores) compiled to a kernel whose P was wrong in 99.7% of the
-  elements, on 8 warps and on 16 (``benchmarks/results/runs/c_forward_{ae8ca48,86c8d3f}.log``),
-  while 64 x 256 and 32 x 512 (M = 32: no wgmma) were right; no such tile was faster than
-  the defaults."""
+  Key tiles of more than 256 keys are refused: a 64 x 512 tile (one GEMM of N = 512)
+  miscompiles on Hopper (a wrong P)."""
   block_q: int = 128
   block_k: int = 64
   num_warps: int = 8
@@ -68,19 +64,16 @@ class ForwardConfig:
                              num_warps=self.num_warps, num_stages=self.num_stages)
     if self.block_k > 256:
       raise ValueError(f"config.block_k: expected at most 256, got {self.block_k} (wider key "
-                       "tiles were measured to miscompile on an H200)")
+                       "tiles miscompile on Hopper)")
 
 
 def default_forward_config(seq_q: int, seq_k: int, head_dim: int,
                            dtype=jnp.bfloat16) -> ForwardConfig:
   """The default config, its tiles capped at the padded lengths (>= 16).
 
-  Measured on an H200 (``benchmarks/c_forward.py``, bf16, D = 128, H = 32,
-  ``benchmarks/results/runs/c_forward_{5638cb3,332addd,ae8ca48}.log``): rows of at most 256
-  keys take them as one tile (one GEMM, no second pass): 64 rows on 4 warps at 128 keys (35 us
-  against 44 for two passes of 128 x 64 tiles at B=32 S=128), on 8 warps at 256 keys (33
-  against 36 us at B=8 S=256). Longer rows: 128 rows by 64 keys on 8 warps, 3 stages, the
-  fastest of ten configs or within 2% of it at S = 1024 and 4096 dense and S = 4096 causal.
+  Rows of at most 256 keys take them as one tile (one GEMM, no second pass): 64 rows on 4
+  warps up to 128 keys, on 8 warps at 256. Longer rows: 128 rows by 64 keys on 8 warps, 3
+  stages.
 
   Rows of a head wider than 256 bytes (bf16 D > 128, fp32 D > 64; untuned) take smaller
   tiles, so that the K tiles and Q fit in shared memory and registers: two passes of 64 x 64
@@ -116,8 +109,8 @@ def _kernel(scale_ref, q_ref, k_ref, p_ref, *, seq_q, seq_k, head_dim, d_pad, bl
   n_k = pl.cdiv(seq_k, block_k)
   ragged_k = seq_k % block_k != 0
   if causal:
-    n_tiles = _row_num_k_tiles(qi, seq_q, seq_k, block_q, block_k)
-    n_full = _row_num_full_k_tiles(qi, seq_q, seq_k, block_q, block_k)
+    n_tiles = row_num_k_tiles(qi, seq_q, seq_k, block_q, block_k)
+    n_full = row_num_full_k_tiles(qi, seq_q, seq_k, block_q, block_k)
   else:
     n_tiles = n_full = n_k
 

@@ -1,4 +1,4 @@
-"""Op C's forward as one Pallas Mosaic GPU kernel (Hopper, sm_90a):
+"""The qk_scale_softmax forward as one Pallas Mosaic GPU kernel (Hopper, sm_90a):
 ``P = softmax((Q @ K^T) * scaling)``, dense rows, ``Q @ K^T`` on the tensor cores (wgmma).
 
 Same math as the Triton forward (:mod:`pallas_kernels.qk_scale_softmax.forward`)::
@@ -16,9 +16,6 @@ mostly from L2), and each consumer warpgroup
    takes the running row max and sum (rescaled when the max grows);
 2. (the rest) computes the same tile again and stores ``P`` through shared memory with TMA
    (two staging tiles per warpgroup: a tile is overwritten once its last copy has read it).
-
-With ``split=True`` a step's tile is two wgmmas of 64 columns (``keys == 128``), and the
-warpgroup works on the first half while the tensor cores compute the second.
 
 Bytes: Q and K in, P out once (2 B per element in bf16). ``Q @ K^T`` is computed twice, as
 in the Triton forward. Supported (:func:`unsupported_reason`): bf16 or fp16, ``D`` of 64 or
@@ -78,31 +75,20 @@ def _rows(x, shape):
   return lax.broadcast_in_dim(x, shape, [0])
 
 
-def _kernel(q_ref, k_ref, p_ref, q_smem, q_barrier, p_stage, schedule, *, sk, keys, stages,
-            split, pingpong, c):
+def _kernel(q_ref, k_ref, p_ref, q_smem, q_barrier, p_stage, *, sk, keys, stages, c):
   bh = lax.axis_index("bh")
   rb = lax.axis_index("rows")
   wg = lax.axis_index("wg")
   n_k = sk // keys
   row0 = rb * ROW_BLOCK + wg * ROWS
   dtype = p_ref.dtype
-  half = keys // 2
-
-  def meet():
-    """Both consumer warpgroups meet (``pingpong``): the second starts one meeting behind,
-    so that one's GEMM runs while the other's softmax does."""
-    if pingpong:
-      plgpu.barrier_arrive(schedule)
-      plgpu.barrier_wait(schedule)
 
   def compute_context(run_pipeline):
     plgpu.copy_gmem_to_smem(q_ref.at[bh, pl.ds(row0, ROWS)], q_smem.at[wg], q_barrier.at[wg])
     plgpu.barrier_wait(q_barrier.at[wg])
     m = jnp.full((ROWS,), -jnp.inf, f32)
     l = jnp.zeros((ROWS,), f32)
-    pl.when(wg == 1)(meet)
     run_pipeline((m, l))
-    pl.when(wg == 0)(meet)
     plgpu.wait_smem_to_gmem(0)
 
   def stats(s, m, l):
@@ -136,45 +122,18 @@ def _kernel(q_ref, k_ref, p_ref, q_smem, q_barrier, p_stage, schedule, *, sk, ke
     def _free_slot():
       plgpu.wait_smem_to_gmem(1, wait_read_only=True)   # the slot's last copy has read it
 
-    if not split:
-      def mm(acc):
-        plgpu.wgmma(acc, q_smem.at[wg], k_smem.T)
-        meet()
-        plgpu.wgmma_wait(0)
-        return acc[...]
-      s = pl.run_scoped(mm, plgpu.ACC((ROWS, keys), f32))
-      m, l = lax.cond(first, stats, unchanged, s, m, l)
-
-      @pl.when(jnp.logical_not(first))
-      def _store():
-        store(probs(s, m, l), pl.ds(0, keys))
-        publish()
-      meet()
-      return m, l
-
-    def mm2(acc0, acc1):
-      plgpu.wgmma(acc0, q_smem.at[wg], k_smem.at[pl.ds(0, half)].T)
-      plgpu.wgmma(acc1, q_smem.at[wg], k_smem.at[pl.ds(half, half)].T)
-      meet()
-      plgpu.wgmma_wait(1)
-      s0 = acc0[...]
-      # Pass 1 folds both halves into the statistics; pass 2 needs the final ones (carried).
-      m0, l0 = lax.cond(first, stats, unchanged, s0, m, l)
-
-      @pl.when(jnp.logical_not(first))
-      def _():
-        store(probs(s0, m, l), pl.ds(0, half))
+    def mm(acc):
+      plgpu.wgmma(acc, q_smem.at[wg], k_smem.T)
       plgpu.wgmma_wait(0)
-      s1 = acc1[...]
-      m1, l1 = lax.cond(first, stats, unchanged, s1, m0, l0)
+      return acc[...]
+    s = pl.run_scoped(mm, plgpu.ACC((ROWS, keys), f32))
+    m, l = lax.cond(first, stats, unchanged, s, m, l)
 
-      @pl.when(jnp.logical_not(first))
-      def _():
-        store(probs(s1, m, l), pl.ds(half, half))
-        publish()
-      meet()
-      return m1, l1
-    return pl.run_scoped(mm2, plgpu.ACC((ROWS, half), f32), plgpu.ACC((ROWS, half), f32))
+    @pl.when(jnp.logical_not(first))
+    def _store():
+      store(probs(s, m, l), pl.ds(0, keys))
+      publish()
+    return m, l
 
   tiled = _mosaic.tiled(p_ref.dtype)
   pipeline = plgpu.emit_pipeline_warp_specialized(
@@ -186,24 +145,21 @@ def _kernel(q_ref, k_ref, p_ref, q_smem, q_barrier, p_stage, schedule, *, sk, ke
   pipeline(k_ref.at[bh])
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "keys", "stages", "split", "pingpong",
-                                             "interpret"))
-def _call(query, key, *, scale, keys, stages, split, pingpong, interpret):
+@functools.partial(jax.jit, static_argnames=("scale", "keys", "stages", "interpret"))
+def _call(query, key, *, scale, keys, stages, interpret):
   b, h, sq, d = query.shape
   sk = key.shape[2]
   bh = b * h
   dtype = query.dtype
   tiled = _mosaic.tiled(dtype)
-  kernel = functools.partial(_kernel, sk=sk, keys=keys, stages=stages, split=split,
-                             pingpong=pingpong, c=scale * LOG2E)
+  kernel = functools.partial(_kernel, sk=sk, keys=keys, stages=stages, c=scale * LOG2E)
   like = (query, key)
   probs = plgpu.kernel(
       kernel,
       out_type=out_struct((bh, sq, sk), dtype, *like),
       scratch_types=[plgpu.SMEM((WGS, ROWS, d), dtype, transforms=tiled),
                      plgpu.Barrier(num_barriers=WGS),
-                     plgpu.SMEM((WGS, 2, ROWS, keys), dtype, transforms=tiled),
-                     plgpu.Barrier(num_arrivals=WGS)],
+                     plgpu.SMEM((WGS, 2, ROWS, keys), dtype, transforms=tiled)],
       grid=(bh, sq // ROW_BLOCK), grid_names=("bh", "rows"),
       num_threads=WGS + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -214,17 +170,14 @@ def _call(query, key, *, scale, keys, stages, split, pingpong, interpret):
 
 
 def qk_scale_softmax_forward(query, key, scaling, causal: bool = False, *, keys=None,
-                             stages=3, split=False, pingpong=False, interpret=False):
+                             stages=3, interpret=False):
   """``P = softmax((Q @ K^T) * scaling)`` ``[B, H, Sq, Sk]`` in the inputs' dtype, one Mosaic
   GPU kernel.
 
   ``query`` ``[B, H, Sq, D]``, ``key`` ``[B, H, Sk, D]``, bf16 or fp16; ``scaling`` a Python
   float > 0. ``keys``: keys per pipeline step (64 or 128 dividing ``Sk``; ``None``:
-  :func:`default_keys`); ``stages``: the TMA ring's depth (2-8); ``split``: each step as two
-  wgmmas, the first half's softmax overlapping the second's GEMM; ``pingpong``: the two
-consumer warpgroups meet twice a step, half a step apart (one's GEMM beside the other's
-softmax). Raises ``ValueError`` for a
-  problem outside :func:`unsupported_reason` (a causal call among them), and off a Hopper
+  :func:`default_keys`); ``stages``: the TMA ring's depth (2-8). Raises ``ValueError`` for
+  a problem outside :func:`unsupported_reason` (a causal call among them), and off a Hopper
   GPU unless ``interpret``."""
   validation.check_array("query", query, ("B", "H", "Sq", "D"),
                          dtypes=(jnp.bfloat16, jnp.float16, jnp.float32))
@@ -240,10 +193,8 @@ softmax). Raises ``ValueError`` for a
     keys = default_keys(sk)
   if keys not in (64, 128) or sk % keys:
     raise ValueError(f"keys: expected 64 or 128 dividing seq_k {sk}, got {keys!r}")
-  if split and keys != 128:
-    raise ValueError(f"split: needs keys=128 (halves of 64 keys), got keys={keys}")
   if isinstance(stages, bool) or not isinstance(stages, int) or not 2 <= stages <= 8:
     raise ValueError(f"stages: expected an int in [2, 8], got {stages!r}")
   _mosaic.check_hopper("qk_scale_softmax forward", interpret, query, key)
   return _call(query, key, scale=float(scale), keys=int(keys), stages=stages,
-               split=bool(split), pingpong=bool(pingpong), interpret=interpret)
+               interpret=interpret)

@@ -87,7 +87,7 @@ def test_realistic_long_rows(backward, probs):
 
   "randn" P (not a probability) makes delta large; a kernel that did not reproduce the
   reference's bf16 roundings of dL would miss the 99% bar here (the one-pass algebra does:
-  ``benchmarks/algebra_accuracy.py``).
+  ``docs/qk_scale_softmax.md``).
   """
   sq, sk, d = 64, 512, 64
   args = make_inputs(3, 1, 1, sq, sk, d, probs=probs)  # one shape: compiled once

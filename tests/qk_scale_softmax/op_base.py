@@ -1,4 +1,4 @@
-"""Op C's tests, written once and run for every backend (fixture ``implementation``, set by
+"""The qk_scale_softmax tests, written once and run for every backend (fixture ``implementation``, set by
 each ``test_op_<backend>.py``). A backend that takes fewer shapes sets ``GRAD_CASES`` (and
 ``CAUSAL``) in its test module."""
 

@@ -1,4 +1,4 @@
-"""Op C's fused forward kernel (``forward.py``): ``P`` matches the jnp forward to within one
+"""The qk_scale_softmax fused forward kernel (``forward.py``): ``P`` matches the jnp forward to within one
 ulp of a 16-bit input dtype (bit for bit in all but a small share of the elements; fp32:
 within 2e-5 relative); causal rows
 are exactly zero above the diagonal and sum to one; odd lengths, several row and key tiles
@@ -147,12 +147,12 @@ def test_the_op_runs_the_fused_forward(pretend_gpu, monkeypatch, implementation,
   import jax_ops
   from conftest import FakeHopper, triton_calls_in_gpu_lowering
   from jax_ops import _common
-  from jax_ops.ops.qk_scale_softmax import pallas_triton as backend_module
+  from pallas_kernels.qk_scale_softmax import forward as forward_module
   monkeypatch.setattr(_common, "device_of", lambda *a: FakeHopper())
   shapes = [jax.ShapeDtypeStruct((1, 2, 128, 128), jnp.bfloat16)] * 2
   fn = lambda q, k, _: jax_ops.qk_scale_softmax(q, k, implementation=implementation)
   assert triton_calls_in_gpu_lowering(fn, shapes, 0.0) == kernels
-  monkeypatch.setattr(backend_module.forward_kernel, "takes", lambda *a: False)
+  monkeypatch.setattr(forward_module, "takes", lambda *a: False)
   assert triton_calls_in_gpu_lowering(fn, shapes, 0.0) == 0
 
 

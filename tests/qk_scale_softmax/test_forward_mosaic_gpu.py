@@ -1,4 +1,4 @@
-"""Op C's Mosaic GPU forward kernel (``forward_mosaic_gpu``): ``P`` against the jnp forward
+"""The qk_scale_softmax Mosaic GPU forward kernel (``forward_mosaic_gpu``): ``P`` against the jnp forward
 (the Mosaic GPU interpreter off a Hopper GPU, compiled on one), its variants, its errors."""
 
 from __future__ import annotations
@@ -34,36 +34,34 @@ def _check(query, key, probs, scaling):
   np.testing.assert_allclose(np.asarray(probs, np.float32).sum(-1), 1.0, atol=2e-2)
 
 
-# (B, H, Sq, Sk, D, dtype, keys, split): one and several key tiles, two row blocks, both head
-# dims, fp16, both step widths and the split steps.
+# (B, H, Sq, Sk, D, dtype, keys): one and several key tiles, two row blocks, both head
+# dims, fp16, both step widths.
 CASES = [
-    (1, 2, 128, 192, 64, jnp.bfloat16, 64, False),
-    (1, 1, 256, 256, 128, jnp.bfloat16, None, False),
-    (2, 1, 128, 128, 128, jnp.float16, 128, True),
-    (1, 1, 128, 384, 64, jnp.bfloat16, 128, True),
+    (1, 2, 128, 192, 64, jnp.bfloat16, 64),
+    (1, 1, 256, 256, 128, jnp.bfloat16, None),
+    (2, 1, 128, 128, 128, jnp.float16, 128),
+    (1, 1, 128, 384, 64, jnp.bfloat16, 128),
 ]
 
 
 @needs_kernels
-@pytest.mark.parametrize("b,h,sq,sk,d,dtype,keys,split", CASES)
-def test_matches_the_jnp_forward(b, h, sq, sk, d, dtype, keys, split):
+@pytest.mark.parametrize("b,h,sq,sk,d,dtype,keys", CASES)
+def test_matches_the_jnp_forward(b, h, sq, sk, d, dtype, keys):
   query, key = _inputs(b, h, sq, sk, d, dtype)
   scaling = d ** -0.5
-  probs = fm.qk_scale_softmax_forward(query, key, scaling, keys=keys, split=split,
-                                      interpret=INTERPRET)
+  probs = fm.qk_scale_softmax_forward(query, key, scaling, keys=keys, interpret=INTERPRET)
   _check(query, key, probs, scaling)
 
 
 @needs_kernels
 def test_variants():
-  """Another ring depth gives the default's P bit for bit; split steps and 64-key steps sum
-  the rows in another order (one ulp apart at most, and checked against jnp)."""
+  """Another ring depth gives the default's P bit for bit; 64-key steps sum the rows in
+  another order (one ulp apart at most, and checked against jnp)."""
   query, key = _inputs(1, 2, 128, 256, 64, seed=1)
   base = fm.qk_scale_softmax_forward(query, key, 0.3, interpret=INTERPRET)
   got = fm.qk_scale_softmax_forward(query, key, 0.3, stages=2, interpret=INTERPRET)
   np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(base, np.float32))
-  for kw in ({"split": True}, {"keys": 64, "stages": 4}, {"pingpong": True},
-             {"pingpong": True, "split": True}):
+  for kw in ({"keys": 64, "stages": 4},):
     got = fm.qk_scale_softmax_forward(query, key, 0.3, interpret=INTERPRET, **kw)
     assert ulps_apart(got, base).max() <= 1
     _check(query, key, got, 0.3)
@@ -75,7 +73,7 @@ def test_race_free(capsys):
   (it runs wgmma at once and does not track its reads)."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   query, key = _inputs(1, 1, 128, 256, 64, seed=2)
-  probs = fm.qk_scale_softmax_forward(query, key, 0.125, split=True, pingpong=True,
+  probs = fm.qk_scale_softmax_forward(query, key, 0.125,
                                       interpret=plgpu.InterpretGPUParams(detect_races=True))
   jax.block_until_ready(probs)
   jax.effects_barrier()
@@ -98,8 +96,6 @@ def test_errors_name_the_problem():
                                 interpret=True)
   with pytest.raises(ValueError, match="traced scaling"):
     jax.jit(lambda s: fm.qk_scale_softmax_forward(query, key, s, interpret=True))(0.1)
-  with pytest.raises(ValueError, match="split: needs keys=128"):
-    fm.qk_scale_softmax_forward(query, key, 0.1, keys=64, split=True, interpret=True)
   with pytest.raises(ValueError, match=r"stages: expected an int in \[2, 8\]"):
     fm.qk_scale_softmax_forward(query, key, 0.1, stages=1, interpret=True)
   with pytest.raises(ValueError, match=r"key: expected"):
@@ -109,38 +105,33 @@ def test_errors_name_the_problem():
 
 
 def test_the_op_picks_it_compiled_on_hopper_for_long_dense_rows(monkeypatch):
-  """``"auto"``: the Mosaic GPU forward compiled on a Hopper GPU, on dense rows of more than
-  256 keys that it takes; the Triton forward in the interpreter, on other GPUs, on short
-  rows, causal calls and shapes it does not take."""
+  """The Mosaic GPU forward compiled on a Hopper GPU, on dense rows of more than 256 keys
+  that it takes; the Triton forward in the interpreter, on other GPUs, on short rows,
+  causal calls and shapes it does not take; no Pallas forward past int32 offsets."""
   from conftest import FakeBlackwell, FakeHopper
-  from jax_ops.ops.qk_scale_softmax import pallas_triton as backend_module
+  from pallas_kernels.qk_scale_softmax import dispatch
   q = jax.ShapeDtypeStruct((1, 2, 256, 128), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((1, 2, 512, 128), jnp.bfloat16)
-  pick = backend_module.forward_kernel_for
-  monkeypatch.setattr(backend_module, "device_of", lambda *a: FakeHopper())
-  assert pick(q, k, 0.1, False, False) == "mosaic_gpu"
-  assert pick(q, k, 0.1, False, True) == "triton"                       # interpreter
-  assert pick(q, k, 0.1, True, False) == "triton"                       # causal
-  assert pick(q, jax.ShapeDtypeStruct((1, 2, 256, 128), jnp.bfloat16), 0.1, False,
-              False) == "triton"                                        # 256 keys
-  assert pick(jax.ShapeDtypeStruct((1, 2, 200, 128), jnp.bfloat16), k, 0.1, False,
-              False) == "triton"                                        # seq_q 200
-  assert pick(q, k, 0.1, False, True, forward="mosaic_gpu") == "mosaic_gpu"
-  with pytest.raises(ValueError, match="forward: expected one of"):
-    pick(q, k, 0.1, False, False, forward="cuda")
-  monkeypatch.setattr(backend_module, "device_of", lambda *a: FakeBlackwell())
-  assert pick(q, k, 0.1, False, False) == "triton"
+  pick = lambda q, k, causal=False, interpret=False: dispatch.forward_kernel_for(
+      q, k, 0.1, causal=causal, interpret=interpret)
+  monkeypatch.setattr(dispatch, "device_of", lambda *a: FakeHopper())
+  assert pick(q, k) == "mosaic_gpu"
+  assert pick(q, k, interpret=True) == "triton"
+  assert pick(q, k, causal=True) == "triton"
+  assert pick(q, jax.ShapeDtypeStruct((1, 2, 256, 128), jnp.bfloat16)) == "triton"  # 256 keys
+  assert pick(jax.ShapeDtypeStruct((1, 2, 200, 128), jnp.bfloat16), k) == "triton"  # seq_q 200
+  huge = jax.ShapeDtypeStruct((1, 1, 1 << 16, 16), jnp.bfloat16)
+  assert pick(huge, huge, interpret=True) is None
+  monkeypatch.setattr(dispatch, "device_of", lambda *a: FakeBlackwell())
+  assert pick(q, k) == "triton"
 
 
 @needs_kernels
 def test_op_with_the_mosaic_forward_matches_the_xla_path():
-  """A Triton backend running the Mosaic GPU forward in the op (``forward="mosaic_gpu"``):
-  the op's P and gradients are the XLA path's, and the Mosaic GPU forward ran."""
+  """The op with the Mosaic GPU forward (as the dispatch picks it compiled on a Hopper
+  GPU): its P and gradients are the XLA path's, and the Mosaic GPU forward ran."""
   import jax_ops
-  from jax_ops import registry
-  from jax_ops.ops.qk_scale_softmax import pallas_triton as backend_module
-  op, name = "qk_scale_softmax", "triton_test_mgpu_forward"
-  registry.register(op, name, backend_module.QKSoftmaxTriton(name, forward="mosaic_gpu"))
+  from pallas_kernels.qk_scale_softmax import dispatch
   query, key = _inputs(1, 2, 128, 384, 64, seed=4)
   ct = jax.random.normal(jax.random.key(5), (1, 2, 128, 384), jnp.float32)
   calls = []
@@ -155,17 +146,13 @@ def test_op_with_the_mosaic_forward_matches_the_xla_path():
                                                       interpret=INTERPRET) * ct)
     return jax.value_and_grad(f, argnums=(0, 1))(query, key)
 
-  try:
-    with pytest.MonkeyPatch.context() as m:
-      m.setattr(fm, "qk_scale_softmax_forward", spy)
-      (lp, gp) = run(name)
-    (lx, gx) = run("xla")
-  finally:
-    registry.unregister(op, name)
+  with pytest.MonkeyPatch.context() as m:
+    m.setattr(fm, "qk_scale_softmax_forward", spy)
+    m.setattr(dispatch, "forward_kernel_for", lambda *a, **kw: "mosaic_gpu")
+    (lp, gp) = run("triton")
+  (lx, gx) = run("xla")
   assert calls, "the Mosaic GPU forward did not run"
   np.testing.assert_allclose(float(lp), float(lx), rtol=2e-2, atol=1e-2)
   for a, b in zip(gp, gx):
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     assert np.max(np.abs(a - b)) < 5e-2 * np.max(np.abs(b))
-  with pytest.raises(ValueError, match="forward: expected one of"):
-    backend_module.QKSoftmaxTriton("x", forward="cuda")

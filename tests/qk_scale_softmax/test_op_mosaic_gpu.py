@@ -1,4 +1,4 @@
-"""Op C's base suite on the ``"mosaic_gpu"`` backend (the Mosaic GPU interpreter off a
+"""The qk_scale_softmax base suite on the ``"mosaic_gpu"`` backend (the Mosaic GPU interpreter off a
 Hopper GPU), on the shapes it takes, and how the op picks it."""
 
 import jax
@@ -32,7 +32,7 @@ def test_picked_first_on_hopper_for_the_shapes_it_takes():
   assert on(128, 128, 128, device=FakeHopper()) == "mosaic_gpu"
   assert on(128, 128, 128, device=FakeBlackwell()) == "triton"
   assert on(128, 128, 128, device=FakeHopper(), causal=True) == "mosaic_gpu"
-  assert on(128, 256, 128, device=FakeHopper()) == "triton"   # measured slower there
+  assert on(128, 256, 128, device=FakeHopper()) == "triton"
   assert on(128, 384, 128, device=FakeHopper()) == "triton"
   assert on(128, 128, 64, device=FakeHopper()) == "triton"
   assert on(128, 128, 128, device=FakeHopper(), dtype="float32") == "triton"
@@ -47,7 +47,7 @@ def test_forced_on_a_problem_it_does_not_take_says_why():
   with pytest.raises(ValueError, match=r"mosaic_gpu.*seq_k 384"):
     jax_ops.qk_scale_softmax(q, k, implementation="mosaic_gpu", interpret=True)
   k = jnp.zeros((1, 1, 256, 128), jnp.bfloat16)
-  with pytest.raises(ValueError, match=r"mosaic_gpu.*seq_k 256.*slower"):
+  with pytest.raises(ValueError, match=r"mosaic_gpu.*seq_k 256"):
     jax_ops.qk_scale_softmax(q, k, implementation="mosaic_gpu", interpret=True)
 
 

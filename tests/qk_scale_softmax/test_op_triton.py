@@ -1,4 +1,4 @@
-"""Op C's base suite on the ``"triton"`` backend."""
+"""The qk_scale_softmax base suite on the ``"triton"`` backend."""
 
 import pytest
 

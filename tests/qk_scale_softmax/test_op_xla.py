@@ -1,4 +1,4 @@
-"""Op C's base suite on the ``"xla"`` backend."""
+"""The qk_scale_softmax base suite on the ``"xla"`` backend."""
 
 import pytest
 

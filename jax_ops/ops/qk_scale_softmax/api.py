@@ -1,4 +1,4 @@
-"""The differentiable op C: attention weights ``softmax((Q @ K^T) * scaling)``.
+"""The differentiable qk_scale_softmax: attention weights ``softmax((Q @ K^T) * scaling)``.
 
 The backward is the backend that :func:`jax_ops.registry.resolve` picks, given ``causal`` so
 that it may skip the tiles above the diagonal; the forward is that backend's ``forward``

@@ -1,4 +1,4 @@
-"""Plain-jnp forward and backward of op C: ``P = softmax((Q @ K^T) * scaling)``.
+"""Plain-jnp forward and backward of qk_scale_softmax: ``P = softmax((Q @ K^T) * scaling)``.
 
 The backward is the spec: ``dL`` rounded to the input dtype twice, as the reference model
 rounds it, then two GEMMs with fp32 accumulation. It is the ``"xla"`` backend and the
@@ -28,7 +28,7 @@ def qk_scale_softmax_backward_reference(grad_output, query, key, attn_weights, s
   Returns:
     ``(grad_query [B, H, Sq, D], grad_key [B, H, Sk, D])`` in the inputs' dtype.
   """
-  validation.check_problem_c(grad_output, query, key, attn_weights, scaling)
+  validation.check_qk_scale_softmax(grad_output, query, key, attn_weights, scaling)
   dtype = query.dtype
   g = grad_output.astype(f32)
   probs = attn_weights.astype(f32)
