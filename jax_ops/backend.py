@@ -105,22 +105,6 @@ class Backend:
     return f"<{type(self).__name__} {self.name!r}>"
 
 
-class ResidualChoice:
-  """A backend class that offers several residual policies: an instance is made with a name
-  and one of ``POLICIES`` (the first is the default); its
-  :meth:`residual_policy` may narrow the choice per problem (``self.residuals``)."""
-
-  POLICIES: tuple[str, ...] = ()
-
-  def __init__(self, name: str | None = None, residuals: str | None = None):
-    residuals = self.POLICIES[0] if residuals is None else residuals
-    if residuals not in self.POLICIES:
-      raise ValueError(f"residuals: expected one of {self.POLICIES}, got {residuals!r}")
-    if name is not None:
-      self.name = name
-    self.residuals = residuals
-
-
 class FunctionBackend(Backend):
   """A backend made from a function with the reference backward's signature
   (``jax_ops.registry.register(op, name, fn)``). It takes every device and shape, keeps
