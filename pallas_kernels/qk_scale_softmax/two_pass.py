@@ -70,13 +70,11 @@ class _RowTiles:
   def zero_delta(self):
     return jnp.zeros((self.block_q,), F32)
 
-  def gp(self, j, in_range=None, *, diagonal: bool):
-    """``g`` and ``P`` of key tile ``j`` (zero outside the arrays, and where ``in_range``
-    is false); ``diagonal``: also zero above the causal diagonal."""
+  def gp(self, j, *, diagonal: bool):
+    """``g`` and ``P`` of key tile ``j`` (zero outside the arrays); ``diagonal``: also zero
+    above the causal diagonal."""
     cols = j * self.block_k + jnp.arange(self.block_k, dtype=I32)
     mask = self.row_ok[:, None] & (cols < self.seq_k)[None, :]
-    if in_range is not None:
-      mask &= in_range
     if diagonal:
       mask &= cols[None, :] <= self.rows[:, None] + (self.seq_k - self.seq_q)
     idx = (self.bh, pl.ds(self.q_start, self.block_q), pl.ds(j * self.block_k, self.block_k))
@@ -348,20 +346,15 @@ def row_pass(scale, g, p, k, *, causal, cfg, interpret):
   )(scale, g, p, k)
 
 
-def _col_kernel(cfg: PassConfig, causal: bool, **dims):
-  """The column kernel's body (causal or dense)."""
-  del cfg
-  return functools.partial(_col_kernel_causal if causal else _col_kernel_dense, **dims)
-
-
 @functools.partial(jax.jit, static_argnames=("causal", "cfg", "interpret"))
 def col_pass(scale, g, p, q, delta, *, causal, cfg, interpret):
   """``grad_key [B*H, Sk, D]`` from 3D ``[B*H, ...]`` views and the row pass's delta."""
   bh, seq_q, seq_k = g.shape
   head_dim = q.shape[-1]
   return pallas_call(
-      _col_kernel(cfg, causal, seq_q=seq_q, seq_k=seq_k, head_dim=head_dim,
-                  block_q=cfg.block_q, block_k=cfg.block_k),
+      functools.partial(_col_kernel_causal if causal else _col_kernel_dense, seq_q=seq_q,
+                        seq_k=seq_k, head_dim=head_dim, block_q=cfg.block_q,
+                        block_k=cfg.block_k),
       out_shape=out_struct((bh, seq_k, head_dim), q.dtype, g, p, q),
       grid=(pl.cdiv(seq_k, cfg.block_k), bh),
       compiler_params=compiler_params(cfg.num_warps, cfg.num_stages),
