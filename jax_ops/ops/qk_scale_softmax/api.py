@@ -2,9 +2,10 @@
 
 The backward is the backend that :func:`jax_ops.registry.resolve` picks, given ``causal`` so
 that it may skip the tiles above the diagonal; the forward is that backend's ``forward``
-where it has one (the Pallas backends: the fused kernel of
-:mod:`pallas_kernels.qk_scale_softmax.forward`, the logits never in memory), else plain jnp
-(:mod:`jax_ops.ops.qk_scale_softmax.reference`; the ``"xla"`` backend). Residuals: Q, K and P.
+where it has one (the Pallas backends: the fused kernel that
+:func:`pallas_kernels.qk_scale_softmax.forward_kernel_for` picks, the logits never in
+memory), else plain jnp (:mod:`jax_ops.ops.qk_scale_softmax.reference`; the ``"xla"``
+backend). Residuals: Q, K and P.
 """
 
 from __future__ import annotations
