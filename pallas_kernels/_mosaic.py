@@ -114,32 +114,10 @@ def cluster_barriers_init(ref, count: int) -> None:
   init(ref)
 
 
-def cluster_barrier_arrive(ref, index: int, cluster: int) -> None:
-  """Arrives once, with release semantics at cluster scope, on mbarrier ``index`` of ``ref``
-  in each of the ``cluster`` programs of the cluster (axis ``x``): thread ``c`` of the
-  warpgroup arrives on program ``c``'s. The caller has synchronized the warpgroup after its
-  writes (``plgpu.commit_smem``), so the release covers every thread's writes."""
-
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
-  def arrive(ctx, smem):
-    del ctx
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith
-    from jax.experimental.mosaic.gpu import utils as mu
-    i32 = ir.IntegerType.get_signless(32)
-    lane = arith.remui(mu.thread_idx(), mu.c(128, i32))
-    signals = arith.cmpi(arith.CmpIPredicate.ult, lane, mu.c(cluster, i32))
-    _asm("{\n .reg .b32 remote;\n"
-         " @$0 mapa.shared::cluster.u32 remote, $1, $2;\n"
-         " @$0 mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}",
-         signals, _barrier_ptr(smem, index), lane, constraints="b,r,r")
-
-  arrive(ref)
-
-
-def cluster_barrier_wait(ref, index: int, parity: int, *, scope: str = "cluster") -> None:
-  """Waits, with acquire semantics at ``scope`` (``"cluster"`` or ``"cta"``), for the phase
-  of parity ``parity`` (0 or 1) of mbarrier ``index`` of ``ref`` to complete."""
+def cluster_barrier_wait(ref, index: int, parity: int) -> None:
+  """Waits, with acquire semantics at CTA scope, for the phase of parity ``parity`` (0 or 1)
+  of mbarrier ``index`` of ``ref`` to complete (the writes of :func:`cluster_send_rows`
+  complete on it by transaction count)."""
 
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
   def wait(ctx, smem):
@@ -148,7 +126,7 @@ def cluster_barrier_wait(ref, index: int, parity: int, *, scope: str = "cluster"
     from jax.experimental.mosaic.gpu import utils as mu
     _asm("{\n .reg .pred done;\n"
          " WAIT:\n"
-         f" mbarrier.try_wait.parity.acquire.{scope}.shared::cta.b64 done, [$0], $1;\n"
+         " mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [$0], $1;\n"
          " @!done bra.uni WAIT;\n}",
          _barrier_ptr(smem, index), mu.c(parity, ir.IntegerType.get_signless(32)),
          constraints="r,r")

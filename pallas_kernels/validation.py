@@ -152,10 +152,10 @@ def check_causal(causal, seq_q: int, seq_k: int, *, every_row_has_keys: bool = T
 _LOW = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 
-def check_problem_a(grad_attn_output, attn_weights, attn_weights_dropped, value_states,
-                    dropout_mask, attention_dropout, *, dtypes=_LOW,
-                    takes_pd=True) -> float | None:
-  """Checks the arguments of the attention softmax-dropout-value backward (problem A).
+def check_attention_softmax_dropout_value(grad_attn_output, attn_weights, attn_weights_dropped,
+                                          value_states, dropout_mask, attention_dropout, *,
+                                          dtypes=_LOW, takes_pd=True) -> float | None:
+  """Checks the arguments of the attention softmax-dropout-value backward.
   ``takes_pd=False``: a backward without Pd (``attn_weights_dropped`` is not checked).
 
   Returns the dropout rate as a float, or ``None`` when it is traced.
@@ -185,7 +185,7 @@ def check_scores_and_mask(scores, mask, *, dtypes=_LOW) -> None:
 
 
 def check_scores_and_value(scores, value_states, *, dtypes=_LOW) -> None:
-  """Checks the inputs of the attention softmax-dropout-value forward (problem A): ``scores``
+  """Checks the inputs of the attention softmax-dropout-value forward: ``scores``
   ``[B, H, Sq, Skv]`` float, ``value_states`` ``[B, KVH, Skv, D]`` of its dtype, ``H``
   a multiple of ``KVH``."""
   _check_rows_and_value("scores", scores, value_states, dtypes)
@@ -230,7 +230,7 @@ def check_masked_softmax_dropout(grad_output, p_attn, mask, dropout_mask, p_drop
 
 
 def check_query_and_key(query, key, *, dtypes=_LOW) -> None:
-  """Checks the inputs of the QK-scale-softmax forward (problem C): ``query``
+  """Checks the inputs of the QK-scale-softmax forward: ``query``
   ``[B, H, Sq, D]`` float, ``key`` ``[B, H, Sk, D]`` of its dtype."""
   check_array("query", query, ("B", "H", "Sq", "D"), dtypes=dtypes)
   check_positive("query", query, ("B", "H", "Sq", "D"))

@@ -57,27 +57,6 @@ def test_usable():
   assert not _phase.usable(449, 2**31)
 
 
-@pytest.mark.parametrize("align", _phase.ROW_ALIGNS)
-def test_class_tiles_copy(align):
-  """benchmarks/ragged_stream.py's copies: consecutive-row tiles copy everything; class
-  tiles copy the elements of the 16-byte vectors wholly inside their row (the rest is
-  what the kernels' scalar stores add)."""
-  from benchmarks.ragged_stream import copy_fn
-  n, row_len = 70, 45
-  x = jnp.asarray(np.random.default_rng(0).standard_normal((n, row_len)), jnp.float32)
-  rows = copy_fn("rows", n, row_len, 16, 16, 4, 2, interpret=True)(x)
-  np.testing.assert_array_equal(np.asarray(rows), 2 * np.asarray(x))
-  out = np.asarray(copy_fn("classes", n, row_len, 16, 32, 4, 2, align=align,
-                           interpret=True)(x))
-  flat = np.arange(n * row_len)
-  row = flat // row_len
-  vec = flat // _phase.ALIGN
-  inside = (vec * _phase.ALIGN >= row * row_len) & (
-      vec * _phase.ALIGN + _phase.ALIGN <= (row + 1) * row_len)
-  assert inside.mean() > 0.6
-  np.testing.assert_array_equal(out[inside], 2 * np.asarray(x).reshape(-1)[inside])
-
-
 @pytest.fixture
 def flat_accesses(monkeypatch):
   """Records the offsets every masked load / store of a flat (1D) ref lets through, as

@@ -4,8 +4,7 @@ A config names the tiles and launch parameters of each pass (:class:`PassConfig`
 pass in :class:`Config`). :func:`default_config` takes the table measured on the device
 kind that runs the call (``pallas_kernels/tuned/<device>/attention_softmax_dropout_value.json``,
 keyed by :func:`length_class`), else :func:`heuristic`. Table entries are JSON objects
-with the fields' names (:meth:`Config.from_json`, :meth:`Config.to_json`); the notes on
-how they were chosen are in ``benchmarks/results/attention_softmax_dropout_value_tuned.md``.
+with the fields' names (:meth:`Config.from_json`, :meth:`Config.to_json`).
 """
 
 from __future__ import annotations
@@ -31,27 +30,22 @@ AUTO = "auto"  # PassConfig.split: chosen per launch (auto_split)
 class PassConfig(_tuning.TritonPassConfig):
   """Tiles and Triton launch parameters of one pass (tiles: powers of two >= 16).
 
-  ``prefetch`` (dS pass only): load the next tile's P and keep while computing this one
-  (for rows of odd length, whose loads Triton cannot pipeline).
   ``split`` (dV pass and the kernel from delta): programs that share one kv block's loop
   over the group's rows, each adding an fp32 partial dV (for launches with too few kv
   blocks to fill the GPU): an int >= 1, or ``"auto"`` (:func:`auto_split`).
   ``heads`` (dS pass only): query heads of one kv group per program, so each V tile is
   loaded once for all of them (the largest divisor of G that is <= ``heads``).
   ``row_align`` (dS pass only): rows of ``seq_k % 8 != 0`` keys take aligned tiles of every
-  ``row_align``-th row of a kv group (8, 16, 32 or 64, at most ``block_k``; ``prefetch``
-  and ``heads`` are then unused); -1: ``_phase.choose``; 0: off (tiles of consecutive
-  rows, scalar loads). Used only where rows span more than one kv tile.
+  ``row_align``-th row of a kv group (8, 16, 32 or 64, at most ``block_k``; ``heads`` is
+  then unused); -1: ``_phase.choose``; 0: off (tiles of consecutive rows, scalar loads).
+  Used only where rows span more than one kv tile.
   """
-  prefetch: bool = False
   split: int | str = AUTO
   heads: int = 1
   row_align: int = -1
 
   def __post_init__(self):
     super().__post_init__()
-    if self.prefetch not in (False, True):
-      raise ValueError(f"config.prefetch: expected a bool, got {self.prefetch!r}")
     if self.split != AUTO and (isinstance(self.split, bool) or not isinstance(self.split, int)
                                or self.split < 1):
       raise ValueError(f"config.split: expected {AUTO!r} or an int >= 1, got {self.split!r}")
@@ -130,9 +124,8 @@ def default_config(batch, num_heads, num_kv_heads, seq_q, seq_k, head_dim, dtype
 
 
 def default_from_delta_config(seq_q, seq_k, head_dim, dtype) -> PassConfig:
-  """The kernel from delta: 64 x 64 tiles, 4 warps, 3 stages for 16-bit inputs (the
-  fastest of the configs timed, ``benchmarks/results/attention_from_delta.log``), the
-  heuristic for fp32."""
+  """The kernel from delta: 64 x 64 tiles, 4 warps, 3 stages for 16-bit inputs (the best
+  of the configs tried on the H200), the heuristic for fp32."""
   if jnp.dtype(dtype).itemsize > 2:
     return heuristic(1, 1, 1, seq_q, seq_k, head_dim, jnp.dtype(dtype).itemsize).dv
   return PassConfig(64, min(64, max(16, next_power_of_2(seq_k))), 4, 3)

@@ -1,38 +1,56 @@
-"""The kernel entry point of the attention softmax-dropout-value backward: it picks the
-Mosaic GPU kernels (:mod:`.pallas_mosaic_gpu`) on a Hopper GPU for the problems they take,
-and the Triton kernels (:mod:`.pallas_triton`) everywhere else."""
+"""The kernel dispatch of the attention softmax-dropout-value backward: the Mosaic GPU kernels
+(:mod:`.pallas_mosaic_gpu`) on a Hopper GPU for the problems they take, the Triton kernels
+(:mod:`.pallas_triton`) everywhere else; and what the op saves for the Mosaic GPU kernels."""
 
 from __future__ import annotations
 
 from pallas_kernels import validation
 from pallas_kernels._util import device_of, is_hopper
-from pallas_kernels.attention_softmax_dropout_value import pallas_mosaic_gpu, pallas_triton
+from pallas_kernels.attention_softmax_dropout_value import forward, pallas_mosaic_gpu, pallas_triton
 
 MOSAIC_GPU = "mosaic_gpu"
 TRITON = "triton"
 IMPLEMENTATIONS = (MOSAIC_GPU, TRITON)
+
+# Residual policies (the names of ``jax_ops.backend``) of the op on the Mosaic GPU kernels.
+INPUTS, FUSED_INPUTS, FUSED_OUTPUT = "inputs", "fused_inputs", "fused_output"
+
+
+def mosaic_gpu_reason(b, h, kvh, sq, skv, d, dtype, p_static, causal) -> str | None:
+  """Why the Mosaic GPU kernels do not take a problem (``None``: they take it):
+  :func:`pallas_mosaic_gpu.unsupported_reason`."""
+  return pallas_mosaic_gpu.unsupported_reason(b, h, kvh, sq, skv, d, dtype, p_static, causal)
+
+
+def mosaic_gpu_residuals(b, h, kvh, sq, skv, d) -> str:
+  """What the op's forward saves for the Mosaic GPU kernels: ``"fused_output"`` (P, the fp32
+  output and the key's seeds, for :func:`pallas_mosaic_gpu.backward_from_output`) on rows of
+  more than one key block, ``"fused_inputs"`` (P and Pd, for the one-key-block kernel, which
+  computes delta from them) on rows of one, and ``"inputs"`` (the jnp forward) past the fused
+  forward kernel's int32 offsets."""
+  if not forward.takes(b, h, kvh, sq, skv, d):
+    return INPUTS
+  return FUSED_OUTPUT if pallas_mosaic_gpu.takes_output(skv) else FUSED_INPUTS
 
 
 def kernels_for(grad_attn_output, attn_weights, attn_weights_dropped, value_states,
                 dropout_mask, attention_dropout, *, causal=False, interpret=False) -> str:
   """``"mosaic_gpu"`` or ``"triton"``: the kernels that ``implementation=None`` runs.
 
-  The Mosaic GPU kernels on a Hopper GPU (they are measured faster there on every problem
-  they take: ``benchmarks/results/attention_softmax_dropout_value.md``) when
-  :func:`pallas_mosaic_gpu.unsupported_reason` allows the problem; the Triton kernels
-  otherwise, and always under ``interpret=True`` (the portable path; name
+  The Mosaic GPU kernels on a Hopper GPU where :func:`mosaic_gpu_reason` allows the problem;
+  the Triton kernels otherwise, and always under ``interpret=True`` (the portable path; name
   ``"mosaic_gpu"`` to run the Mosaic GPU interpreter).
   """
-  p = validation.check_problem_a(grad_attn_output, attn_weights, attn_weights_dropped,
-                                 value_states, dropout_mask, attention_dropout)
+  p = validation.check_attention_softmax_dropout_value(
+      grad_attn_output, attn_weights, attn_weights_dropped, value_states, dropout_mask,
+      attention_dropout)
   if interpret:
     return TRITON
   if not is_hopper(device_of(grad_attn_output, attn_weights, value_states)):
     return TRITON
   b, h, sq, skv = attn_weights.shape
   kvh, d = value_states.shape[1], value_states.shape[3]
-  why = pallas_mosaic_gpu.unsupported_reason(b, h, kvh, sq, skv, d, attn_weights.dtype, p,
-                                             causal)
+  why = mosaic_gpu_reason(b, h, kvh, sq, skv, d, attn_weights.dtype, p, causal)
   return TRITON if why else MOSAIC_GPU
 
 
@@ -40,7 +58,7 @@ def attention_softmax_dropout_value_backward(
     grad_attn_output, attn_weights, attn_weights_dropped, value_states, dropout_mask,
     attention_dropout, *, implementation: str | None = None, config=None, causal=False,
     interpret=False, **triton_options):
-  """Backward of ``O = transpose(dropout(P) @ V)`` with GQA (problem A's kernel entry point).
+  """Backward of ``O = transpose(dropout(P) @ V)`` with GQA: the kernel entry point.
 
   Args:
     grad_attn_output: dO ``[B, seq_q, H, D]``.

@@ -1,4 +1,4 @@
-"""Op A's tests, written once and run for every backend (fixture ``implementation``, set by
+"""The op's tests, written once and run for every backend (fixture ``implementation``, set by
 each ``test_op_<backend>.py``): gradients against autodiff of the plain fp32 forward, and an
 invalid traced rate giving NaN. A backend that takes fewer shapes sets ``GRAD_CASES`` (and
 ``TRACED_RATE_SHAPE``) in its test module."""

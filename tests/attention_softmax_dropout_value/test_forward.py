@@ -1,4 +1,4 @@
-"""Op A's fused forward kernel (``forward.py``): the mask it draws is
+"""The op's fused forward kernel (``forward.py``): the mask it draws is
 ``jax_ops.dropout_keep_mask``'s bit for bit; ``P`` matches the jnp forward's to within one
 ulp of the input dtype (bit for bit in all but a small share of the elements); ``Pd`` is
 made from the kernel's ``P`` exactly as the reference makes it; ``O`` and the fp32 ``O``
@@ -17,7 +17,7 @@ import jax_ops
 from jax_ops._common import apply_dropout
 from jax_ops.ops.attention_softmax_dropout_value import reference
 from pallas_kernels.attention_softmax_dropout_value.forward import (
-    attention_softmax_dropout_value_forward as forward, bits_shape, forward_with_keep_bits)
+    attention_softmax_dropout_value_forward as forward)
 
 
 def _inputs(b, h, kvh, sq, sk, d, dtype=jnp.float32, seed=0, scale=2.0):
@@ -123,7 +123,7 @@ def test_small_tiles_without_stored_pd_or_keep():
   out = forward(scores, value, 0.2, rng, store_keep=False, block_q=16, block_k=16,
                 interpret=INTERPRET)
   _check(scores, value, rng, 0.2, out, store_dropped=False, store_keep=False)
-  # Pd without keep or the fp32 O (op A's Mosaic GPU backend): the same P, Pd and O.
+  # Pd without keep or the fp32 O (the Mosaic GPU backend's "fused_inputs"): the same P, Pd and O.
   lean = forward(scores, value, 0.2, rng, store_dropped=True, store_keep=False,
                  store_f32=False, block_q=16, block_k=16, interpret=INTERPRET)
   assert lean[3] is None and lean[4] is None
@@ -137,45 +137,14 @@ def test_small_tiles_without_stored_pd_or_keep():
   np.testing.assert_array_equal(_f32(bare[0]), _f32(out[0]))
 
 
-@pytest.mark.parametrize("b,h,kvh,sq,sk,block_q,block_k", [
-    (2, 6, 2, 33, 96, None, 64),       # ragged row blocks and a ragged last key tile
-    (1, 4, 4, 7, 128, 16, 64),         # G = 1, one row tile
-])
-def test_keep_bits(b, h, kvh, sq, sk, block_q, block_k):
-  """``forward_with_keep_bits``: the jnp mask's bits in the dS-dV kernel's layout (bit for
-  bit, every word of every row, bit 31 included), and O, P and O_f32 equal to the forward's
-  with a bool mask; a rate of 0 gives no bits."""
-  from pallas_kernels.attention_softmax_dropout_value.pallas_mosaic_gpu import keep_bits_of
-  scores, value, rng = _inputs(b, h, kvh, sq, sk, 64, jnp.bfloat16, seed=5)
-  out, probs, bits, out32 = forward_with_keep_bits(scores, value, 0.3, rng, block_q=block_q,
-                                                   block_k=block_k, interpret=INTERPRET)
-  ref = forward(scores, value, 0.3, rng, block_q=block_q, block_k=block_k,
-                interpret=INTERPRET)
-  assert bits.dtype == jnp.int32 and bits.shape == bits_shape(b, h, kvh, sq, sk)
-  keep = jax_ops.dropout_keep_mask(rng, 0.3, scores.shape)
-  np.testing.assert_array_equal(np.asarray(bits), np.asarray(keep_bits_of(keep, kvh)))
-  assert (np.asarray(bits) < 0).any()                  # bit 31 set somewhere
-  for x, y in zip((out, probs, out32), (ref[0], ref[1], ref[4])):
-    np.testing.assert_array_equal(_f32(x), _f32(y))
-  assert forward_with_keep_bits(scores, value, 0.0, None, block_k=block_k,
-                                interpret=INTERPRET)[2] is None
-  with pytest.raises(ValueError, match=r"seq_k \(scores.shape\[3\]\) a multiple of 32"):
-    forward_with_keep_bits(scores[..., :40], value[:, :, :40], 0.3, rng, interpret=INTERPRET)
-  with pytest.raises(ValueError, match="block_k: keep bits need a key tile of at least 32"):
-    forward_with_keep_bits(scores, value, 0.3, rng, block_k=16, interpret=INTERPRET)
-
-
-# (The default hashes per pair: the other tests check it against the jnp forward's mask.)
 @pytest.mark.parametrize("sq,sk,block_k", [(9, 131, 64), (5, 7, 16)])
 def test_pair_hash_draws_the_same_mask(sq, sk, block_k):
   """One hash per pair of columns (odd and ragged rows, one and several key tiles): the
-  jnp mask bit for bit, and every output equal to the per-element hash's."""
+  jnp mask bit for bit."""
   scores, value, rng = _inputs(1, 4, 2, sq, sk, 64, jnp.bfloat16, seed=4)
-  outs = [forward(scores, value, 0.3, rng, store_dropped=True, pair_hash=pair_hash,
-                  block_k=block_k, interpret=INTERPRET) for pair_hash in (True, False)]
-  _check(scores, value, rng, 0.3, outs[0])
-  for x, y in zip(*outs):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  out = forward(scores, value, 0.3, rng, store_dropped=True, block_k=block_k,
+                interpret=INTERPRET)
+  _check(scores, value, rng, 0.3, out)
 
 
 def test_bf16_and_a_traced_rate():
@@ -229,8 +198,6 @@ def test_argument_errors():
     forward(scores, value, 0.1, rng, store_keep=None, interpret=True)
   with pytest.raises(TypeError, match="store_probs"):
     forward(scores, value, 0.1, rng, store_probs=0, interpret=True)
-  with pytest.raises(TypeError, match="pair_hash"):
-    forward(scores, value, 0.1, rng, pair_hash=None, interpret=True)
   with pytest.raises(TypeError, match="store_f32"):
     forward(scores, value, 0.1, rng, store_f32="no", interpret=True)
   for key in (3, jnp.zeros(2), jax.random.split(rng, 2)):
@@ -256,10 +223,9 @@ def pretend_gpu(pretend_h200, monkeypatch):
   monkeypatch.setattr(module._util, "check_can_compile", lambda *a, **k: None)
 
 
-@pytest.mark.parametrize("dtype,d,rate,pair_hash", [
-    (jnp.bfloat16, 128, 0.1, False), (jnp.float32, 80, 0.0, False),
-    (jnp.bfloat16, 64, None, False), (jnp.bfloat16, 128, 0.1, True)])
-def test_lowers_to_triton(pretend_gpu, dtype, d, rate, pair_hash):
+@pytest.mark.parametrize("dtype,d,rate", [
+    (jnp.float32, 80, 0.0), (jnp.bfloat16, 64, None), (jnp.bfloat16, 128, 0.1)])
+def test_lowers_to_triton(pretend_gpu, dtype, d, rate):
   """The kernel (hash, dot and the inline-PTX division included; the pair hash's join and
   reshape) lowers to Triton IR for a GPU, as one kernel (no GPU needed). ``rate=None``: a
   traced rate."""
@@ -267,16 +233,5 @@ def test_lowers_to_triton(pretend_gpu, dtype, d, rate, pair_hash):
   shapes = [jax.ShapeDtypeStruct((2, 8, 131, 131), dtype),
             jax.ShapeDtypeStruct((2, 2, 131, d), dtype)]
   rng = jax.random.key(0)
-  fn = lambda s, v, r: forward(s, v, r, rng, store_dropped=True, pair_hash=pair_hash)
+  fn = lambda s, v, r: forward(s, v, r, rng, store_dropped=True)
   assert triton_calls_in_gpu_lowering(fn, shapes, rate) == 1
-
-
-def test_keep_bits_lower_to_triton(pretend_gpu):
-  """The forward writing keep bits lowers to one Triton kernel (its reshape and transposed
-  store included)."""
-  from conftest import triton_calls_in_gpu_lowering
-  shapes = [jax.ShapeDtypeStruct((1, 8, 64, 128), jnp.bfloat16),
-            jax.ShapeDtypeStruct((1, 2, 128, 64), jnp.bfloat16)]
-  rng = jax.random.key(0)
-  fn = lambda s, v, r: forward_with_keep_bits(s, v, r, rng)
-  assert triton_calls_in_gpu_lowering(fn, shapes, 0.1) == 1

@@ -1,10 +1,8 @@
-"""The Mosaic GPU kernels of op A's backward (``pallas_mosaic_gpu``): numbers against the
+"""The Mosaic GPU kernels of the op's backward (``pallas_mosaic_gpu``): numbers against the
 jnp reference on the aligned shapes they take (the Mosaic GPU interpreter off a Hopper GPU,
 compiled on one), their configs, the entry point's dispatch and its errors."""
 
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +13,7 @@ from conftest import INTERPRET, ON_GPU
 import pallas_kernels
 from pallas_kernels._util import is_hopper
 from pallas_kernels.attention_softmax_dropout_value import dispatch
+from pallas_kernels.attention_softmax_dropout_value import mosaic_gpu_kernels as mk
 from pallas_kernels.attention_softmax_dropout_value import pallas_mosaic_gpu as mg
 
 from .kernel_base import check, garbage_mask, make_inputs, reference
@@ -29,13 +28,13 @@ def backward(*args, **kw):
 
 
 # (B, H, KVH, Sq, Skv, D, p): G in {1, 2, 4, 10}, D in {64, 128}, one key block and two (delta
-# in the dS-dV kernel; G * seq_q = 64 there too), four (the delta kernel's two row tilings).
+# in the dS-dV kernel or its cluster; G * seq_q = 64 there too), four (the delta kernel).
 CASES = [
     (1, 4, 1, 64, 256, 64, 0.1),     # G = 4, two key blocks
     (1, 10, 1, 64, 256, 128, 0.1),   # G = 10, two key blocks, D = 128
     (1, 1, 1, 64, 256, 64, 0.1),     # G * seq_q = 64: two key blocks, no delta kernel
-    (1, 4, 1, 64, 512, 64, 0.1),     # G = 4, the delta kernel, 64 rows per warpgroup
-    (1, 2, 1, 128, 512, 128, 0.1),   # G = 2, D = 128, the delta kernel, 128 rows
+    (1, 4, 1, 64, 512, 64, 0.1),     # G = 4, the delta kernel
+    (1, 2, 1, 128, 512, 128, 0.1),   # G = 2, D = 128, the delta kernel
     (2, 2, 2, 64, 128, 128, 0.0),    # G = 1, B = 2, one key block, no dropout
     (1, 20, 2, 64, 128, 64, 0.2),    # G = 10, one key block
 ]
@@ -49,33 +48,14 @@ def test_matches_reference(b, h, kvh, sq, skv, d, p):
 
 
 @needs_kernels
-@pytest.mark.parametrize("config", [
-    mg.Config(delta_rows=64, delta_block_k=128, delta_stages=2, stages=3, split=2,
-              mirror_delta=False),
-    mg.Config(split=4),
-    mg.Config(mirror_delta=False),
-    mg.Config(keep_bits=True, delta_rows=64),
-    mg.Config(keep_bits=True, delta_block_k=128, delta_stages=2, split=2),
+@pytest.mark.parametrize("skv,config", [
+    (512, mg.Config(delta_block_k=64, delta_stages=3, stages=3, split=2)),
+    (512, mg.Config(split=4)),
 ])
-def test_configs(config):
-  """Split dV partials (summed in fp32), 128-key delta steps, other ring depths, keep as
-  bits with Pd rebuilt from P."""
+def test_configs(skv, config):
+  """Split dV partials (summed in fp32), 64-key delta steps, other ring depths."""
   p = 0.1
-  args = make_inputs(1, 4, 2, 128, 256, 64, p, seed=3)
-  check(backward(*args, p, config=config), reference(*args, p))
-
-
-@needs_kernels
-@pytest.mark.parametrize("b,h,kvh,sq,skv,d,p,stages", [
-    (1, 2, 1, 64, 512, 64, 0.1, 2),     # 4 key blocks, G = 2
-    (1, 4, 2, 64, 384, 128, 0.0, 3),    # 3 key blocks, 2 kv heads, D = 128, no dropout, 3 slots
-])
-def test_cluster_delta_matches_reference(b, h, kvh, sq, skv, d, p, stages):
-  """Rows of 3-4 key blocks in one kernel, the blocks' programs a cluster exchanging their
-  parts of delta one step late (in the interpreter through global memory; compiled,
-  through the cluster's shared memory)."""
-  args = make_inputs(b, h, kvh, sq, skv, d, p, seed=5)
-  config = mg.Config(cluster_delta=True, stages=stages)
+  args = make_inputs(1, 4, 2, 128, skv, 64, p, seed=3)
   check(backward(*args, p, config=config), reference(*args, p))
 
 
@@ -84,26 +64,27 @@ def test_async_store_places_each_part_where_it_is_read(cluster):
   """The ``st.async`` exchange (compiled only) writes part ``(slot, rank, wg)`` where the
   reader's ``[slot, rank, wg]`` index of the receiving ref ``[2, cluster, WGS, 64]`` is: every
   sender's place distinct, none overlapping another's 64 elements."""
-  shape = (2, cluster, mg.WGS, mg.ROWS)
+  shape = (2, cluster, mk.WGS, mk.ROWS)
   starts = set()
   for s in range(2):
-    for w in range(mg.WGS):
-      offset, stride = mg._receive_place(s, w, cluster)
+    for w in range(mk.WGS):
+      offset, stride = mk._receive_place(s, w, cluster)
       for rank in range(cluster):
         start = offset + rank * stride
         assert start == np.ravel_multi_index((s, rank, w, 0), shape)
         starts.add(start)
-  assert sorted(starts) == list(range(0, int(np.prod(shape)), mg.ROWS))
+  assert sorted(starts) == list(range(0, int(np.prod(shape)), mk.ROWS))
 
 
-@pytest.mark.skipif(not HOPPER, reason="the interpreter runs both exchanges the same way")
-@pytest.mark.parametrize("skv,d", [(256, 128), (512, 64)])
-def test_cluster_delta_with_async_stores(skv, d):
-  """``cluster_exchange="async_store"``: the parts sent with ``st.async`` into the peers'
-  shared memory (compiled only)."""
+# Compiled only: the interpreter exchanges through global memory, and with split > 1 its
+# cluster barriers wait forever.
+@pytest.mark.skipif(not HOPPER, reason="compiled only")
+@pytest.mark.parametrize("d,config", [(64, None), (128, None), (64, mg.Config(split=2))])
+def test_cluster_delta_with_async_stores(d, config):
+  """Rows of 256 keys: the parts of delta sent with ``st.async`` into the peer's shared
+  memory; two programs sharing a key block's rows too (split 2, as (4, 256, 256) takes)."""
   p = 0.1
-  args = make_inputs(1, 4, 2, 128, skv, d, p, seed=6)
-  config = mg.Config(cluster_delta=True, cluster_exchange="async_store")
+  args = make_inputs(1, 4, 2, 128, 256, d, p, seed=6)
   check(backward(*args, p, config=config), reference(*args, p))
 
 
@@ -120,63 +101,42 @@ def test_one_key_block_delta_is_the_references():
 
 
 @needs_kernels
-@pytest.mark.parametrize("block_k", [64, 128])
-def test_keep_bits(block_k):
-  """The delta kernel's keep bits: bit k % 32 of word k // 32 of a row is Pd[row, k] != 0."""
-  p = 0.3
-  d_o, _, dropped, value, _ = make_inputs(1, 4, 1, 128, 256, 64, p, seed=9)
-  groups = dropped.reshape(1, 1, 4 * 128, 256)
-  _, bits = mg.delta_pass(d_o, groups, value, rows=64, block_k=block_k, stages=2,
-                          write_keep=True, interpret=INTERPRET)
-  bits = np.asarray(bits).view(np.uint32)                        # [B, KVH, Skv / 32, rows]
-  shifts = np.arange(32, dtype=np.uint32)[None, None, None, :, None]
-  decoded = ((bits[:, :, :, None, :] >> shifts) & 1).reshape(1, 1, 256, 4 * 128)
-  np.testing.assert_array_equal(decoded.transpose(0, 1, 3, 2).astype(bool),
-                                np.asarray(groups) != 0)
-
-
-@needs_kernels
-@pytest.mark.parametrize("programs,write_keep,skv,block_k", [(3, False, 256, 64),
-                                                             (2, True, 384, 128)])
-def test_delta_programs_loop_over_items(programs, write_keep, skv, block_k, capsys):
+@pytest.mark.parametrize("programs,skv,block_k", [(3, 256, 64), (2, 384, 128)])
+def test_delta_programs_loop_over_items(programs, skv, block_k, capsys):
   """``delta_pass(programs=n)``: n programs take the 8 items (2 kv groups x 4 row tiles)
   in turn, 3 / 3 / 2 with n = 3 and 4 / 4 with n = 2 (each dO buffer and its barrier used
-  twice), carrying each item's dO in while the last one streams; with the keep bits, 3 key
-  steps per item (the bits' two slots alternate across items). delta (and the bits) as with
-  one program per item, and as rowsum(dPd * Pd); no race in the interpreter's detector;
-  the same under vmap and under x64."""
+  twice), carrying each item's dO in while the last one streams. delta as with one program
+  per item, and as rowsum(dPd * Pd); no race in the interpreter's detector; the same under
+  vmap and under x64."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   p = 0.2
   d_o, _, dropped, value, _ = make_inputs(1, 8, 2, 128, skv, 64, p, seed=11)
   groups = dropped.reshape(1, 2, 4 * 128, skv)
-  kw = dict(rows=64, block_k=block_k, stages=2, write_keep=write_keep)
+  kw = dict(block_k=block_k, stages=2)
   looped = mg.delta_pass(d_o, groups, value, programs=programs, **kw,
                          interpret=INTERPRET and plgpu.InterpretGPUParams(detect_races=True))
   jax.block_until_ready(looped)
   jax.effects_barrier()
   assert "RACE DETECTED" not in capsys.readouterr().out
-  one_each = mg.delta_pass(d_o, groups, value, **kw, interpret=INTERPRET)
-  for a, b in zip(jax.tree.leaves(looped), jax.tree.leaves(one_each)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  one_each = mg.delta_pass(d_o, groups, value, programs=8, **kw, interpret=INTERPRET)
+  np.testing.assert_array_equal(np.asarray(looped), np.asarray(one_each))
   do_g = d_o.astype(jnp.float32).transpose(0, 2, 1, 3).reshape(1, 2, 4 * 128, 64)
   dpd = jnp.einsum("bgrd,bgkd->bgrk", do_g, value.astype(jnp.float32))
   want = jnp.sum(dpd * groups.astype(jnp.float32), axis=-1)
-  np.testing.assert_allclose(np.asarray(jax.tree.leaves(looped)[0]), np.asarray(want),
-                             rtol=2e-2, atol=2e-2)
-  if not write_keep:
-    batched = jax.vmap(lambda *a: mg.delta_pass(*a, programs=programs, **kw,
-                                                interpret=INTERPRET))(
-        d_o[None], groups[None], value[None])
-    np.testing.assert_array_equal(np.asarray(batched[0]), np.asarray(looped))
-    # Under x64 one program per item (the looping pipeline does not trace there); the
-    # global flag, as in test_vmap_and_x64.
-    jax.config.update("jax_enable_x64", True)
-    try:
-      x64 = jax.jit(lambda *a: mg.delta_pass(*a, programs=programs, **kw,
-                                             interpret=INTERPRET))(d_o, groups, value)
-    finally:
-      jax.config.update("jax_enable_x64", False)
-    np.testing.assert_array_equal(np.asarray(x64), np.asarray(looped))
+  np.testing.assert_allclose(np.asarray(looped), np.asarray(want), rtol=2e-2, atol=2e-2)
+  batched = jax.vmap(lambda *a: mg.delta_pass(*a, programs=programs, **kw,
+                                              interpret=INTERPRET))(
+      d_o[None], groups[None], value[None])
+  np.testing.assert_array_equal(np.asarray(batched[0]), np.asarray(looped))
+  # Under x64 one program per item (the looping pipeline does not trace there); the
+  # global flag, as in test_vmap_and_x64.
+  jax.config.update("jax_enable_x64", True)
+  try:
+    x64 = jax.jit(lambda *a: mg.delta_pass(*a, programs=programs, **kw,
+                                           interpret=INTERPRET))(d_o, groups, value)
+  finally:
+    jax.config.update("jax_enable_x64", False)
+  np.testing.assert_array_equal(np.asarray(x64), np.asarray(looped))
 
 
 def test_delta_programs_lower_for_a_gpu():
@@ -185,14 +145,14 @@ def test_delta_programs_lower_for_a_gpu():
   s = jax.ShapeDtypeStruct
   args = [s((1, 128, 8, 128), jnp.bfloat16), s((1, 2, 512, 512), jnp.bfloat16),
           s((1, 2, 512, 128), jnp.bfloat16)]
-  fn = jax.jit(lambda *a: mg.delta_pass(*a, rows=64, block_k=128, stages=2, programs=3))
+  fn = jax.jit(lambda *a: mg.delta_pass(*a, block_k=128, stages=2, programs=3))
   assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_delta_pass_says_which_rows_do_not_tile():
-  d_o, _, dropped, value, _ = make_inputs(1, 2, 1, 64, 256, 64, 0.1)
-  with pytest.raises(ValueError, match=r"rows=128 must divide seq_q \(64\)"):
-    mg.delta_pass(d_o, dropped.reshape(1, 1, 128, 256), value, rows=128, interpret=True)
+  d_o, _, dropped, value, _ = make_inputs(1, 1, 1, 64, 256, 64, 0.1)
+  with pytest.raises(ValueError, match=r"128 must divide G \* seq_q \(64\)"):
+    mg.delta_pass(d_o, dropped.reshape(1, 1, 64, 256), value, interpret=True)
 
 
 @needs_kernels
@@ -263,57 +223,42 @@ def test_off_hopper_without_interpret_says_why():
 
 
 @pytest.mark.skipif(ON_GPU, reason="the Mosaic GPU interpreter's race detector")
-@pytest.mark.parametrize("skv,config", [
-    (256, mg.Config()),                                      # two key blocks, no delta kernel
-    (256, mg.Config(mirror_delta=False)),                    # the delta kernel
-    (128, mg.Config()),                                      # delta in the dS-dV kernel
-    (256, mg.Config(keep_bits=True, delta_rows=64)),
+@pytest.mark.parametrize("skv", [
+    256,    # two key blocks: the cluster, no delta kernel
+    384,    # the delta kernel
+    128,    # delta in the dS-dV kernel
 ])
-def test_proxy_fence_makes_the_rings_race_free(skv, config, capsys):
-  """With ``proxy_fence`` (the default) the interpreter's race detector finds no race in
-  either kernel (it reports every kernel's races on stdout), and the numbers are the
-  unfenced ones."""
-  assert config.proxy_fence
+def test_rings_are_race_free(skv, capsys):
+  """The consumers fence their generic loads from a ring slot before handing it back to the
+  TMA producer: the interpreter's race detector finds no race in either kernel (it reports
+  every kernel's races on stdout)."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   p = 0.1
   args = make_inputs(1, 2, 1, 128, skv, 64, p, seed=11)
-  fenced = mg._backward(*args[:4], rate=p, config=config,
-                        interpret=plgpu.InterpretGPUParams(detect_races=True))
+  fenced = pallas_kernels.attention_softmax_dropout_value_backward(
+      *args, p, implementation="mosaic_gpu",
+      interpret=plgpu.InterpretGPUParams(detect_races=True))
   jax.block_until_ready(fenced)
   jax.effects_barrier()
   assert "RACE DETECTED" not in capsys.readouterr().out
-  plain = mg._backward(*args[:4], rate=p, config=dataclasses.replace(config, proxy_fence=False),
-                       interpret=True)
-  for x, y in zip(fenced, plain):
-    np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+  check(fenced, reference(*args, p))
 
 
 def test_config_errors():
-  with pytest.raises(ValueError, match="config.proxy_fence"):
-    mg.Config(proxy_fence=1)
-  with pytest.raises(ValueError, match="config.delta_rows"):
-    mg.Config(delta_rows=32)
-  with pytest.raises(ValueError, match="delta_persistent needs delta_rows=64"):
-    mg.Config(delta_persistent=True)
+  with pytest.raises(ValueError, match="config.delta_block_k"):
+    mg.Config(delta_block_k=32)
   with pytest.raises(ValueError, match="config.stages"):
     mg.Config(stages=1)
   with pytest.raises(ValueError, match="config.split"):
     mg.Config(split=0)
-  with pytest.raises(ValueError, match="config.keep_bits"):
-    mg.Config(keep_bits=1)
-  with pytest.raises(ValueError, match="config.delay_dv"):
-    mg.Config(delay_dv=None)
-  with pytest.raises(ValueError, match="config.cluster_delta"):
-    mg.Config(cluster_delta="yes")
-  with pytest.raises(ValueError, match="config.cluster_exchange"):
-    mg.Config(cluster_exchange="dsmem")
-  with pytest.raises(ValueError, match="cluster=True needs"):
-    x = jnp.zeros((1, 1, 64, 2048), jnp.bfloat16)
+  with pytest.raises(ValueError, match="delta=None needs"):
+    x = jnp.zeros((1, 1, 64, 512), jnp.bfloat16)
     mg.ds_dv_pass(jnp.zeros((1, 64, 1, 64), jnp.bfloat16), x, x, None,
-                  jnp.zeros((1, 1, 2048, 64), jnp.bfloat16), rate=0.1, cluster=True,
-                  interpret=True)
+                  jnp.zeros((1, 1, 512, 64), jnp.bfloat16), rate=0.1, interpret=True)
   with pytest.raises(ValueError, match="config.rebuild_stages"):
     mg.Config(rebuild_stages=9)
+  with pytest.raises(ValueError, match="config.rebuild_stages"):
+    mg.Config(rebuild_stages=2)
   args = make_inputs(1, 2, 1, 64, 128, 64, 0.1)
   with pytest.raises(TypeError, match="pallas_mosaic_gpu.Config"):
     pallas_kernels.attention_softmax_dropout_value_backward(
@@ -351,28 +296,27 @@ def test_dispatch(monkeypatch):
 
 
 @pytest.mark.parametrize("skv,config", [(256, mg.Config()), (128, mg.Config()),
-                                        (256, mg.Config(mirror_delta=False)),
-                                        (512, mg.Config(cluster_delta=True)),
-                                        (512, mg.Config(delta_persistent=True, delta_rows=64,
-                                                        delta_stages=4)),
-                                        (256, mg.Config(cluster_delta=True,
-                                                        cluster_exchange="async_store")),
-                                        (256, mg.Config(keep_bits=True, delta_rows=64)),
-                                        (256, mg.Config(proxy_fence=False))])
+                                        (512, mg.Config()),
+                                        (512, mg.Config(delta_block_k=64, delta_stages=4))])
 def test_lowers_for_a_gpu(skv, config):
   """The kernels go through the Mosaic GPU lowering rules for CUDA on any host (catches an
   unsupported op before a GPU sees it; the Mosaic passes and ptxas still need one)."""
   s = jax.ShapeDtypeStruct
   b, h, kvh, sq, d = 1, 4, 2, 128, 64
   args = [s((b, sq, h, d), jnp.bfloat16), s((b, h, sq, skv), jnp.bfloat16),
-          s((b, h, sq, skv), jnp.bfloat16), s((b, kvh, skv, d), jnp.bfloat16)]
-  fn = jax.jit(lambda *a: mg._backward(*a, rate=0.1, config=config, interpret=False))
-  text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+          s((b, h, sq, skv), jnp.bfloat16), s((b, kvh, skv, d), jnp.bfloat16),
+          s((b, h, sq, skv), jnp.bool_)]
+  fn = jax.jit(lambda *a: mg.attention_softmax_dropout_value_backward(
+      *a, 0.1, config=config, interpret=False))
+  with pytest.MonkeyPatch.context() as m:
+    m.setattr(mg._mosaic, "check_hopper", lambda *a, **k: None)
+    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
 
 
 def _forward_residuals(b, h, kvh, sq, skv, d, p, seed):
-  """``(dO, P, Pd, V, keep, O_f32)`` from the jnp forward with the op's mask."""
+  """``(dO, P, Pd, V, keep, O_f32, rate, seeds)`` from the jnp forward with the op's mask
+  (``seeds``: the mask key's, ``None`` without dropout)."""
   import jax_ops
   from jax_ops.ops.attention_softmax_dropout_value import reference as ref_a
   k = jax.random.split(jax.random.key(seed), 4)
@@ -385,45 +329,38 @@ def _forward_residuals(b, h, kvh, sq, skv, d, p, seed):
       scores, value, keep, rate, with_f32_output=True)
   if keep is None:
     keep = jnp.ones(scores.shape, jnp.bool_)
-  return d_o, probs, dropped, value, keep, out32, rate
+  seeds = mg.keep_seeds_of(k[2], rate) if p else None
+  return d_o, probs, dropped, value, keep, out32, rate, seeds
 
 
 @needs_kernels
 @pytest.mark.parametrize("b,h,kvh,sq,skv,d,p", [(1, 4, 2, 64, 256, 64, 0.1),
                                                 (1, 2, 1, 128, 256, 128, 0.0)])
 def test_backward_from_output(b, h, kvh, sq, skv, d, p):
-  """delta from the saved output, keep packed to bits, Pd rebuilt from P in the kernel:
-  the reference's gradients (given the Pd the forward made)."""
-  d_o, probs, dropped, value, keep, out32, rate = _forward_residuals(b, h, kvh, sq, skv, d, p,
-                                                                     seed=12)
-  got = mg.backward_from_output(d_o, probs, value, keep, rate, out32, interpret=INTERPRET)
+  """delta from the saved output, keep drawn from the seeds, Pd rebuilt from P in the
+  kernel: the reference's gradients (given the Pd the forward made)."""
+  d_o, probs, dropped, value, keep, out32, rate, seeds = _forward_residuals(
+      b, h, kvh, sq, skv, d, p, seed=12)
+  got = mg.backward_from_output(d_o, probs, value, keep, rate, out32, keep_seeds=seeds,
+                                interpret=INTERPRET)
   check(got, reference(d_o, probs, dropped, value, keep, rate))
 
 
 @needs_kernels
 def test_backward_from_output_draws_keep_from_the_seeds():
-  """``keep_seeds``: the kernel draws the op's mask itself (nothing read for it), the same
-  gradients bit for bit as from the mask's bits, and the reference's; two batch entries, two
-  heads of a group, two row tiles per head and two key blocks (every index of the hash)."""
+  """``keep_seeds``: the kernel draws the op's mask itself (nothing read for it), the
+  reference's gradients; two batch entries, two heads of a group, two row tiles per head and
+  two key blocks (every index of the hash)."""
   import jax_ops
   b, h, kvh, sq, skv, d, p = 2, 2, 1, 128, 256, 64, 0.1
-  d_o, probs, dropped, value, keep, out32, rate = _forward_residuals(b, h, kvh, sq, skv, d, p,
-                                                                     seed=13)
+  d_o, probs, dropped, value, keep, out32, rate, _ = _forward_residuals(
+      b, h, kvh, sq, skv, d, p, seed=13)
   rng = jax.random.split(jax.random.key(13), 4)[2]        # _forward_residuals' mask key
   np.testing.assert_array_equal(np.asarray(keep),
                                 np.asarray(jax_ops.dropout_keep_mask(rng, p, keep.shape)))
   unread = jax.ShapeDtypeStruct(keep.shape, jnp.bool_)
   got = mg.backward_from_output(d_o, probs, value, unread, rate, out32,
                                 keep_seeds=mg.keep_seeds_of(rng, rate), interpret=INTERPRET)
-  from_bits = mg.backward_from_output(d_o, probs, value, keep, rate, out32,
-                                      interpret=INTERPRET)
-  # One hash per element instead of per pair of columns split in registers: the same bits.
-  per_element = mg.backward_from_output(d_o, probs, value, unread, rate, out32,
-                                        keep_seeds=mg.keep_seeds_of(rng, rate),
-                                        config=mg.Config(pair_hash=False), interpret=INTERPRET)
-  for x, y, z in zip(got, from_bits, per_element):
-    np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
-    np.testing.assert_array_equal(np.asarray(z, np.float32), np.asarray(y, np.float32))
   check(got, reference(d_o, probs, dropped, value, keep, rate))
   with pytest.raises(ValueError, match=r"keep_seeds: expected .*\[4\]"):
     mg.backward_from_output(d_o, probs, value, unread, rate, out32,
@@ -432,44 +369,35 @@ def test_backward_from_output_draws_keep_from_the_seeds():
 
 def test_drawn_keep_with_delayed_dv_is_race_free(capsys):
   """Keep drawn from the seeds, each step's dV GEMM waited for in the next step and the
-  ring's slots released a step later (the default ``delay_dv``): the interpreter's race
-  detector finds no race in its TMA and generic accesses, and the numbers are those of the
-  undelayed kernel. (The interpreter runs wgmma at once and does not track its reads, so a
-  slot released before its GEMM has read it is for the compiled tests on a GPU to catch.)"""
+  ring's slots released a step later: the interpreter's race detector finds no race in its
+  TMA and generic accesses, and the numbers are the reference's. (The interpreter runs
+  wgmma at once and does not track its reads, so a slot released before its GEMM has read
+  it is for the compiled tests on a GPU to catch.)"""
   from jax.experimental.pallas import mosaic_gpu as plgpu
-  d_o, probs, _, value, keep, out32, rate = _forward_residuals(1, 2, 1, 128, 256, 64, 0.1,
-                                                               seed=14)
-  seeds = mg.keep_seeds_of(jax.random.key(14), rate)
+  d_o, probs, dropped, value, keep, out32, rate, seeds = _forward_residuals(
+      1, 2, 1, 128, 256, 64, 0.1, seed=14)
   unread = jax.ShapeDtypeStruct(keep.shape, jnp.bool_)
   delayed = mg.backward_from_output(d_o, probs, value, unread, rate, out32, keep_seeds=seeds,
                                     interpret=plgpu.InterpretGPUParams(detect_races=True))
   jax.block_until_ready(delayed)
   jax.effects_barrier()
   assert "RACE DETECTED" not in capsys.readouterr().out
-  plain = mg.backward_from_output(d_o, probs, value, unread, rate, out32, keep_seeds=seeds,
-                                  config=mg.Config(delay_dv=False, rebuild_stages=2),
-                                  interpret=True)
-  for x, y in zip(delayed, plain):
-    np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
-
-
-def test_keep_bits_layout():
-  keep = jax.random.bernoulli(jax.random.key(0), 0.5, (2, 4, 3, 64))
-  bits = mg.keep_bits_of(keep, 2)                      # [B, KVH, seq_k / 32, G * seq_q]
-  assert bits.shape == (2, 2, 2, 6) and bits.dtype == jnp.int32
-  words = np.asarray(bits).view(np.uint32)
-  rows = np.asarray(keep).reshape(2, 2, 6, 64)
-  for k in (0, 5, 31, 32, 63):
-    np.testing.assert_array_equal((words[:, :, k // 32, :] >> (k % 32)) & 1, rows[..., k])
+  check(delayed, reference(d_o, probs, dropped, value, keep, rate))
 
 
 def test_backward_from_output_says_why():
-  d_o, probs, _, value, keep, out32, rate = _forward_residuals(1, 2, 1, 64, 128, 64, 0.1, 1)
+  d_o, probs, _, value, keep, out32, rate, seeds = _forward_residuals(
+      1, 2, 1, 64, 128, 64, 0.1, 1)
   with pytest.raises(ValueError, match="more than 128 keys"):
-    mg.backward_from_output(d_o, probs, value, keep, rate, out32, interpret=True)
-  d_o, probs, _, value, keep, out32, rate = _forward_residuals(1, 2, 1, 64, 256, 64, 0.1, 1)
+    mg.backward_from_output(d_o, probs, value, keep, rate, out32, keep_seeds=seeds,
+                            interpret=True)
+  d_o, probs, _, value, keep, out32, rate, seeds = _forward_residuals(
+      1, 2, 1, 64, 256, 64, 0.1, 1)
   with pytest.raises(ValueError, match="attn_output_f32"):
-    mg.backward_from_output(d_o, probs, value, keep, rate, out32[:, :32], interpret=True)
+    mg.backward_from_output(d_o, probs, value, keep, rate, out32[:, :32], keep_seeds=seeds,
+                            interpret=True)
+  with pytest.raises(ValueError, match="keep_seeds: needed"):
+    mg.backward_from_output(d_o, probs, value, keep, rate, out32, interpret=True)
 
 
 def test_backward_from_output_lowers_for_a_gpu():
@@ -478,13 +406,10 @@ def test_backward_from_output_lowers_for_a_gpu():
   args = [s((b, sq, h, d), jnp.bfloat16), s((b, h, sq, skv), jnp.bfloat16),
           s((b, kvh, skv, d), jnp.bfloat16), s((b, h, sq, skv), jnp.bool_)]
   out32 = s((b, sq, h, d), jnp.float32)
-  fn = jax.jit(lambda do, p, v, keep, o: mg.backward_from_output(do, p, v, keep, 0.1, o,
-                                                                 interpret=False))
   with pytest.MonkeyPatch.context() as m:
     m.setattr(mg._mosaic, "check_hopper", lambda *a, **k: None)
-    text = fn.trace(*args, out32).lower(lowering_platforms=("cuda",)).as_text()
     seeded = jax.jit(lambda do, p, v, keep, o, sd: mg.backward_from_output(
         do, p, v, keep, 0.1, o, keep_seeds=sd, interpret=False))
     seeded_text = seeded.trace(*args, out32, s((4,), jnp.uint32)).lower(
         lowering_platforms=("cuda",)).as_text()
-  assert "mosaic_gpu" in text and "mosaic_gpu" in seeded_text
+  assert "mosaic_gpu" in seeded_text

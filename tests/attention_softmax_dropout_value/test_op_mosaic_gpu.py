@@ -1,4 +1,4 @@
-"""Op A's base suite on the ``"mosaic_gpu"`` backend (the Mosaic GPU interpreter off a
+"""The op's base suite on the ``"mosaic_gpu"`` backend (the Mosaic GPU interpreter off a
 Hopper GPU), on the aligned shapes it takes, and how the op picks it."""
 
 import jax
@@ -95,22 +95,12 @@ def test_gradient_types_under_shard_map(monkeypatch):
   assert g_s.shape == scores.shape and g_v.shape == value.shape
 
 
-@pytest.fixture
-def fused_backend():
-  from jax_ops import registry
-  from jax_ops.ops.attention_softmax_dropout_value.pallas_mosaic_gpu import AttentionValueMosaicGpu
-  registry.register("attention_softmax_dropout_value", "mosaic_gpu_fused",
-                    AttentionValueMosaicGpu("mosaic_gpu_fused", residuals="fused_output"))
-  yield "mosaic_gpu_fused"
-  registry.unregister("attention_softmax_dropout_value", "mosaic_gpu_fused")
-
-
 @pytest.mark.parametrize("rate", [0.1, 0.0, "traced"])
-def test_fused_output_policy_equals_the_xla_path(fused_backend, rate):
-  """The "fused_output" Mosaic GPU backend (the default policy, made explicit: the fused
-  forward kernel writing no Pd and no mask; the backward from delta, drawing keep again from
-  the key; a traced rate: the Triton kernel from delta) against the XLA path, to bf16
-  rounding (the kernel's P can be one ulp off the jnp softmax's)."""
+def test_fused_output_policy_equals_the_xla_path(rate):
+  """The Mosaic GPU backend on rows of 256 keys (policy "fused_output": the fused forward
+  kernel writing no Pd and no mask; the backward from delta, drawing keep again from the
+  key; a traced rate: the Triton kernel from delta) against the XLA path, to bf16 rounding
+  (the kernel's P can be one ulp off the jnp softmax's)."""
   import jax_ops
   k = jax.random.split(jax.random.key(4), 4)
   scores = jax.random.normal(k[0], (1, 4, 64, 256), jnp.bfloat16)
@@ -127,76 +117,59 @@ def test_fused_output_policy_equals_the_xla_path(fused_backend, rate):
     if rate == "traced":
       return jax.jit(f)(scores, value, jnp.float32(p))
     return jax.jit(f, static_argnums=2)(scores, value, p)
-  got, want = run(fused_backend), run("xla")
+  got, want = run("mosaic_gpu"), run("xla")
   for g, w, name in zip(got, want, ("out", "d_scores", "d_value")):
     g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
     np.testing.assert_allclose(g, w, atol=2e-2 * float(np.abs(w).max()), rtol=5e-2,
                                err_msg=name)
 
 
-@pytest.mark.parametrize("keep", ["seeds", "bits"])
-def test_fused_output_policy_saves_no_mask(keep):
+def test_fused_output_policy_saves_no_mask():
   """Under "fused_output" the Mosaic GPU backend's forward saves no bool mask and no Pd (one
   residual of the scores' shape: P), and of the mask only the key's seeds (``[4]`` uint32;
-  the backward draws keep again) or, with ``keep="bits"``, int32 bits (1/8 B per element)."""
-  from jax_ops.ops.attention_softmax_dropout_value.pallas_mosaic_gpu import AttentionValueMosaicGpu
-  from pallas_kernels.attention_softmax_dropout_value.forward import bits_shape
-  registry.register("attention_softmax_dropout_value", "mosaic_gpu_fused_test",
-                    AttentionValueMosaicGpu("mosaic_gpu_fused_test", residuals="fused_output",
-                                            keep=keep))
+  the backward draws keep again)."""
   k = keys(6, 3)
   scores = jax.ShapeDtypeStruct((1, 4, 64, 256), jnp.bfloat16)
   value = jax.ShapeDtypeStruct((1, 2, 256, 64), jnp.bfloat16)
   op = lambda s, v: jax_ops.attention_softmax_dropout_value(
-      s, v, dropout_rate=0.1, dropout_rng=k[2], implementation="mosaic_gpu_fused_test",
+      s, v, dropout_rate=0.1, dropout_rng=k[2], implementation="mosaic_gpu",
       interpret=INTERPRET)
-  try:
-    leaves = jax.tree.leaves(jax.eval_shape(lambda s, v: jax.vjp(op, s, v)[1], scores, value))
-  finally:
-    registry.unregister("attention_softmax_dropout_value", "mosaic_gpu_fused_test")
+  leaves = jax.tree.leaves(jax.eval_shape(lambda s, v: jax.vjp(op, s, v)[1], scores, value))
   assert not [r for r in leaves if r.dtype == jnp.bool_]
   assert [r.dtype for r in leaves if r.shape == scores.shape] == [jnp.bfloat16]
   mask = [(r.shape, r.dtype) for r in leaves if r.dtype in (jnp.int32, jnp.uint32)]
-  assert mask == ([((4,), jnp.uint32)] if keep == "seeds"
-                  else [(bits_shape(1, 4, 2, 64, 256), jnp.int32)])
-  with pytest.raises(ValueError, match="keep: expected 'seeds' or 'bits'"):
-    AttentionValueMosaicGpu("x", residuals="fused_output", keep="mask")
+  assert mask == [((4,), jnp.uint32)]
 
 
 def test_fused_inputs_policy_saves_no_keep_mask():
-  """The opt-in policy ``"fused_inputs"``: P, Pd and V from the fused forward kernel, no
-  keep mask saved; a traced rate saves the jnp forward's keep mask too (the Triton kernels
-  it runs read it). The default ``"fused_output"`` takes it on rows of 128 keys; problems
-  past the kernel's int32 offsets keep ``"inputs"``."""
-  from jax_ops.ops.attention_softmax_dropout_value.pallas_mosaic_gpu import AttentionValueMosaicGpu
+  """Rows of 128 keys (policy ``"fused_inputs"``): P, Pd and V from the fused forward
+  kernel, no keep mask saved; a traced rate saves the jnp forward's keep mask too (the
+  Triton kernels it runs read it). Longer rows take ``"fused_output"``; problems past the
+  kernel's int32 offsets ``"inputs"``."""
   from jax_ops.backend import FUSED_INPUTS, FUSED_OUTPUT, INPUTS
   k = keys(5, 3)
-  scores = jax.random.normal(k[0], (1, 4, 64, 256), jnp.bfloat16)
-  value = jax.random.normal(k[1], (1, 2, 256, 64), jnp.bfloat16)
-  registry.register("attention_softmax_dropout_value", "mosaic_gpu_pd",
-                    AttentionValueMosaicGpu("mosaic_gpu_pd", residuals="fused_inputs"))
-  try:
-    def full_residuals(rate):
-      op = lambda s, v: jax_ops.attention_softmax_dropout_value(
-          s, v, dropout_rate=rate, dropout_rng=k[2], implementation="mosaic_gpu_pd",
-          interpret=INTERPRET)
-      _, pullback = jax.vjp(op, scores, value)
-      return [r for r in jax.tree.leaves(pullback) if r.shape == scores.shape]
+  scores = jax.random.normal(k[0], (1, 4, 64, 128), jnp.bfloat16)
+  value = jax.random.normal(k[1], (1, 2, 128, 64), jnp.bfloat16)
 
-    assert [r.dtype for r in full_residuals(0.1)] == [jnp.bfloat16] * 2      # P, Pd
-    # What the fused kernel writes: O, P and Pd under a gradient, O alone without one (the
-    # same O).
+  def full_residuals(rate):
     op = lambda s, v: jax_ops.attention_softmax_dropout_value(
-        s, v, dropout_rate=0.1, dropout_rng=k[2], implementation="mosaic_gpu_pd",
+        s, v, dropout_rate=rate, dropout_rng=k[2], implementation="mosaic_gpu",
         interpret=INTERPRET)
-    assert pallas_call_outputs(op, scores, value) == [1]
-    assert pallas_call_outputs(lambda s, v: jax.vjp(op, s, v)[0], scores, value) == [3]
-    np.testing.assert_array_equal(np.asarray(op(scores, value), np.float32),
-                                  np.asarray(jax.vjp(op, scores, value)[0], np.float32))
-    traced = jax.jit(full_residuals)(jnp.float32(0.1))
-    assert sorted(str(r.dtype) for r in traced) == ["bfloat16", "bfloat16", "bool"]
-  finally:
-    registry.unregister("attention_softmax_dropout_value", "mosaic_gpu_pd")
+    _, pullback = jax.vjp(op, scores, value)
+    return [r for r in jax.tree.leaves(pullback) if r.shape == scores.shape]
+
+  assert [r.dtype for r in full_residuals(0.1)] == [jnp.bfloat16] * 2      # P, Pd
+  # What the fused kernel writes: O, P and Pd under a gradient, O alone without one (the
+  # same O).
+  op = lambda s, v: jax_ops.attention_softmax_dropout_value(
+      s, v, dropout_rate=0.1, dropout_rng=k[2], implementation="mosaic_gpu",
+      interpret=INTERPRET)
+  assert pallas_call_outputs(op, scores, value) == [1]
+  assert pallas_call_outputs(lambda s, v: jax.vjp(op, s, v)[0], scores, value) == [3]
+  np.testing.assert_array_equal(np.asarray(op(scores, value), np.float32),
+                                np.asarray(jax.vjp(op, scores, value)[0], np.float32))
+  traced = jax.jit(full_residuals)(jnp.float32(0.1))
+  assert sorted(str(r.dtype) for r in traced) == ["bfloat16", "bfloat16", "bool"]
   backend = registry.get("attention_softmax_dropout_value", "mosaic_gpu")
   assert backend.residual_policy(_problem((2, 80, 256, 512), (2, 8, 512, 128))) == FUSED_OUTPUT
   assert backend.residual_policy(_problem((2, 80, 256, 128), (2, 8, 128, 128))) == FUSED_INPUTS

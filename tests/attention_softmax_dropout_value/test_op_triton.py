@@ -1,4 +1,4 @@
-"""Op A's base suite on the ``"triton"`` backend, and the Triton backend's residual policy."""
+"""The op's base suite on the ``"triton"`` backend, and the Triton backend's residual policy."""
 
 import jax
 import jax.numpy as jnp
@@ -101,52 +101,6 @@ def test_fused_forward_equals_the_xla_path(monkeypatch, rate):
   assert pallas_call_outputs(op, scores, value) == [1]
   assert pallas_call_outputs(lambda s, v: jax.vjp(op, s, v)[0], scores, value) == [
       4 if rate else 3]
-
-
-@pytest.mark.parametrize("rate", [0.1, "traced"])
-def test_seeds_instead_of_the_mask(monkeypatch, rate):
-  """``AttentionValueTriton(keep="seeds")``: under "fused_output" the forward writes no mask
-  and saves the key's seeds (``[3]`` uint32, no bool residual); the kernel from delta draws
-  the mask again: the same gradients, bit for bit, as the default backend reading the mask
-  it saved (rows spanning two heads in a tile, a ragged key tile), a traced rate too."""
-  from jax_ops.ops.attention_softmax_dropout_value import pallas_triton
-  from jax_ops.ops.attention_softmax_dropout_value.pallas_triton import AttentionValueTriton
-  monkeypatch.setattr(pallas_triton, "FROM_OUTPUT_MIN_KEYS", 8)
-  registry = jax_ops.registry
-  registry.register("attention_softmax_dropout_value", "triton_seeds",
-                    AttentionValueTriton("triton_seeds", keep="seeds"))
-  k = keys(10, 4)
-  scores = jax.random.normal(k[0], (2, 4, 7, 40), jnp.bfloat16)
-  value = jax.random.normal(k[1], (2, 2, 40, 16), jnp.bfloat16)
-  ct = jax.random.normal(k[3], (2, 7, 4, 16), jnp.bfloat16)
-
-  def run(impl):
-    def pullback(s, v, r):
-      op = lambda s, v: jax_ops.attention_softmax_dropout_value(
-          s, v, dropout_rate=r, dropout_rng=k[2], implementation=impl, interpret=INTERPRET)
-      return jax.vjp(op, s, v)
-
-    def f(s, v, r):
-      out, back = pullback(s, v, r)
-      return (out, *back(ct))
-    if rate == "traced":
-      r = jnp.float32(0.1)
-      outs = jax.jit(f)(scores, value, r)
-      saved = jax.eval_shape(lambda s, v, r: pullback(s, v, r)[1], scores, value, r)
-    else:
-      outs = jax.jit(f, static_argnums=2)(scores, value, rate)
-      saved = jax.eval_shape(lambda s, v: pullback(s, v, rate)[1], scores, value)
-    return outs, [(x.shape, x.dtype) for x in jax.tree.leaves(saved)]
-  try:
-    (got, residuals), (want, _) = run("triton_seeds"), run("triton")
-  finally:
-    registry.unregister("attention_softmax_dropout_value", "triton_seeds")
-  assert not [r for r in residuals if r[1] == jnp.bool_]
-  assert ((3,), jnp.uint32) in residuals
-  for g, w in zip(got, want):
-    np.testing.assert_array_equal(np.asarray(g, F32), np.asarray(w, F32))
-  with pytest.raises(ValueError, match="keep: expected 'mask' or 'seeds'"):
-    AttentionValueTriton(keep="bits")
 
 
 def test_residual_policy_of_the_largest_problems():

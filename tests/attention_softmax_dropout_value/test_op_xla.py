@@ -1,4 +1,4 @@
-"""Op A's base suite on the ``"xla"`` backend."""
+"""The op's base suite on the ``"xla"`` backend."""
 
 import pytest
 

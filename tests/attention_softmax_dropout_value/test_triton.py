@@ -16,7 +16,7 @@ from jax.experimental import pallas as pl
 from conftest import INTERPRET, ON_GPU, triton_calls_in_gpu_lowering
 from pallas_kernels import _phase, _tuning
 from pallas_kernels import attention_softmax_dropout_value as asdv
-from pallas_kernels.attention_softmax_dropout_value import pallas_triton
+from pallas_kernels.attention_softmax_dropout_value import pallas_triton, pallas_triton_from_delta
 
 from .kernel_base import *  # noqa: F401,F403
 from .kernel_base import assert_close_fraction, check, delta_of, make_inputs, reference
@@ -39,7 +39,8 @@ def lowering_for_h200(pretend_h200, monkeypatch):
   """Lowering to Triton IR on any host: an H200 is pretended (``pretend_h200``), and the
   entry points' check that the arrays sit on a CUDA GPU is skipped (the traced arguments
   of a cross-lowering hold no device)."""
-  monkeypatch.setattr(pallas_triton, "check_can_compile", lambda *a, **k: None)
+  for module in (pallas_triton, pallas_triton_from_delta):
+    monkeypatch.setattr(module, "check_can_compile", lambda *a, **k: None)
 
 
 def run_with_rate(args, p, config):
@@ -64,9 +65,8 @@ def test_block_kv_is_an_alias_of_block_k():
     kernel(*args, 0.1, block_k=16, block_kv=32, interpret=INTERPRET)
 
 
-@pytest.mark.parametrize("heads, prefetch, p", [(2, False, "traced"), (4, False, 0.0),
-                                              (3, True, 0.1)])
-def test_ds_pass_heads_per_program(heads, prefetch, p):
+@pytest.mark.parametrize("heads, p", [(2, "traced"), (4, 0.0), (3, 0.1)])
+def test_ds_pass_heads_per_program(heads, p):
   """The dS pass with several query heads of a kv group per program (V tiles shared),
   ragged tiles, many delta partials (34 of 16 keys: two chunks of the partials' 2D loads of
   up to 32). Rows of 530 keys are not 16-byte aligned: ``row_align=0`` keeps them on this
@@ -74,8 +74,7 @@ def test_ds_pass_heads_per_program(heads, prefetch, p):
   rate = 0.1 if p == "traced" else p
   args = make_inputs(2, 8, 2, 19, 530, 64, rate, seed=8)  # G = 4; 3 heads -> 2
   config = asdv.Config(asdv.PassConfig(16, 16, 4, 2),
-                       asdv.PassConfig(16, 32, 4, 2, prefetch=prefetch, heads=heads,
-                                       row_align=0))
+                       asdv.PassConfig(16, 32, 4, 2, heads=heads, row_align=0))
   check(run_with_rate(args, p, config), reference(*args, rate))
 
 
@@ -83,16 +82,6 @@ def test_group_heads():
   assert [asdv.group_heads(10, n) for n in (1, 2, 3, 4, 5, 6, 10, 16)] == [1, 2, 2, 2, 5, 5, 10, 10]
   assert [asdv.group_heads(1, n) for n in (1, 2)] == [1, 1]
   assert asdv.group_heads(4, 0) == 1
-
-
-@pytest.mark.parametrize("p", [0.0, 0.1, "traced"])
-def test_prefetch_ds_pass(p):
-  """The dS pass with the next tile's loads issued early, on ragged tiles and all modes."""
-  rate = 0.1 if p == "traced" else p
-  args = make_inputs(1, 4, 2, 37, 83, 64, rate, seed=6)
-  config = asdv.Config(asdv.PassConfig(16, 32, 4, 2),
-                       asdv.PassConfig(16, 32, 4, 2, prefetch=True, row_align=0))
-  check(run_with_rate(args, p, config), reference(*args, rate))
 
 
 # (B, H, KVH, Sq, Skv, D): rows of Skv % 8 != 0 keys; G in {1, 3, 4}; Skv just above a tile
@@ -194,9 +183,8 @@ def test_auto_split():
 
 
 @pytest.mark.parametrize("skv", [200, 201])
-@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("p", [0.0, 0.1, None])
-def test_lowers_to_triton(lowering_for_h200, p, prefetch, skv):
+def test_lowers_to_triton(lowering_for_h200, p, skv):
   """The kernels lower to Triton IR (no GPU needed; catches unsupported ops early).
 
   Pretends an H200 is present by patching JAX's internal GPU-info lookup (skipped if
@@ -208,22 +196,20 @@ def test_lowers_to_triton(lowering_for_h200, p, prefetch, skv):
       ((b, sq, h, d), dt), ((b, h, sq, skv), dt), ((b, h, sq, skv), dt),
       ((b, kvh, skv, d), dt), ((b, h, sq, skv), jnp.bool_))]
   config = asdv.Config(asdv.PassConfig(64, 64, 4, 3, split=2),
-                       asdv.PassConfig(64, 64, 4, 2, prefetch, heads=2))
+                       asdv.PassConfig(64, 64, 4, 2, heads=2))
   assert triton_calls_in_gpu_lowering(kernel, shapes, p, config=config) == 2
 
 
 @pytest.mark.parametrize("p", [0.1, None])
-def test_from_delta_drawing_the_mask_lowers_to_triton(lowering_for_h200, p):
-  """The kernel from delta drawing the mask from the key's seeds (the pair hash's join and
-  reshape included) lowers to one Triton kernel; ``p=None``: a traced rate."""
+def test_from_delta_lowers_to_triton(lowering_for_h200, p):
+  """The kernel from delta lowers to one Triton kernel; ``p=None``: a traced rate."""
   b, h, kvh, sq, skv, d = 2, 8, 2, 131, 200, 40
   dt = jnp.bfloat16
   s = jax.ShapeDtypeStruct
   shapes = [s((b, sq, h, d), dt), s((b, h, sq, skv), dt), s((b, kvh, skv, d), dt),
             s((b, h, sq, skv), jnp.bool_)]
-  seeds = jnp.zeros((3,), jnp.uint32)
   fn = lambda do, probs, v, keep, r: asdv.attention_softmax_dropout_value_backward_from_delta(
-      do, probs, v, keep, r, jnp.zeros((b, h, sq), jnp.float32), keep_seeds=seeds)
+      do, probs, v, keep, r, jnp.zeros((b, h, sq), jnp.float32))
   assert triton_calls_in_gpu_lowering(fn, shapes, p) == 1
 
 
@@ -271,8 +257,6 @@ def test_pass_config_validation():
       asdv.PassConfig(64, 64, 4, 2, split=bad)
   with pytest.raises(ValueError, match="heads"):
     asdv.PassConfig(64, 64, 4, 2, heads=0)
-  with pytest.raises(ValueError, match="prefetch"):
-    asdv.PassConfig(64, 64, 4, 2, prefetch="yes")
   with pytest.raises(ValueError, match="row_align"):
     asdv.PassConfig(64, 64, 4, 2, row_align=12)
   with pytest.raises(ValueError, match="unknown fields"):

@@ -1,4 +1,4 @@
-"""The differentiable op A: ``transpose(dropout(softmax(scores)) @ V)`` with GQA value heads.
+"""The differentiable op: ``transpose(dropout(softmax(scores)) @ V)`` with GQA value heads.
 
 The backward is the backend that :func:`jax_ops.registry.resolve` picks, and that backend's
 residual policy says what the forward is and what it saves: ``"inputs"`` (a jnp forward,

@@ -1,22 +1,19 @@
-"""The ``"mosaic_gpu"`` backend of op A's backward: Pallas Mosaic GPU kernels for Hopper.
+"""The ``"mosaic_gpu"`` backend of the op's backward: Pallas Mosaic GPU kernels for Hopper.
 
 Kernels: :mod:`pallas_kernels.attention_softmax_dropout_value.pallas_mosaic_gpu` (TMA
-streams, wgmma, one producer and two consumer warpgroups). They take bf16/fp16 problems
-with ``D`` of 64 or 128, ``seq_q % 64 == 0``, ``seq_k % 128 == 0`` and ``G * seq_q`` a
-multiple of 128 unless ``seq_k`` is 128 or 256 (:meth:`supports`); a forced
-``implementation="mosaic_gpu"`` on another shape or device raises saying why. A traced
-dropout rate, which the kernels cannot take as a constant, runs the Triton kernels.
-Residuals (policy ``"fused_output"``, the default on rows of more than 128 keys): P, V and
-the forward's fp32 output from the fused forward kernel
-(:mod:`pallas_kernels.attention_softmax_dropout_value.forward`), which writes no Pd and no
-mask, and the key's seeds: the backward takes ``delta = rowsum(dO * O)``, draws keep again
-in the dS-dV kernel and rebuilds Pd from P (4 B per attention element). Rows of 128 keys
-(policy ``"fused_inputs"``, whose one-key-block kernel reads Pd): P, Pd and V from the same
-forward kernel, which writes no keep mask: the kernels read P and Pd, not keep. A traced
-rate saves, on rows of more than 128 keys, the Triton backend's residuals (P, keep and the
-fp32 output, for its kernel from delta), and on rows of 128 keys the jnp forward's P, Pd, V
-and keep, for the Triton kernels. Backends made with ``residuals="fused_inputs"`` (P and Pd
-on every row length) or ``"inputs"`` (the jnp forward) save the others; see the class.
+streams, wgmma, one producer and two consumer warpgroups); the shapes they take:
+:func:`pallas_kernels.attention_softmax_dropout_value.dispatch.mosaic_gpu_reason`. A forced
+``implementation="mosaic_gpu"`` on another shape or device raises saying why.
+
+Residuals (:func:`pallas_kernels.attention_softmax_dropout_value.dispatch.mosaic_gpu_residuals`):
+on rows of more than 128 keys (``"fused_output"``) the fused Triton forward kernel
+(:mod:`pallas_kernels.attention_softmax_dropout_value.forward`) writes O, P and the fp32
+output, no Pd and no mask; the op saves the key's seeds, and the backward takes
+``delta = rowsum(dO * O)``, draws keep again in the dS-dV kernel and rebuilds Pd from P
+(4 B per attention element). On rows of 128 keys (``"fused_inputs"``, whose one-key-block
+kernel reads Pd) the same forward kernel writes P and Pd. Past the fused kernel's int32
+offsets the jnp forward runs (``"inputs"``). A traced dropout rate, which the kernels cannot
+take as a constant, runs the Triton backend's forward and kernels.
 """
 
 from __future__ import annotations
@@ -27,64 +24,21 @@ import jax.numpy as jnp
 from pallas_kernels import attention_softmax_dropout_value as kernels
 from pallas_kernels import _dropout as kernels_dropout
 from pallas_kernels import validation
+from pallas_kernels.attention_softmax_dropout_value import dispatch
+from pallas_kernels.attention_softmax_dropout_value import forward as forward_kernel
 from pallas_kernels.attention_softmax_dropout_value import pallas_mosaic_gpu as mosaic
 from jax_ops import backend
 from jax_ops.ops.attention_softmax_dropout_value import pallas_triton as triton
-from jax_ops.backend import FUSED_INPUTS, FUSED_OUTPUT, INPUTS
-from pallas_kernels.attention_softmax_dropout_value import forward as forward_kernel
-from pallas_kernels.attention_softmax_dropout_value import forward_mosaic_gpu as forward_mosaic
 
 
-class AttentionValueMosaicGpu(backend.ResidualChoice, backend.MosaicGpuBackend):
+class AttentionValueMosaicGpu(backend.MosaicGpuBackend):
   """The op's Mosaic GPU backend (devices, priority and the support checks from the base
-  class; :meth:`reason` says what of a problem the kernels do not take).
-
-  ``residuals``:
-
-  - ``"fused_output"`` (the default) on rows of more than 128 keys: the fused forward writing
-    no Pd and no mask; P, the fp32 output and the key's seeds saved; the backward takes
-    delta from the output, draws keep again in the dS-dV kernel and rebuilds Pd from P
-    (:func:`mosaic.backward_from_output`). With ``keep="bits"`` the forward writes the mask
-    as bits instead, which the backward reads (measured slower: packing the bits in the
-    Triton forward costs more than they save). Rows of 128 keys take ``"fused_inputs"``.
-  - ``"fused_inputs"``: P and Pd from the fused Triton forward kernel, no keep mask written.
-  - ``"inputs"``: the jnp forward (P, Pd and keep), also wherever the fused kernel's int32
-    offsets do not reach.
-
-  Measured in a training step on the H200 (``benchmarks/results/step.md``,
-  ``step_a_fused_inputs.md``, ``step_a_fused_bits.md``, ``step_a_inputs.md``).
-  ``AttentionValueMosaicGpu("mosaic_gpu_pd", residuals="fused_inputs")`` (or
-  ``AttentionValueMosaicGpu("mosaic_gpu_fused_bits", residuals="fused_output", keep="bits")``),
-  registered with ``jax_ops.registry.register`` under that name, runs one of the others.
-  """
-
-  POLICIES = (FUSED_OUTPUT, FUSED_INPUTS, INPUTS)
-
-  def __init__(self, name=None, residuals=None, keep: str = "seeds", forward: str = "triton"):
-    """``keep``: under ``"fused_output"`` (no effect under the other policies), what the
-    forward saves of the mask: ``"seeds"`` (the key's two words and the threshold; the dS-dV
-    kernel draws keep again) or ``"bits"`` (the forward kernel writes it as bits, 1/8 B per
-    attention element). ``forward``: under ``"fused_output"`` with ``keep="seeds"``, the
-    forward kernel: ``"triton"`` (:mod:`pallas_kernels.attention_softmax_dropout_value.forward`)
-    or ``"mosaic_gpu"`` (:mod:`pallas_kernels.attention_softmax_dropout_value.forward_mosaic_gpu`,
-    TMA and wgmma, on the shapes it takes; the Triton kernel on the others)."""
-    super().__init__(name, residuals)
-    if keep not in ("seeds", "bits"):
-      raise ValueError(f"keep: expected 'seeds' or 'bits', got {keep!r}")
-    if forward not in ("triton", "mosaic_gpu"):
-      raise ValueError(f"forward: expected 'triton' or 'mosaic_gpu', got {forward!r}")
-    self.keep = keep
-    self.forward = forward
+  class; :meth:`reason` says what of a problem the kernels do not take)."""
 
   def residual_policy(self, problem):
     b, h, sq, skv = problem.shape("scores")
     _, kvh, _, d = problem.shape("value_states")
-    if not forward_kernel.takes(b, h, kvh, sq, skv, d):
-      return INPUTS   # past the fused kernel's int32 offsets: the jnp forward
-    if self.residuals == FUSED_OUTPUT:
-      # Rows of one key block: that kernel computes delta from P and reads Pd.
-      return FUSED_OUTPUT if skv > mosaic.WGS * mosaic.KEYS else FUSED_INPUTS
-    return self.residuals
+    return dispatch.mosaic_gpu_residuals(b, h, kvh, sq, skv, d)
 
   def forward_with_dropped(self, scores, value_states, dropout_rng, p_dropout, *,
                            interpret=False):
@@ -97,31 +51,20 @@ class AttentionValueMosaicGpu(backend.ResidualChoice, backend.MosaicGpuBackend):
     return out, probs, dropped
 
   def forward_output(self, *args, interpret=False):
-    """``O`` alone from the fused (Triton) forward kernel: the Triton backend's."""
+    """``O`` alone from the fused forward kernel: the Triton backend's."""
     return triton.BACKEND.forward_output(*args, interpret=interpret)
 
   def forward_with_output(self, scores, value_states, dropout_rng, p_dropout, *,
                           interpret=False):
     """``(O, P, keep, O_f32)`` from the fused forward kernel, no Pd: the ``"fused_output"``
     policy. A concrete rate: ``keep`` is the key's seeds (``[k0, k1, threshold, 0]`` uint32,
-    ``mosaic.keep_seeds_of``; the kernel writes no mask) or, with ``keep="bits"``, the mask
-    as bits (``forward.forward_with_keep_bits``); a traced one: the Triton backend's (a bool
-    mask, for its kernel). ``None`` for a rate of 0."""
+    ``mosaic.keep_seeds_of``; the kernel writes no mask), ``None`` for a rate of 0; a traced
+    one: the Triton backend's (a bool mask, for its kernel)."""
     if validation.concrete_float("p_dropout", p_dropout) is None:
       return triton.BACKEND.forward_with_output(scores, value_states, dropout_rng, p_dropout,
                                                 interpret=interpret)
-    if self.keep == "bits":
-      return forward_kernel.forward_with_keep_bits(scores, value_states, p_dropout,
-                                                   dropout_rng, interpret=interpret)
-    b, h, sq, skv = scores.shape
-    kvh, d = value_states.shape[1], value_states.shape[3]
-    if self.forward == "mosaic_gpu" and forward_mosaic.unsupported_reason(
-        b, h, kvh, sq, skv, d, scores.dtype, float(p_dropout)) is None:
-      out, probs, out32 = forward_mosaic.forward_with_output(
-          scores, value_states, p_dropout, dropout_rng, interpret=interpret)
-    else:
-      out, probs, _, _, out32 = forward_kernel.attention_softmax_dropout_value_forward(
-          scores, value_states, p_dropout, dropout_rng, store_keep=False, interpret=interpret)
+    out, probs, _, _, out32 = forward_kernel.attention_softmax_dropout_value_forward(
+        scores, value_states, p_dropout, dropout_rng, store_keep=False, interpret=interpret)
     seeds = None if p_dropout == 0 else mosaic.keep_seeds_of(
         dropout_rng, kernels_dropout.effective_rate(p_dropout))
     return out, probs, seeds, out32
@@ -129,24 +72,16 @@ class AttentionValueMosaicGpu(backend.ResidualChoice, backend.MosaicGpuBackend):
   def backward_from_output(self, grad_attn_output, attn_weights, value_states, dropout_mask,
                            attention_dropout, attn_output_f32, *, causal=False,
                            interpret=False):
-    """The Mosaic GPU dS-dV kernel from delta (``dropout_mask``: what
-    :meth:`forward_with_output` saved of the mask, the key's seeds, from which the kernel
-    draws it again, or its bits, or a bool mask, packed to bits here; a traced rate: the
-    Triton backend's kernel from delta)."""
+    """The Mosaic GPU dS-dV kernel from delta (``dropout_mask``: the key's seeds that
+    :meth:`forward_with_output` saved, from which the kernel draws the mask again, or
+    ``None`` for a rate of 0); a traced rate: the Triton backend's kernel from delta."""
     args = (grad_attn_output, attn_weights, value_states, dropout_mask, attention_dropout,
             attn_output_f32)
     if validation.concrete_float("attention_dropout", attention_dropout) is None:
       return triton.BACKEND.backward_from_output(*args, causal=causal, interpret=interpret)
-    # What forward_with_output saved of the mask: seeds, bits (or a bool mask).
-    found = {"keep_seeds": None, "keep_bits": None}
-    if dropout_mask is not None and jnp.dtype(dropout_mask.dtype) == jnp.uint32:
-      found["keep_seeds"], dropout_mask = dropout_mask, None
-    elif dropout_mask is not None and jnp.dtype(dropout_mask.dtype) == jnp.int32:
-      found["keep_bits"], dropout_mask = dropout_mask, None
-    # No dropout (a rate of 0): no mask, and none read.
     return mosaic.backward_from_output(grad_attn_output, attn_weights, value_states,
-                                       _unread_mask(dropout_mask, attn_weights),
-                                       attention_dropout, attn_output_f32, **found,
+                                       _unread_mask(None, attn_weights), attention_dropout,
+                                       attn_output_f32, keep_seeds=dropout_mask,
                                        interpret=interpret)
 
   def reason(self, problem):
@@ -155,8 +90,8 @@ class AttentionValueMosaicGpu(backend.ResidualChoice, backend.MosaicGpuBackend):
       return "a problem without the shapes of scores and value_states"
     b, h, sq, skv = shapes["scores"]
     _, kvh, _, d = shapes["value_states"]
-    return mosaic.unsupported_reason(b, h, kvh, sq, skv, d, problem.dtype, 0.1,
-                                     problem.causal)
+    return dispatch.mosaic_gpu_reason(b, h, kvh, sq, skv, d, problem.dtype, 0.1,
+                                      problem.causal)
 
   def config(self, problem):
     """The kernels' default config for this problem."""

@@ -1,4 +1,4 @@
-"""Plain-jnp forward and backward of op A: ``O = transpose(dropout(softmax(S)) @ V)``, GQA.
+"""Plain-jnp forward and backward of ``O = transpose(dropout(softmax(S)) @ V)`` with GQA.
 
 The backward is the spec (``grad_attn_scores``, ``grad_value_states``), computed in fp32 with
 exact bf16 products and rounded to the input dtype once at the end; it is the ``"xla"``
@@ -32,8 +32,9 @@ def attention_softmax_dropout_value_backward_reference(
     ``(grad_attn_scores [B, H, Sq, Skv], grad_value_states [B, KVH, Skv, D])``
     in the dtype of the inputs.
   """
-  p = validation.check_problem_a(grad_attn_output, attn_weights, attn_weights_dropped,
-                                 value_states, dropout_mask, attention_dropout)
+  p = validation.check_attention_softmax_dropout_value(
+      grad_attn_output, attn_weights, attn_weights_dropped, value_states, dropout_mask,
+      attention_dropout)
   b, h, sq, skv = attn_weights.shape
   kvh, d = value_states.shape[1], value_states.shape[3]
   g = h // kvh
