@@ -41,13 +41,22 @@ def kernels_for(grad_attn_output, attn_weights, attn_weights_dropped, value_stat
   the Triton kernels otherwise, and always under ``interpret=True`` (the portable path; name
   ``"mosaic_gpu"`` to run the Mosaic GPU interpreter).
   """
-  p = validation.check_attention_softmax_dropout_value(
+  validation.check_attention_softmax_dropout_value(
       grad_attn_output, attn_weights, attn_weights_dropped, value_states, dropout_mask,
       attention_dropout)
-  if interpret:
+  return _pick(attn_weights, value_states, attention_dropout, grad_attn_output,
+               causal=causal, interpret=interpret)
+
+
+def _pick(attn_weights, value_states, attention_dropout, *arrays, causal, interpret) -> str:
+  """:func:`kernels_for` without the argument checks, which the chosen entry point makes
+  (arrays of another rank go to the Triton entry point, whose checks name them)."""
+  if interpret or not is_hopper(device_of(*arrays, attn_weights, value_states)):
     return TRITON
-  if not is_hopper(device_of(grad_attn_output, attn_weights, value_states)):
+  if (getattr(attn_weights, "ndim", None) != 4 or getattr(value_states, "ndim", None) != 4
+      or value_states.shape[1] < 1):
     return TRITON
+  p = validation.concrete_float("attention_dropout", attention_dropout)
   b, h, sq, skv = attn_weights.shape
   kvh, d = value_states.shape[1], value_states.shape[3]
   why = mosaic_gpu_reason(b, h, kvh, sq, skv, d, attn_weights.dtype, p, causal)
@@ -87,8 +96,9 @@ def attention_softmax_dropout_value_backward(
       implementation = MOSAIC_GPU
     elif config is not None or any(v is not None for v in triton_options.values()):
       implementation = TRITON
-    else:
-      implementation = kernels_for(*args, causal=causal, interpret=interpret)
+    else:   # the chosen entry point checks the arguments
+      implementation = _pick(attn_weights, value_states, attention_dropout, grad_attn_output,
+                             causal=causal, interpret=interpret)
   if implementation == MOSAIC_GPU:
     if any(v is not None for v in triton_options.values()):
       raise TypeError("implementation='mosaic_gpu' takes no Triton options, got "
