@@ -4,6 +4,7 @@ dropout (the keep mask, its scale, the rate's checks), the causal mask."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -55,7 +56,7 @@ def dropout_scale(keep, p, p_static):
   return scale
 
 
-def effective_dropout_rate(rate):
+def effective_dropout_rate(rate: float | jax.typing.ArrayLike) -> float | jax.Array:
   """The rate the dropout mask draws: ``rate`` rounded to a multiple of ``2**-16``, which
   the ops scale by (``1 / (1 - effective_dropout_rate(rate))``) so that the expectation is
   exact. A Python float gives a Python float. A concrete rate outside [0, 1) (NaN included)
@@ -66,7 +67,8 @@ def effective_dropout_rate(rate):
   return _dropout.effective_rate(rate)
 
 
-def dropout_keep_mask(rng, rate, shape):
+def dropout_keep_mask(rng: jax.Array, rate: float | jax.typing.ArrayLike,
+                      shape: Sequence[int]) -> jax.Array:
   """The dropout keep mask the ops draw (True = kept): deterministic, counter-based.
 
   For an array of ``shape`` ``[..., rows, cols]``, with ``(k0, k1) =
@@ -84,7 +86,8 @@ def dropout_keep_mask(rng, rate, shape):
 
   A concrete ``rate`` outside [0, 1) (NaN included) raises ``ValueError``; a traced one is
   clipped to [0, 1 - 2**-16] (NaN: 0), since nothing can raise when it runs (the ops make
-  their outputs NaN for such a rate instead).
+  their outputs NaN for such a rate instead). ``rng`` is one PRNG key, typed
+  (``jax.random.key``) or a legacy ``uint32`` key (``jax.random.PRNGKey``).
   """
   validation.check_dropout_rate("rate", rate)
   if (not isinstance(shape, (tuple, list)) or len(shape) < 2
@@ -120,7 +123,7 @@ def apply_dropout(probs, keep, rate):
   return scaled.astype(probs.dtype)
 
 
-def causal_mask(seq_q, seq_k):
+def causal_mask(seq_q: int, seq_k: int) -> jax.Array:
   """``[Sq, Sk]`` bool, True where key ``k <= q + (Sk - Sq)`` (bottom-right aligned)."""
   return jnp.arange(seq_k)[None, :] <= jnp.arange(seq_q)[:, None] + (seq_k - seq_q)
 

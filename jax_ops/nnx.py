@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 
 try:
@@ -68,8 +69,7 @@ def _mask(mask, b, s, num_heads, *, heads_axis):
   (``[S, S]``, ``[B, 1, 1, S]`` padding masks, ...)."""
   if not hasattr(mask, "shape") or not hasattr(mask, "dtype"):
     raise TypeError(f"mask: expected a bool array, got {type(mask).__name__}")
-  if mask.dtype != jnp.bool_:
-    raise TypeError(f"mask: expected dtype bool, got {jnp.dtype(mask.dtype).name}")
+  validation.check_dtype("mask", mask, (jnp.bool_,))
   full = (b, num_heads if heads_axis else 1, s, s)
   if not heads_axis and mask.ndim == 4 and mask.shape[1] != 1:
     raise ValueError(f"mask: expected [B, 1, Sq, Sk] = [{b}, 1, {s}, {s}] (one mask for all "
@@ -101,14 +101,16 @@ class GQASelfAttention(nnx.Module):
   """
 
   def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
-               dropout_rate: float = 0.0, deterministic: bool = False, dtype=jnp.bfloat16,
-               implementation: str | None = None, interpret: bool = False, rngs: nnx.Rngs):
+               dropout_rate: float = 0.0, deterministic: bool = False,
+               dtype: jax.typing.DTypeLike = jnp.bfloat16, implementation: str | None = None,
+               interpret: bool = False, rngs: nnx.Rngs) -> None:
     _check_layer(embed_dim, num_heads, num_kv_heads, head_dim, dropout_rate)
     self.proj = _Projections(embed_dim, num_heads, num_kv_heads, head_dim, rngs=rngs, dtype=dtype)
     self.dropout_rate, self.deterministic, self.rngs = dropout_rate, deterministic, rngs
     self.implementation, self.interpret = implementation, interpret
 
-  def __call__(self, x, mask=None, *, deterministic: bool | None = None):
+  def __call__(self, x: jax.typing.ArrayLike, mask: jax.typing.ArrayLike | None = None, *,
+               deterministic: bool | None = None) -> jax.Array:
     """``x [B, S, E]``; ``mask`` (optional) bool, broadcastable to ``[B, H, S, S]``,
     True = attend (e.g. ``jax_ops.causal_mask(S, S)``)."""
     p = self.proj
@@ -135,14 +137,16 @@ class MaskedAttention(nnx.Module):
   """
 
   def __init__(self, embed_dim: int, num_heads: int, head_dim: int, *,
-               dropout_rate: float = 0.0, deterministic: bool = False, dtype=jnp.float32,
-               implementation: str | None = None, interpret: bool = False, rngs: nnx.Rngs):
+               dropout_rate: float = 0.0, deterministic: bool = False,
+               dtype: jax.typing.DTypeLike = jnp.float32, implementation: str | None = None,
+               interpret: bool = False, rngs: nnx.Rngs) -> None:
     _check_layer(embed_dim, num_heads, num_heads, head_dim, dropout_rate)
     self.proj = _Projections(embed_dim, num_heads, num_heads, head_dim, rngs=rngs, dtype=dtype)
     self.dropout_rate, self.deterministic, self.rngs = dropout_rate, deterministic, rngs
     self.implementation, self.interpret = implementation, interpret
 
-  def __call__(self, x, mask, *, deterministic: bool | None = None):
+  def __call__(self, x: jax.typing.ArrayLike, mask: jax.typing.ArrayLike, *,
+               deterministic: bool | None = None) -> jax.Array:
     p = self.proj
     b, s = p.check(x)
     mask = _mask(mask, b, s, p.num_heads, heads_axis=False)
@@ -162,13 +166,13 @@ class QKSoftmaxAttention(nnx.Module):
   """
 
   def __init__(self, embed_dim: int, num_heads: int, head_dim: int, *, causal: bool = False,
-               dtype=jnp.bfloat16, implementation: str | None = None, interpret: bool = False,
-               rngs: nnx.Rngs):
+               dtype: jax.typing.DTypeLike = jnp.bfloat16, implementation: str | None = None,
+               interpret: bool = False, rngs: nnx.Rngs) -> None:
     _check_layer(embed_dim, num_heads, num_heads, head_dim)
     self.proj = _Projections(embed_dim, num_heads, num_heads, head_dim, rngs=rngs, dtype=dtype)
     self.causal, self.implementation, self.interpret = causal, implementation, interpret
 
-  def __call__(self, x):
+  def __call__(self, x: jax.typing.ArrayLike) -> jax.Array:
     p = self.proj
     p.check(x)
     q, k, v = (p.heads(x, f, p.num_heads) for f in (p.query, p.key, p.value))

@@ -50,9 +50,25 @@ def check_array(
       want = _fmt("*" if s is None else s for s in shape)
       raise ValueError(f"{name}: expected {expected} = {want}, got {_fmt(x.shape)}") from None
   if dtypes is not None:
-    if jnp.dtype(x.dtype) not in {jnp.dtype(d) for d in dtypes}:
-      names = " or ".join(jnp.dtype(d).name for d in dtypes)
-      raise TypeError(f"{name}: expected dtype {names}, got {jnp.dtype(x.dtype).name}") from None
+    check_dtype(name, x, dtypes)
+
+
+def check_dtype(name: str, x, dtypes: Sequence) -> None:
+  """``x.dtype`` must be one of ``dtypes``, exactly (``chex.assert_type``); raises a
+  ``TypeError`` that names the argument: ``mask: expected dtype bool, got float32``."""
+  allowed = tuple(dict.fromkeys(jnp.dtype(d) for d in dtypes))
+  if not any(_has_dtype(x, d) for d in allowed):
+    names = " or ".join(d.name for d in allowed)
+    raise TypeError(f"{name}: expected dtype {names}, got {jnp.dtype(x.dtype).name}")
+
+
+def _has_dtype(x, dtype) -> bool:
+  try:
+    # The scalar type, not the dtype: chex takes float64 (== float) for "any float".
+    chex.assert_type(x, jnp.dtype(dtype).type)
+  except AssertionError:
+    return False
+  return True
 
 
 def check_positive(name: str, x, axes: Sequence[str]) -> None:
@@ -96,7 +112,7 @@ def check_key(name: str, rng) -> None:
   if hasattr(rng, "dtype") and jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
     if rng.shape == ():
       return
-  elif hasattr(rng, "dtype") and rng.dtype == jnp.uint32:
+  elif hasattr(rng, "dtype") and _has_dtype(rng, jnp.uint32):
     if rng.shape == jax.eval_shape(lambda: jax.random.PRNGKey(0)).shape:
       return
   what = f"shape {list(rng.shape)} {rng.dtype}" if hasattr(rng, "dtype") else type(rng).__name__

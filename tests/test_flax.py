@@ -1,6 +1,10 @@
 """The Flax NNX layers: shapes, dropout from nnx.Rngs, deterministic mode, and
 gradients through the Pallas kernels against the XLA references."""
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -116,3 +120,23 @@ def test_layers_take_float64_under_x64():
     for name, (layer, dtype) in _layers("xla").items():
       y = _call(name, layer, x, **({} if name == "qk" else {"deterministic": True}))
       assert y.shape == (2, S, E) and y.dtype == dtype, name
+
+
+def test_import_without_flax_names_the_extra():
+  """``import jax_ops.nnx`` where flax cannot be imported (``None`` in ``sys.modules`` makes
+  the import fail, as a missing package does) names the ``[flax]`` extra."""
+  code = ("import sys\n"
+          "sys.modules['flax'] = None\n"
+          "try:\n"
+          "  import jax_ops.nnx\n"
+          "except ImportError as e:\n"
+          "  print(type(e).__name__, e)\n"
+          "else:\n"
+          "  print('imported')\n")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=120)
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.strip() == (
+      "ImportError jax_ops.nnx needs flax, which the [flax] extra installs: "
+      "pip install 'attention-backward-kernels[flax]'"), out.stdout

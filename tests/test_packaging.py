@@ -1,5 +1,5 @@
-"""The install is reproducible and licensed: pinned versions that setup.sh installs from, and
-SPDX license metadata with the license file."""
+"""The install is reproducible, licensed and typed: pinned versions that setup.sh installs from,
+SPDX license metadata with the license file, and the PEP 561 marker in both packages."""
 
 import os
 import re
@@ -35,3 +35,12 @@ def test_spdx_license_and_file():
   assert meta["project"]["license"] == "Apache-2.0"
   assert meta["project"]["license-files"] == ["LICENSE"]
   assert "Apache License" in _read("LICENSE") and "Version 2.0" in _read("LICENSE")
+
+
+def test_py_typed_ships_in_both_packages():
+  """PEP 561: each package holds a ``py.typed`` marker and the package data lists it, so a
+  wheel carries it and type checkers read the packages' annotations."""
+  package_data = tomllib.loads(_read("pyproject.toml"))["tool"]["setuptools"]["package-data"]
+  for package in ("jax_ops", "pallas_kernels"):
+    assert "py.typed" in package_data.get(package, []), package
+    assert os.path.isfile(os.path.join(ROOT, package, "py.typed")), package

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import jax
+
 from pallas_kernels import validation
 from pallas_kernels._util import device_of, is_hopper
 from pallas_kernels.attention_softmax_dropout_value import forward, pallas_mosaic_gpu, pallas_triton
@@ -64,9 +66,12 @@ def _pick(attn_weights, value_states, attention_dropout, *arrays, causal, interp
 
 
 def attention_softmax_dropout_value_backward(
-    grad_attn_output, attn_weights, attn_weights_dropped, value_states, dropout_mask,
-    attention_dropout, *, implementation: str | None = None, config=None, causal=False,
-    interpret=False, **triton_options):
+    grad_attn_output: jax.typing.ArrayLike, attn_weights: jax.typing.ArrayLike,
+    attn_weights_dropped: jax.typing.ArrayLike, value_states: jax.typing.ArrayLike,
+    dropout_mask: jax.typing.ArrayLike | None, attention_dropout: float | jax.typing.ArrayLike,
+    *, implementation: str | None = None,
+    config: pallas_mosaic_gpu.Config | pallas_triton.Config | None = None, causal: bool = False,
+    interpret: bool = False, **triton_options) -> tuple[jax.Array, jax.Array]:
   """Backward of ``O = transpose(dropout(P) @ V)`` with GQA: the kernel entry point.
 
   Args:

@@ -177,8 +177,11 @@ def _backward_from_delta(grad_attn_output, attn_weights, value_states, dropout_m
 
 
 def attention_softmax_dropout_value_backward_from_delta(
-    grad_attn_output, attn_weights, value_states, dropout_mask, attention_dropout, delta, *,
-    config: PassConfig | None = None, causal=False, interpret=False):
+    grad_attn_output: jax.typing.ArrayLike, attn_weights: jax.typing.ArrayLike,
+    value_states: jax.typing.ArrayLike, dropout_mask: jax.typing.ArrayLike | None,
+    attention_dropout: float | jax.typing.ArrayLike, delta: jax.typing.ArrayLike, *,
+    config: PassConfig | None = None, causal: bool = False,
+    interpret: bool = False) -> tuple[jax.Array, jax.Array]:
   """The backward of :func:`attention_softmax_dropout_value_backward`, given ``delta``
   instead of Pd: one kernel that reads P and keep, writes dS and computes dV on the way.
 

@@ -225,9 +225,10 @@ def _resolve_config(config, p_attn, grad_output, interpret) -> Config:
   return config
 
 
-def masked_softmax_dropout_backward(grad_output, p_attn, mask, dropout_mask, p_dropout, *,
-                                    config: Config | None = None, causal: bool = False,
-                                    interpret: bool = False):
+def masked_softmax_dropout_backward(
+    grad_output: jax.typing.ArrayLike, p_attn: jax.typing.ArrayLike, mask: jax.typing.ArrayLike,
+    dropout_mask: jax.typing.ArrayLike | None, p_dropout: float | jax.typing.ArrayLike, *,
+    config: Config | None = None, causal: bool = False, interpret: bool = False) -> jax.Array:
   """Gradient of the scores through masked softmax and dropout.
 
   Args:

@@ -28,8 +28,10 @@ from pallas_kernels import validation
 OP = "attention_softmax_dropout_value"
 
 
-def attention_softmax_dropout_value(scores, value_states, *, dropout_rate=0.0, dropout_rng=None,
-                                    implementation: str | None = None, interpret: bool = False):
+def attention_softmax_dropout_value(
+    scores: jax.typing.ArrayLike, value_states: jax.typing.ArrayLike, *,
+    dropout_rate: float | jax.typing.ArrayLike = 0.0, dropout_rng: jax.Array | None = None,
+    implementation: str | None = None, interpret: bool = False) -> jax.Array:
   """``transpose(dropout(softmax(scores)) @ V)`` with grouped-query value heads.
 
   Args:
@@ -38,7 +40,8 @@ def attention_softmax_dropout_value(scores, value_states, *, dropout_rate=0.0, d
     value_states: ``[B, KVH, Skv, D]``, same dtype, ``H % KVH == 0``; query head
       ``h`` reads value head ``h // (H // KVH)``.
     dropout_rate: in [0, 1); 0 means no dropout. A Python float or a traced scalar.
-    dropout_rng: a PRNG key; needed when ``dropout_rate`` may be > 0.
+    dropout_rng: a PRNG key, typed (``jax.random.key``) or a legacy ``uint32`` key
+      (``jax.random.PRNGKey``); needed when ``dropout_rate`` may be > 0.
     implementation: ``None`` (the fastest backend for the device), ``"pallas"``,
       ``"triton"``, ``"xla"`` or a registered name: the backward pass.
     interpret: run Pallas kernels in the interpreter (for CPU).

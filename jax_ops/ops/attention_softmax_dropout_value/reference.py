@@ -16,8 +16,10 @@ from pallas_kernels import validation
 
 
 def attention_softmax_dropout_value_backward_reference(
-    grad_attn_output, attn_weights, attn_weights_dropped, value_states, dropout_mask,
-    attention_dropout):
+    grad_attn_output: jax.typing.ArrayLike, attn_weights: jax.typing.ArrayLike,
+    attn_weights_dropped: jax.typing.ArrayLike, value_states: jax.typing.ArrayLike,
+    dropout_mask: jax.typing.ArrayLike | None,
+    attention_dropout: float | jax.typing.ArrayLike) -> tuple[jax.Array, jax.Array]:
   """Backward of ``O = transpose(dropout(P) @ V)`` with GQA.
 
   Args:
@@ -53,8 +55,10 @@ def attention_softmax_dropout_value_backward_reference(
   return grad_scores, grad_value
 
 
-def attention_softmax_dropout_value_forward(scores, value_states, keep, rate, *,
-                                            with_f32_output=False):
+def attention_softmax_dropout_value_forward(
+    scores: jax.typing.ArrayLike, value_states: jax.typing.ArrayLike,
+    keep: jax.typing.ArrayLike | None, rate: float | jax.typing.ArrayLike, *,
+    with_f32_output: bool = False) -> tuple[jax.Array, ...]:
   """``(O [B, Sq, H, D], P, Pd)`` for ``O = transpose(dropout(softmax(scores)) @ V)``;
   ``with_f32_output``: ``(O, P, Pd, O before its rounding, fp32)``.
 

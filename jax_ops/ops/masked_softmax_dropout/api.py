@@ -30,15 +30,18 @@ from pallas_kernels import validation
 OP = "masked_softmax_dropout"
 
 
-def masked_softmax_dropout(scores, mask, *, dropout_rate=0.0, dropout_rng=None,
-                           implementation: str | None = None, interpret: bool = False):
+def masked_softmax_dropout(
+    scores: jax.typing.ArrayLike, mask: jax.typing.ArrayLike, *,
+    dropout_rate: float | jax.typing.ArrayLike = 0.0, dropout_rng: jax.Array | None = None,
+    implementation: str | None = None, interpret: bool = False) -> jax.Array:
   """``dropout(softmax(scores.masked_fill(~mask, -1e4)))``.
 
   Args:
     scores: ``[B, H, Sq, Sk]`` float (fp32 in the usual case; bf16 and fp16 work too).
     mask: ``[B, 1, Sq, Sk]`` bool, True = attend; broadcast over the heads.
     dropout_rate: in [0, 1); 0 means no dropout. A Python float or a traced scalar.
-    dropout_rng: a PRNG key; needed when ``dropout_rate`` may be > 0.
+    dropout_rng: a PRNG key, typed (``jax.random.key``) or a legacy ``uint32`` key
+      (``jax.random.PRNGKey``); needed when ``dropout_rate`` may be > 0.
     implementation: ``None`` (the fastest backend for the device), ``"pallas"``,
       ``"triton"``, ``"xla"`` or a registered name: the backward pass (and, for the
       ``"triton"`` backend, the forward: its fused kernel).

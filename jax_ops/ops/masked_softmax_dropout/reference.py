@@ -13,7 +13,10 @@ from jax_ops._common import FLOATS, apply_dropout, check_keep, dropout_scale, f3
 from pallas_kernels import validation
 
 
-def masked_softmax_dropout_backward_reference(grad_output, p_attn, mask, dropout_mask, p_dropout):
+def masked_softmax_dropout_backward_reference(
+    grad_output: jax.typing.ArrayLike, p_attn: jax.typing.ArrayLike, mask: jax.typing.ArrayLike,
+    dropout_mask: jax.typing.ArrayLike | None,
+    p_dropout: float | jax.typing.ArrayLike) -> jax.Array:
   """Backward of ``dropout(softmax(scores.masked_fill(~mask, -1e4)))``.
 
   Args:
@@ -38,7 +41,9 @@ def masked_softmax_dropout_backward_reference(grad_output, p_attn, mask, dropout
   return jnp.where(mask, probs * (gd - s), fill).astype(p_attn.dtype)
 
 
-def masked_softmax_dropout_forward(scores, mask, keep, rate):
+def masked_softmax_dropout_forward(
+    scores: jax.typing.ArrayLike, mask: jax.typing.ArrayLike, keep: jax.typing.ArrayLike | None,
+    rate: float | jax.typing.ArrayLike) -> tuple[jax.Array, jax.Array]:
   """``(y, P)`` for ``y = dropout(softmax(scores.masked_fill(~mask, -1e4)))``.
 
   ``scores [B, H, Sq, Sk]``, ``mask [B, 1, Sq, Sk]`` bool (True = attend),

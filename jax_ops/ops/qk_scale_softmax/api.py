@@ -23,8 +23,9 @@ from pallas_kernels import validation
 OP = "qk_scale_softmax"
 
 
-def qk_scale_softmax(query, key, *, scaling: float | None = None, causal: bool = False,
-                     implementation: str | None = None, interpret: bool = False):
+def qk_scale_softmax(query: jax.typing.ArrayLike, key: jax.typing.ArrayLike, *,
+                     scaling: float | None = None, causal: bool = False,
+                     implementation: str | None = None, interpret: bool = False) -> jax.Array:
   """Attention weights ``softmax((Q @ K^T) * scaling)``.
 
   Args:
