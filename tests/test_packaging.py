@@ -3,6 +3,8 @@ SPDX license metadata with the license file, and the PEP 561 marker in both pack
 
 import os
 import re
+import shutil
+import subprocess
 import tomllib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,3 +46,20 @@ def test_py_typed_ships_in_both_packages():
   for package in ("jax_ops", "pallas_kernels"):
     assert "py.typed" in package_data.get(package, []), package
     assert os.path.isfile(os.path.join(ROOT, package, "py.typed")), package
+
+
+def test_setup_names_the_python_it_needs(tmp_path):
+  """Where no .venv works yet, setup.sh stops before pip on a Python older than 3.12 and
+  says which one it needs."""
+  (tmp_path / "scripts").mkdir()
+  shutil.copy(os.path.join(ROOT, "scripts", "setup.sh"), tmp_path / "scripts" / "setup.sh")
+  old = tmp_path / "python3.11"
+  old.write_text('#!/bin/sh\n[ "$1" = "-V" ] && echo "Python 3.11.9" && exit 0\nexit 1\n')
+  old.chmod(0o755)
+  out = subprocess.run(["bash", str(tmp_path / "scripts" / "setup.sh")], capture_output=True,
+                       text=True, env={**os.environ, "PYTHON": str(old)}, timeout=60)
+  assert out.returncode == 1
+  assert f"setup.sh: needs Python >= 3.12, but {old} is Python 3.11.9" in out.stderr
+  assert not (tmp_path / ".venv").exists()
+  meta = tomllib.loads(_read("pyproject.toml"))["project"]
+  assert meta["requires-python"] == ">=3.12"
