@@ -5,6 +5,8 @@ it too."""
 
 from __future__ import annotations
 
+import jax
+
 from pallas_kernels import validation
 from pallas_kernels._util import device_of, is_hopper
 from pallas_kernels.qk_scale_softmax import (forward, forward_mosaic_gpu, pallas_mosaic_gpu,
@@ -43,9 +45,11 @@ def kernels_for(grad_output, query, key, attn_weights, scaling, *, causal=False,
   return TRITON if why else MOSAIC_GPU
 
 
-def qk_scale_softmax_backward(grad_output, query, key, attn_weights, scaling, *,
-                              causal=False, implementation: str | None = None,
-                              interpret=False, **triton_options):
+def qk_scale_softmax_backward(
+    grad_output: jax.typing.ArrayLike, query: jax.typing.ArrayLike, key: jax.typing.ArrayLike,
+    attn_weights: jax.typing.ArrayLike, scaling: float | jax.typing.ArrayLike, *,
+    causal: bool = False, implementation: str | None = None, interpret: bool = False,
+    **triton_options) -> tuple[jax.Array, jax.Array]:
   """Backward of ``softmax((Q @ K^T) * scaling)`` to ``Q`` and ``K``: the kernel entry point.
 
   Args:

@@ -14,7 +14,10 @@ from jax_ops._common import FLOATS, causal_mask, f32, mm, round_to
 from pallas_kernels import validation
 
 
-def qk_scale_softmax_backward_reference(grad_output, query, key, attn_weights, scaling):
+def qk_scale_softmax_backward_reference(
+    grad_output: jax.typing.ArrayLike, query: jax.typing.ArrayLike, key: jax.typing.ArrayLike,
+    attn_weights: jax.typing.ArrayLike,
+    scaling: float | jax.typing.ArrayLike) -> tuple[jax.Array, jax.Array]:
   """Backward of ``softmax((Q @ K^T) * scaling)`` to Q and K.
 
   Args:
@@ -41,7 +44,9 @@ def qk_scale_softmax_backward_reference(grad_output, query, key, attn_weights, s
   return grad_query.astype(dtype), grad_key.astype(dtype)
 
 
-def qk_scale_softmax_forward(query, key, scaling, causal=False):
+def qk_scale_softmax_forward(query: jax.typing.ArrayLike, key: jax.typing.ArrayLike,
+                             scaling: float | jax.typing.ArrayLike,
+                             causal: bool = False) -> jax.Array:
   """``P = softmax((Q @ K^T) * scaling)`` in fp32, rounded to the input dtype.
 
   ``query [B, H, Sq, D]``, ``key [B, H, Sk, D]``; with ``causal`` the keys
