@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -221,11 +222,13 @@ def checked_grads(backend, grads, likes, names):
   for g, like, name in zip(grads, likes, names):
     if g is None or like is None:
       continue
-    if tuple(g.shape) != tuple(like.shape) or g.dtype != like.dtype:
+    try:
+      chex.assert_trees_all_equal_shapes_and_dtypes(g, like)
+    except AssertionError:
       raise TypeError(
           f"implementation={backend.name!r}: its backward returned the gradient of {name} as "
           f"{jnp.dtype(g.dtype).name} {list(g.shape)}, expected {jnp.dtype(like.dtype).name} "
-          f"{list(like.shape)} (the input's)")
+          f"{list(like.shape)} (the input's)") from None
   return grads
 
 
