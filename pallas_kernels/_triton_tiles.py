@@ -46,11 +46,20 @@ def padded_head_dim(head_dim: int) -> int:
   return next_power_of_2(max(head_dim, 16))
 
 
+def ds(start, size: int):
+  """``pl.ds(start, size)`` for a tile that may reach past the end of its dim (its loads and
+  stores are masked). jax >= 0.12 rejects a slice whose start is a static int and whose end
+  passes the ref's, so a static start becomes a traced int32 scalar (the kernel's jaxpr holds
+  the same literal start, so the lowering is unchanged). int32 like the traced indices beside
+  it: under x64 an int64 start would mix index types in the interpreter's ``dynamic_slice``."""
+  if isinstance(start, (int, np.integer)):
+    start = jnp.asarray(start, jnp.int32)
+  return pl.ds(start, size)
+
+
 def head_dims(d_pad: int):
-  """The ``[0, d_pad)`` slice of the head dim. Its start is a static int32, like the traced
-  indices beside it: under x64 a Python 0 would become an int64 index in the interpreter's
-  ``dynamic_slice``, which needs one index type."""
-  return pl.ds(i32(0), d_pad)
+  """The ``[0, d_pad)`` slice of the head dim (see ``ds``), inside a kernel body."""
+  return ds(0, d_pad)
 
 
 def fori_loop(lower, upper, body, init):

@@ -83,7 +83,7 @@ def _kernel(seeds_ref, scale_ref, s_ref, v_ref, out_ref, *opt_refs,
     k0 = j * block_k
     cols = k0 + jnp.arange(block_k, dtype=jnp.int32)
     k_mask = cols < seq_k if ragged_k else None
-    return cols, k_mask, tiles.outer(q_mask, k_mask), (bh, pl.ds(q0, block_q), pl.ds(k0, block_k))
+    return cols, k_mask, tiles.outer(q_mask, k_mask), (bh, pl.ds(q0, block_q), tiles.ds(k0, block_k))
 
   def scores(j):
     """Key tile ``j`` of the scores in fp32; keys past ``seq_k`` are ``-inf`` (padded rows
@@ -137,7 +137,7 @@ def _kernel(seeds_ref, scale_ref, s_ref, v_ref, out_ref, *opt_refs,
         tiles.store(keep_ref.at[idx], keep, mask)
     else:
       dropped = probs
-    v = tiles.load(v_ref.at[bk, pl.ds(j * block_k, block_k), head_dims], tiles.outer(k_mask, d_mask),
+    v = tiles.load(v_ref.at[bk, tiles.ds(j * block_k, block_k), head_dims], tiles.outer(k_mask, d_mask),
               0.0)
     # Padded keys: P = 0 (exp(-inf)) and V = 0.
     return acc + dot(dropped, v)

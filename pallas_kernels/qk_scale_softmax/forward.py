@@ -118,13 +118,13 @@ def _kernel(scale_ref, q_ref, k_ref, p_ref, *, seq_q, seq_k, head_dim, d_pad, bl
     k0 = j * block_k
     cols = k0 + jnp.arange(block_k, dtype=jnp.int32)
     k_mask = tiles.tail_mask(k0, block_k, seq_k)
-    return cols, k_mask, (bh, pl.ds(q0, block_q), pl.ds(k0, block_k))
+    return cols, k_mask, (bh, pl.ds(q0, block_q), tiles.ds(k0, block_k))
 
   def logits(j, diagonal):
     """Key tile ``j`` of ``scaling * log2(e) * Q @ K^T`` in fp32; keys past ``seq_k`` (and,
     with ``diagonal``, above the causal diagonal) are ``-inf``."""
     cols, k_mask, _ = tile(j)
-    k = tiles.load(k_ref.at[bh, pl.ds(j * block_k, block_k), dims], tiles.outer(k_mask, d_mask), 0.0)
+    k = tiles.load(k_ref.at[bh, tiles.ds(j * block_k, block_k), dims], tiles.outer(k_mask, d_mask), 0.0)
     s = dot(q, k, trans_b=True) * scale
     valid = None
     if ragged_k:

@@ -77,7 +77,7 @@ class _RowTiles:
     mask = self.row_ok[:, None] & (cols < self.seq_k)[None, :]
     if diagonal:
       mask &= cols[None, :] <= self.rows[:, None] + (self.seq_k - self.seq_q)
-    idx = (self.bh, pl.ds(self.q_start, self.block_q), pl.ds(j * self.block_k, self.block_k))
+    idx = (self.bh, pl.ds(self.q_start, self.block_q), tiles.ds(j * self.block_k, self.block_k))
     g = pltriton.load(self.g_ref.at[idx], mask=mask, other=0.0)
     p = pltriton.load(self.p_ref.at[idx], mask=mask, other=0.0)
     return g, p
@@ -86,8 +86,8 @@ class _RowTiles:
     """``K`` rows of key tile ``j``, ``[block_k, d_pad]`` (zero-padded)."""
     cols = j * self.block_k + jnp.arange(self.block_k, dtype=I32)
     mask = (cols < self.seq_k)[:, None] & self.d_ok[None, :]
-    return pltriton.load(self.k_ref.at[self.bh, pl.ds(j * self.block_k, self.block_k),
-                                       pl.ds(ZERO, self.d_pad)], mask=mask, other=0.0)
+    return pltriton.load(self.k_ref.at[self.bh, tiles.ds(j * self.block_k, self.block_k),
+                                       tiles.ds(ZERO, self.d_pad)], mask=mask, other=0.0)
 
   def dq_term(self, j, acc, delta, *, diagonal: bool):
     """``acc + dL_j @ K_j`` for key tile ``j`` (``g`` and ``P`` loaded here)."""
@@ -96,7 +96,7 @@ class _RowTiles:
     return acc + dot(d_l, self.k(j))
 
   def store(self, dq_ref, delta_ref, acc, delta):
-    pltriton.store(dq_ref.at[self.bh, pl.ds(self.q_start, self.block_q), pl.ds(ZERO, self.d_pad)],
+    pltriton.store(dq_ref.at[self.bh, pl.ds(self.q_start, self.block_q), tiles.ds(ZERO, self.d_pad)],
                    acc.astype(dq_ref.dtype), mask=self.row_ok[:, None] & self.d_ok[None, :])
     pltriton.store(delta_ref.at[self.bh, pl.ds(self.q_start, self.block_q)], delta,
                    mask=self.row_ok)
@@ -254,7 +254,7 @@ class _ColTiles:
     mask = (rows < self.seq_q)[:, None] & self.col_ok[None, :]
     if diagonal:
       mask &= self.cols[None, :] <= rows[:, None] + (self.seq_k - self.seq_q)
-    idx = (self.bh, pl.ds(q_start, self.block_q), pl.ds(self.k_start, self.block_k))
+    idx = (self.bh, pl.ds(q_start, self.block_q), tiles.ds(self.k_start, self.block_k))
     return (pltriton.load(self.g_ref.at[idx], mask=mask, other=0.0),
             pltriton.load(self.p_ref.at[idx], mask=mask, other=0.0))
 
@@ -264,13 +264,13 @@ class _ColTiles:
     row_ok = q_start + jnp.arange(self.block_q, dtype=I32) < self.seq_q
     delta = pltriton.load(self.delta_ref.at[self.bh, pl.ds(q_start, self.block_q)],
                           mask=row_ok, other=0.0)
-    q_idx = (self.bh, pl.ds(q_start, self.block_q), pl.ds(ZERO, self.d_pad))
+    q_idx = (self.bh, pl.ds(q_start, self.block_q), tiles.ds(ZERO, self.d_pad))
     q = pltriton.load(self.q_ref.at[q_idx], mask=row_ok[:, None] & self.d_ok[None, :], other=0.0)
     d_l = cm.dl_tile(g, p, delta, self.scale, self.dtype)
     return acc + dot(d_l, q, trans_a=True)
 
   def store(self, dk_ref, acc):
-    idx = (self.bh, pl.ds(self.k_start, self.block_k), pl.ds(ZERO, self.d_pad))
+    idx = (self.bh, tiles.ds(self.k_start, self.block_k), tiles.ds(ZERO, self.d_pad))
     pltriton.store(dk_ref.at[idx], acc.astype(dk_ref.dtype),
                    mask=self.col_ok[:, None] & self.d_ok[None, :])
 
