@@ -1,8 +1,25 @@
 #!/usr/bin/env bash
 # The test suite. Off a GPU the Pallas kernels run in interpret mode; GPU-only tests skip.
+#   bash scripts/test.sh [pytest args]            every test, on the pinned jax (.venv)
+#   bash scripts/test.sh --jax 0.12 [pytest args] the op-level suites and the README on jax 0.12
+#                                                 (.venv-jax012, made by scripts/setup_jax012.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+if [ "${1:-}" = "--jax" ]; then
+  if [ "${2:-}" != "0.12" ]; then
+    echo "scripts/test.sh: --jax takes 0.12 (the pinned jax is the default), got '${2:-}'" >&2
+    exit 2
+  fi
+  shift 2
+  bash scripts/setup_jax012.sh
+  python=.venv-jax012/bin/python
+  suites=(tests/attention_softmax_dropout_value tests/masked_softmax_dropout tests/qk_scale_softmax
+          tests/test_ops.py tests/test_readme.py)
+else
+  bash scripts/setup.sh
+  python=.venv/bin/python
+  suites=()
+fi
 # Off a GPU, XLA compiles each interpreted kernel for the CPU at its lowest optimization level:
 # the test shapes are small, so compiling dominates (the numbers checked are the same; GPU
 # compiles are not affected).
@@ -11,5 +28,5 @@ if ! command -v nvidia-smi > /dev/null 2>&1; then
 fi
 # -n 2: the interpreters are single-threaded; two workers use both cores of a CI machine.
 # --dist worksteal: an idle worker takes queued tests from the other, so the slow tests at the
-# end do not leave one core idle.
-exec .venv/bin/python -m pytest -q -n 2 --dist worksteal "$@"
+# end do not leave one core idle. pytest exits 5 when it collects no test: that fails too.
+exec "$python" -m pytest -q -n 2 --dist worksteal "${suites[@]}" "$@"

@@ -63,3 +63,17 @@ def test_setup_names_the_python_it_needs(tmp_path):
   assert not (tmp_path / ".venv").exists()
   meta = tomllib.loads(_read("pyproject.toml"))["project"]
   assert meta["requires-python"] == ">=3.12"
+
+
+def test_jax_range_holds_both_tested_versions():
+  """pyproject.toml admits a jax range; CI tests its ends: the pins of constraints.txt and
+  the jax of scripts/setup_jax012.sh."""
+  from packaging.requirements import Requirement
+  pins = dict(re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)$", _read("constraints.txt"), flags=re.M))
+  newest = re.search(r"^JAX_VERSION=(\S+)$", _read("scripts/setup_jax012.sh"), flags=re.M)[1]
+  deps = [Requirement(d) for d in tomllib.loads(_read("pyproject.toml"))["project"]["dependencies"]]
+  specs = {r.name: r.specifier for r in deps}
+  for name in ("jax", "jaxlib"):
+    assert not specs[name].contains("0.11.1") and not specs[name].contains("0.13.0"), specs[name]
+    assert specs[name].contains(pins[name]) and specs[name].contains(newest), specs[name]
+  assert newest.startswith("0.12.")
