@@ -71,7 +71,7 @@ def _dl_block(q0, *, bh, scale_ref, g_ref, p_ref, dl_refs, seq_q: int, seq_k: in
     last = rows // group * group + group  # 1 + the last row of the row's group
     written = cols[None, :] < (last[:, None] + (seq_k - seq_q) + keys - 1) // keys * keys
     store = written if store is None else store & written
-  tile = (bh, pl.ds(q0, block_q), pl.ds(ZERO, width))
+  tile = (bh, pl.ds(q0, block_q), tiles.ds(ZERO, width))
   g = tiles.load(g_ref.at[tile], read, cache_modifier=".cg")
   p = tiles.load(p_ref.at[tile], read, cache_modifier=".cg")
   if causal:  # the keys past the diagonal that the vectors brought in
@@ -259,7 +259,7 @@ def _gemm_tile(i, head, dl_refs, x_ref, o_ref, *, transpose: bool, causal: bool,
     else:  # dL tile [out (queries), red (keys)]
       idx = (head, pl.ds(o0, out_block), pl.ds(r0, red_block))
       a_mask = _and_masks(ok(o0, out_block, out_len, 0), ok(r0, red_block, red_len, 1))
-    x = tiles.load(x_ref.at[head, pl.ds(r0, red_block), pl.ds(ZERO, d_pad)],
+    x = tiles.load(x_ref.at[head, pl.ds(r0, red_block), tiles.ds(ZERO, d_pad)],
                    _and_masks(ok(r0, red_block, red_len, 0), d_ok))
     for ref in dl_refs:  # dL, or its (hi, lo)
       acc += dot(tiles.load(ref.at[idx], a_mask), x, trans_a=transpose)
@@ -271,7 +271,7 @@ def _gemm_tile(i, head, dl_refs, x_ref, o_ref, *, transpose: bool, causal: bool,
   elif causal:
     hi = cm.row_num_k_tiles(i, seq_q, seq_k, block_q, block_k)
   acc = tiles.fori_loop(lo, hi, body, jnp.zeros((out_block, d_pad), F32))
-  tiles.store(o_ref.at[head, pl.ds(o0, out_block), pl.ds(ZERO, d_pad)],
+  tiles.store(o_ref.at[head, pl.ds(o0, out_block), tiles.ds(ZERO, d_pad)],
               acc.astype(o_ref.dtype), _and_masks(ok(o0, out_block, out_len, 0), d_ok))
 
 

@@ -40,7 +40,7 @@ def _head_kernel(scale_ref, g_ref, p_ref, q_ref, k_ref, dq_ref, dk_ref, *, seq_q
   col_ok = cols < seq_k
   d_ok = jnp.arange(d_pad, dtype=I32) < head_dim
   offset = seq_k - seq_q
-  k = pltriton.load(k_ref.at[bh, pl.ds(ZERO, block_k), pl.ds(ZERO, d_pad)],
+  k = pltriton.load(k_ref.at[bh, tiles.ds(ZERO, block_k), tiles.ds(ZERO, d_pad)],
                     mask=col_ok[:, None] & d_ok[None, :], other=0.0)
 
   def body(i, acc):
@@ -50,18 +50,18 @@ def _head_kernel(scale_ref, g_ref, p_ref, q_ref, k_ref, dq_ref, dk_ref, *, seq_q
     mask = row_ok[:, None] & col_ok[None, :]
     if causal:
       mask &= cols[None, :] <= rows[:, None] + offset
-    idx = (bh, pl.ds(q_start, block_q), pl.ds(ZERO, block_k))
+    idx = (bh, pl.ds(q_start, block_q), tiles.ds(ZERO, block_k))
     g = pltriton.load(g_ref.at[idx], mask=mask, other=0.0)
     p = pltriton.load(p_ref.at[idx], mask=mask, other=0.0)
     d_l = cm.dl_tile(g, p, *cm.row_delta(g, p, accurate), scale, dtype)
-    qd_idx = (bh, pl.ds(q_start, block_q), pl.ds(ZERO, d_pad))
+    qd_idx = (bh, pl.ds(q_start, block_q), tiles.ds(ZERO, d_pad))
     qd_mask = row_ok[:, None] & d_ok[None, :]
     pltriton.store(dq_ref.at[qd_idx], cm.dot_parts(d_l, k).astype(dq_ref.dtype), mask=qd_mask)
     q = pltriton.load(q_ref.at[qd_idx], mask=qd_mask, other=0.0)
     return acc + cm.dot_parts(d_l, q, trans_a=True)
 
   acc = tiles.fori_loop(0, pl.cdiv(seq_q, block_q), body, jnp.zeros((block_k, d_pad), F32))
-  pltriton.store(dk_ref.at[bh, pl.ds(ZERO, block_k), pl.ds(ZERO, d_pad)],
+  pltriton.store(dk_ref.at[bh, tiles.ds(ZERO, block_k), tiles.ds(ZERO, d_pad)],
                  acc.astype(dk_ref.dtype), mask=col_ok[:, None] & d_ok[None, :])
 
 

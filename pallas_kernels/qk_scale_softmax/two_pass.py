@@ -86,7 +86,7 @@ class _RowTiles:
     mask = self.row_ok[:, None] & (cols < self.seq_k)[None, :]
     if diagonal:
       mask &= cols[None, :] <= self.rows[:, None] + (self.seq_k - self.seq_q)
-    idx = (self.bh, pl.ds(self.q_start, self.block_q), pl.ds(j * self.block_k, self.block_k))
+    idx = (self.bh, pl.ds(self.q_start, self.block_q), tiles.ds(j * self.block_k, self.block_k))
     g = pltriton.load(self.g_ref.at[idx], mask=mask, other=0.0)
     p = pltriton.load(self.p_ref.at[idx], mask=mask, other=0.0)
     return g, p
@@ -95,8 +95,8 @@ class _RowTiles:
     """``K`` rows of key tile ``j``, ``[block_k, d_pad]`` (zero-padded)."""
     cols = j * self.block_k + jnp.arange(self.block_k, dtype=I32)
     mask = (cols < self.seq_k)[:, None] & self.d_ok[None, :]
-    return pltriton.load(self.k_ref.at[self.bh, pl.ds(j * self.block_k, self.block_k),
-                                       pl.ds(ZERO, self.d_pad)], mask=mask, other=0.0)
+    return pltriton.load(self.k_ref.at[self.bh, tiles.ds(j * self.block_k, self.block_k),
+                                       tiles.ds(ZERO, self.d_pad)], mask=mask, other=0.0)
 
   def dq_term(self, j, acc, stats, *, diagonal: bool):
     """``acc + dL_j @ K_j`` for key tile ``j`` (``g`` and ``P`` loaded here; ``stats`` the
@@ -106,7 +106,7 @@ class _RowTiles:
     return acc + cm.dot_parts(d_l, self.k(j))
 
   def store(self, dq_ref, stat_refs, acc, stats):
-    pltriton.store(dq_ref.at[self.bh, pl.ds(self.q_start, self.block_q), pl.ds(ZERO, self.d_pad)],
+    pltriton.store(dq_ref.at[self.bh, pl.ds(self.q_start, self.block_q), tiles.ds(ZERO, self.d_pad)],
                    acc.astype(dq_ref.dtype), mask=self.row_ok[:, None] & self.d_ok[None, :])
     for ref, x in zip(stat_refs, stats):  # delta, and r with ``accurate``
       pltriton.store(ref.at[self.bh, pl.ds(self.q_start, self.block_q)], x, mask=self.row_ok)
@@ -270,7 +270,7 @@ class _ColTiles:
     mask = (rows < self.seq_q)[:, None] & self.col_ok[None, :]
     if diagonal:
       mask &= self.cols[None, :] <= rows[:, None] + (self.seq_k - self.seq_q)
-    idx = (self.bh, pl.ds(q_start, self.block_q), pl.ds(self.k_start, self.block_k))
+    idx = (self.bh, pl.ds(q_start, self.block_q), tiles.ds(self.k_start, self.block_k))
     return (pltriton.load(self.g_ref.at[idx], mask=mask, other=0.0),
             pltriton.load(self.p_ref.at[idx], mask=mask, other=0.0))
 
@@ -281,13 +281,13 @@ class _ColTiles:
     stats = [pltriton.load(ref.at[self.bh, pl.ds(q_start, self.block_q)], mask=row_ok,
                            other=0.0) for ref in self.stat_refs]
     delta, r = stats if len(stats) == 2 else (stats[0], None)
-    q_idx = (self.bh, pl.ds(q_start, self.block_q), pl.ds(ZERO, self.d_pad))
+    q_idx = (self.bh, pl.ds(q_start, self.block_q), tiles.ds(ZERO, self.d_pad))
     q = pltriton.load(self.q_ref.at[q_idx], mask=row_ok[:, None] & self.d_ok[None, :], other=0.0)
     d_l = cm.dl_tile(g, p, delta, r, self.scale, self.dtype)
     return acc + cm.dot_parts(d_l, q, trans_a=True)
 
   def store(self, dk_ref, acc):
-    idx = (self.bh, pl.ds(self.k_start, self.block_k), pl.ds(ZERO, self.d_pad))
+    idx = (self.bh, tiles.ds(self.k_start, self.block_k), tiles.ds(ZERO, self.d_pad))
     pltriton.store(dk_ref.at[idx], acc.astype(dk_ref.dtype),
                    mask=self.col_ok[:, None] & self.d_ok[None, :])
 
