@@ -49,7 +49,7 @@ def qk_scale_softmax_backward(
     grad_output: jax.typing.ArrayLike, query: jax.typing.ArrayLike, key: jax.typing.ArrayLike,
     attn_weights: jax.typing.ArrayLike, scaling: float | jax.typing.ArrayLike, *,
     causal: bool = False, implementation: str | None = None, interpret: bool = False,
-    accurate: bool = False, **triton_options) -> tuple[jax.Array, jax.Array]:
+    **triton_options) -> tuple[jax.Array, jax.Array]:
   """Backward of ``softmax((Q @ K^T) * scaling)`` to ``Q`` and ``K``: the kernel entry point.
 
   Args:
@@ -63,19 +63,6 @@ def qk_scale_softmax_backward(
       equal the dense ones.
     implementation: ``None`` (:func:`kernels_for`), ``"mosaic_gpu"`` or ``"triton"``.
     interpret: run in the Pallas interpreter (any machine).
-    accurate: ``False`` (default): ``dL = dtype(dtype(P * (g - rowsum(g * P))) * scaling)``,
-      exactly as the reference (``jax_ops.qk_scale_softmax_backward_reference``, the public
-      benchmark's spec). ``True``: the differentiable op's backward, as accurate as autodiff
-      of a mixed-precision jnp forward (which keeps an fp32 P): where a row of ``P`` is a
-      rounded softmax (sums to 1 within ``2**-6``), ``P`` is corrected to sum to 1,
-      ``P'_ij = P_ij (1 + r_i P_ij)`` with ``r_i = (1 - sum_j P_ij) / sum_j P_ij^2``, and
-      ``dL = scaling * P' * (g - rowsum(g * P'))`` (fp32) enters the GEMMs as two operands
-      in the inputs' dtype, ``hi = dtype(dL)`` and ``lo = dtype(dL - hi)``. Without the
-      correction a sharp softmax loses the gradient (``P_ii`` rounds to 1 and ``g -
-      rowsum(g * P)`` cancels); without ``lo`` the error is that of one more rounding of
-      ``dL``, which autodiff of a jnp forward does not have. Cost: three more row sums and
-      twice the MMAs; the same loads and stores, but for the Triton ``"dl_gemm"`` scheme,
-      which writes and reads two ``dL`` buffers.
     **triton_options: the Triton entry point's other keywords (``config``, ``block_q``,
       ``block_k``, ``num_warps``, ``num_stages``); they select the Triton kernels.
 
@@ -96,11 +83,10 @@ def qk_scale_softmax_backward(
     if chosen:
       raise TypeError(f"implementation='mosaic_gpu' takes no Triton options, got {chosen}")
     return pallas_mosaic_gpu.qk_scale_softmax_backward(*args, causal=causal,
-                                                       interpret=interpret,
-                                                       accurate=accurate)
+                                                       interpret=interpret)
   if implementation == TRITON:
     return pallas_triton.qk_scale_softmax_backward(*args, causal=causal, interpret=interpret,
-                                                   accurate=accurate, **triton_options)
+                                                   **triton_options)
   raise ValueError(f"implementation: expected None or one of {IMPLEMENTATIONS}, got "
                    f"{implementation!r}")
 

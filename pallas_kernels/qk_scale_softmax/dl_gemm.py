@@ -6,7 +6,6 @@ reads ``g`` and ``P`` once. The GEMM launch runs a program per ``[block_q, D]`` 
 of either gradient: the two GEMMs in one grid fill the GPU where each alone would leave it
 part idle. Traffic per attention element in bf16: ``g`` and ``P`` read (4 B), ``dL``
 written (2 B) and read by each GEMM (4 B): 10 B, and a ``dL`` buffer the size of ``P``.
-With ``accurate`` (:mod:`._common`) ``dL`` is the pair ``(hi, lo)``: two buffers, 16 B.
 16-bit inputs with ``D <= 128`` only.
 
 Rows of ``Sk % 8 != 0`` keys (dense, ``DlConfig.phased``) are read and written as row classes
@@ -43,16 +42,15 @@ def takes(dtype, head_dim: int) -> bool:
   return jnp.dtype(dtype).itemsize <= 2 and tiles.padded_head_dim(head_dim) <= 128
 
 
-def _dl_block(q0, *, bh, scale_ref, g_ref, p_ref, dl_refs, seq_q: int, seq_k: int,
+def _dl_block(q0, *, bh, scale_ref, g_ref, p_ref, dl_ref, seq_q: int, seq_k: int,
               block_q: int, width: int, causal: bool = False, causal_tile=None,
-              row_end: int | None = None, whole_blocks: bool | None = None,
-              accurate: bool = False):
+              row_end: int | None = None, whole_blocks: bool | None = None):
   """``dL`` of the rows ``[q0, q0 + block_q)`` of head ``bh`` below ``row_end`` (default
   ``seq_q``; ``whole_blocks``: no row past it, statically), ``width`` keys of each (a power
   of two >= the keys read and written). Causal, ``causal_tile = (R, T)``: row ``i`` is read
   up to the vector of 8 keys holding its diagonal (loads stay 16-byte vectors) and written
   (0 above the diagonal) up to the first multiple of ``T`` keys past the diagonal of the
-  last row of its group of ``R`` rows. ``accurate``: the accurate ``dL`` (:mod:`._common`)."""
+  last row of its group of ``R`` rows."""
   rows = q0 + jnp.arange(block_q, dtype=I32)
   cols = jnp.arange(width, dtype=I32)
   row_end = seq_q if row_end is None else row_end
@@ -78,16 +76,14 @@ def _dl_block(q0, *, bh, scale_ref, g_ref, p_ref, dl_refs, seq_q: int, seq_k: in
     below = cols[None, :] < end
     g = jnp.where(below, g, jnp.zeros_like(g))
     p = jnp.where(below, p, jnp.zeros_like(p))
-  dl = cm.dl_tile(g, p, *cm.row_delta(g, p, accurate), scale_ref[0],
-                  dl_refs[0].dtype)  # 0 where not read
-  for ref, part in zip(dl_refs, dl):  # dL, or its (hi, lo) with ``accurate``
-    tiles.store(ref.at[tile], part, store)
+  dl = cm.dl_tile(g, p, cm.row_delta(g, p), scale_ref[0], dl_ref.dtype)  # 0 where not read
+  tiles.store(dl_ref.at[tile], dl, store)
 
 
-def _dl_kernel(scale_ref, g_ref, p_ref, *dl_refs, block_q: int, **dims):
+def _dl_kernel(scale_ref, g_ref, p_ref, dl_ref, *, block_q: int, **dims):
   """Dense: ``dL`` of ``block_q`` whole rows of one head."""
   _dl_block(pl.program_id(0) * block_q, bh=pl.program_id(1), scale_ref=scale_ref, g_ref=g_ref,
-            p_ref=p_ref, dl_refs=dl_refs, block_q=block_q, **dims)
+            p_ref=p_ref, dl_ref=dl_ref, block_q=block_q, **dims)
 
 
 def dl_classes(seq_q: int, seq_k: int, rows: int,
@@ -119,8 +115,8 @@ def dl_classes(seq_q: int, seq_k: int, rows: int,
   return out
 
 
-def _dl_kernel_classes(scale_ref, g_ref, p_ref, *dl_refs, seq_q: int, seq_k: int,
-                       classes, causal_tile: tuple[int, int], accurate: bool):
+def _dl_kernel_classes(scale_ref, g_ref, p_ref, dl_ref, *, seq_q: int, seq_k: int,
+                       classes, causal_tile: tuple[int, int]):
   """Causal ``dL`` in row classes (:func:`dl_classes`): one program id range per class,
   longest rows first; a program holds ``block_q`` rows of its class's ``width``."""
   pid, bh = pl.program_id(0), pl.program_id(1)  # outside the branches (the interpreter)
@@ -131,15 +127,15 @@ def _dl_kernel_classes(scale_ref, g_ref, p_ref, *dl_refs, seq_q: int, seq_k: int
     @pl.when((pid >= start) & (pid < start + n))
     def _(lo=lo, hi=hi, width=width, block_q=block_q, start=start):
       _dl_block((pid - start) * block_q + lo, bh=bh, scale_ref=scale_ref,
-                g_ref=g_ref, p_ref=p_ref, dl_refs=dl_refs, seq_q=seq_q, seq_k=seq_k,
+                g_ref=g_ref, p_ref=p_ref, dl_ref=dl_ref, seq_q=seq_q, seq_k=seq_k,
                 block_q=block_q, width=width, causal=True, causal_tile=causal_tile,
-                row_end=hi, whole_blocks=(hi - lo) % block_q == 0, accurate=accurate)
+                row_end=hi, whole_blocks=(hi - lo) % block_q == 0)
 
     start += n
 
 
-def _dl_kernel_phased(scale_ref, g_ref, p_ref, *dl_refs, seq_q: int, seq_k: int,
-                      block_q: int, width: int, align: int, accurate: bool):
+def _dl_kernel_phased(scale_ref, g_ref, p_ref, dl_ref, *, seq_q: int, seq_k: int,
+                      block_q: int, width: int, align: int):
   """Dense ``dL`` for rows of ``Sk % 8 != 0`` keys, on 16-byte aligned tiles: one program =
   one row class (``block_q`` rows ``align`` apart, ``pallas_kernels._phase``) of one head,
   the row held from ``phase`` keys early (``width >= Sk + align - 1``), so that ``g`` and
@@ -159,10 +155,9 @@ def _dl_kernel_phased(scale_ref, g_ref, p_ref, *dl_refs, seq_q: int, seq_k: int,
   p = pltriton.load(p_ref.at[offs], mask=mask, other=0.0)
   g = jnp.where(inside, g, jnp.zeros_like(g))  # the neighbouring rows' keys
   p = jnp.where(inside, p, jnp.zeros_like(p))
-  dl = cm.dl_tile(g, p, *cm.row_delta(g, p, accurate), scale_ref[0], dl_refs[0].dtype)
-  for ref, part in zip(dl_refs, dl):  # dL, or its (hi, lo) with ``accurate``
-    tiles.store(ref.at[offs], part, row_ok & vector[None, :])
-    tiles.store(ref.at[offs], part, row_ok & (valid & jnp.logical_not(vector))[None, :])
+  dl = cm.dl_tile(g, p, cm.row_delta(g, p), scale_ref[0], dl_ref.dtype)
+  tiles.store(dl_ref.at[offs], dl, row_ok & vector[None, :])
+  tiles.store(dl_ref.at[offs], dl, row_ok & (valid & jnp.logical_not(vector))[None, :])
 
 
 def dl_phased(seq_k: int, cfg: DlConfig, causal: bool, *sizes: int) -> bool:
@@ -171,11 +166,9 @@ def dl_phased(seq_k: int, cfg: DlConfig, causal: bool, *sizes: int) -> bool:
   return cfg.phased and not causal and _phase.usable(seq_k, *sizes)
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "cfg", "interpret", "causal_tile",
-                                             "accurate"))
-def dl_pass(scale, g, p, *, causal=False, cfg, interpret, causal_tile=None, accurate=False):
-  """``dL [B*H, Sq, Sk]`` (the input dtype, rounded as the reference rounds it; with
-  ``accurate`` the pair ``(hi, lo)`` of the accurate form, :mod:`._common`) from 3D
+@functools.partial(jax.jit, static_argnames=("causal", "cfg", "interpret", "causal_tile"))
+def dl_pass(scale, g, p, *, causal=False, cfg, interpret, causal_tile=None):
+  """``dL [B*H, Sq, Sk]`` (the input dtype, rounded as the reference rounds it) from 3D
   ``[B*H, Sq, Sk]`` views of ``g`` and ``P``, ``g`` and ``P`` read once. Dense:
   ``cfg.rows`` whole rows per program (:func:`_dl_kernel`, or :func:`_dl_kernel_phased`
   where :func:`dl_phased`). Causal (``causal_tile = (R, T)`` required): the row classes of
@@ -183,42 +176,39 @@ def dl_pass(scale, g, p, *, causal=False, cfg, interpret, causal_tile=None, accu
   past the diagonal of the last row of each group of ``R`` rows, and unwritten past it,
   where GEMMs with tiles :func:`causal_tile_of` never read it."""
   bh, seq_q, seq_k = g.shape
-  parts = 2 if accurate else 1
   if dl_phased(seq_k, cfg, causal, g.size):
     align, block = _phase.resolve(_phase.ALIGN, seq_q, cfg.rows, _phase.ALIGN)
     width = dl_width(seq_k + align - 1)  # the row from up to align - 1 keys early
     dl = pallas_call(
         functools.partial(_dl_kernel_phased, seq_q=seq_q, seq_k=seq_k, block_q=block,
-                          width=width, align=align, accurate=accurate),
-        out_shape=(out_struct((bh * seq_q * seq_k,), g.dtype, g, p),) * parts,
+                          width=width, align=align),
+        out_shape=out_struct((bh * seq_q * seq_k,), g.dtype, g, p),
         grid=(_phase.num_programs(seq_q, align, block), bh),
         compiler_params=compiler_params(cfg.num_warps, 1),
         interpret=interpret,
         name="qk_scale_softmax_bwd_dl",
     )(scale, g.reshape(-1), p.reshape(-1))
-    dl = tuple(x.reshape(bh, seq_q, seq_k) for x in dl)
-    return dl if accurate else dl[0]
+    return dl.reshape(bh, seq_q, seq_k)
   enable_load_cache_modifiers("the dL kernel's .cg loads")
   if causal:
     if causal_tile is None:
       raise ValueError("dl_pass: a causal dL needs the GEMMs' causal_tile")
     classes = dl_classes(seq_q, seq_k, cfg.rows, causal_tile)
     kernel = functools.partial(_dl_kernel_classes, seq_q=seq_q, seq_k=seq_k, classes=classes,
-                               causal_tile=causal_tile, accurate=accurate)
+                               causal_tile=causal_tile)
     programs = sum(pl.cdiv(hi - lo, block_q) for lo, hi, _, block_q in classes)
   else:
     kernel = functools.partial(_dl_kernel, seq_q=seq_q, seq_k=seq_k, block_q=cfg.rows,
-                               width=dl_width(seq_k), accurate=accurate)
+                               width=dl_width(seq_k))
     programs = pl.cdiv(seq_q, cfg.rows)
-  dl = pallas_call(
+  return pallas_call(
       kernel,
-      out_shape=(out_struct((bh, seq_q, seq_k), g.dtype, g, p),) * parts,
+      out_shape=out_struct((bh, seq_q, seq_k), g.dtype, g, p),
       grid=(programs, bh),
       compiler_params=compiler_params(cfg.num_warps, 1),
       interpret=interpret,
       name="qk_scale_softmax_bwd_dl",
   )(scale, g, p)
-  return tuple(dl) if accurate else dl[0]
 
 
 def _and_masks(*masks):
@@ -229,7 +219,7 @@ def _and_masks(*masks):
   return out
 
 
-def _gemm_tile(i, head, dl_refs, x_ref, o_ref, *, transpose: bool, causal: bool, seq_q: int,
+def _gemm_tile(i, head, dl_ref, x_ref, o_ref, *, transpose: bool, causal: bool, seq_q: int,
                seq_k: int, head_dim: int, block_q: int, block_k: int):
   """Output tile ``i`` of head ``head``: ``dL @ K`` (``transpose=False``: ``block_q`` query
   rows, the loop over key tiles) or ``dL^T @ Q`` (``block_k`` key rows, the loop over query
@@ -259,11 +249,10 @@ def _gemm_tile(i, head, dl_refs, x_ref, o_ref, *, transpose: bool, causal: bool,
     else:  # dL tile [out (queries), red (keys)]
       idx = (head, pl.ds(o0, out_block), pl.ds(r0, red_block))
       a_mask = _and_masks(ok(o0, out_block, out_len, 0), ok(r0, red_block, red_len, 1))
+    a = tiles.load(dl_ref.at[idx], a_mask)
     x = tiles.load(x_ref.at[head, pl.ds(r0, red_block), tiles.ds(ZERO, d_pad)],
                    _and_masks(ok(r0, red_block, red_len, 0), d_ok))
-    for ref in dl_refs:  # dL, or its (hi, lo)
-      acc += dot(tiles.load(ref.at[idx], a_mask), x, trans_a=transpose)
-    return acc
+    return acc + dot(a, x, trans_a=transpose)
 
   lo, hi = 0, pl.cdiv(red_len, red_block)
   if causal and transpose:
@@ -275,32 +264,29 @@ def _gemm_tile(i, head, dl_refs, x_ref, o_ref, *, transpose: bool, causal: bool,
               acc.astype(o_ref.dtype), _and_masks(ok(o0, out_block, out_len, 0), d_ok))
 
 
-def _gemms_kernel(*refs, q_tiles: int, dq_dims, dk_dims):
+def _gemms_kernel(dl_ref, k_ref, q_ref, dq_ref, dk_ref, *, q_tiles: int, dq_dims, dk_dims):
   """The ``grad_query`` tiles (the first ``q_tiles`` programs of the grid's first axis) and
   the ``grad_key`` tiles (the rest) of one head, in one launch."""
-  *dl_refs, k_ref, q_ref, dq_ref, dk_ref = refs
   i, bh = pl.program_id(0), pl.program_id(1)
 
   @pl.when(i < q_tiles)
   def _dq():
-    _gemm_tile(i, bh, dl_refs, k_ref, dq_ref, transpose=False, **dq_dims)
+    _gemm_tile(i, bh, dl_ref, k_ref, dq_ref, transpose=False, **dq_dims)
 
   @pl.when(i >= q_tiles)
   def _dk():
-    _gemm_tile(i - q_tiles, bh, dl_refs, q_ref, dk_ref, transpose=True, **dk_dims)
+    _gemm_tile(i - q_tiles, bh, dl_ref, q_ref, dk_ref, transpose=True, **dk_dims)
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "cfg", "interpret"))
 def dl_gemms(dl, q, k, *, causal: bool = False, cfg: PassConfig, interpret):
-  """``(dL @ K, dL^T @ Q)`` (``grad_query``, ``grad_key``) from ``dL [B*H, Sq, Sk]`` (or
-  :func:`dl_pass`'s pair ``(hi, lo)``: ``(hi + lo) @ K`` etc., two MMAs per tile), ``Q
+  """``(dL @ K, dL^T @ Q)`` (``grad_query``, ``grad_key``) from ``dL [B*H, Sq, Sk]``, ``Q
   [B*H, Sq, D]`` and ``K [B*H, Sk, D]`` in one Triton launch: a program computes one
   ``[block_q, D]`` output tile of either (``grad_query``: ``block_q`` query rows, steps of
   ``block_k`` keys; ``grad_key``: ``block_q`` keys, steps of ``block_k`` query rows; tiles
   capped at the padded lengths), fp32 accumulation, rounded once. ``causal``: ``dL`` is 0
   above the diagonal where these tiles read it, and the tiles wholly above it are skipped."""
-  dls = tuple(dl) if isinstance(dl, (tuple, list)) else (dl,)
-  bh, seq_q, seq_k = dls[0].shape
+  bh, seq_q, seq_k = dl.shape
   head_dim = q.shape[-1]
   # grad_key's tiles are cfg's transposed (block_q keys, block_k query rows).
   dq = cfg.capped(seq_q, seq_k)
@@ -310,7 +296,7 @@ def dl_gemms(dl, q, k, *, causal: bool = False, cfg: PassConfig, interpret):
   dk_dims = dict(common, block_q=dk.block_q, block_k=dk.block_k)
   q_tiles = pl.cdiv(seq_q, dq_dims["block_q"])
   grid = (q_tiles + pl.cdiv(seq_k, dk_dims["block_k"]), bh)
-  like = (*dls, q, k)
+  like = (dl, q, k)
   return pallas_call(
       functools.partial(_gemms_kernel, q_tiles=q_tiles, dq_dims=dq_dims, dk_dims=dk_dims),
       out_shape=(out_struct((bh, seq_q, head_dim), q.dtype, *like),
@@ -319,7 +305,7 @@ def dl_gemms(dl, q, k, *, causal: bool = False, cfg: PassConfig, interpret):
       compiler_params=compiler_params(cfg.num_warps, cfg.num_stages),
       interpret=interpret,
       name="qk_scale_softmax_bwd_dl_gemms",
-  )(*dls, k, q)
+  )(dl, k, q)
 
 
 def causal_tile_of(*cfgs: PassConfig) -> tuple[int, int]:
@@ -330,10 +316,10 @@ def causal_tile_of(*cfgs: PassConfig) -> tuple[int, int]:
   return side, side
 
 
-def dl_gemm(scale, g, p, q, k, *, causal=False, cfg: DlConfig, interpret, accurate=False):
-  """The scheme on 3D ``[B*H, ...]`` views: ``dL`` from :func:`dl_pass` (``accurate``), then
+def dl_gemm(scale, g, p, q, k, *, causal=False, cfg: DlConfig, interpret):
+  """The scheme on 3D ``[B*H, ...]`` views: ``dL`` from :func:`dl_pass`, then
   ``(grad_query, grad_key)`` from :func:`dl_gemms` (tiles ``cfg.gemm``)."""
   causal_tile = causal_tile_of(cfg.gemm) if causal else None
   dl = dl_pass(scale, g, p, causal=causal, cfg=cfg, interpret=interpret,
-               causal_tile=causal_tile, accurate=accurate)
+               causal_tile=causal_tile)
   return dl_gemms(dl, q, k, causal=causal, cfg=cfg.gemm, interpret=interpret)

@@ -7,10 +7,6 @@ Same math as the Triton kernels (:mod:`.pallas_triton`)::
   dL_ij   = dtype(dtype(P_ij * (g_ij - delta_i)) * scaling)
   dQ      = dL @ K,     dK = dL^T @ Q         (wgmma, fp32 accumulation)
 
-or, with ``accurate`` (:mod:`._common`), ``P`` corrected to its softmax normalization and
-``dL = scaling * P (1 + r P) (g - delta)`` kept as two 16-bit tiles ``hi`` and ``lo`` (over
-the ``g`` and ``P`` tiles in shared memory; two wgmma per product).
-
 One read of ``g`` and ``P`` (4 B per attention element in bf16, the floor). One warpgroup
 issues the TMA copies of a two-stage ring; two consumer warpgroups run the math. A step is
 a tile of 64 query rows of one head: ``g``, ``P`` ``[64, 128]``, its ``Q`` rows and the
@@ -43,7 +39,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _mosaic, validation
 from pallas_kernels._util import out_struct
-from pallas_kernels.qk_scale_softmax._common import add_sums, row_stats, split
 
 f32 = jnp.float32
 i32 = np.int32  # index constants: int32 under x64 too (lax.div/rem need one dtype)
@@ -77,60 +72,40 @@ def _round_to(x, dtype):
   return x.astype(dtype).astype(f32)
 
 
-def _row_sums(g, p, accurate):
-  """:func:`._common.row_sums` of a tile in the WGMMA layout (``g``, ``P`` fp32)."""
-  gp = g * p
-  if not accurate:
-    return (jnp.sum(gp, axis=1),)
-  return (jnp.sum(gp, axis=1), jnp.sum(gp * p, axis=1), jnp.sum(p, axis=1),
-          jnp.sum(p * p, axis=1))
+def _scaled_dl(g, p, delta, scale, dtype):
+  """``dtype(dtype(P * (g - delta)) * scale)`` of a tile (``g``, ``P`` fp32, ``delta`` its
+  row sums): ``dL`` rounded as the reference rounds it."""
+  dl = _round_to(p * (g - lax.broadcast_in_dim(delta, g.shape, [0])), dtype)
+  return (dl * scale).astype(dtype)
 
 
-def _scaled_dl(g, p, delta, r, scale, dtype):
-  """``dL`` of a tile (``g``, ``P`` fp32; ``delta``, ``r`` from :func:`._common.row_stats`)
-  as the GEMMs' operands: ``(dtype(dtype(P * (g - delta)) * scale),)`` (``r is None``, as
-  the reference rounds it) or :func:`._common.split` of ``scale * P (1 + r P) (g - delta)``
-  (``(hi, lo)``)."""
-  if r is not None:
-    p = p * (1.0 + lax.broadcast_in_dim(r, g.shape, [0]) * p)
-  dl = p * (g - lax.broadcast_in_dim(delta, g.shape, [0]))
-  if r is None:
-    return ((_round_to(dl, dtype) * scale).astype(dtype),)
-  return split(dl * scale, dtype, _round_to)
-
-
-def _dl_over_g(g_smem, p_smem, keys, other, p_done, read_barrier, dl_barrier, *, scale,
-               accurate):
+def _dl_over_g(g_smem, p_smem, keys, other, p_done, read_barrier, dl_barrier, *, scale):
   """One consumer warpgroup's half of a step's ``dL``, written over its half of the ``g``
-  tile (with ``accurate``: ``hi`` there and ``lo`` over its half of the ``P`` tile); returns
-  once both halves are written.
+  tile; returns once both halves are written.
 
   ``delta``: each warpgroup sums the whole row (no exchange buffer), the other warpgroup's
   half first (its values die before this half's are loaded). ``p_done`` is arrived once P
-  is read (with ``accurate`` the caller arrives it after the GEMMs, which read ``lo``
-  there); ``read_barrier`` holds the dL write until both have read ``g`` and ``P``;
-  ``dl_barrier`` until both halves are written (the GEMMs read the whole tile).
+  is read; ``read_barrier`` holds the dL write until both have read ``g``; ``dl_barrier``
+  until both halves are written (the GEMMs read the whole tile).
   """
   layout = plgpu.Layout.WGMMA
   dtype = g_smem.dtype
-  other_sums = _row_sums(plgpu.load(g_smem.at[:, other], layout=layout).astype(f32),
-                         plgpu.load(p_smem.at[:, other], layout=layout).astype(f32), accurate)
+  other_sum = jnp.sum(plgpu.load(g_smem.at[:, other], layout=layout).astype(f32)
+                      * plgpu.load(p_smem.at[:, other], layout=layout).astype(f32), axis=1)
   g = plgpu.load(g_smem.at[:, keys], layout=layout).astype(f32)
   p = plgpu.load(p_smem.at[:, keys], layout=layout).astype(f32)
-  delta, r = row_stats(add_sums(_row_sums(g, p, accurate), other_sums))
-  if not accurate:
-    plgpu.barrier_arrive(p_done)
+  delta = jnp.sum(g * p, axis=1) + other_sum
+  plgpu.barrier_arrive(p_done)
   plgpu.barrier_arrive(read_barrier)
   plgpu.barrier_wait(read_barrier)
-  for smem, part in zip((g_smem, p_smem), _scaled_dl(g, p, delta, r, scale, dtype)):
-    smem[:, keys] = part
+  g_smem[:, keys] = _scaled_dl(g, p, delta, scale, dtype)
   plgpu.commit_smem()
   plgpu.barrier_arrive(dl_barrier)
   plgpu.barrier_wait(dl_barrier)
 
 
 def _kernel(g_ref, p_ref, q_ref, k_ref, dq_ref, dk_ref, read_barrier, dl_barrier, dk_stage,
-            dq_stage, *, bh, heads_per_program, tiles, sk, scale, accurate):
+            dq_stage, *, bh, heads_per_program, tiles, sk, scale):
   program = lax.axis_index("program")
   wg = lax.axis_index("wg")
   half = sk // WGS
@@ -152,21 +127,15 @@ def _kernel(g_ref, p_ref, q_ref, k_ref, dq_ref, dk_ref, read_barrier, dl_barrier
   def step(idx, g_smem, p_smem, q_smem, k_smem, g_done, p_done, q_done, k_done, carry):
     i, t = idx
     head = head_of(i)
-    _dl_over_g(g_smem, p_smem, keys, other, p_done, read_barrier, dl_barrier, scale=scale,
-               accurate=accurate)
-
-    parts = (g_smem, p_smem) if accurate else (g_smem,)  # dL, or its (hi, lo)
+    _dl_over_g(g_smem, p_smem, keys, other, p_done, read_barrier, dl_barrier, scale=scale)
 
     def mm(dq_acc, dk_acc):
-      for part in parts:
-        plgpu.wgmma(dq_acc, part, k_smem.at[:, cols])         # dQ[:, cols] = dL @ K
-        plgpu.wgmma(dk_acc, part.at[:, keys].T, q_smem)       # dK[keys] = dL^T @ Q
+      plgpu.wgmma(dq_acc, g_smem, k_smem.at[:, cols])         # dQ[:, cols] = dL @ K
+      plgpu.wgmma(dk_acc, g_smem.at[:, keys].T, q_smem)       # dK[keys] = dL^T @ Q
       plgpu.wgmma_wait(0)
       return dq_acc[...], dk_acc[...]
     dq, dk_tile = pl.run_scoped(mm, plgpu.ACC((ROWS, HEAD_DIM // WGS), f32),
                                 plgpu.ACC((half, HEAD_DIM), f32))
-    if accurate:
-      plgpu.barrier_arrive(p_done)
     plgpu.barrier_arrive(g_done)
     plgpu.barrier_arrive(q_done)
     plgpu.barrier_arrive(k_done)
@@ -208,14 +177,13 @@ def heads_per_program(bh) -> int:
   return max(1, math.ceil(bh / _mosaic.SMS))
 
 
-def backward_kernel(g, p, q, k, *, scale, interpret=False, accurate=False):
+def backward_kernel(g, p, q, k, *, scale, interpret=False):
   """``(dQ [BH, Sq, D], dK [BH, Sk, D])`` from ``g``, ``P`` ``[BH, Sq, Sk]``, ``Q``
-  ``[BH, Sq, D]``, ``K`` ``[BH, Sk, D]`` (one dtype) and a static ``scale``; ``accurate``:
-  the accurate ``dL`` (:mod:`._common`)."""
+  ``[BH, Sq, D]``, ``K`` ``[BH, Sk, D]`` (one dtype) and a static ``scale``."""
   bh, sq, sk = g.shape
   hpp = heads_per_program(bh)
   kernel = functools.partial(_kernel, bh=bh, heads_per_program=hpp, tiles=sq // ROWS, sk=sk,
-                             scale=float(scale), accurate=bool(accurate))
+                             scale=float(scale))
   tiled = _mosaic.tiled(g.dtype)
   scratch = [plgpu.Barrier(num_arrivals=WGS), plgpu.Barrier(num_arrivals=WGS),
              plgpu.SMEM((WGS, sk // WGS, HEAD_DIM), g.dtype, transforms=tiled),
@@ -240,14 +208,13 @@ def _launch(kernel, scratch, programs, g, p, q, k, *, interpret):
 
 
 def qk_scale_softmax_backward(grad_output, query, key, attn_weights, scaling, *, causal=False,
-                              interpret=False, accurate=False):
+                              interpret=False):
   """Backward of ``softmax((Q @ K^T) * scaling)`` to ``Q`` and ``K``, one Mosaic GPU kernel.
 
   Same arguments and results as the Triton entry point
   (:func:`pallas_kernels.qk_scale_softmax.pallas_triton.qk_scale_softmax_backward`):
   ``g``, ``P`` ``[B, H, Sq, Sk]``, ``Q`` ``[B, H, Sq, D]``, ``K`` ``[B, H, Sk, D]``;
   returns ``(grad_query [B, H, Sq, D], grad_key [B, H, Sk, D])`` in the inputs' dtype.
-  ``accurate``: as the Triton entry point's (``False``: ``dL`` as the reference rounds it).
 
   Raises ``ValueError`` for a problem outside :func:`unsupported_reason`'s limits, and off
   a Hopper GPU unless ``interpret`` (the Mosaic GPU interpreter, any machine).
@@ -265,5 +232,5 @@ def qk_scale_softmax_backward(grad_output, query, key, attn_weights, scaling, *,
   bh = b * h
   dq, dk = backward_kernel(grad_output.reshape(bh, sq, sk), attn_weights.reshape(bh, sq, sk),
                query.reshape(bh, sq, d), key.reshape(bh, sk, d), scale=scale,
-               interpret=interpret, accurate=accurate)
+               interpret=interpret)
   return dq.reshape(b, h, sq, d), dk.reshape(b, h, sk, d)

@@ -9,10 +9,7 @@ the gradients of ``Q`` (``[B, H, Sq, D]``) and ``K`` (``[B, H, Sk, D]``) are::
   grad_key   = dL^T @ Q
 
 ``delta`` is a full-row reduction that every ``dL`` element needs, and ``dL`` is rounded
-exactly as the reference rounds it; with ``accurate=True`` ``P`` is first corrected to its
-softmax normalization and ``dL`` enters the GEMMs as two 16-bit operands ``hi + lo``
-(:mod:`._common`; same loads and stores, but for the ``"dl_gemm"`` scheme's two ``dL``
-buffers). The config (:func:`.config.default_config`) picks one
+exactly as the reference rounds it. The config (:func:`.config.default_config`) picks one
 of three schemes: ``"two_pass"`` (:mod:`.two_pass`: a row kernel for ``delta`` and
 ``grad_query``, a column kernel for ``grad_key``), ``"per_head"`` (:mod:`.per_head`: one
 program per head, short rows) and ``"dl_gemm"`` (:mod:`.dl_gemm`: ``dL`` written, then the
@@ -55,9 +52,8 @@ def _check_dl_gemm(cfg: DlConfig, query, key):
                      f"{query.dtype} query of shape {query.shape}")
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "config", "interpret", "accurate"))
-def _backward(grad_output, query, key, attn_weights, scaling, *, causal, config, interpret,
-              accurate=False):
+@functools.partial(jax.jit, static_argnames=("causal", "config", "interpret"))
+def _backward(grad_output, query, key, attn_weights, scaling, *, causal, config, interpret):
   b, h, seq_q, head_dim = query.shape
   seq_k = key.shape[2]
   bh = b * h
@@ -70,14 +66,13 @@ def _backward(grad_output, query, key, attn_weights, scaling, *, causal, config,
   if config.scheme == "dl_gemm":
     dl_cfg = config.dl or default_dl_config(seq_k)
     grad_query, grad_key = dl_gemm.dl_gemm(scale, g, p, q, k, causal=causal, cfg=dl_cfg,
-                                           interpret=interpret, accurate=accurate)
+                                           interpret=interpret)
   elif config.scheme == "per_head":
     grad_query, grad_key = per_head.head_pass(scale, g, p, q, k, causal=causal,
-                                              cfg=config.col, interpret=interpret,
-                                              accurate=accurate)
+                                              cfg=config.col, interpret=interpret)
   else:
     grad_query, delta = two_pass.row_pass(scale, g, p, k, causal=causal, cfg=config.row,
-                                          interpret=interpret, accurate=accurate)
+                                          interpret=interpret)
     grad_key = two_pass.col_pass(scale, g, p, q, delta, causal=causal, cfg=config.col,
                                  interpret=interpret)
   return grad_query.reshape(b, h, seq_q, head_dim), grad_key.reshape(b, h, seq_k, head_dim)
@@ -85,8 +80,7 @@ def _backward(grad_output, query, key, attn_weights, scaling, *, causal, config,
 
 def qk_scale_softmax_backward(grad_output, query, key, attn_weights, scaling, *, causal=False,
                               config: Config | None = None, block_q=None, block_k=None,
-                              num_warps=None, num_stages=None, interpret=False,
-                              accurate: bool = False):
+                              num_warps=None, num_stages=None, interpret=False):
   """Backward of ``softmax((Q @ K^T) * scaling)`` to ``Q`` and ``K``.
 
   Args:
@@ -105,12 +99,9 @@ def qk_scale_softmax_backward(grad_output, query, key, attn_weights, scaling, *,
       only ``num_warps`` applies (to the ``dL`` kernel); the others raise.
     interpret: run the kernels in the Pallas interpreter (any backend; slow, for tests).
       Without it the kernels compile for a CUDA GPU only.
-    accurate: ``False`` (default): ``dL`` exactly as the reference rounds it (the benchmark's
-      spec). ``True``: the differentiable op's accurate form (as the dispatch entry point's;
-      two MMAs per product, and in the ``"dl_gemm"`` scheme two ``dL`` buffers).
 
   All arrays share one dtype: bfloat16 (main target), float16 or float32. Arithmetic is fp32
-  with ``dL`` rounded to the input dtype as ``accurate`` says; matmuls take ``dL`` and
+  with ``dL`` rounded to the input dtype exactly as the reference; matmuls take ``dL`` and
   ``K``/``Q`` in the input dtype (tensor cores) and accumulate in fp32. ``D`` may be any size
   (padded to a power of two >= 16 and masked); ``Sq``/``Sk`` any length >= 1.
 
@@ -145,4 +136,4 @@ def qk_scale_softmax_backward(grad_output, query, key, attn_weights, scaling, *,
   config = _tuning.with_overrides(config, block_q=block_q, block_k=block_k,
                                   num_warps=num_warps, num_stages=num_stages)
   return _backward(grad_output, query, key, attn_weights, scaling, causal=causal,
-                   config=config, interpret=bool(interpret), accurate=bool(accurate))
+                   config=config, interpret=bool(interpret))

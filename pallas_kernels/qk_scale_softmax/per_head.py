@@ -16,14 +16,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import _triton_tiles as tiles
-from pallas_kernels._util import compiler_params, next_power_of_2, out_struct, pallas_call
+from pallas_kernels._util import compiler_params, dot, next_power_of_2, out_struct, pallas_call
 from pallas_kernels.qk_scale_softmax import _common as cm
 from pallas_kernels.qk_scale_softmax._common import F32, I32, ZERO
 from pallas_kernels.qk_scale_softmax.config import MAX_PER_HEAD_ROW
 
 
 def _head_kernel(scale_ref, g_ref, p_ref, q_ref, k_ref, dq_ref, dk_ref, *, seq_q: int,
-                 seq_k: int, head_dim: int, block_q: int, causal: bool, accurate: bool):
+                 seq_k: int, head_dim: int, block_q: int, causal: bool):
   """One program: a whole head (``"per_head"`` scheme, short rows).
 
   Walks the head's query tiles; each holds whole rows (``Sk`` padded), so ``delta``, ``dL``
@@ -53,22 +53,22 @@ def _head_kernel(scale_ref, g_ref, p_ref, q_ref, k_ref, dq_ref, dk_ref, *, seq_q
     idx = (bh, pl.ds(q_start, block_q), tiles.ds(ZERO, block_k))
     g = pltriton.load(g_ref.at[idx], mask=mask, other=0.0)
     p = pltriton.load(p_ref.at[idx], mask=mask, other=0.0)
-    d_l = cm.dl_tile(g, p, *cm.row_delta(g, p, accurate), scale, dtype)
+    delta = cm.row_delta(g, p)
+    d_l = cm.dl_tile(g, p, delta, scale, dtype)
     qd_idx = (bh, pl.ds(q_start, block_q), tiles.ds(ZERO, d_pad))
     qd_mask = row_ok[:, None] & d_ok[None, :]
-    pltriton.store(dq_ref.at[qd_idx], cm.dot_parts(d_l, k).astype(dq_ref.dtype), mask=qd_mask)
+    pltriton.store(dq_ref.at[qd_idx], dot(d_l, k).astype(dq_ref.dtype), mask=qd_mask)
     q = pltriton.load(q_ref.at[qd_idx], mask=qd_mask, other=0.0)
-    return acc + cm.dot_parts(d_l, q, trans_a=True)
+    return acc + dot(d_l, q, trans_a=True)
 
   acc = tiles.fori_loop(0, pl.cdiv(seq_q, block_q), body, jnp.zeros((block_k, d_pad), F32))
   pltriton.store(dk_ref.at[bh, tiles.ds(ZERO, block_k), tiles.ds(ZERO, d_pad)],
                  acc.astype(dk_ref.dtype), mask=col_ok[:, None] & d_ok[None, :])
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "cfg", "interpret", "accurate"))
-def head_pass(scale, g, p, q, k, *, causal, cfg, interpret, accurate=False):
-  """``(grad_query, grad_key)`` of 3D ``[B*H, ...]`` views, one program per head
-  (``accurate``: the accurate ``dL``, :mod:`._common`)."""
+@functools.partial(jax.jit, static_argnames=("causal", "cfg", "interpret"))
+def head_pass(scale, g, p, q, k, *, causal, cfg, interpret):
+  """``(grad_query, grad_key)`` of 3D ``[B*H, ...]`` views, one program per head."""
   bh, seq_q, seq_k = g.shape
   head_dim = q.shape[-1]
   if next_power_of_2(seq_k) > MAX_PER_HEAD_ROW:
@@ -76,7 +76,7 @@ def head_pass(scale, g, p, q, k, *, causal, cfg, interpret, accurate=False):
                      f"got Sk={seq_k}")
   return pallas_call(
       functools.partial(_head_kernel, seq_q=seq_q, seq_k=seq_k, head_dim=head_dim,
-                        block_q=cfg.block_q, causal=causal, accurate=accurate),
+                        block_q=cfg.block_q, causal=causal),
       out_shape=(out_struct((bh, seq_q, head_dim), q.dtype, g, p, q, k),
                  out_struct((bh, seq_k, head_dim), q.dtype, g, p, q, k)),
       grid=(bh,),

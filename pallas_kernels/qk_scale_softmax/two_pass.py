@@ -13,9 +13,6 @@ rebuilds ``dL`` from ``g``, ``P`` and ``delta`` over the query tiles and accumul
 ``dL^T @ Q_i``; it walks the heads in reverse, starting on those the row kernel finished
 last (the likeliest still in L2).
 
-With ``accurate`` the row kernel also stores ``r`` (``[B*H, Sq]`` fp32, the correction of
-``P`` to its softmax normalization, :func:`._common.row_stats`) beside ``delta``.
-
 Traffic per attention element in bf16: ``g`` and ``P`` read twice (8 B), up to three times
 (12 B) when the row kernel's second pass misses L2. Causal: tiles wholly above the diagonal
 are skipped, tiles that cross it load with an element-wise mask, tiles below it without.
@@ -32,7 +29,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import _phase
 from pallas_kernels import _triton_tiles as tiles
-from pallas_kernels._util import compiler_params, out_struct, pallas_call
+from pallas_kernels._util import compiler_params, dot, out_struct, pallas_call
 from pallas_kernels.qk_scale_softmax import _common as cm
 from pallas_kernels.qk_scale_softmax._common import F32, I32, ZERO
 from pallas_kernels.qk_scale_softmax.config import PassConfig
@@ -40,16 +37,14 @@ from pallas_kernels.qk_scale_softmax.config import PassConfig
 
 # One program: ``block_q`` query rows of one head -> their grad_query rows and delta.
 # Refs: scale [1] fp32, g and P [B*H, Sq, Sk], K [B*H, Sk, D] -> dQ [B*H, Sq, D],
-# delta [B*H, Sq] fp32 (and r [B*H, Sq] fp32 with ``accurate``). One kernel body per loop
-# strategy, chosen by ``row_pass``.
+# delta [B*H, Sq] fp32. One kernel body per loop strategy, chosen by ``row_pass``.
 
 
 class _RowTiles:
   """A row-kernel program's rows and the tiles it loads (built at the top of the kernel)."""
 
   def __init__(self, scale_ref, g_ref, p_ref, k_ref, *, seq_q: int, seq_k: int, head_dim: int,
-               block_q: int, block_k: int, accurate: bool):
-    self.accurate = accurate
+               block_q: int, block_k: int):
     self.qi = pl.program_id(0)  # grid axis 0 is CUDA's fastest: neighbours share a head (K in L2)
     self.bh = pl.program_id(1)
     self.g_ref, self.p_ref, self.k_ref = g_ref, p_ref, k_ref
@@ -72,12 +67,8 @@ class _RowTiles:
   def zero_acc(self):
     return jnp.zeros((self.block_q, self.d_pad), F32)
 
-  def zero_sums(self):
-    return cm.zero_sums(self.block_q, self.accurate)
-
-  def sums(self, j, *, diagonal: bool):
-    """:func:`._common.row_sums` of key tile ``j``."""
-    return cm.row_sums(*self.gp(j, diagonal=diagonal), self.accurate)
+  def zero_delta(self):
+    return jnp.zeros((self.block_q,), F32)
 
   def gp(self, j, *, diagonal: bool):
     """``g`` and ``P`` of key tile ``j`` (zero outside the arrays); ``diagonal``: also zero
@@ -98,21 +89,20 @@ class _RowTiles:
     return pltriton.load(self.k_ref.at[self.bh, tiles.ds(j * self.block_k, self.block_k),
                                        tiles.ds(ZERO, self.d_pad)], mask=mask, other=0.0)
 
-  def dq_term(self, j, acc, stats, *, diagonal: bool):
-    """``acc + dL_j @ K_j`` for key tile ``j`` (``g`` and ``P`` loaded here; ``stats`` the
-    rows' ``(delta, r)``)."""
+  def dq_term(self, j, acc, delta, *, diagonal: bool):
+    """``acc + dL_j @ K_j`` for key tile ``j`` (``g`` and ``P`` loaded here)."""
     g, p = self.gp(j, diagonal=diagonal)
-    d_l = cm.dl_tile(g, p, *stats, self.scale, self.dtype)
-    return acc + cm.dot_parts(d_l, self.k(j))
+    d_l = cm.dl_tile(g, p, delta, self.scale, self.dtype)
+    return acc + dot(d_l, self.k(j))
 
-  def store(self, dq_ref, stat_refs, acc, stats):
+  def store(self, dq_ref, delta_ref, acc, delta):
     pltriton.store(dq_ref.at[self.bh, pl.ds(self.q_start, self.block_q), tiles.ds(ZERO, self.d_pad)],
                    acc.astype(dq_ref.dtype), mask=self.row_ok[:, None] & self.d_ok[None, :])
-    for ref, x in zip(stat_refs, stats):  # delta, and r with ``accurate``
-      pltriton.store(ref.at[self.bh, pl.ds(self.q_start, self.block_q)], x, mask=self.row_ok)
+    pltriton.store(delta_ref.at[self.bh, pl.ds(self.q_start, self.block_q)], delta,
+                   mask=self.row_ok)
 
 
-def _row_kernel_one_tile(scale_ref, g_ref, p_ref, k_ref, dq_ref, *stat_refs, causal: bool,
+def _row_kernel_one_tile(scale_ref, g_ref, p_ref, k_ref, dq_ref, delta_ref, *, causal: bool,
                          **dims):
   """Rows of one key tile (``Sk <= block_k``): ``g`` and ``P`` are read once; delta, dL and
   dQ come from that read. (A loop of one trip, or none for causal rows with no keys.)"""
@@ -122,30 +112,28 @@ def _row_kernel_one_tile(scale_ref, g_ref, p_ref, k_ref, dq_ref, *stat_refs, cau
 
   def fused(j, carry):
     g, p = r.gp(j, diagonal=causal)
-    stats = cm.row_delta(g, p, r.accurate)
-    d_l = cm.dl_tile(g, p, *stats, r.scale, r.dtype)
-    return stats, carry[1] + cm.dot_parts(d_l, r.k(j))
+    delta = cm.row_delta(g, p)
+    d_l = cm.dl_tile(g, p, delta, r.scale, r.dtype)
+    return delta, carry[1] + dot(d_l, r.k(j))
 
-  stats = cm.row_stats(r.zero_sums())  # rows with no keys: delta = r = 0
-  stats, acc = tiles.fori_loop(0, n_tiles, fused, (stats, acc))
-  r.store(dq_ref, stat_refs, acc, stats)
+  delta, acc = tiles.fori_loop(0, n_tiles, fused, (r.zero_delta(), acc))
+  r.store(dq_ref, delta_ref, acc, delta)
 
 
-def _row_kernel_two_pass(scale_ref, g_ref, p_ref, k_ref, dq_ref, *stat_refs, **dims):
+def _row_kernel_two_pass(scale_ref, g_ref, p_ref, k_ref, dq_ref, delta_ref, **dims):
   """Dense rows of several key tiles: pass 1 sums delta, pass 2 (newest tiles first: they
   are the likeliest still in L2) forms dL and accumulates dQ."""
   r = _RowTiles(scale_ref, g_ref, p_ref, k_ref, **dims)
   n_tiles = pl.cdiv(r.seq_k, r.block_k)
   acc = r.zero_acc()
-  sums = tiles.fori_loop(0, n_tiles, lambda j, s: cm.add_sums(s, r.sums(j, diagonal=False)),
-                         r.zero_sums())
-  stats = cm.row_stats(sums)
-  acc = tiles.fori_loop(0, n_tiles, lambda t, acc: r.dq_term(n_tiles - 1 - t, acc, stats,
+  delta = tiles.fori_loop(0, n_tiles, lambda j, delta: delta + cm.row_delta(*r.gp(j, diagonal=False)),
+                     r.zero_delta())
+  acc = tiles.fori_loop(0, n_tiles, lambda t, acc: r.dq_term(n_tiles - 1 - t, acc, delta,
                                                         diagonal=False), acc)
-  r.store(dq_ref, stat_refs, acc, stats)
+  r.store(dq_ref, delta_ref, acc, delta)
 
 
-def _row_kernel_causal(scale_ref, g_ref, p_ref, k_ref, dq_ref, *stat_refs, **dims):
+def _row_kernel_causal(scale_ref, g_ref, p_ref, k_ref, dq_ref, delta_ref, **dims):
   """The two passes on causal rows: key tiles ``[0, n_full)`` lie wholly on or below the
   diagonal and load without the element-wise mask (a mask that varies along a row stops
   Triton from vectorising the loads); only the diagonal tiles ``[n_full, n_tiles)`` get it.
@@ -155,25 +143,23 @@ def _row_kernel_causal(scale_ref, g_ref, p_ref, k_ref, dq_ref, *stat_refs, **dim
   acc = r.zero_acc()
   n_full = r.causal_num_full_k_tiles()
 
-  def pass_delta(j, sums, diagonal=False):
-    return cm.add_sums(sums, r.sums(j, diagonal=diagonal))
+  def pass_delta(j, delta, diagonal=False):
+    return delta + cm.row_delta(*r.gp(j, diagonal=diagonal))
 
-  sums = tiles.fori_loop(0, n_full, pass_delta, r.zero_sums())
-  sums = tiles.fori_loop(n_full, n_tiles, functools.partial(pass_delta, diagonal=True), sums)
-  stats = cm.row_stats(sums)
+  delta = tiles.fori_loop(0, n_full, pass_delta, r.zero_delta())
+  delta = tiles.fori_loop(n_full, n_tiles, functools.partial(pass_delta, diagonal=True), delta)
 
   def pass_dq(t, acc, last, diagonal=False):
-    return r.dq_term(last - 1 - t, acc, stats, diagonal=diagonal)  # newest tiles first
+    return r.dq_term(last - 1 - t, acc, delta, diagonal=diagonal)  # newest tiles first
 
   acc = tiles.fori_loop(0, n_tiles - n_full, functools.partial(pass_dq, last=n_tiles, diagonal=True),
                    acc)
   acc = tiles.fori_loop(0, n_full, functools.partial(pass_dq, last=n_full), acc)
-  r.store(dq_ref, stat_refs, acc, stats)
+  r.store(dq_ref, delta_ref, acc, delta)
 
 
-def _row_kernel_phased(scale_ref, g_ref, p_ref, k_ref, dq_ref, *stat_refs, seq_q: int,
-                       seq_k: int, head_dim: int, block_q: int, block_k: int, align: int,
-                       accurate: bool):
+def _row_kernel_phased(scale_ref, g_ref, p_ref, k_ref, dq_ref, delta_ref, *, seq_q: int,
+                       seq_k: int, head_dim: int, block_q: int, block_k: int, align: int):
   """The row kernel (dense) for rows of ``Sk % 8 != 0`` keys, on 16-byte aligned tiles.
 
   One program = one row class (``block_q`` rows ``align`` apart, see ``pallas_kernels._phase``)
@@ -206,9 +192,9 @@ def _row_kernel_phased(scale_ref, g_ref, p_ref, k_ref, dq_ref, *stat_refs, seq_q
     p = jnp.where(valid[None, :], p, jnp.zeros_like(p))
     return cols, valid, g, p
 
-  def pass_delta(j, sums):
+  def pass_delta(j, delta):
     _, _, g, p = load_gp(j)
-    return cm.add_sums(sums, cm.row_sums(g, p, accurate))
+    return delta + cm.row_delta(g, p)
 
   def pass_dq(t, acc):
     j = n_tiles - 1 - t  # newest tiles first: they are the likeliest still in L2
@@ -216,32 +202,30 @@ def _row_kernel_phased(scale_ref, g_ref, p_ref, k_ref, dq_ref, *stat_refs, seq_q
     # K is indexed by hand: tile 0 starts at a negative (masked) key, which a slice clamps.
     k = pltriton.load(k_ref.at[(bh * seq_k + cols)[:, None] * head_dim + d[None, :]],
                       mask=valid[:, None] & d_ok[None, :], other=0.0)
-    return acc + cm.dot_parts(cm.dl_tile(g, p, *stats, scale, dtype), k)
+    return acc + dot(cm.dl_tile(g, p, delta, scale, dtype), k)
 
-  stats = cm.row_stats(tiles.fori_loop(0, n_tiles, pass_delta, cm.zero_sums(block_q, accurate)))
+  delta = tiles.fori_loop(0, n_tiles, pass_delta, jnp.zeros((block_q,), F32))
   acc = tiles.fori_loop(0, n_tiles, pass_dq, jnp.zeros((block_q, d_pad), F32))
 
   offs = (bh * seq_q + rows)[:, None] * head_dim + d[None, :]
   pltriton.store(dq_ref.at[offs], acc.astype(dq_ref.dtype),
                  mask=row_ok[:, None] & d_ok[None, :])
-  for ref, x in zip(stat_refs, stats):  # delta, and r with ``accurate``
-    pltriton.store(ref.at[bh * seq_q + rows], x, mask=row_ok)
+  pltriton.store(delta_ref.at[bh * seq_q + rows], delta, mask=row_ok)
 
 
 # One program: ``block_k`` keys of one head -> their grad_key rows. Refs: scale [1] fp32,
-# g and P [B*H, Sq, Sk], Q [B*H, Sq, D], delta [B*H, Sq] fp32 (and r with ``accurate``)
-# -> dK [B*H, Sk, D].
+# g and P [B*H, Sq, Sk], Q [B*H, Sq, D], delta [B*H, Sq] fp32 -> dK [B*H, Sk, D].
 
 
 class _ColTiles:
   """A column-kernel program's keys and the tiles it loads (built at the top of the kernel)."""
 
-  def __init__(self, scale_ref, g_ref, p_ref, q_ref, stat_refs, *, seq_q: int, seq_k: int,
+  def __init__(self, scale_ref, g_ref, p_ref, q_ref, delta_ref, *, seq_q: int, seq_k: int,
                head_dim: int, block_q: int, block_k: int):
     self.kj = pl.program_id(0)  # neighbours share a head: its Q and delta stay in L2
     # Heads in reverse: the row kernel's last heads are the likeliest to be still in L2.
     self.bh = pl.num_programs(1) - 1 - pl.program_id(1)
-    self.g_ref, self.p_ref, self.q_ref, self.stat_refs = g_ref, p_ref, q_ref, stat_refs
+    self.g_ref, self.p_ref, self.q_ref, self.delta_ref = g_ref, p_ref, q_ref, delta_ref
     self.seq_q, self.seq_k = seq_q, seq_k
     self.block_q, self.block_k = block_q, block_k
     self.dtype = g_ref.dtype
@@ -278,13 +262,12 @@ class _ColTiles:
     """``acc + dL_i^T @ Q_i`` for query tile ``i`` (its ``g`` and ``P`` given)."""
     q_start = i * self.block_q
     row_ok = q_start + jnp.arange(self.block_q, dtype=I32) < self.seq_q
-    stats = [pltriton.load(ref.at[self.bh, pl.ds(q_start, self.block_q)], mask=row_ok,
-                           other=0.0) for ref in self.stat_refs]
-    delta, r = stats if len(stats) == 2 else (stats[0], None)
+    delta = pltriton.load(self.delta_ref.at[self.bh, pl.ds(q_start, self.block_q)],
+                          mask=row_ok, other=0.0)
     q_idx = (self.bh, pl.ds(q_start, self.block_q), tiles.ds(ZERO, self.d_pad))
     q = pltriton.load(self.q_ref.at[q_idx], mask=row_ok[:, None] & self.d_ok[None, :], other=0.0)
-    d_l = cm.dl_tile(g, p, delta, r, self.scale, self.dtype)
-    return acc + cm.dot_parts(d_l, q, trans_a=True)
+    d_l = cm.dl_tile(g, p, delta, self.scale, self.dtype)
+    return acc + dot(d_l, q, trans_a=True)
 
   def store(self, dk_ref, acc):
     idx = (self.bh, tiles.ds(self.k_start, self.block_k), tiles.ds(ZERO, self.d_pad))
@@ -292,22 +275,20 @@ class _ColTiles:
                    mask=self.col_ok[:, None] & self.d_ok[None, :])
 
 
-def _col_kernel_dense(scale_ref, g_ref, p_ref, q_ref, *refs, **dims):
+def _col_kernel_dense(scale_ref, g_ref, p_ref, q_ref, delta_ref, dk_ref, **dims):
   """Dense: every query tile, plain loads."""
-  *stat_refs, dk_ref = refs
-  c = _ColTiles(scale_ref, g_ref, p_ref, q_ref, stat_refs, **dims)
+  c = _ColTiles(scale_ref, g_ref, p_ref, q_ref, delta_ref, **dims)
   acc = c.zero_acc()
   acc = tiles.fori_loop(0, c.num_q_tiles, lambda i, acc: c.step(i, acc, *c.gp(i, diagonal=False)),
                    acc)
   c.store(dk_ref, acc)
 
 
-def _col_kernel_causal(scale_ref, g_ref, p_ref, q_ref, *refs, **dims):
+def _col_kernel_causal(scale_ref, g_ref, p_ref, q_ref, delta_ref, dk_ref, **dims):
   """Causal: query tiles before ``lo`` hold no key of this tile and are skipped; tiles
   ``[lo, full)`` cross the diagonal and get the element-wise mask; tiles ``[full, end)``
   see every key of this tile and load unmasked (vectorised)."""
-  *stat_refs, dk_ref = refs
-  c = _ColTiles(scale_ref, g_ref, p_ref, q_ref, stat_refs, **dims)
+  c = _ColTiles(scale_ref, g_ref, p_ref, q_ref, delta_ref, **dims)
   lo = c.causal_first_q_tile()
   acc = c.zero_acc()
   full = c.causal_first_full_q_tile()
@@ -334,48 +315,40 @@ def _row_kernel(cfg: PassConfig, causal: bool, **dims):
   return functools.partial(_row_kernel_causal if causal else _row_kernel_two_pass, **dims)
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "cfg", "interpret", "accurate"))
-def row_pass(scale, g, p, k, *, causal, cfg, interpret, accurate=False):
-  """``(grad_query [B*H, Sq, D], delta [B*H, Sq] fp32)`` from 3D ``[B*H, ...]`` views; with
-  ``accurate`` (the accurate ``dL``, :mod:`._common`) ``delta`` is the pair ``(delta, r)``,
-  each ``[B*H, Sq]`` fp32."""
+@functools.partial(jax.jit, static_argnames=("causal", "cfg", "interpret"))
+def row_pass(scale, g, p, k, *, causal, cfg, interpret):
+  """``(grad_query [B*H, Sq, D], delta [B*H, Sq] fp32)`` from 3D ``[B*H, ...]`` views."""
   bh, seq_q, seq_k = g.shape
   head_dim = k.shape[-1]
-  n_stats = 2 if accurate else 1
   if use_phased(cfg, causal, bh, seq_q, seq_k, head_dim):
     # align <= block_k: a phase of a whole tile or more would only load earlier rows.
     align, block_q = _phase.resolve(cfg.row_align, seq_q, cfg.block_q, cfg.block_k)
-    dq, *stats = pallas_call(
+    dq, delta = pallas_call(
         functools.partial(_row_kernel_phased, seq_q=seq_q, seq_k=seq_k, head_dim=head_dim,
-                          block_q=block_q, block_k=cfg.block_k, align=align,
-                          accurate=accurate),
+                          block_q=block_q, block_k=cfg.block_k, align=align),
         out_shape=(out_struct((bh * seq_q * head_dim,), k.dtype, g, p, k),
-                   *[out_struct((bh * seq_q,), F32, g, p, k)] * n_stats),
+                   out_struct((bh * seq_q,), F32, g, p, k)),
         grid=(_phase.num_programs(seq_q, align, block_q), bh),
         compiler_params=compiler_params(cfg.num_warps, cfg.num_stages),
         interpret=interpret,
         name="qk_scale_softmax_bwd_dq_aligned",
     )(scale, g.reshape(-1), p.reshape(-1), k.reshape(-1))
-    stats = tuple(x.reshape(bh, seq_q) for x in stats)
-    return dq.reshape(bh, seq_q, head_dim), stats if accurate else stats[0]
-  dq, *stats = pallas_call(
+    return dq.reshape(bh, seq_q, head_dim), delta.reshape(bh, seq_q)
+  return pallas_call(
       _row_kernel(cfg, causal, seq_q=seq_q, seq_k=seq_k, head_dim=head_dim,
-                  block_q=cfg.block_q, block_k=cfg.block_k, accurate=accurate),
+                  block_q=cfg.block_q, block_k=cfg.block_k),
       out_shape=(out_struct((bh, seq_q, head_dim), k.dtype, g, p, k),
-                 *[out_struct((bh, seq_q), F32, g, p, k)] * n_stats),
+                 out_struct((bh, seq_q), F32, g, p, k)),
       grid=(pl.cdiv(seq_q, cfg.block_q), bh),
       compiler_params=compiler_params(cfg.num_warps, cfg.num_stages),
       interpret=interpret,
       name="qk_scale_softmax_bwd_dq",
   )(scale, g, p, k)
-  return dq, tuple(stats) if accurate else stats[0]
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "cfg", "interpret"))
 def col_pass(scale, g, p, q, delta, *, causal, cfg, interpret):
-  """``grad_key [B*H, Sk, D]`` from 3D ``[B*H, ...]`` views and the row pass's ``delta``
-  (the pair ``(delta, r)`` with ``accurate``)."""
-  stats = tuple(delta) if isinstance(delta, (tuple, list)) else (delta,)
+  """``grad_key [B*H, Sk, D]`` from 3D ``[B*H, ...]`` views and the row pass's delta."""
   bh, seq_q, seq_k = g.shape
   head_dim = q.shape[-1]
   return pallas_call(
@@ -387,4 +360,4 @@ def col_pass(scale, g, p, q, delta, *, causal, cfg, interpret):
       compiler_params=compiler_params(cfg.num_warps, cfg.num_stages),
       interpret=interpret,
       name="qk_scale_softmax_bwd_dk",
-  )(scale, g, p, q, *stats)
+  )(scale, g, p, q, delta)

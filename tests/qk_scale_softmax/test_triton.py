@@ -523,65 +523,10 @@ def test_table_entries_round_trip():
   assert qks.pass_config(whole, 100, 211) == qks.PassConfig(16, 256, 4, 3)
 
 
-@pytest.mark.parametrize("scheme, config", [
-    ("two_pass", dict(block_q=16, block_k=16)),                    # several key tiles
-    ("two_pass", dict(block_q=16, block_k=16, row_align=-1)),      # phase-aligned rows
-    ("two_pass", dict(block_q=16, block_k=64)),                    # one key tile
-    ("per_head", dict(block_q=16, block_k=64)),
-    ("dl_gemm", dict(rows=4)),
-    ("dl_gemm", dict(rows=4, phased=True)),
-])
-@pytest.mark.parametrize("causal", [False, True])
-def test_accurate_matches_the_accurate_reference(scheme, config, causal):
-  """``accurate=True`` (the op's backward) on every scheme and loop strategy equals the
-  reference's accurate form, on a sharp softmax (where it differs most from the spec's)."""
-  sq, sk, d = 37, 45, 40
-  g, q, k, p = make_inputs(3, 1, 2, sq, sk, d, causal=causal, probs="sharp")
-  if scheme == "dl_gemm":
-    cfg = qks.Config(qks.PassConfig(16, 16, 4, 2), qks.PassConfig(16, 16, 4, 2), "dl_gemm",
-                     qks.DlConfig(config["rows"], 4, phased=config.get("phased", False)))
-  else:
-    tiles = qks.PassConfig(config["block_q"], config["block_k"], 4, 2,
-                           config.get("row_align", 0))
-    cfg = qks.Config(tiles, tiles, scheme)
-  got = qk_scale_softmax_backward(g, q, k, p, 0.125, causal=causal, config=cfg,
-                                  interpret=INTERPRET, accurate=True)
-  want = reference(g, q, k, p, 0.125, accurate=True)
-  spec = reference(g, q, k, p, 0.125)
-  for name, o, w, s in zip(("grad_query", "grad_key"), got, want, spec):
-    assert_close_to_ref(name, o, w, max_rel=0.01)
-    assert not np.array_equal(np.asarray(o, np.float32), np.asarray(s, np.float32)), name
-
-
-def test_accurate_corrects_only_rows_of_a_rounded_softmax():
-  """``accurate``'s correction of P applies to rows that sum to 1 within ``MAX_MISSING``
-  (a softmax rounded to the input dtype), not to other rows (r = 0: ``delta = sum g P``), nor
-  to rows of zeros; on a P of randn values the kernels equal the accurate reference."""
-  p = jnp.array([[0.5, 0.25, 0.25 - 2.0 ** -9],       # a rounded softmax: corrected
-                 [0.5, 0.25, 0.25 - 2.0 ** -5],       # too far from 1
-                 [0.0, 0.0, 0.0],                     # no keys (causal)
-                 [1.0, 2.0 ** -10, 0.0]], jnp.float32)
-  g = jnp.array([[1.0, -2.0, 3.0]] * 4, jnp.float32)
-  delta, r = _common.row_delta(g, p, True)
-  want_r = np.array([2.0 ** -9 / float(jnp.sum(p[0] ** 2)), 0.0, 0.0,
-                     -(2.0 ** -10) / float(jnp.sum(p[3] ** 2))])
-  np.testing.assert_allclose(np.asarray(r), want_r, rtol=1e-6)
-  corrected = p * (1 + r[:, None] * p)
-  np.testing.assert_allclose(np.asarray(delta), np.asarray(jnp.sum(g * corrected, axis=1)),
-                             rtol=1e-6)
-  np.testing.assert_allclose(np.asarray(jnp.sum(corrected, axis=1))[[0, 3]], 1.0, rtol=1e-7)
-  args = make_inputs(4, 1, 2, 33, 40, 32, probs="randn")
-  got = qk_scale_softmax_backward(*args, 0.125, interpret=INTERPRET, accurate=True)
-  for name, o, w in zip(("grad_query", "grad_key"), got,
-                        reference(*args, 0.125, accurate=True)):
-    assert_close_to_ref(name, o, w)
-
-
-@pytest.mark.parametrize("accurate", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("row_align", [-1, 0])
-def test_lowers_to_triton(pretend_h200, causal, dtype, row_align, accurate):
+def test_lowers_to_triton(pretend_h200, causal, dtype, row_align):
   """The kernels lower to Triton IR for a GPU (no GPU needed; catches unsupported ops; dl_gemm:
   the dL kernel and the one GEMM launch).
   Rows of 300 keys: dense with ``row_align=-1`` takes the phase-aligned row kernel.
@@ -597,7 +542,7 @@ def test_lowers_to_triton(pretend_h200, causal, dtype, row_align, accurate):
   for scheme, kernels in schemes:
     assert triton_calls_in_gpu_lowering(functools.partial(pallas_triton._backward,
                                                           interpret=False),
-                                        shapes, 0.125, causal=causal, accurate=accurate,
+                                        shapes, 0.125, causal=causal,
                                         config=qks.Config(cfg, cfg, scheme)) == kernels, scheme
 
 

@@ -5,9 +5,8 @@ Kernel: :mod:`pallas_kernels.qk_scale_softmax.pallas_mosaic_gpu` (TMA streams, w
 producer and two consumer warpgroups; ``g`` and ``P`` read once). The problems it takes are
 those of :func:`pallas_kernels.qk_scale_softmax.dispatch.mosaic_gpu_reason` (rows of 128
 keys, ``D == 128``); forced with ``implementation="mosaic_gpu"`` on another problem or
-device it raises saying why. Residuals: Q, K and P. The kernel runs with ``accurate=True``
-(``P`` corrected to its softmax normalization, ``dL`` to fp32 precision as two GEMM
-operands). The op's forward is the Triton backend's (:func:`jax_ops.ops.qk_scale_softmax.pallas_triton.pallas_forward`).
+device it raises saying why. Residuals: Q, K and P. The op's forward is the Triton
+backend's (:func:`jax_ops.ops.qk_scale_softmax.pallas_triton.pallas_forward`).
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ class QKSoftmaxMosaicGpu(backend.MosaicGpuBackend):
                interpret=False):
     return kernels.qk_scale_softmax_backward(grad_output, query, key, attn_weights, scaling,
                                              causal=causal, implementation="mosaic_gpu",
-                                             interpret=interpret, accurate=True)
+                                             interpret=interpret)
 
 
 BACKEND = QKSoftmaxMosaicGpu()

@@ -2,10 +2,8 @@
 
 Config and heuristic: ``pallas_kernels.qk_scale_softmax.default_config`` (tuned tables per
 device kind, a heuristic elsewhere). Residuals: Q, K and P (the reference backward's
-arguments). The kernels run with ``accurate=True`` (``P`` corrected to its softmax
-normalization, ``dL`` to fp32 precision as two GEMM operands). A causal call skips the key
-tiles above the diagonal. The op's forward is the fused forward kernel
-(:func:`pallas_forward`, shared with the Mosaic GPU backend).
+arguments). A causal call skips the key tiles above the diagonal. The op's forward is the
+fused forward kernel (:func:`pallas_forward`, shared with the Mosaic GPU backend).
 """
 
 from __future__ import annotations
@@ -45,8 +43,7 @@ class QKSoftmaxTriton(backend.TritonBackend):
   def backward(self, grad_output, query, key, attn_weights, scaling, *, causal=False,
                interpret=False):
     return pallas_triton.qk_scale_softmax_backward(
-        grad_output, query, key, attn_weights, scaling, causal=causal, interpret=interpret,
-        accurate=True)
+        grad_output, query, key, attn_weights, scaling, causal=causal, interpret=interpret)
 
 
 BACKEND = QKSoftmaxTriton()

@@ -1,10 +1,8 @@
 """Plain-jnp forward and backward of qk_scale_softmax: ``P = softmax((Q @ K^T) * scaling)``.
 
 The backward is the spec: ``dL`` rounded to the input dtype twice, as the reference model
-rounds it, then two GEMMs with fp32 accumulation; it is the yardstick of the kernel entry
-points. With ``accurate=True`` (``P`` corrected to its softmax normalization, ``dL`` kept
-to fp32 precision as two 16-bit GEMM operands) it is the ``"xla"`` backend of the op and the
-yardstick of the kernels' ``accurate``.
+rounds it, then two GEMMs with fp32 accumulation. It is the ``"xla"`` backend and the
+yardstick of the kernels.
 """
 
 from __future__ import annotations
@@ -14,13 +12,12 @@ import jax.numpy as jnp
 
 from jax_ops._common import FLOATS, causal_mask, f32, mm, round_to
 from pallas_kernels import validation
-from pallas_kernels.qk_scale_softmax._common import row_stats, split
 
 
 def qk_scale_softmax_backward_reference(
     grad_output: jax.typing.ArrayLike, query: jax.typing.ArrayLike, key: jax.typing.ArrayLike,
-    attn_weights: jax.typing.ArrayLike, scaling: float | jax.typing.ArrayLike, *,
-    accurate: bool = False) -> tuple[jax.Array, jax.Array]:
+    attn_weights: jax.typing.ArrayLike,
+    scaling: float | jax.typing.ArrayLike) -> tuple[jax.Array, jax.Array]:
   """Backward of ``softmax((Q @ K^T) * scaling)`` to Q and K.
 
   Args:
@@ -30,12 +27,6 @@ def qk_scale_softmax_backward_reference(
     attn_weights: ``[B, H, Sq, Sk]`` softmax output P (a causal P is zero above the
       diagonal, which the dense math handles).
     scaling: the logits' scale (``1/sqrt(D)`` in the usual case).
-    accurate: ``False`` (default, the spec): ``dL = dtype(dtype(P * (g - rowsum(g * P))) *
-      scaling)``. ``True``: the op's backward: rows of ``P`` that sum to 1 within their
-      rounding are corrected to sum to 1, ``P' = P (1 + r P)``, ``r = (1 - rowsum(P)) /
-      rowsum(P^2)``, and ``dL = scaling * P' * (g - rowsum(g * P'))`` (fp32) enters the
-      GEMMs as ``hi = dtype(dL)`` and ``lo = dtype(dL - hi)``
-      (``pallas_kernels.qk_scale_softmax_backward``'s ``accurate``).
 
   Returns:
     ``(grad_query [B, H, Sq, D], grad_key [B, H, Sk, D])`` in the inputs' dtype.
@@ -46,17 +37,10 @@ def qk_scale_softmax_backward_reference(
   probs = attn_weights.astype(f32)
   # The two roundings of dL are explicit ops: XLA:GPU may otherwise drop a
   # f32 -> bf16 -> f32 convert pair (excess precision) and skip them.
-  if accurate:
-    rows = lambda x: jnp.sum(x, axis=-1, keepdims=True)
-    gp = g * probs
-    delta, r = row_stats((rows(gp), rows(gp * probs), rows(probs), rows(probs * probs)))
-    d_l = probs * (1.0 + r * probs) * (g - delta) * jnp.asarray(scaling, f32)
-    parts = split(d_l, dtype, round_to)
-  else:
-    d_l = round_to(probs * (g - jnp.sum(g * probs, axis=-1, keepdims=True)), dtype)
-    parts = (round_to(d_l * jnp.asarray(scaling, f32), dtype).astype(dtype),)
-  grad_query = sum(mm("bhqk,bhkd->bhqd", x, key.astype(x.dtype)) for x in parts)
-  grad_key = sum(mm("bhqk,bhqd->bhkd", x, query.astype(x.dtype)) for x in parts)
+  d_l = round_to(probs * (g - jnp.sum(g * probs, axis=-1, keepdims=True)), dtype)
+  d_l = round_to(d_l * jnp.asarray(scaling, f32), dtype).astype(dtype)
+  grad_query = mm("bhqk,bhkd->bhqd", d_l, key)
+  grad_key = mm("bhqk,bhqd->bhkd", d_l, query)
   return grad_query.astype(dtype), grad_key.astype(dtype)
 
 
