@@ -11,6 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_LINES = 700
 MAX_BENCHMARK_SCRIPTS = 8
 MAX_RESULT_FILES = 40
+MAX_README_WORDS = 2000
 
 # What reads as lab notes in a docstring or comment: a commit hash, a timing, a verdict.
 _LAB_NOTES = {
@@ -62,3 +63,8 @@ def test_benchmarks_hold_the_maintained_scripts():
              and not p.endswith("__init__.py")]
   assert len(scripts) <= MAX_BENCHMARK_SCRIPTS, scripts
   assert len(_tracked("benchmarks/results")) <= MAX_RESULT_FILES
+
+
+def test_readme_is_short():
+  with open(os.path.join(ROOT, "README.md")) as f:
+    assert len(f.read().split()) <= MAX_README_WORDS  # words, code included
