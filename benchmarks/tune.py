@@ -82,6 +82,22 @@ def read_table(path: str, device_kind: str) -> dict:
   return dict(old.get("configs", {})) if old.get("device_kind") == device_kind else {}
 
 
+def compute_capability(device_kind: str) -> str | None:
+  """The compute capability of this process's device of ``device_kind`` (a table records it:
+  devices without tables of their own take those of their architecture)."""
+  caps = {getattr(d, "compute_capability", None) for d in jax.devices()
+          if d.device_kind == device_kind}
+  return str(caps.pop()) if len(caps) == 1 and None not in caps else None
+
+
+def _old_capability(path: str) -> str | None:
+  try:
+    with open(path) as f:
+      return json.load(f).get("compute_capability")
+  except (OSError, ValueError):
+    return None
+
+
 def write_table(configs: dict, out: str, *, entry_json=entry_json, merge: bool = False,
                 per_field: bool = False, device_kind: str | None = None) -> dict:
   """Writes a tuned table ``{class: entry}`` for ``device_kind`` (default: this process's
@@ -111,6 +127,7 @@ def write_table(configs: dict, out: str, *, entry_json=entry_json, merge: bool =
       print(f"table {out}: class {key} left out, not a valid entry ({type(error).__name__}: "
             f"{error}): {json.dumps(tries[-1])}", flush=True)
   result = {"device_kind": device_kind,
+            "compute_capability": compute_capability(device_kind) or _old_capability(out),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "jax": jax.__version__,
             "configs": {k: table[k] for k in sorted(table, key=_class_order)}}

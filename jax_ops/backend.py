@@ -37,6 +37,7 @@ from collections.abc import Callable
 
 import jax
 
+from pallas_kernels import _tuning
 from pallas_kernels._util import is_hopper
 
 INPUTS = "inputs"  # the residual policy of the reference backward: its own arguments
@@ -160,8 +161,9 @@ class TritonBackend(Backend):
 
   @staticmethod
   def device_kind(problem: Problem) -> str | None:
-    """The device kind whose tuned tables the kernels use (``None``: heuristics)."""
-    return None if problem.interpret or problem.device is None else problem.device.device_kind
+    """The device kind whose tuned tables the kernels use (``None``: heuristics); a device
+    without tables of its own takes those of its architecture (``_tuning.table_kind``)."""
+    return None if problem.interpret else _tuning.table_kind(problem.device)
 
 
 class MosaicGpuBackend(Backend):

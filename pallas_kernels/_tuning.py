@@ -3,8 +3,10 @@
 A tuned table is ``pallas_kernels/tuned/<device folder>/<kernel>.json`` (the folder is the
 device kind in lower case with ``_`` for other characters: ``NVIDIA H200`` ->
 ``nvidia_h200``). It maps a row-length class to the config that was fastest there, with
-named fields, and is written by the tuner in ``benchmarks/``. A kernel uses a table only on
-the device kind it was measured on, and a heuristic elsewhere.
+named fields and the device's compute capability, and is written by the tuner in
+``benchmarks/``. A device uses its own kind's tables; a device with none uses those of the
+measured device of the same compute capability whose name is closest (an H100 takes the
+H200's); a device of an architecture with no tables uses heuristics (:func:`table_kind`).
 """
 
 from __future__ import annotations
@@ -44,10 +46,50 @@ def table(kernel: str, device_kind: str | None) -> dict:
   return data["configs"] if data.get("device_kind") == device_kind else {}
 
 
+@functools.cache
+def measured_kinds() -> dict[str, str]:
+  """``{device kind: compute capability}`` of the devices the package has tables for."""
+  kinds = {}
+  for folder in sorted(os.listdir(TUNED_DIR)) if os.path.isdir(TUNED_DIR) else ():
+    path = os.path.join(TUNED_DIR, folder)
+    for name in sorted(os.listdir(path)) if os.path.isdir(path) else ():
+      if name.endswith(".json"):
+        with open(os.path.join(path, name)) as f:
+          data = json.load(f)
+        if data.get("device_kind") and data.get("compute_capability"):
+          kinds.setdefault(data["device_kind"], str(data["compute_capability"]))
+  return kinds
+
+
+def table_kind(device) -> str | None:
+  """The device kind whose tuned tables serve ``device``: its own kind where the package
+  has tables for it; else, of the measured kinds of the same compute capability, the one
+  whose name shares the longest prefix with the device's (ties: the last in sorted order);
+  else the device's own kind, which has no table (heuristics). ``None`` for no device."""
+  kind = getattr(device, "device_kind", None)
+  if kind is None:
+    return None
+  measured = measured_kinds()
+  cap = getattr(device, "compute_capability", None)
+  same = sorted(k for k, c in measured.items() if cap is not None and c == str(cap))
+  if kind in measured or not same:
+    return kind
+  return max(same, key=lambda k: len(os.path.commonprefix([k, kind])))
+
+
+def table_source(device) -> str:
+  """Which tables serve ``device``: ``"package"`` (its own), ``"fallback: <kind>"`` (a
+  measured device of the same compute capability) or ``"heuristic"``."""
+  kind = table_kind(device)
+  if kind is None or kind not in measured_kinds():
+    return "heuristic"
+  return "package" if kind == device.device_kind else f"fallback: {kind}"
+
+
 def device_kind_of(*arrays, interpret: bool = False) -> str | None:
-  """The device kind whose tuned table a call uses (the device of :func:`_util.device_of`);
-  ``None`` in interpret mode (heuristics)."""
-  return None if interpret else device_of(*arrays).device_kind
+  """The device kind whose tuned tables a call uses (:func:`table_kind` of the device of
+  :func:`_util.device_of`); ``None`` in interpret mode (heuristics)."""
+  return None if interpret else table_kind(device_of(*arrays))
 
 
 def tile_length_class(n: int, *, lo: int = 128, hi: int = 1024, align: int = 8) -> str:

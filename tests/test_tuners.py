@@ -51,8 +51,10 @@ def tuned_dir(tmp_path, monkeypatch):
   """Tables under ``tmp_path``: ``_tuning.table`` reads ``TUNED_DIR`` (its cache cleared)."""
   monkeypatch.setattr(_tuning, "TUNED_DIR", str(tmp_path))
   _tuning.table.cache_clear()
+  _tuning.measured_kinds.cache_clear()
   yield tmp_path
   _tuning.table.cache_clear()
+  _tuning.measured_kinds.cache_clear()
 
 
 # ------------------------------------------------------------------- candidate lists
