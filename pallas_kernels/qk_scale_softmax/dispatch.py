@@ -96,6 +96,7 @@ def forward_kernel_for(query, key, scaling, *, causal=False, interpret=False) ->
   the dense problems :func:`forward_mosaic_gpu.unsupported_reason` allows with rows of at
   least :data:`MOSAIC_FORWARD_MIN_KEYS` keys; else ``"triton"`` where its int32 offsets
   reach every element (:func:`forward.takes`); else ``None`` (no Pallas forward)."""
+  validation.check_query_and_key(query, key)
   b, h, seq_q, d = query.shape
   seq_k = key.shape[2]
   if not interpret and seq_k >= MOSAIC_FORWARD_MIN_KEYS and is_hopper(device_of(query, key)):
@@ -108,7 +109,10 @@ def forward_kernel_for(query, key, scaling, *, causal=False, interpret=False) ->
 
 def qk_scale_softmax_forward(query, key, scaling, *, causal=False, interpret=False):
   """``P = softmax((Q @ K^T) * scaling)`` ``[B, H, Sq, Sk]`` from the fused kernel that
-  :func:`forward_kernel_for` picks; raises ``ValueError`` where none takes the problem."""
+  :func:`forward_kernel_for` picks; raises ``ValueError`` where none takes the problem.
+  ``query`` ``[B, H, Sq, D]`` and ``key`` ``[B, H, Sk, D]`` share one dtype: bf16, fp16 or
+  fp32."""
+  validation.check_query_and_key(query, key)
   kernel = forward_kernel_for(query, key, scaling, causal=causal, interpret=interpret)
   if kernel == MOSAIC_GPU:
     return forward_mosaic_gpu.qk_scale_softmax_forward(query, key, scaling, causal,

@@ -112,6 +112,19 @@ def test_argument_errors():
       ForwardConfig(**kwargs)
 
 
+def test_entry_point_rank_errors_name_the_argument():
+  """The dispatching entry point and its kernel rule check ranks before reading shapes."""
+  from pallas_kernels.qk_scale_softmax import dispatch
+  query, key = _inputs(1, 2, 8, 16, 32, jnp.bfloat16)
+  for fn in (dispatch.qk_scale_softmax_forward, dispatch.forward_kernel_for):
+    with pytest.raises(ValueError, match=r"query: expected rank 4"):
+      fn(query[0], key, 0.1, interpret=True)
+    with pytest.raises(ValueError, match=r"key: expected rank 4"):
+      fn(query, key[0], 0.1, interpret=True)
+    with pytest.raises(TypeError, match="key"):
+      fn(query, key.astype(jnp.float32), 0.1, interpret=True)
+
+
 @pytest.mark.skipif(ON_GPU, reason="off a GPU only")
 def test_off_gpu_without_interpret_says_so():
   query, key = _inputs(1, 1, 8, 8, 16, jnp.bfloat16)
