@@ -93,7 +93,7 @@ class Config:
 
 
 def default_config(b, h, kvh, sq, skv, d) -> Config:
-  """The kernels' config for a problem: one for every shape so far."""
+  """The kernels' config for a problem: the same for every shape."""
   del b, h, kvh, sq, skv, d
   return Config()
 
@@ -197,6 +197,8 @@ def backward_from_output(grad_attn_output, attn_weights, value_states, dropout_m
     validation.check_array("keep_seeds", keep_seeds, ("4",), (4,), dtypes=(jnp.uint32,))
   _mosaic.check_hopper("attention_softmax_dropout_value backward_from_output", interpret,
                        grad_attn_output, attn_weights, value_states)
+  if config is not None and not isinstance(config, Config):
+    raise TypeError(f"config: expected a pallas_mosaic_gpu.Config, got {type(config).__name__}")
   config = config or default_config(b, h, kvh, sq, skv, d)
   g = h // kvh
   delta = delta_from_output(grad_attn_output, attn_output_f32).reshape(b, kvh, g * sq)

@@ -398,6 +398,9 @@ def test_backward_from_output_says_why():
                             interpret=True)
   with pytest.raises(ValueError, match="keep_seeds: needed"):
     mg.backward_from_output(d_o, probs, value, keep, rate, out32, interpret=True)
+  with pytest.raises(TypeError, match=r"config: expected a pallas_mosaic_gpu.Config"):
+    mg.backward_from_output(d_o, probs, value, keep, rate, out32, keep_seeds=seeds,
+                            config=(64, 2, 2), interpret=True)
 
 
 def test_backward_from_output_lowers_for_a_gpu():
