@@ -57,7 +57,7 @@ def test_kernels_turn_invalid_traced_rates_into_nan(bad):
   keep = jax.random.bernoulli(k[2], 0.7, (1, 2, 4, 40))
   value = jax.random.normal(k[0], (1, 1, 40, 8), jnp.bfloat16)
   d_s, _ = jax.jit(lambda p: pallas_kernels.attention_softmax_dropout_value_backward(
-      d_o, probs, probs, value, keep, p, block_q=16, block_kv=16, interpret=INTERPRET))(bad)
+      d_o, probs, probs, value, keep, p, block_q=16, block_k=16, interpret=INTERPRET))(bad)
   assert bool(jnp.all(jnp.isnan(d_s.astype(F32))))
   from pallas_kernels.attention_softmax_dropout_value import PassConfig
   outs = jax.jit(lambda p: pallas_kernels.attention_softmax_dropout_value_backward_from_delta(
@@ -167,9 +167,9 @@ def test_vmap_of_grad_over_extra_axis(op_name):
   grad = jax.grad(loss, argnums=argnums)
   batched = jax.jit(jax.vmap(grad))(*xs)
   # bf16 results may differ by a few roundings (2^-8 relative each): batching changes the
-  # XLA fusions of the bf16 forward and the kernels' launches (kernel A's dV split depends
-  # on it), hence roundings and the order of fp32 sums; the softmax backward's cancellation
-  # (P * (dW - delta)) magnifies them. bf16: the workloads' rtol (0.05).
+  # XLA fusions of the bf16 forward and the kernels' launches (the dV split of
+  # attention_softmax_dropout_value depends on it), hence roundings and the order of fp32
+  # sums; the softmax backward's cancellation (P * (dW - delta)) magnifies them. bf16: the workloads' rtol (0.05).
   rtol = 5e-2 if xs[0].dtype == jnp.bfloat16 else 1e-6
   for i in range(2):
     single = jax.jit(grad)(*(x[i] for x in xs))
@@ -202,7 +202,7 @@ def test_scaling_must_be_positive(bad):
     jax_ops.qk_scale_softmax(_bf16(1, 2, 3, 8), _bf16(1, 2, 3, 8), scaling=bad)
 
 
-def test_kernel_b_blames_the_argument_that_disagrees():
+def test_masked_softmax_dropout_blames_the_argument_that_disagrees():
   import pallas_kernels
   g, mask, keep = jnp.ones((2, 1, 4, 5)), jnp.ones((2, 1, 4, 5), bool), jnp.ones((2, 1, 4, 5), bool)
   with pytest.raises(ValueError, match=r"p_attn: expected \[B, H, Sq, Sk\] = \[2, 1, 4, 5\], got \[2, 1, 4, 6\]"):

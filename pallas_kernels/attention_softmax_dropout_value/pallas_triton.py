@@ -551,18 +551,10 @@ def _backward(grad_attn_output, attn_weights, attn_weights_dropped, value_states
   return ds.reshape(b, h, seq_q, seq_k), dv.reshape(b, kvh, seq_k, head_dim)
 
 
-def _block_k_alias(block_k, block_kv):
-  """``block_k``, or its old name ``block_kv``."""
-  if block_kv is not None and block_k is not None and block_kv != block_k:
-    raise ValueError(f"block_kv is an alias of block_k: got block_k={block_k}, "
-                     f"block_kv={block_kv}")
-  return block_k if block_k is not None else block_kv
-
-
 def attention_softmax_dropout_value_backward(
     grad_attn_output, attn_weights, attn_weights_dropped, value_states, dropout_mask,
     attention_dropout, *, delta=None, config: Config | None = None, block_q=None,
-    block_k=None, block_kv=None, num_warps=None, num_stages=None, causal=False,
+    block_k=None, num_warps=None, num_stages=None, causal=False,
     interpret=False):
   """Backward of ``O = transpose(dropout(P) @ V)`` with GQA, as two Pallas Triton kernels.
 
@@ -574,7 +566,7 @@ def attention_softmax_dropout_value_backward(
   scalar (outside [0, 1): NaN outputs). ``delta``: optional ``[B, H, seq_q]`` fp32
   ``rowsum(dO * O)`` of the forward's fp32 output (:func:`delta_from_output`); pass 1 then
   skips its dPd GEMM. ``config`` (:class:`Config`): by default the table tuned for the
-  arrays' device kind, else a heuristic; ``block_q``, ``block_k`` (alias ``block_kv``),
+  arrays' device kind, else a heuristic; ``block_q``, ``block_k``,
   ``num_warps``, ``num_stages`` override a field of both passes. ``causal``: accepted for
   interface uniformity (a causal P is zero above the diagonal, which the dense math
   handles; no tiles are skipped). ``interpret``: run in the Pallas interpreter.
@@ -608,7 +600,7 @@ def attention_softmax_dropout_value_backward(
     config = default_config(b, h, kvh, seq_q, seq_k, head_dim, attn_weights.dtype,
                             _tuning.device_kind_of(*arrays, interpret=interpret))
   config = _tuning.with_overrides(config, block_q=block_q,
-                                  block_k=_block_k_alias(block_k, block_kv),
+                                  block_k=block_k,
                                   num_warps=num_warps, num_stages=num_stages)
   return _backward(grad_attn_output, attn_weights, attn_weights_dropped, value_states,
                    dropout_mask, p_traced, delta, p_static=p, config=config,
