@@ -23,7 +23,6 @@ from collections.abc import Callable
 import jax
 
 from jax_ops.backend import Backend, FunctionBackend, Problem
-from pallas_kernels._util import device_of  # noqa: F401 (the device a call runs on)
 
 XLA = "xla"
 TRITON = "triton"

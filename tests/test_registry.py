@@ -7,6 +7,7 @@ import pytest
 from conftest import INTERPRET, assert_close, keys
 import jax_ops
 from jax_ops import backend, registry
+from pallas_kernels._util import device_of
 
 OPS = ("attention_softmax_dropout_value", "masked_softmax_dropout", "qk_scale_softmax")
 
@@ -51,8 +52,8 @@ def test_unknown_names():
 
 def test_device_of_the_arrays():
   x = jnp.ones(3)
-  assert registry.device_of(x) == next(iter(x.devices()))
-  assert registry.device_of() == jax.devices()[0]
+  assert device_of(x) == next(iter(x.devices()))
+  assert device_of() == jax.devices()[0]
 
 
 def test_a_registered_backend_is_used_by_the_op():
@@ -127,7 +128,7 @@ def test_register_checks_its_arguments():
 def test_device_of_a_platform_name_default():
   """``jax.default_device`` may hold a platform name: the call runs on that platform."""
   with jax.default_device("cpu"):
-    assert registry.device_of().platform == "cpu"
+    assert device_of().platform == "cpu"
 
 
 def test_triton_backends_report_the_kernels_config():
