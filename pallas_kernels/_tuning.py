@@ -2,7 +2,7 @@
 
 A tuned table is ``pallas_kernels/tuned/<device folder>/<kernel>.json`` (the folder is the
 device kind in lower case with ``_`` for other characters: ``NVIDIA H200`` ->
-``nvidia_h200``). It maps a row-length class to the config that was fastest there, with
+``nvidia_h200``). It maps a row-length class to the tuned config, with
 named fields and the device's compute capability, and is written by the tuner in
 ``benchmarks/``. A device uses its own kind's tables; a device with none uses those of the
 measured device of the same compute capability whose name is closest (an H100 takes the

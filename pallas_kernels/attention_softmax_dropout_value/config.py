@@ -124,8 +124,8 @@ def default_config(batch, num_heads, num_kv_heads, seq_q, seq_k, head_dim, dtype
 
 
 def default_from_delta_config(seq_q, seq_k, head_dim, dtype) -> PassConfig:
-  """The kernel from delta: 64 x 64 tiles, 4 warps, 3 stages for 16-bit inputs (the best
-  of the configs tried on the H200), the heuristic for fp32."""
+  """The kernel from delta: ``block_q`` 64, ``block_k`` ``min(64, max(16,
+  next_power_of_2(seq_k)))``, 4 warps, 3 stages for 16-bit inputs; the heuristic for fp32."""
   if jnp.dtype(dtype).itemsize > 2:
     return heuristic(1, 1, 1, seq_q, seq_k, head_dim, jnp.dtype(dtype).itemsize).dv
   return PassConfig(64, min(64, max(16, next_power_of_2(seq_k))), 4, 3)

@@ -12,8 +12,10 @@ round trip to memory), reduces the row sums in registers and writes dS once. A r
 length is one chunk padded to the next power of two or two power-of-two chunks
 (:func:`~pallas_kernels.masked_softmax_dropout.config.column_chunks`). Traffic per fp32
 element: g, P (4 + 4 B) and keep (1 B) in, dS (4 B) out, plus the ``[B, 1, Sq, Sk]`` mask
-shared by the heads, whose programs run together by default so the mask tile comes from L2
-after its first read. The launch config comes from ``config.default_config``.
+shared by the heads, whose programs run together under ``row_group=0`` (the default) so the
+mask tile comes from L2 after its first read; the H200 table sets ``row_group=65536`` (a
+head's row blocks first) for some row classes. The launch config comes from
+``config.default_config``.
 
 ``masked_softmax_dropout_backward_from_scores`` is the op's backward: the same kernel given
 the scores instead of P, which it recomputes as the fused forward does, and the dropout key

@@ -174,7 +174,7 @@ def heuristic(seq_q: int, seq_k: int, head_dim: int, *, row: bool) -> PassConfig
   tile = block_q * block_k
   num_warps = 8 if tile >= 8192 or (d_pad >= 128 and tile >= 4096) else 4
   if row and block_k >= pk:
-    num_stages = 1  # one-tile rows: the loop runs once, there is nothing to prefetch
+    num_stages = 1  # one-tile rows: the loop runs once, there is nothing to pipeline
   else:
     num_stages = 2 if d_pad >= 128 or tile >= 8192 else 3
   return PassConfig(block_q, block_k, num_warps, num_stages)
