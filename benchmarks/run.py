@@ -10,7 +10,8 @@ checks the kernel against the reference (>= 99% of elements within the
 workload's tolerance, no NaN/Inf) and times both under ``jax.jit`` the same way
 (device time from the profiler, median, input sets rotated so L2 is cold). The
 memory floor is the problem's minimum bytes over the copy bandwidth measured in
-the same run. Writes ``<out>/<op>.{md,json,png}``, by default in
+the same run. Writes ``<out>/<op>.{md,json,png}`` (``<op>_<backend>.*`` with ``--backend``,
+then ``_subset`` for a subset of the workloads: :func:`result_name`), by default in
 ``benchmarks/results/<device>/`` (``nvidia_h200``, as the tuned tables name devices); each
 JSON row holds the workload, the kernels that ran, ``pallas_us``, ``xla_us``, the floor
 fractions and ``passed``.
@@ -450,11 +451,29 @@ def problem_of(op: str) -> Problem:
   return PROBLEM_FROM_DELTA if op == FROM_DELTA else PROBLEMS[op]
 
 
+def default_ops(backend: str) -> list[str]:
+  """The ops a run without ``--op`` times: every op with a Pallas backend ``backend`` (all
+  of them for ``"entry"``), and the causal ``qk_scale_softmax`` after ``qk_scale_softmax``."""
+  ops = [op for op in PROBLEMS if backend == ENTRY or backend in registry.available(op)]
+  if "qk_scale_softmax" in ops:
+    ops.insert(ops.index("qk_scale_softmax") + 1, "qk_scale_softmax_causal")
+  return ops
+
+
+def result_name(op: str, backend: str, subset: bool) -> str:
+  """The results' base name: ``<op>`` for the entry points, ``<op>_<backend>`` for a named
+  backend, then ``_subset`` for a subset of the workloads, so neither replaces the entry
+  points' full results."""
+  name = op if backend == ENTRY else f"{op}_{backend}"
+  return f"{name}_subset" if subset else name
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--op", action="append",
                       choices=sorted(PROBLEMS) + ["qk_scale_softmax_causal", FROM_DELTA],
-                      help="op(s) to run; default: every op that has a Pallas kernel")
+                      help="op(s) to run; default: every op that has a Pallas kernel, and "
+                           "qk_scale_softmax_causal")
   parser.add_argument("--backend", default=ENTRY,
                       help="what to time: 'entry' (the kernel entry points, which pick their "
                            "kernels per device) or a Pallas backend of jax_ops.registry.available")
@@ -464,7 +483,8 @@ def main(argv=None):
   parser.add_argument("--quick", action="store_true", help="first 4 workloads only")
   parser.add_argument("--workloads", default=None,
                       help="comma-separated indices into the op's 16 workloads (default: all; "
-                           "the causal op keeps the square ones); results go to <op>_subset.*")
+                           "the causal op keeps the square ones); results go to <op>_subset.*"
+                           " (<op>_<backend>_subset.* with --backend)")
   parser.add_argument("--compare", nargs=2, metavar=("OLD_DIR", "NEW_DIR"),
                       help="compare two results folders workload by workload (no GPU needed)")
   args = parser.parse_args(argv)
@@ -474,8 +494,7 @@ def main(argv=None):
   names = {n for op in PROBLEMS for n in registry.available(op)} | {ENTRY}
   if args.backend not in names:
     parser.error(f"--backend: expected one of {sorted(names)}, got {args.backend!r}")
-  ops = args.op or [op for op in PROBLEMS
-                    if args.backend == ENTRY or args.backend in registry.available(op)]
+  ops = args.op or default_ops(args.backend)
   if FROM_DELTA in ops and args.backend not in (ENTRY, "triton"):
     parser.error(f"--op {FROM_DELTA} times the Triton backend's backward from the output, "
                  f"not {args.backend!r}")
@@ -508,13 +527,13 @@ def main(argv=None):
                else dict(meta, floor_note=FROM_DELTA_FLOOR_NOTE) if op == FROM_DELTA else meta)
 
     def write(rows, op=op, planned=len(workloads), subset=subset, op_meta=op_meta):
-      """Results so far; a run cut short, or run on a subset, says so in its file (and a
-      subset run writes <op>_subset.*, so it never replaces a full run's results)."""
+      """Results so far; a run cut short, or run on a subset, says so in its file (named by
+      :func:`result_name`, so it never replaces the entry points' full results)."""
       summary = summarize(rows)
       summary["workloads"] = f"{len(rows)} of {planned}" + (
           f" (subset: --workloads {args.workloads or ''} {'--quick' if args.quick else ''})"
           if subset else "")
-      name = f"{op}_subset" if subset else op
+      name = result_name(op, args.backend, subset)
       write_results(os.path.join(args.out, name), op, op_meta, rows, summary)
       return summary
 

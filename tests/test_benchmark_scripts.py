@@ -33,6 +33,31 @@ def test_run_checks_its_arguments_before_the_gpu(capsys):
   assert "times the Triton backend's" in capsys.readouterr().err
 
 
+def test_result_names_keep_the_entry_points_results():
+  """A named backend or a subset writes files of its own; the entry points' full run the
+  ``<op>.*`` that the README links."""
+  assert run.result_name("qk_scale_softmax", run.ENTRY, False) == "qk_scale_softmax"
+  assert run.result_name("qk_scale_softmax", run.ENTRY, True) == "qk_scale_softmax_subset"
+  assert run.result_name("qk_scale_softmax", "triton", False) == "qk_scale_softmax_triton"
+  assert (run.result_name("masked_softmax_dropout", "xla", True)
+          == "masked_softmax_dropout_xla_subset")
+  names = {run.result_name(op, b, s) for op in run.PROBLEMS
+           for b in (run.ENTRY, "triton", "mosaic_gpu", "xla") for s in (False, True)}
+  assert len(names) == len(run.PROBLEMS) * 8
+
+
+def test_default_ops_include_the_causal_table():
+  from jax_ops import registry
+  assert run.default_ops(run.ENTRY) == ["attention_softmax_dropout_value",
+                                        "masked_softmax_dropout", "qk_scale_softmax",
+                                        "qk_scale_softmax_causal"]
+  for name in ("triton", "mosaic_gpu", "xla"):
+    ops = run.default_ops(name)
+    assert [op for op in ops if op in run.PROBLEMS] == [
+        op for op in run.PROBLEMS if name in registry.available(op)]
+    assert ("qk_scale_softmax_causal" in ops) == ("qk_scale_softmax" in ops)
+
+
 def test_op_names_are_the_registry_names():
   from jax_ops import registry
   for op in run.PROBLEMS:
@@ -64,9 +89,24 @@ def test_results_header_names_date_device_jax_commit():
   assert "- device: NVIDIA H200" in text and "- commit: c51e9d0" in text
 
 
-def test_commit_names_the_timed_tree():
+def test_commit_names_the_timed_tree(monkeypatch):
+  """In a git checkout: the short hash of HEAD (a prefix of its full hash), then
+  ``+local changes`` or nothing."""
+  import re
+  import subprocess
+  root = os.path.dirname(os.path.dirname(os.path.abspath(run.__file__)))
+  try:
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                          cwd=root)
+  except OSError:
+    pytest.skip("no git")
+  if head.returncode:
+    pytest.skip("not a git checkout")
+  monkeypatch.delenv("BENCH_COMMIT", raising=False)
   commit = run._commit()
-  assert commit == "unknown" or len(commit.split()[0]) >= 7
+  match = re.fullmatch(r"([0-9a-f]{7,40})( \+local changes)?", commit)
+  assert match, commit
+  assert head.stdout.strip().startswith(match.group(1))
 
 
 def test_compare_pairs_rows_by_workload(tmp_path, capsys):
