@@ -23,7 +23,8 @@ def python_blocks():
 
 
 def test_readme_has_python_blocks():
-  assert len(python_blocks()) >= 6
+  """The blocks fenced with ```python (the ones test_every_python_block_runs runs)."""
+  assert len(python_blocks()) == 6
 
 
 def test_every_python_block_runs():
