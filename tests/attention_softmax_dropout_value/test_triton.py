@@ -238,7 +238,7 @@ def test_tuned_table_named_fields():
   path = _tuning.table_path("attention_softmax_dropout_value", "NVIDIA H200")
   with open(path) as f:
     data = json.load(f)
-  assert set(data) == {"device_kind", "date", "jax", "configs"}
+  assert set(data) == {"device_kind", "compute_capability", "date", "jax", "configs"}
   for key, entry in data["configs"].items():
     cfg = asdv.Config.from_json(entry)
     assert asdv.Config.from_json(cfg.to_json()) == cfg, key

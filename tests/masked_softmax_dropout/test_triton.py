@@ -105,7 +105,7 @@ def test_length_classes():
 def test_tuned_table_has_named_configs_only():
   with open(_tuning.table_path("masked_softmax_dropout", "NVIDIA H200")) as f:
     data = json.load(f)
-  assert set(data) == {"device_kind", "date", "jax", "configs"}
+  assert set(data) == {"device_kind", "compute_capability", "date", "jax", "configs"}
   for key, entry in data["configs"].items():
     assert {"target", "num_warps", "split"} <= set(entry) <= {"target", "num_warps", "split",
                                                                *VARIANT_FIELDS}, key

@@ -447,7 +447,7 @@ def test_tuned_table():
   included), with the class's causal_dl for causal calls where it has one."""
   with open(_tuning.table_path(qks_config.KERNEL, "NVIDIA H200")) as f:
     data = json.load(f)
-  assert set(data) == {"device_kind", "date", "jax", "configs"}
+  assert set(data) == {"device_kind", "compute_capability", "date", "jax", "configs"}
   for entry in data["configs"].values():
     assert (set(entry) <= {"scheme", "row", "col", "head", "dl", "causal_dl"}
             and entry["scheme"] in qks.SCHEMES)
