@@ -15,7 +15,6 @@ dropped Pd saves, and unaligned rows, which that kernel loads element by element
 
 from __future__ import annotations
 
-import pallas_kernels
 from pallas_kernels import attention_softmax_dropout_value as kernels
 from jax_ops import backend
 from jax_ops.backend import FUSED_OUTPUT, INPUTS, OUTPUT
@@ -72,7 +71,7 @@ class AttentionValueTriton(backend.TritonBackend):
                            interpret=False):
     """The backward given the forward's fp32 output ``[B, Sq, H, D]`` instead of Pd."""
     delta = kernels.delta_from_output(grad_attn_output, attn_output_f32)
-    return pallas_kernels.attention_softmax_dropout_value_backward_from_delta(
+    return kernels.attention_softmax_dropout_value_backward_from_delta(
         grad_attn_output, attn_weights, value_states, dropout_mask, attention_dropout, delta,
         causal=causal, interpret=interpret)
 

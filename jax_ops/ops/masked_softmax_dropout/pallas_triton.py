@@ -11,7 +11,6 @@ or read. Launch configs: ``pallas_kernels.masked_softmax_dropout.default_config`
 
 from __future__ import annotations
 
-import pallas_kernels
 from pallas_kernels import masked_softmax_dropout as kernels
 from pallas_kernels.masked_softmax_dropout import forward as forward_kernel
 from pallas_kernels.masked_softmax_dropout import pallas_triton as backward_kernels
@@ -46,7 +45,7 @@ class MaskedSoftmaxTriton(backend.TritonBackend):
   def backward(self, grad_output, p_attn, mask, dropout_mask, p_dropout, *, causal=False,
                interpret=False):
     """The kernel entry point, with the reference backward's arguments."""
-    return pallas_kernels.masked_softmax_dropout_backward(
+    return kernels.masked_softmax_dropout_backward(
         grad_output, p_attn, mask, dropout_mask, p_dropout, causal=causal, interpret=interpret)
 
 
