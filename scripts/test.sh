@@ -2,16 +2,12 @@
 # The test suite. Off a GPU the Pallas kernels run in interpret mode; GPU-only tests skip.
 #   bash scripts/test.sh [pytest args]            every test, on the pinned jax (.venv)
 #   bash scripts/test.sh --jax 0.12 [pytest args] the op-level suites and the README on jax 0.12
-#                                                 (.venv-jax012, made by scripts/setup_jax012.sh)
+#                                                 (.venv-jax012, made by setup.sh --jax 0.12)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--jax" ]; then
-  if [ "${2:-}" != "0.12" ]; then
-    echo "scripts/test.sh: --jax takes 0.12 (the pinned jax is the default), got '${2:-}'" >&2
-    exit 2
-  fi
+  bash scripts/setup.sh --jax "${2:-}"  # which takes only 0.12
   shift 2
-  bash scripts/setup_jax012.sh
   python=.venv-jax012/bin/python
   suites=(tests/attention_softmax_dropout_value tests/masked_softmax_dropout tests/qk_scale_softmax
           tests/test_ops.py tests/test_readme.py)

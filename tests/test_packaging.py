@@ -67,10 +67,10 @@ def test_setup_names_the_python_it_needs(tmp_path):
 
 def test_jax_range_holds_both_tested_versions():
   """pyproject.toml admits a jax range; CI tests its ends: the pins of constraints.txt and
-  the jax of scripts/setup_jax012.sh."""
+  the jax of scripts/setup.sh --jax 0.12."""
   from packaging.requirements import Requirement
   pins = dict(re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)$", _read("constraints.txt"), flags=re.M))
-  newest = re.search(r"^JAX_VERSION=(\S+)$", _read("scripts/setup_jax012.sh"), flags=re.M)[1]
+  newest = re.search(r"^JAX012=(\S+)$", _read("scripts/setup.sh"), flags=re.M)[1]
   deps = [Requirement(d) for d in tomllib.loads(_read("pyproject.toml"))["project"]["dependencies"]]
   specs = {r.name: r.specifier for r in deps}
   for name in ("jax", "jaxlib"):
