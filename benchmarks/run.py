@@ -5,7 +5,7 @@ Usage (on a GPU, from the root of the checkout to time)::
     PYTHONPATH=. python3 -m benchmarks.run [--op NAME ...] [--quick] [--out DIR]
     python3 -m benchmarks.run --compare OLD_DIR NEW_DIR   # two runs, workload by workload
 
-For each op and each of its 16 workloads (``benchmarks/workloads.json``) it
+For each op and each of its 16 workloads (``pallas_kernels/workloads.json``) it
 checks the kernel against the reference (>= 99% of elements within the
 workload's tolerance, no NaN/Inf) and times both under ``jax.jit`` the same way
 (device time from the profiler, median, input sets rotated so L2 is cold). The
@@ -37,12 +37,13 @@ import pallas_kernels
 from benchmarks.timing import copy_ceiling, device_times_us, no_gpu
 from jax_ops import reference, registry
 from pallas_kernels import _tuning
-from pallas_kernels import attention_softmax_dropout_value as asdv
-from pallas_kernels import qk_scale_softmax as qks
+from pallas_kernels import workloads as wl
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-F32, BF16 = jnp.float32, jnp.bfloat16
-_ROTATE_BYTES = 256 << 20  # input sets rotated per workload: several times an H100's L2
+# Names the tuners read from here.
+_ROTATE_BYTES = wl.ROTATE_BYTES
+_attention_dims, _qk_dims = wl.attention_dims, wl.qk_dims
+_masked_floor = wl.masked_floor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,46 +57,21 @@ class Problem:
   causal: bool = False   # qk_scale_softmax: a causal P
 
 
-def _softmax(key, shape, dtype):
-  return jax.nn.softmax(jax.random.normal(key, shape, F32), axis=-1).astype(dtype)
+def _problem(op, causal=False):
+  """The entry point of ``op`` against its reference backward, on the inputs, floors and
+  labels of :mod:`pallas_kernels.workloads`."""
+  kw = {"causal": True} if causal else {}
+  ref = getattr(reference, op + "_backward_reference")
+  return Problem(
+      op, lambda w: wl.label(op, w, causal),
+      lambda w, c, key: wl.make_inputs(op, w, c, key, causal),
+      lambda w, c: wl.floor_bytes(op, w, c, causal),
+      lambda args, w, c: _jit_kernel(op, **kw)(*args, wl.scalar(op, w, c)),
+      lambda args, w, c: _jit_ref(ref)(*args, wl.scalar(op, w, c)),
+      causal)
 
 
-# --- attention_softmax_dropout_value -----------------------------------------------------
-
-def _attention_dims(w, c):
-  return (w["batch_size"], c["num_attention_heads"], c["num_key_value_heads"], w["seq_len_q"],
-          w["seq_len_kv"], c["head_dim"])
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _attention_inputs(dims, p, key):
-  b, h, kvh, sq, skv, d = dims
-  k = jax.random.split(key, 4)
-  # The barrier keeps XLA from making Pd out of the unrounded fp32 softmax (on a GPU it
-  # drops the bf16 round trip, and 24% of Pd then misses bf16(P * keep / (1 - p)) by an
-  # ulp): Pd is made from the bf16 P, as the spec's precondition says.
-  probs = jax.lax.optimization_barrier(_softmax(k[0], (b, h, sq, skv), BF16))
-  keep = jax.random.uniform(k[1], (b, h, sq, skv)) > p
-  dropped = (probs.astype(F32) * keep / (1.0 - p)).astype(BF16)
-  d_o = jax.random.normal(k[2], (b, sq, h, d), BF16)
-  value = jax.random.normal(k[3], (b, kvh, skv, d), BF16)
-  return d_o, probs, dropped, value, keep
-
-
-def _attention_floor(w, c):
-  b, h, kvh, sq, skv, d = _attention_dims(w, c)
-  return 7 * b * h * sq * skv + 2 * (b * sq * h * d + 2 * b * kvh * skv * d)
-
-
-PROBLEM_ATTENTION = Problem(
-    "attention_softmax_dropout_value",
-    lambda w: f"{w['batch_size']}, {w['seq_len_q']}, {w['seq_len_kv']}",
-    lambda w, c, key: _attention_inputs(_attention_dims(w, c), c["attention_dropout"], key),
-    _attention_floor,
-    lambda args, w, c: _jit_kernel("attention_softmax_dropout_value")(*args, c["attention_dropout"]),
-    lambda args, w, c: _jit_ref(reference.attention_softmax_dropout_value_backward_reference)(
-        *args, c["attention_dropout"]),
-)
+PROBLEM_ATTENTION = _problem("attention_softmax_dropout_value")
 
 
 # The backward ``jax_ops.attention_softmax_dropout_value`` runs on rows of >= 512 aligned keys
@@ -112,7 +88,7 @@ FROM_DELTA_FLOOR_NOTE = ("the entry point's (7 B per element: P, Pd, keep and dS
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _from_delta_inputs(dims, p, key):
-  d_o, probs, dropped, value, keep = _attention_inputs(dims, p, key)
+  d_o, probs, dropped, value, keep = wl.attention_inputs(dims, p, key)
   b, h, kvh, sq, skv, d = dims
   out32 = jnp.einsum("bkgqs,bksd->bqkgd", dropped.reshape(b, kvh, h // kvh, sq, skv), value,
                      preferred_element_type=F32).reshape(b, sq, h, d)
@@ -130,91 +106,16 @@ PROBLEM_FROM_DELTA = Problem(
     "attention_softmax_dropout_value",
     PROBLEM_ATTENTION.label,
     lambda w, c, key: _from_delta_inputs(_attention_dims(w, c), c["attention_dropout"], key),
-    _attention_floor,
+    PROBLEM_ATTENTION.floor_bytes,
     lambda args, w, c: _jitted(_from_delta_backward)(*args, c["attention_dropout"]),
     lambda args, w, c: _jit_ref(reference.attention_softmax_dropout_value_backward_reference)(
         *args[:5], c["attention_dropout"]),
 )
 
-
-# --- masked_softmax_dropout --------------------------------------------------------------
-
-@functools.partial(jax.jit, static_argnums=(0,))
-def _masked_inputs(dims, key):
-  b, h, s = dims
-  k = jax.random.split(key, 4)
-  grad = jax.random.normal(k[0], (b, h, s, s), F32)
-  probs = _softmax(k[1], (b, h, s, s), F32)
-  mask = jax.random.bernoulli(k[2], 0.5, (b, 1, s, s))
-  keep = jax.random.bernoulli(k[3], 0.5, (b, h, s, s))
-  return grad, probs, mask, keep
-
-
-def _masked_floor(w, c):
-  b, h, s, p = w["batch_size"], w["n_heads"], w["seq_len"], w["p_dropout"]
-  return b * h * s * s * (12 + (1 if p > 0 else 0)) + b * s * s
-
-
-PROBLEM_MASKED = Problem(
-    "masked_softmax_dropout",
-    lambda w: f"{w['batch_size']}, {w['n_heads']}, {w['seq_len']}, {w['p_dropout']}",
-    lambda w, c, key: _masked_inputs((w["batch_size"], w["n_heads"], w["seq_len"]), key),
-    _masked_floor,
-    lambda args, w, c: _jit_kernel("masked_softmax_dropout")(*args, w["p_dropout"]),
-    lambda args, w, c: _jit_ref(reference.masked_softmax_dropout_backward_reference)(
-        *args, w["p_dropout"]),
-)
-
-
-# --- qk_scale_softmax --------------------------------------------------------------------
-
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _qk_inputs(dims, causal, key):
-  b, h, sq, sk, d = dims
-  k = jax.random.split(key, 4)
-  logits = jax.random.normal(k[0], (b, h, sq, sk), F32)
-  if causal:
-    logits = jnp.where(reference.causal_mask(sq, sk), logits, -jnp.inf)
-  probs = jax.nn.softmax(logits, axis=-1).astype(BF16)
-  grad = jax.random.normal(k[1], (b, h, sq, sk), BF16)
-  query = jax.random.normal(k[2], (b, h, sq, d), BF16)
-  key_ = jax.random.normal(k[3], (b, h, sk, d), BF16)
-  return grad, query, key_, probs
-
-
-def _qk_dims(w, c):
-  return (w["batch_size"], c["num_heads"], w["seq_len_q"], w["seq_len_k"], c["head_dim"])
-
-
-def causal_elements(sq: int, sk: int) -> int:
-  """Elements of an ``[Sq, Sk]`` attention matrix on or below the causal diagonal
-  (``k <= q + (Sk - Sq)``), the ones a causal P may have non-zero."""
-  return sum(min(sk, max(0, i + sk - sq + 1)) for i in range(sq))
-
-
-def _qk_floor(w, c, causal=False):
-  """Read g and P once (4 B per element; with ``causal`` only the elements on or below the
-  diagonal), plus Q, K, dQ, dK."""
-  b, h, sq, sk, d = _qk_dims(w, c)
-  elements = causal_elements(sq, sk) if causal else sq * sk
-  return 4 * b * h * elements + 2 * 2 * b * h * (sq + sk) * d
-
-
-def _qk_problem(causal):
-  return Problem(
-      "qk_scale_softmax",
-      lambda w: f"{w['batch_size']}, {w['seq_len_q']}, {w['seq_len_k']}" + (" causal" if causal else ""),
-      lambda w, c, key: _qk_inputs(_qk_dims(w, c), causal, key),
-      functools.partial(_qk_floor, causal=causal),
-      lambda args, w, c: _jit_kernel("qk_scale_softmax", causal=causal)(*args, c["scaling"]),
-      lambda args, w, c: _jit_ref(reference.qk_scale_softmax_backward_reference)(
-          *args, c["scaling"]),
-      causal,
-  )
-
-
+PROBLEM_MASKED = _problem("masked_softmax_dropout")
 PROBLEMS = {"attention_softmax_dropout_value": PROBLEM_ATTENTION,
-            "masked_softmax_dropout": PROBLEM_MASKED, "qk_scale_softmax": _qk_problem(False)}
+            "masked_softmax_dropout": PROBLEM_MASKED,
+            "qk_scale_softmax": _problem("qk_scale_softmax")}
 
 
 @functools.cache
@@ -239,22 +140,11 @@ def _jit_kernel(op, **kw):
 
 
 def kernels_used(problem: Problem, args, constants) -> str:
-  """The kernels that time a workload: the entry point's choice (Mosaic GPU or Triton for
-  attention_softmax_dropout_value and qk_scale_softmax, the latter's Triton with its scheme;
-  Triton for masked_softmax_dropout), or the ``--backend`` named."""
+  """The kernels that time a workload: the entry point's choice
+  (:func:`pallas_kernels.workloads.entry_kernels`), or the ``--backend`` named."""
   if BACKEND[0] != ENTRY:
     return BACKEND[0]
-  if problem.name == PROBLEM_ATTENTION.name and len(args) == 5:
-    return asdv.kernels_for(*args, constants["attention_dropout"])
-  if problem.name.startswith("qk_scale_softmax"):
-    used = qks.kernels_for(*args, constants["scaling"])
-    if used != "triton":
-      return used
-    g, q, k, _ = args  # the Triton kernels' scheme, as the entry point picks it
-    scheme = qks.default_config(q.shape[2], k.shape[2], q.shape[3], q.dtype,
-                                _tuning.device_kind_of(*args), causal=problem.causal).scheme
-    return f"triton ({scheme})"
-  return "triton"
+  return wl.entry_kernels(problem.name, args, constants, causal=problem.causal)
 
 
 @functools.cache
@@ -264,29 +154,7 @@ def _jit_ref(fn):
 
 # --- checking, timing, reporting -------------------------------------------------------------
 
-@jax.jit
-def _check_stats(out, ref, atol, rtol):
-  out, ref = out.astype(F32), ref.astype(F32)
-  return (jnp.all(jnp.isfinite(out)),
-          jnp.mean((jnp.abs(out - ref) <= atol + rtol * jnp.abs(ref)).astype(F32)),
-          jnp.any(out != 0) | ~jnp.any(ref != 0))
-
-
-def check(out, ref, atol, rtol) -> dict:
-  """The spec's acceptance for one output (computed on the device: outputs are large)."""
-  finite, within, nonzero = (x.item() for x in _check_stats(out, ref, atol, rtol))
-  finite, nonzero = bool(finite), bool(nonzero)
-  return {"within": float(within), "finite": finite, "nonzero": nonzero,
-          "ok": finite and nonzero and within >= 0.99}
-
-
-def input_sets(make, index, max_sets=32):
-  """Input sets of workload ``index`` (``make(key)`` -> a tuple of arrays), rotated by the
-  timing so that L2 is cold: together at least ``_ROTATE_BYTES``, 2 to ``max_sets``."""
-  first = make(jax.random.key(index))
-  set_bytes = sum(x.size * x.dtype.itemsize for x in first)
-  n_sets = int(min(max_sets, max(2, math.ceil(_ROTATE_BYTES / set_bytes))))
-  return [first] + [make(jax.random.key(1000 * index + i)) for i in range(1, n_sets)]
+check, input_sets = wl.check, wl.input_sets
 
 
 def run_problem(problem: Problem, constants, workloads, ceiling_tbps, calls, on_row=None):
@@ -447,7 +315,7 @@ def compare(old_dir: str, new_dir: str, *, slower: float = 1.03) -> list[dict]:
 def problem_of(op: str) -> Problem:
   """The :class:`Problem` of a results file's ``op`` (a registry op or a variant above)."""
   if op == "qk_scale_softmax_causal":
-    return _qk_problem(True)
+    return _problem("qk_scale_softmax", causal=True)
   return PROBLEM_FROM_DELTA if op == FROM_DELTA else PROBLEMS[op]
 
 
@@ -500,8 +368,7 @@ def main(argv=None):
                  f"not {args.backend!r}")
   if no_gpu("timing the kernels", "the tests run them on CPU instead"):
     return 2
-  with open(os.path.join(HERE, "workloads.json")) as f:
-    spec = json.load(f)
+  spec = wl.spec()
   BACKEND[0] = args.backend
   ceiling = copy_ceiling()
   print(f"copy ceiling {ceiling['TBps']:.3f} TB/s via {ceiling['method']} {ceiling['all_TBps']}")

@@ -4,7 +4,7 @@ Usage (on a GPU)::
 
     PYTHONPATH=. python3 -m benchmarks.tune [--out PATH]
 
-For every workload of ``benchmarks/workloads.json`` it times a set of
+For every workload of ``pallas_kernels/workloads.json`` it times a set of
 candidate configs (elements per program, warps, split columns) in one profiler
 trace, then picks for each row-length class (``length_class(Sk)``: the padded
 length, and whether rows are ragged) the
@@ -36,6 +36,7 @@ from benchmarks.timing import compile_all, device_times_us, no_gpu
 from pallas_kernels import _tuning
 from pallas_kernels import masked_softmax_dropout as msd
 from pallas_kernels.masked_softmax_dropout.config import KERNEL
+from pallas_kernels.workloads import spec
 
 # TableEntry fields (each is timed with split=True and split=False): 4 to 32 elements per
 # thread and array.
@@ -179,8 +180,7 @@ def main(argv=None):
     return 2
   device_kind = jax.devices()[0].device_kind
   out = args.out or _tuning.table_path(KERNEL, device_kind)
-  with open(os.path.join(bench.HERE, "workloads.json")) as f:
-    workloads = json.load(f)["masked_softmax_dropout_backward"]["workloads"]
+  workloads = spec()["masked_softmax_dropout_backward"]["workloads"]
   by_class: dict[str, list[dict]] = {}
   result = None
   for index, w in enumerate(workloads):

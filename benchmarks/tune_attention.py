@@ -63,6 +63,7 @@ from pallas_kernels import attention_softmax_dropout_value as asdv
 from pallas_kernels import qk_scale_softmax as qks
 from pallas_kernels._util import Dropout
 from pallas_kernels.attention_softmax_dropout_value.config import AUTO
+from pallas_kernels.workloads import spec as workloads_spec
 
 ATTENTION = "attention_softmax_dropout_value"
 QK = "qk_scale_softmax"
@@ -506,8 +507,7 @@ def main(argv=None):
   out = args.out or _tuning.table_path(args.op, device_kind)
   if args.workloads:
     indices = [int(i) for i in args.workloads.split(",")]
-  with open(os.path.join(bench.HERE, "workloads.json")) as f:
-    spec = json.load(f)[problem.name + "_backward"]
+  spec = workloads_spec()[problem.name + "_backward"]
   constants, workloads = spec["constants"], spec["workloads"]
   ratios: dict[str, dict[str, list[dict]]] = {}
   best_times: dict[str, dict[str, list]] = {}

@@ -1,5 +1,5 @@
-"""The benchmark's inputs meet the preconditions the kernels document, and its floors count
-the minimum bytes."""
+"""The workloads' inputs (``pallas_kernels.workloads``, which the check and the benchmarks
+share) meet the preconditions the kernels document, and their floors count the minimum bytes."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import run as bench
+from pallas_kernels import workloads
 
 
 def test_attention_inputs_meet_precondition():
@@ -14,7 +15,7 @@ def test_attention_inputs_meet_precondition():
   barrier, XLA on a GPU made Pd from the unrounded fp32 softmax: 24% of Pd missed by
   an ulp. The CPU backend keeps the rounding either way; the GPU run is the real check.)"""
   p = 0.1
-  d_o, probs, dropped, value, keep = bench._attention_inputs((1, 4, 2, 64, 96, 16), p,
+  d_o, probs, dropped, value, keep = workloads.attention_inputs((1, 4, 2, 64, 96, 16), p,
                                                      jax.random.key(3))
   assert probs.dtype == dropped.dtype == jnp.bfloat16 and keep.dtype == jnp.bool_
   expected = jax.jit(lambda pr, k: (pr.astype(jnp.float32) * k / (1.0 - p)).astype(
@@ -34,7 +35,7 @@ def test_pd_is_made_from_the_rounded_p():
   fwd = jax.make_jaxpr(lambda s, v: reference.attention_softmax_dropout_value_forward(
       s, v, keep, 0.1))(s, v)
   assert "optimization_barrier" in str(fwd)
-  gen = jax.make_jaxpr(lambda key: bench._attention_inputs((1, 2, 1, 3, 8, 16), 0.1, key))(
+  gen = jax.make_jaxpr(lambda key: workloads.attention_inputs((1, 2, 1, 3, 8, 16), 0.1, key))(
       jax.random.key(0))
   assert "optimization_barrier" in str(gen)
 
@@ -44,9 +45,23 @@ def test_causal_floor_counts_the_elements_on_and_below_the_diagonal():
   import numpy as np
   for sq, sk in [(1, 1), (5, 5), (3, 7), (7, 3), (211, 211)]:
     brute = int(np.sum(np.arange(sk)[None, :] <= np.arange(sq)[:, None] + (sk - sq)))
-    assert bench.causal_elements(sq, sk) == brute, (sq, sk)
+    assert workloads.causal_elements(sq, sk) == brute, (sq, sk)
   w = {"batch_size": 2, "seq_len_q": 8, "seq_len_k": 8}
   c = {"num_heads": 3, "head_dim": 4}
   qkd = 2 * 2 * 2 * 3 * (8 + 8) * 4
-  assert bench._qk_floor(w, c) == 4 * 2 * 3 * 64 + qkd
-  assert bench._qk_floor(w, c, causal=True) == 4 * 2 * 3 * 36 + qkd
+  assert workloads.qk_floor(w, c) == 4 * 2 * 3 * 64 + qkd
+  assert workloads.qk_floor(w, c, causal=True) == 4 * 2 * 3 * 36 + qkd
+
+
+def test_the_benchmarks_use_the_packages_workloads():
+  """benchmarks/run.py defines no problem of its own: its inputs, floors and labels are the
+  package's, and the workloads file lives in the package."""
+  import os
+  assert not os.path.exists(os.path.join(bench.HERE, "workloads.json"))
+  w = {"batch_size": 2, "n_heads": 3, "seq_len": 8, "p_dropout": 0.1}
+  assert bench.PROBLEM_MASKED.floor_bytes(w, {}) == workloads.masked_floor(w, {})
+  assert bench.PROBLEM_MASKED.label(w) == workloads.label("masked_softmax_dropout", w)
+  causal = bench.problem_of("qk_scale_softmax_causal")
+  assert causal.causal and causal.label({"batch_size": 1, "seq_len_q": 4, "seq_len_k": 4}) == (
+      "1, 4, 4 causal")
+  assert bench.check is workloads.check and bench._ROTATE_BYTES == workloads.ROTATE_BYTES

@@ -77,3 +77,16 @@ def test_jax_range_holds_both_tested_versions():
     assert not specs[name].contains("0.11.1") and not specs[name].contains("0.13.0"), specs[name]
     assert specs[name].contains(pins[name]) and specs[name].contains(newest), specs[name]
   assert newest.startswith("0.12.")
+
+
+def test_package_data_holds_what_the_check_reads():
+  """``python -m pallas_kernels.check`` runs from an install without ``benchmarks/``: the
+  workloads file and the tuned tables are package data, and each pattern matches files."""
+  import glob
+  package_data = tomllib.loads(_read("pyproject.toml"))["tool"]["setuptools"]["package-data"]
+  patterns = package_data["pallas_kernels"]
+  assert "workloads.json" in patterns and "tuned/*/*.json" in patterns
+  for pattern in patterns:
+    assert glob.glob(os.path.join(ROOT, "pallas_kernels", pattern)), pattern
+  from pallas_kernels import workloads
+  assert os.path.samefile(workloads.PATH, os.path.join(ROOT, "pallas_kernels", "workloads.json"))
