@@ -48,7 +48,6 @@ import ast
 import dataclasses
 import json
 import math
-import os
 import sys
 
 import jax
