@@ -29,7 +29,7 @@ def _tracked(*prefixes):
 
 
 def _in_git():
-  return os.path.isdir(os.path.join(ROOT, ".git"))
+  return os.path.exists(os.path.join(ROOT, ".git"))  # a directory, or a worktree's file
 
 
 pytestmark = pytest.mark.skipif(not _in_git(), reason="needs the git checkout")
