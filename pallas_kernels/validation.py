@@ -220,11 +220,13 @@ def _check_rows_and_value(name, rows, value_states, dtypes) -> None:
 
 
 def check_masked_softmax_dropout(grad_output, p_attn, mask, dropout_mask, p_dropout, *,
-                                 dtypes=_LOW) -> float | None:
-  """Checks the arguments of the masked softmax-dropout backward."""
+                                 dtypes=_LOW, rows_name="p_attn") -> float | None:
+  """Checks the arguments of the masked softmax-dropout backward; ``rows_name`` names the
+  ``[B, H, Sq, Sk]`` rows ``p_attn`` in the errors (``"scores"`` for the backward that
+  recomputes P from them)."""
   axes = ("B", "H", "Sq", "Sk")
-  check_array("p_attn", p_attn, axes, dtypes=dtypes)
-  check_positive("p_attn", p_attn, axes)
+  check_array(rows_name, p_attn, axes, dtypes=dtypes)
+  check_positive(rows_name, p_attn, axes)
   check_array("grad_output", grad_output, axes, dtypes=(p_attn.dtype,))
   if grad_output.shape != p_attn.shape:
     # Blame the one that disagrees with the attention mask (B, Sq, Sk); if the mask does
@@ -234,7 +236,7 @@ def check_masked_softmax_dropout(grad_output, p_attn, mask, dropout_mask, p_drop
       return len(mask_shape) == 4 and (x.shape[0], x.shape[2], x.shape[3]) == (
           mask_shape[0], mask_shape[2], mask_shape[3])
     if fits(grad_output) and not fits(p_attn):
-      check_array("p_attn", p_attn, axes, grad_output.shape)
+      check_array(rows_name, p_attn, axes, grad_output.shape)
     check_array("grad_output", grad_output, axes, p_attn.shape)
   b, h, sq, sk = p_attn.shape
   check_array("mask", mask, ("B", "1", "Sq", "Sk"), (b, 1, sq, sk), dtypes=(jnp.bool_,))

@@ -274,11 +274,11 @@ def masked_softmax_dropout_backward_from_scores(grad_output, scores, mask, dropo
   by the rate the mask draws (``pallas_kernels._dropout.effective_rate``). The other
   arguments as there.
   """
-  validation.check_scores_and_mask(scores, mask)   # errors that name the scores
   _util.check_can_compile(_NAME, interpret, grad_output, scores, mask)
   # The keep mask is not an argument: its shape stands in for the check.
   p = validation.check_masked_softmax_dropout(
-      grad_output, scores, mask, jax.ShapeDtypeStruct(scores.shape, jnp.bool_), p_dropout)
+      grad_output, scores, mask, jax.ShapeDtypeStruct(getattr(scores, "shape", ()), jnp.bool_),
+      p_dropout, rows_name="scores")
   config = _resolve_config(config, scores, grad_output, interpret)
   if p == 0.0:
     return _call(grad_output, scores, mask, None, 0.0, dropout=Dropout.of(0.0), config=config,

@@ -36,12 +36,31 @@ def kernels_for(grad_output, query, key, attn_weights, scaling, *, causal=False,
   runs. The Mosaic GPU kernel compiled on a Hopper GPU where :func:`mosaic_gpu_reason`
   allows; the Triton kernels otherwise, and always under ``interpret=True`` (name
   ``"mosaic_gpu"`` to run the Mosaic GPU interpreter)."""
-  del causal
-  scale = validation.check_qk_scale_softmax(grad_output, query, key, attn_weights, scaling,
-                                            dtypes=SUPPORTED)
-  if interpret or not is_hopper(device_of(grad_output, query, key, attn_weights)):
+  validation.check_qk_scale_softmax(grad_output, query, key, attn_weights, scaling,
+                                    dtypes=SUPPORTED)
+  return _pick(grad_output, query, key, attn_weights, scaling, interpret=interpret)
+
+
+def _rank4(*arrays) -> bool:
+  return all(getattr(x, "ndim", None) == 4 for x in arrays)
+
+
+def _static_scale(scaling) -> float | None:
+  """The scale as a float when it is a concrete real number, else ``None``."""
+  try:
+    return validation.concrete_float("scaling", scaling)
+  except (TypeError, ValueError):
+    return None
+
+
+def _pick(grad_output, query, key, attn_weights, scaling, *, interpret) -> str:
+  """:func:`kernels_for` without the argument checks, which the chosen entry point makes
+  (arrays of another rank go to the Triton entry point, whose checks name them)."""
+  if interpret or not _rank4(query, key):
     return TRITON
-  why = mosaic_gpu_reason(query.shape, key.shape, query.dtype, scale)
+  if not is_hopper(device_of(grad_output, query, key, attn_weights)):
+    return TRITON
+  why = mosaic_gpu_reason(query.shape, key.shape, query.dtype, _static_scale(scaling))
   return TRITON if why else MOSAIC_GPU
 
 
@@ -77,8 +96,8 @@ def qk_scale_softmax_backward(
   args = (grad_output, query, key, attn_weights, scaling)
   chosen = sorted(k for k, v in triton_options.items() if v is not None)
   if implementation is None:
-    implementation = (TRITON if chosen
-                      else kernels_for(*args, causal=causal, interpret=interpret))
+    # the chosen entry point checks the arguments
+    implementation = TRITON if chosen else _pick(*args, interpret=interpret)
   if implementation == MOSAIC_GPU:
     if chosen:
       raise TypeError(f"implementation='mosaic_gpu' takes no Triton options, got {chosen}")
@@ -97,6 +116,15 @@ def forward_kernel_for(query, key, scaling, *, causal=False, interpret=False) ->
   least :data:`MOSAIC_FORWARD_MIN_KEYS` keys; else ``"triton"`` where its int32 offsets
   reach every element (:func:`forward.takes`); else ``None`` (no Pallas forward)."""
   validation.check_query_and_key(query, key)
+  return pick_forward(query, key, scaling, causal=causal, interpret=interpret)
+
+
+def pick_forward(query, key, scaling, *, causal=False, interpret=False) -> str | None:
+  """:func:`forward_kernel_for` without the argument checks (the op has made them at its
+  boundary; the chosen entry point makes them); arrays of another rank get ``"triton"``,
+  whose entry point's checks name them."""
+  if not _rank4(query, key):
+    return TRITON
   b, h, seq_q, d = query.shape
   seq_k = key.shape[2]
   if not interpret and seq_k >= MOSAIC_FORWARD_MIN_KEYS and is_hopper(device_of(query, key)):
@@ -107,14 +135,20 @@ def forward_kernel_for(query, key, scaling, *, causal=False, interpret=False) ->
   return TRITON if forward.takes(b, h, seq_q, seq_k, d) else None
 
 
-def qk_scale_softmax_forward(query, key, scaling, *, causal=False, interpret=False):
+def qk_scale_softmax_forward(query, key, scaling, *, causal=False, implementation=None,
+                             interpret=False):
   """``P = softmax((Q @ K^T) * scaling)`` ``[B, H, Sq, Sk]`` from the fused kernel that
-  :func:`forward_kernel_for` picks; raises ``ValueError`` where none takes the problem.
-  ``query`` ``[B, H, Sq, D]`` and ``key`` ``[B, H, Sk, D]`` share one dtype: bf16, fp16 or
-  fp32."""
-  validation.check_query_and_key(query, key)
-  kernel = forward_kernel_for(query, key, scaling, causal=causal, interpret=interpret)
-  if kernel == MOSAIC_GPU:
+  :func:`forward_kernel_for` picks (``implementation=None``) or the one named
+  (``"mosaic_gpu"``, ``"triton"``); the chosen kernel's entry point checks the arguments and
+  raises ``ValueError`` for a problem it does not take. ``query`` ``[B, H, Sq, D]`` and
+  ``key`` ``[B, H, Sk, D]`` share one dtype: bf16, fp16 or fp32."""
+  if implementation is None:
+    implementation = pick_forward(query, key, scaling, causal=causal,
+                                  interpret=interpret) or TRITON
+  if implementation == MOSAIC_GPU:
     return forward_mosaic_gpu.qk_scale_softmax_forward(query, key, scaling, causal,
                                                        interpret=interpret)
-  return forward.qk_scale_softmax_forward(query, key, scaling, causal, interpret=interpret)
+  if implementation == TRITON:
+    return forward.qk_scale_softmax_forward(query, key, scaling, causal, interpret=interpret)
+  raise ValueError(f"implementation: expected None or one of {IMPLEMENTATIONS}, got "
+                   f"{implementation!r}")

@@ -148,7 +148,7 @@ def test_op_with_the_mosaic_forward_matches_the_xla_path():
 
   with pytest.MonkeyPatch.context() as m:
     m.setattr(fm, "qk_scale_softmax_forward", spy)
-    m.setattr(dispatch, "forward_kernel_for", lambda *a, **kw: "mosaic_gpu")
+    m.setattr(dispatch, "pick_forward", lambda *a, **kw: "mosaic_gpu")
     (lp, gp) = run("triton")
   (lx, gx) = run("xla")
   assert calls, "the Mosaic GPU forward did not run"

@@ -8,8 +8,7 @@ fused forward kernel (:func:`pallas_forward`, shared with the Mosaic GPU backend
 
 from __future__ import annotations
 
-from pallas_kernels import qk_scale_softmax as kernels
-from pallas_kernels.qk_scale_softmax import pallas_triton
+from pallas_kernels.qk_scale_softmax import dispatch, pallas_triton
 from jax_ops import backend
 from jax_ops.ops.qk_scale_softmax import reference
 
@@ -18,23 +17,17 @@ def pallas_forward(query, key, scaling, *, causal=False, interpret=False):
   """The op's forward ``P`` from the fused Pallas kernel that
   :func:`pallas_kernels.qk_scale_softmax.forward_kernel_for` picks (``Q @ K^T``, the scale,
   the causal mask and the softmax in one kernel; P written once); the jnp forward where no
-  Pallas forward takes the problem."""
-  if kernels.forward_kernel_for(query, key, scaling, causal=causal,
-                                interpret=interpret) is None:
+  Pallas forward takes the problem. The op has checked the arguments; the kernel's entry
+  point checks them again, the rule runs once."""
+  kernel = dispatch.pick_forward(query, key, scaling, causal=causal, interpret=interpret)
+  if kernel is None:
     return reference.qk_scale_softmax_forward(query, key, scaling, causal)
-  return kernels.qk_scale_softmax_forward(query, key, scaling, causal=causal,
-                                          interpret=interpret)
+  return dispatch.qk_scale_softmax_forward(query, key, scaling, causal=causal,
+                                           implementation=kernel, interpret=interpret)
 
 
 class QKSoftmaxTriton(backend.TritonBackend):
   """The op's Triton backend (name, devices and priority from the base class)."""
-
-  def config(self, problem):
-    """The kernels' config for this problem on its device (the one :meth:`backward` runs)."""
-    _, _, sq, d = problem.shape("query")
-    sk = problem.shape("key")[2]
-    return kernels.default_config(sq, sk, d, problem.dtype, self.device_kind(problem),
-                                  causal=problem.causal)
 
   def forward(self, query, key, scaling, *, causal=False, interpret=False):
     """The op's forward: the fused forward kernel (:func:`pallas_forward`)."""
