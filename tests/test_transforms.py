@@ -98,8 +98,8 @@ def test_shard_map_training_step_matches_one_device():
 def test_attention_from_delta_under_vmap_and_checkpoint(monkeypatch):
   """The op's backward from delta (its path on rows of >= 512 aligned keys; the threshold
   lowered here) under vmap of grad and under checkpoint: equal to a loop over the batch."""
-  from jax_ops.ops.attention_softmax_dropout_value import pallas_triton
-  monkeypatch.setattr(pallas_triton, "FROM_OUTPUT_MIN_KEYS", 8)
+  from pallas_kernels.attention_softmax_dropout_value import dispatch
+  monkeypatch.setattr(dispatch, "FROM_OUTPUT_MIN_KEYS", 8)
   k = keys(12, 3)
   s = jax.random.normal(k[0], (2, 1, 4, 5, 16), jnp.bfloat16)
   v = jax.random.normal(k[1], (2, 1, 2, 16, 16), jnp.bfloat16)

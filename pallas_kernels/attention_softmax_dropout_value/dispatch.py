@@ -14,14 +14,12 @@ MOSAIC_GPU = "mosaic_gpu"
 TRITON = "triton"
 IMPLEMENTATIONS = (MOSAIC_GPU, TRITON)
 
-# Residual policies (the names of ``jax_ops.backend``) of the op on the Mosaic GPU kernels.
-INPUTS, FUSED_INPUTS, FUSED_OUTPUT = "inputs", "fused_inputs", "fused_output"
+# Residual policies (the names of ``jax_ops.backend``): what the op's forward saves.
+INPUTS, OUTPUT, FUSED_INPUTS, FUSED_OUTPUT = "inputs", "output", "fused_inputs", "fused_output"
+# The Triton kernels take delta from the saved output on rows of at least this many keys.
+FROM_OUTPUT_MIN_KEYS = 512
 
-
-def mosaic_gpu_reason(b, h, kvh, sq, skv, d, dtype, p_static, causal) -> str | None:
-  """Why the Mosaic GPU kernels do not take a problem (``None``: they take it):
-  :func:`pallas_mosaic_gpu.unsupported_reason`."""
-  return pallas_mosaic_gpu.unsupported_reason(b, h, kvh, sq, skv, d, dtype, p_static, causal)
+mosaic_gpu_reason = pallas_mosaic_gpu.unsupported_reason
 
 
 def mosaic_gpu_residuals(b, h, kvh, sq, skv, d) -> str:
@@ -33,6 +31,28 @@ def mosaic_gpu_residuals(b, h, kvh, sq, skv, d) -> str:
   if not forward.takes(b, h, kvh, sq, skv, d):
     return INPUTS
   return FUSED_OUTPUT if pallas_mosaic_gpu.takes_output(skv) else FUSED_INPUTS
+
+
+def triton_residuals(b, h, kvh, sq, skv, d) -> str:
+  """What the op's forward saves for the Triton kernels. On rows of at least
+  :data:`FROM_OUTPUT_MIN_KEYS` keys that are a multiple of 8 (16-byte aligned in bf16), with
+  ``D <= 128`` and ``B * Sq * H * D < 2**31`` (the from-delta kernel's int32 offsets into
+  dO): P, keep and the fp32 output O instead of Pd, for the one kernel that takes
+  ``delta = rowsum(dO * O)``: ``"fused_output"`` where the fused forward kernel's int32
+  offsets reach the scores (:func:`forward.takes`), else ``"output"`` (the jnp forward).
+  Shorter rows, where delta's ``O(Sq * D)`` pass costs what the dropped Pd saves, and
+  unaligned rows, which that kernel loads element by element: ``"inputs"`` (Pd saved, the
+  two-kernel backward)."""
+  if skv >= FROM_OUTPUT_MIN_KEYS and skv % 8 == 0 and d <= 128 and b * sq * h * d < 2**31:
+    return FUSED_OUTPUT if forward.takes(b, h, kvh, sq, skv, d) else OUTPUT
+  return INPUTS
+
+
+def residuals_at_rate(policy: str, rate_static: float | None) -> str:
+  """The residual policy for a call's dropout rate: ``"fused_inputs"`` needs a concrete
+  rate (the kernels take it as a constant); a traced one gets ``"inputs"`` (the kernels
+  that read keep, which the jnp forward draws)."""
+  return INPUTS if policy == FUSED_INPUTS and rate_static is None else policy
 
 
 def kernels_for(grad_attn_output, attn_weights, attn_weights_dropped, value_states,
@@ -87,8 +107,8 @@ def attention_softmax_dropout_value_backward(
       ``Config``); by default theirs.
     causal: P is zero above the diagonal (accepted; the dense math handles it).
     interpret: run in the Pallas interpreter (any machine).
-    **triton_options: the Triton entry point's other keywords (``delta``, ``block_q``,
-      ``block_k``, ``num_warps``, ``num_stages``); they select the Triton kernels.
+    **triton_options: the Triton entry point's other keywords (``block_q``, ``block_k``,
+      ``num_warps``, ``num_stages``); they select the Triton kernels.
 
   Returns:
     ``(grad_attn_scores [B, H, seq_q, seq_k], grad_value_states [B, KVH, seq_k, D])`` in

@@ -28,8 +28,8 @@ def test_grad_from_saved_output(monkeypatch, b, h, kvh, sq, skv, d, rate):
   op's path on rows of >= 512 aligned keys, the threshold lowered here so small rows take
   it), against autodiff of the fp32 forward; 64-key tiles: rows of 80 keys read the delta
   made from the saved output, shorter ones compute it in the tile."""
-  from jax_ops.ops.attention_softmax_dropout_value import pallas_triton
-  monkeypatch.setattr(pallas_triton, "FROM_OUTPUT_MIN_KEYS", 8)
+  from pallas_kernels.attention_softmax_dropout_value import dispatch
+  monkeypatch.setattr(dispatch, "FROM_OUTPUT_MIN_KEYS", 8)
   k = keys(7, 4)
   p = 0.15 if rate == "traced" else rate
   scores = jax.random.normal(k[0], (b, h, sq, skv), jnp.bfloat16)
@@ -77,8 +77,8 @@ def test_fused_forward_equals_the_xla_path(monkeypatch, rate):
   """On the "fused_output" path (threshold lowered) the op's output and gradients agree with
   the XLA path's (jnp forward, the same mask) to bf16 rounding: the kernel's P can be one
   ulp off the jnp softmax's."""
-  from jax_ops.ops.attention_softmax_dropout_value import pallas_triton
-  monkeypatch.setattr(pallas_triton, "FROM_OUTPUT_MIN_KEYS", 8)
+  from pallas_kernels.attention_softmax_dropout_value import dispatch
+  monkeypatch.setattr(dispatch, "FROM_OUTPUT_MIN_KEYS", 8)
   k = keys(9, 4)
   scores = jax.random.normal(k[0], (1, 4, 7, 24), jnp.bfloat16)
   value = jax.random.normal(k[1], (1, 2, 24, 16), jnp.bfloat16)

@@ -24,6 +24,7 @@ from jax_ops import _common
 from jax_ops.ops.attention_softmax_dropout_value import reference
 from jax_ops.backend import FUSED_INPUTS, FUSED_OUTPUT, INPUTS, OUTPUT
 from pallas_kernels import validation
+from pallas_kernels.attention_softmax_dropout_value import dispatch
 
 OP = "attention_softmax_dropout_value"
 
@@ -57,8 +58,7 @@ def attention_softmax_dropout_value(
   backend, policy = _common.backend_for(OP, implementation, interpret,
                                         (INPUTS, FUSED_INPUTS, OUTPUT, FUSED_OUTPUT),
                                         scores=scores, value_states=value_states)
-  if policy == FUSED_INPUTS and p_static is None:
-    policy = INPUTS   # a traced rate: the kernels that read keep, which jnp draws
+  policy = dispatch.residuals_at_rate(policy, p_static)
   # Under "fused_inputs" and "fused_output" the backend's forward kernel draws the mask.
   keep, rng = _common.op_keep_or_key(dropout_rng, p_static, rate, scores.shape,
                                      backend_draws=policy in (FUSED_INPUTS, FUSED_OUTPUT))
