@@ -62,6 +62,7 @@ from pallas_kernels import attention_softmax_dropout_value as asdv
 from pallas_kernels import qk_scale_softmax as qks
 from pallas_kernels._util import Dropout
 from pallas_kernels.attention_softmax_dropout_value.config import AUTO
+from pallas_kernels.qk_scale_softmax.config import PER_HEAD_TUNED_MAX_ROW
 from pallas_kernels.workloads import spec as workloads_spec
 
 ATTENTION = "attention_softmax_dropout_value"
@@ -339,7 +340,7 @@ def _qk_passes(w, constants, sets, cands=None):
   passes["two_pass"] = ([("table", lambda g, p, q, k: qks.qk_scale_softmax_backward(
       g[None], q[None], k[None], p[None], constants["scaling"], causal=False, config=base,
       interpret=False))], [(g, p, q, k) for g, p, q, k in view_sets])
-  if pk <= 256:
+  if pk <= PER_HEAD_TUNED_MAX_ROW:
     head = [(c, lambda g, p, q, k, cfg=cfg: qks.head_pass(
         scale, g, p, q, k, causal=False, cfg=cfg, interpret=False))
             for c, cfg in keyed(cands["head"])]

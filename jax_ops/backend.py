@@ -17,8 +17,6 @@ backend has a ``forward`` (``qk_scale_softmax``). A backend says:
 * ``supports(problem)``: the shapes and dtypes it takes;
 * ``residual_policy(problem)``: what the op's forward saves for it (the policies below;
   ``"inputs"``, the reference backward's arguments, is the default);
-* ``config(problem)`` (the Pallas backends): the kernels' launch config for the problem on
-  its device, from the tuned table of that device kind or the heuristic;
 * ``backward(*args, causal=False, interpret=False)``: the backward with the reference
   backward's positional arguments. Under another policy the op calls that policy's methods:
   ``"scores"``: ``forward_from_scores`` and ``backward_from_scores``; ``"fused_inputs"``:
@@ -37,7 +35,6 @@ from collections.abc import Callable
 
 import jax
 
-from pallas_kernels import _tuning
 from pallas_kernels._util import is_hopper
 
 INPUTS = "inputs"  # the residual policy of the reference backward: its own arguments
@@ -158,12 +155,6 @@ class TritonBackend(Backend):
 
   def supported_on(self, device):
     return device is not None and device.platform == "gpu"
-
-  @staticmethod
-  def device_kind(problem: Problem) -> str | None:
-    """The device kind whose tuned tables the kernels use (``None``: heuristics); a device
-    without tables of its own takes those of its architecture (``_tuning.table_kind``)."""
-    return None if problem.interpret else _tuning.table_kind(problem.device)
 
 
 class MosaicGpuBackend(Backend):

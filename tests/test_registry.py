@@ -131,28 +131,6 @@ def test_device_of_a_platform_name_default():
     assert device_of().platform == "cpu"
 
 
-def test_triton_backends_report_the_kernels_config():
-  """A backend's config is its kernels' default config for the problem on its device."""
-  import pallas_kernels.attention_softmax_dropout_value as a
-  import pallas_kernels.masked_softmax_dropout as b
-  import pallas_kernels.qk_scale_softmax as c
-  dev = jax.devices()[0]
-  kind = dev.device_kind if dev.platform == "gpu" else None
-
-  def problem(op, **shapes):
-    return backend.Problem(op=op, shapes=tuple(shapes.items()), dtype="bfloat16", device=dev)
-
-  got = registry.get("attention_softmax_dropout_value", "triton").config(problem(
-      "attention_softmax_dropout_value", scores=(2, 8, 100, 300), value_states=(2, 2, 300, 64)))
-  assert got == a.default_config(2, 8, 2, 100, 300, 64, "bfloat16", kind)
-  got = registry.get("masked_softmax_dropout", "triton").config(problem(
-      "masked_softmax_dropout", scores=(2, 8, 131, 131), mask=(2, 1, 131, 131)))
-  assert got == b.default_config(131, 131, kind)
-  got = registry.get("qk_scale_softmax", "triton").config(problem(
-      "qk_scale_softmax", query=(1, 4, 256, 128), key=(1, 4, 512, 128)))
-  assert got == c.default_config(256, 512, 128, "bfloat16", kind)
-
-
 def test_kernel_entry_points_check_the_config_type():
   import pallas_kernels
   from pallas_kernels.masked_softmax_dropout import Config as BConfig

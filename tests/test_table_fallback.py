@@ -7,7 +7,6 @@ import jax.numpy as jnp
 import pytest
 
 from conftest import FakeBlackwell, FakeHopper
-from jax_ops import backend
 from pallas_kernels import _tuning
 from pallas_kernels.attention_softmax_dropout_value import config as attention_config
 from pallas_kernels.masked_softmax_dropout import config as masked_config
@@ -82,10 +81,3 @@ def test_an_h100_runs_the_h200_configs_and_a_b200_the_heuristic(make_config):
   assert h200 != make_config(None)  # the table is not the heuristic there
   assert make_config(_tuning.table_kind(FakeH100())) == h200
   assert make_config(_tuning.table_kind(FakeBlackwell())) == make_config(None)
-
-
-def test_the_ops_backends_resolve_the_same_kind():
-  problem = dataclasses.make_dataclass("P", ["interpret", "device"])
-  assert backend.TritonBackend.device_kind(problem(False, FakeH100())) == "NVIDIA H200"
-  assert backend.TritonBackend.device_kind(problem(True, FakeH100())) is None
-  assert backend.TritonBackend.device_kind(problem(False, FakeA100())) == FakeA100.device_kind

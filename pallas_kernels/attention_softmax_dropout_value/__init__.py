@@ -11,7 +11,6 @@ keep and the row sums ``delta``, :func:`delta_from_output`; :mod:`.pallas_triton
 from pallas_kernels.attention_softmax_dropout_value.config import (
     Config,
     PassConfig,
-    auto_split,
     default_config,
     default_from_delta_config,
     group_heads,
@@ -41,7 +40,6 @@ __all__ = [
     "default_from_delta_config",
     "heuristic",
     "length_class",
-    "auto_split",
     "group_heads",
     "use_phased",
     "dv_pass",

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 
 from pallas_kernels import _phase, _tuning
 from pallas_kernels._util import next_power_of_2
@@ -23,7 +22,7 @@ KERNEL = "attention_softmax_dropout_value"  # the tuned table's name
 # launches with fewer kv blocks split each block's loop over programs (``split="auto"``).
 TARGET_PROGRAMS = 264
 
-AUTO = "auto"  # PassConfig.split: chosen per launch (auto_split)
+AUTO = "auto"  # PassConfig.split: chosen per launch (auto_split_for_launch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +31,7 @@ class PassConfig(_tuning.TritonPassConfig):
 
   ``split`` (dV pass and the kernel from delta): programs that share one kv block's loop
   over the group's rows, each adding an fp32 partial dV (for launches with too few kv
-  blocks to fill the GPU): an int >= 1, or ``"auto"`` (:func:`auto_split`).
+  blocks to fill the GPU): an int >= 1, or ``"auto"`` (:func:`auto_split_for_launch`).
   ``heads`` (dS pass only): query heads of one kv group per program, so each V tile is
   loaded once for all of them (the largest divisor of G that is <= ``heads``).
   ``row_align`` (dS pass only): rows of ``seq_k % 8 != 0`` keys take aligned tiles of every
@@ -96,7 +95,7 @@ def length_class(seq_k: int) -> str:
   return _tuning.tile_length_class(seq_k)
 
 
-def heuristic(batch, num_heads, num_kv_heads, seq_q, seq_k, head_dim, itemsize) -> Config:
+def heuristic(seq_q, seq_k, head_dim, itemsize) -> Config:
   """Untuned defaults: 64 x 64 tiles (fp32 with D > 64: 32 query rows), 4-8 warps; both
   passes take the same tiles."""
   d_pad = next_power_of_2(max(head_dim, 16))
@@ -118,7 +117,7 @@ def default_config(batch, num_heads, num_kv_heads, seq_q, seq_k, head_dim, dtype
   itemsize = jnp.dtype(dtype).itemsize
   tuned = _tuning.lookup(_tuning.table(KERNEL, device_kind or ""), length_class(seq_k))
   if not tuned or itemsize > 2 or next_power_of_2(head_dim) > 128:
-    return heuristic(batch, num_heads, num_kv_heads, seq_q, seq_k, head_dim, itemsize)
+    return heuristic(seq_q, seq_k, head_dim, itemsize)
   cfg = Config.from_json(tuned)
   return Config(cfg.dv.capped(seq_q, seq_k), cfg.ds.capped(seq_q, seq_k))
 
@@ -127,7 +126,7 @@ def default_from_delta_config(seq_q, seq_k, head_dim, dtype) -> PassConfig:
   """The kernel from delta: ``block_q`` 64, ``block_k`` ``min(64, max(16,
   next_power_of_2(seq_k)))``, 4 warps, 3 stages for 16-bit inputs; the heuristic for fp32."""
   if jnp.dtype(dtype).itemsize > 2:
-    return heuristic(1, 1, 1, seq_q, seq_k, head_dim, jnp.dtype(dtype).itemsize).dv
+    return heuristic(seq_q, seq_k, head_dim, jnp.dtype(dtype).itemsize).dv
   return PassConfig(64, min(64, max(16, next_power_of_2(seq_k))), 4, 3)
 
 
@@ -139,13 +138,6 @@ def auto_split_for_launch(programs: int, steps: int) -> int:
   while programs * split * 2 <= TARGET_PROGRAMS and steps >= split * 4:
     split *= 2
   return split
-
-
-def auto_split(batch, num_heads, num_kv_heads, seq_q, seq_k, block_q, block_k) -> int:
-  """The dV pass's ``split`` when it is ``"auto"``: its launch has one program per kv block
-  of each (batch, kv head), each looping over the G heads' query tiles."""
-  return auto_split_for_launch(batch * num_kv_heads * pl.cdiv(seq_k, block_k),
-                               (num_heads // num_kv_heads) * pl.cdiv(seq_q, block_q))
 
 
 def resolve_split(cfg: PassConfig, programs: int, steps: int) -> int:

@@ -530,7 +530,7 @@ def ds_pass(grad_attn_output, attn_weights, keep, value_states, dpart, scale, *,
 # --------------------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnames=["p_static", "config", "interpret"])
 def _backward(grad_attn_output, attn_weights, attn_weights_dropped, value_states,
-              dropout_mask, p_traced, delta=None, *, p_static, config, interpret):
+              dropout_mask, p_traced, *, p_static, config, interpret):
   b, h, seq_q, seq_k = attn_weights.shape
   kvh, head_dim = value_states.shape[1], value_states.shape[3]
   # Free (bitcast) reshapes to 3D views; dO stays [B, seq_q, H, D].
@@ -538,12 +538,10 @@ def _backward(grad_attn_output, attn_weights, attn_weights_dropped, value_states
   pd3 = attn_weights_dropped.reshape(b * h, seq_q, seq_k)
   v3 = value_states.reshape(b * kvh, seq_k, head_dim)
   # Pass 1 makes delta's partials only when the dS pass needs them: not for rows that fit
-  # one dS tile (delta in the tile), nor when delta is given (one "partial" per row).
-  partials = seq_k > config.ds.block_k and delta is None
+  # one dS tile (delta in the tile).
+  partials = seq_k > config.ds.block_k
   dv, dpart = dv_pass(grad_attn_output, pd3, v3, num_heads=h, cfg=config.dv,
                       interpret=interpret, partials=partials)
-  if delta is not None:
-    dpart = delta.reshape(b * h, 1, seq_q)
   dropout, scale = _dropout_args(p_static, p_traced)
   keep = None if dropout.mode == "none" else dropout_mask.reshape(b * h, seq_q, seq_k)
   ds = ds_pass(grad_attn_output, p3, keep, v3, dpart, scale, num_heads=h, dropout=dropout,
@@ -553,7 +551,7 @@ def _backward(grad_attn_output, attn_weights, attn_weights_dropped, value_states
 
 def attention_softmax_dropout_value_backward(
     grad_attn_output, attn_weights, attn_weights_dropped, value_states, dropout_mask,
-    attention_dropout, *, delta=None, config: Config | None = None, block_q=None,
+    attention_dropout, *, config: Config | None = None, block_q=None,
     block_k=None, num_warps=None, num_stages=None, causal=False,
     interpret=False):
   """Backward of ``O = transpose(dropout(P) @ V)`` with GQA, as two Pallas Triton kernels.
@@ -563,9 +561,7 @@ def attention_softmax_dropout_value_backward(
   Dtypes: bf16 (the target), fp16 or fp32 (fp32 accumulation, IEEE fp32 dots); returns
   ``(grad_attn_scores [B, H, seq_q, seq_k], grad_value_states [B, KVH, seq_k, D])`` in it.
   The rate p in [0, 1) is a Python float (static; at 0 keep is never read) or a traced
-  scalar (outside [0, 1): NaN outputs). ``delta``: optional ``[B, H, seq_q]`` fp32
-  ``rowsum(dO * O)`` of the forward's fp32 output (:func:`delta_from_output`); pass 1 then
-  skips its dPd GEMM. ``config`` (:class:`Config`): by default the table tuned for the
+  scalar (outside [0, 1): NaN outputs). ``config`` (:class:`Config`): by default the table tuned for the
   arrays' device kind, else a heuristic; ``block_q``, ``block_k``,
   ``num_warps``, ``num_stages`` override a field of both passes. ``causal``: accepted for
   interface uniformity (a causal P is zero above the diagonal, which the dense math
@@ -590,9 +586,6 @@ def attention_softmax_dropout_value_backward(
   b, h, seq_q, seq_k = attn_weights.shape
   validation.check_causal(causal, seq_q, seq_k, every_row_has_keys=False)
   p_traced = None if p is not None else attention_dropout
-  if delta is not None:
-    validation.check_array("delta", delta, ("B", "H", "Sq"), attn_weights.shape[:3],
-                           dtypes=(f32,))
   if config is not None and not isinstance(config, Config):
     raise TypeError(f"config: expected a attention_softmax_dropout_value.Config, got {type(config).__name__}")
   if config is None:
@@ -603,5 +596,5 @@ def attention_softmax_dropout_value_backward(
                                   block_k=block_k,
                                   num_warps=num_warps, num_stages=num_stages)
   return _backward(grad_attn_output, attn_weights, attn_weights_dropped, value_states,
-                   dropout_mask, p_traced, delta, p_static=p, config=config,
+                   dropout_mask, p_traced, p_static=p, config=config,
                    interpret=interpret)

@@ -44,6 +44,8 @@ MAX_WHOLE_ROW = 512
 LONG_ROW_BLOCK_K = 128
 # The per_head kernel keeps a whole row and grad_key ([Sk, D] fp32) in registers.
 MAX_PER_HEAD_ROW = 512
+# The tuned tables' per_head entries: rows of at most this many (padded) keys.
+PER_HEAD_TUNED_MAX_ROW = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,8 +213,8 @@ def default_config(seq_q: int, seq_k: int, head_dim: int, dtype, device_kind=Non
   heuristic's ``"two_pass"`` config.
 
   ``device_kind``: the kind of the device that runs the call (``None``: the heuristic). The
-  table's scheme is used if it is in ``schemes`` (``per_head`` only for rows of at most 256
-  keys, ``dl_gemm`` only for rows of at most :data:`DL_TUNED_MAX_ROW` keys; where
+  table's scheme is used if it is in ``schemes`` (``per_head`` only for rows of at most
+  :data:`PER_HEAD_TUNED_MAX_ROW` keys, ``dl_gemm`` only for rows of at most :data:`DL_TUNED_MAX_ROW` keys; where
   ``dl_gemm`` is not taken, the class's ``per_head`` entry if it has one), else its
   ``two_pass`` entry. A ``dl_gemm`` entry carries its :class:`DlConfig` as ``dl``
   (:func:`dl_config`; absent: :func:`default_dl_config`), and may carry another for causal
@@ -226,7 +228,8 @@ def default_config(seq_q: int, seq_k: int, head_dim: int, dtype, device_kind=Non
   scheme = tuned.get("scheme", "two_pass")
   if scheme == "dl_gemm" and (pk > DL_TUNED_MAX_ROW or scheme not in schemes):
     scheme = "per_head"  # where the class has a per_head entry, else two_pass below
-  if scheme == "per_head" and scheme in schemes and "head" in tuned and pk <= 256:
+  if (scheme == "per_head" and scheme in schemes and "head" in tuned
+      and pk <= PER_HEAD_TUNED_MAX_ROW):
     head = pass_config(tuned["head"], seq_q, seq_k)
     return Config(head, head, "per_head")
   row, col = pass_config(tuned["row"], seq_q, seq_k), pass_config(tuned["col"], seq_q, seq_k)

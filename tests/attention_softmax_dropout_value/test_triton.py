@@ -176,10 +176,11 @@ def test_dv_pass_split(split):
 
 def test_auto_split():
   """Small launches split the dV pass's loop; large ones and short loops do not."""
-  assert asdv.auto_split(1, 80, 8, 512, 512, 64, 64) == 4     # 64 programs, 80 steps
-  assert asdv.auto_split(1, 80, 8, 1024, 1024, 64, 64) == 2   # 128 programs
-  assert asdv.auto_split(32, 80, 8, 512, 512, 64, 64) == 1    # 2048 programs
-  assert asdv.auto_split(1, 1, 1, 32, 64, 64, 64) == 1        # one step: nothing to split
+  from pallas_kernels.attention_softmax_dropout_value.config import auto_split_for_launch
+  assert auto_split_for_launch(64, 80) == 4     # 64 programs, 80 steps
+  assert auto_split_for_launch(128, 160) == 2   # 128 programs
+  assert auto_split_for_launch(2048, 80) == 1    # 2048 programs
+  assert auto_split_for_launch(1, 1) == 1        # one step: nothing to split
 
 
 @pytest.mark.parametrize("skv", [200, 201])
@@ -292,30 +293,6 @@ def test_dv_pass_without_partials():
   np.testing.assert_array_equal(np.asarray(dv_only, np.float32), np.asarray(dv, np.float32))
 
 
-@pytest.mark.parametrize("skv, row_align, p", [(131, -1, 0.1), (131, -1, "traced"),
-                                               (131, 0, 0.0), (96, -1, 0.1)])
-def test_given_delta(skv, row_align, p):
-  """``delta=`` (from the forward's output): pass 1 makes only dV and the dS pass reads
-  one delta per row; rows of Skv % 8 != 0 on row-class tiles (-1) or not (0)."""
-  rate = 0.1 if p == "traced" else p
-  args = make_inputs(1, 4, 2, 33, skv, 64, rate, seed=10)
-  config = asdv.Config(asdv.PassConfig(32, 32, 4, 2),
-                       asdv.PassConfig(32, 32, 4, 2, row_align=row_align))
-  run = lambda r: kernel(*args, r, delta=delta_of(args), config=config, interpret=INTERPRET)
-  outs = jax.jit(run)(jnp.float32(rate)) if p == "traced" else run(p)
-  check(outs, reference(*args, rate))
-
-
-def test_given_delta_unread_for_one_tile_rows():
-  """Rows that fit one dS tile take delta in the tile: a wrong given delta changes nothing
-  (and a right one is not needed)."""
-  args = make_inputs(1, 4, 2, 33, 50, 64, 0.1, seed=11)
-  config = asdv.Config(asdv.PassConfig(32, 64, 4, 2), asdv.PassConfig(32, 64, 4, 2))
-  wrong = jnp.full((1, 4, 33), 1e3, jnp.float32)
-  outs = kernel(*args, 0.1, delta=wrong, config=config, interpret=INTERPRET)
-  check(outs, reference(*args, 0.1))
-
-
 @pytest.mark.parametrize("p", [0.1, 0.15, 0.3])
 def test_static_dropout_scale_is_the_forwards(p):
   """The kernels' static scale is the fp32 ``1 / (1 - p)`` the forward multiplies by (in
@@ -323,3 +300,4 @@ def test_static_dropout_scale_is_the_forwards(p):
   from pallas_kernels._util import dropout_scale
   forward = jax.jit(lambda r: 1.0 / (1.0 - jnp.asarray(r, jnp.float32)))(p)
   assert np.float32(dropout_scale(p)) == np.asarray(forward)
+

@@ -93,12 +93,6 @@ class AttentionValueMosaicGpu(backend.MosaicGpuBackend):
     return dispatch.mosaic_gpu_reason(b, h, kvh, sq, skv, d, problem.dtype, 0.1,
                                       problem.causal)
 
-  def config(self, problem):
-    """The kernels' default config for this problem."""
-    b, h, sq, skv = problem.shape("scores")
-    _, kvh, _, d = problem.shape("value_states")
-    return mosaic.default_config(b, h, kvh, sq, skv, d)
-
   def backward(self, grad_attn_output, attn_weights, attn_weights_dropped, value_states,
                dropout_mask, attention_dropout, *, causal=False, interpret=False):
     traced = validation.concrete_float("attention_dropout", attention_dropout) is None

@@ -24,11 +24,6 @@ class MaskedSoftmaxTriton(backend.TritonBackend):
   def residual_policy(self, problem):
     return SCORES
 
-  def config(self, problem):
-    """The backward kernel's default config for this problem on its device."""
-    _, _, sq, sk = problem.shape("scores")
-    return kernels.default_config(sq, sk, self.device_kind(problem))
-
   def forward_from_scores(self, scores, mask, dropout_rng, p_dropout, *, interpret=False):
     """The op's output from the fused forward kernel. ``p_dropout``: a float (0.0: no
     dropout, ``dropout_rng`` may be ``None``) or a traced scalar."""

@@ -27,10 +27,6 @@ class QKSoftmaxMosaicGpu(backend.MosaicGpuBackend):
       return "a problem without the shapes of query and key"
     return dispatch.mosaic_gpu_reason(shapes["query"], shapes["key"], problem.dtype, 1.0)
 
-  def config(self, problem):
-    """The kernel has no config: its tiles follow from the shapes."""
-    return None
-
   def forward(self, query, key, scaling, *, causal=False, interpret=False):
     """The op's forward: :func:`jax_ops.ops.qk_scale_softmax.pallas_triton.pallas_forward`."""
     return pallas_forward(query, key, scaling, causal=causal, interpret=interpret)
