@@ -11,7 +11,18 @@ from pallas_kernels._util import device_of, is_hopper
 
 SWIZZLE = 128          # bytes: 64 16-bit elements per swizzled row
 MEMORY_REGISTERS = 40  # registers per thread of the TMA producer warpgroup
-SMS = 132              # streaming multiprocessors of an H100 / H200 SXM
+SMS = 132              # streaming multiprocessors of an H100 / H200 SXM: where none is known
+
+
+def sm_count(interpret, *arrays) -> int:
+  """The streaming multiprocessors of the GPU the arrays' call runs on, which sizes the
+  persistent grids: its ``core_count``; :data:`SMS` where unknown (the interpreter, a
+  device without one)."""
+  if not interpret:
+    count = getattr(device_of(*arrays), "core_count", None)
+    if isinstance(count, int) and count > 0:
+      return count
+  return SMS
 
 
 def tiled(dtype):

@@ -172,16 +172,17 @@ def _kernel(g_ref, p_ref, q_ref, k_ref, dq_ref, dk_ref, read_barrier, dl_barrier
   pipeline(g_ref, p_ref, q_ref, k_ref)
 
 
-def heads_per_program(bh) -> int:
-  """Heads a program walks: enough for one wave of programs."""
-  return max(1, math.ceil(bh / _mosaic.SMS))
+def heads_per_program(bh, sms=None) -> int:
+  """Heads a program walks: enough for one wave of programs on ``sms`` SMs
+  (``None``: :data:`pallas_kernels._mosaic.SMS`)."""
+  return max(1, math.ceil(bh / (_mosaic.SMS if sms is None else sms)))
 
 
 def backward_kernel(g, p, q, k, *, scale, interpret=False):
   """``(dQ [BH, Sq, D], dK [BH, Sk, D])`` from ``g``, ``P`` ``[BH, Sq, Sk]``, ``Q``
   ``[BH, Sq, D]``, ``K`` ``[BH, Sk, D]`` (one dtype) and a static ``scale``."""
   bh, sq, sk = g.shape
-  hpp = heads_per_program(bh)
+  hpp = heads_per_program(bh, _mosaic.sm_count(interpret, g, p, q, k))
   kernel = functools.partial(_kernel, bh=bh, heads_per_program=hpp, tiles=sq // ROWS, sk=sk,
                              scale=float(scale))
   tiled = _mosaic.tiled(g.dtype)
