@@ -92,15 +92,14 @@ class Config:
       raise ValueError(f"config.split: expected 'auto' or an int >= 1, got {self.split!r}")
 
 
-def default_config(b, h, kvh, sq, skv, d) -> Config:
-  """The kernels' config for a problem: the same for every shape."""
-  del b, h, kvh, sq, skv, d
+def default_config() -> Config:
+  """The kernels' config: the same for every shape."""
   return Config()
 
 
-def resolve_split(split, b, kvh, skv, row_tiles) -> int:
+def resolve_split(split, b, kvh, skv, row_tiles, sms=SMS) -> int:
   """``split`` of a launch: ``"auto"`` doubles it while the programs fill at most half the
-  SMs and each share keeps >= 4 row tiles."""
+  ``sms`` SMs and each share keeps >= 4 row tiles."""
   if split != "auto":
     if row_tiles % split:
       raise ValueError(f"config.split={split} must divide the {row_tiles} row tiles of a "
@@ -108,7 +107,7 @@ def resolve_split(split, b, kvh, skv, row_tiles) -> int:
     return split
   programs = b * kvh * (skv // (WGS * KEYS))
   split = 1
-  while (2 * programs * split <= SMS and row_tiles % (2 * split) == 0
+  while (2 * programs * split <= sms and row_tiles % (2 * split) == 0
          and row_tiles // (2 * split) >= 4):
     split *= 2
   return split
@@ -142,7 +141,8 @@ def attention_softmax_dropout_value_backward(
   _mosaic.check_hopper("attention_softmax_dropout_value_backward", interpret, *args[:4])
   if config is not None and not isinstance(config, Config):
     raise TypeError(f"config: expected a pallas_mosaic_gpu.Config, got {type(config).__name__}")
-  config = config or default_config(b, h, kvh, sq, skv, d)
+  config = config or default_config()
+  sms = _mosaic.sm_count(interpret, *args[:4])
   g = h // kvh
   groups = lambda x: x.reshape(b, kvh, g * sq, skv)
   pd_groups = groups(attn_weights_dropped)
@@ -151,8 +151,8 @@ def attention_softmax_dropout_value_backward(
   else:
     delta = delta_pass(grad_attn_output, pd_groups, value_states,
                        block_k=config.delta_block_k, stages=config.delta_stages,
-                       interpret=interpret)
-  split = resolve_split(config.split, b, kvh, skv, g * sq // ROWS)
+                       programs=sms, interpret=interpret)
+  split = resolve_split(config.split, b, kvh, skv, g * sq // ROWS, sms)
   ds, dv = ds_dv_pass(grad_attn_output, groups(attn_weights), pd_groups, delta, value_states,
                       rate=p, stages=config.stages, split=split, interpret=interpret)
   return ds.reshape(b, h, sq, skv), dv
@@ -174,13 +174,16 @@ def backward_from_output(grad_attn_output, attn_weights, value_states, dropout_m
   ``[B, seq_q, H, D]`` instead of Pd: ``delta = rowsum(dO * O)`` (no delta kernel) and the
   dS-dV kernel drawing keep again from the key's seeds (``keep_seeds``,
   :func:`keep_seeds_of` of the forward's key and rate; needed for a rate > 0) and rebuilding
-  Pd from P: it reads P (2 B) and writes dS (2 B) per element. ``dropout_mask`` is checked
+  Pd from P with the forward's scale (of the rate the mask draws,
+  ``pallas_kernels._dropout.scaled_rate``): it reads P (2 B) and writes dS (2 B) per element. ``dropout_mask`` is checked
   but not read (a ``jax.ShapeDtypeStruct`` will do). Rows of more than one key block
   (:func:`takes_output`). Returns ``(grad_attn_scores, grad_value_states)``.
   """
   p = validation.check_attention_softmax_dropout_value(
       grad_attn_output, attn_weights, attn_weights, value_states, dropout_mask,
       attention_dropout)
+  if p is not None:   # the rate the forward scaled by (the one its mask draws)
+    p = _dropout.scaled_rate(p)
   b, h, sq, skv = attn_weights.shape
   kvh, d = value_states.shape[1], value_states.shape[3]
   why = unsupported_reason(b, h, kvh, sq, skv, d, attn_weights.dtype, p, False)
@@ -199,10 +202,12 @@ def backward_from_output(grad_attn_output, attn_weights, value_states, dropout_m
                        grad_attn_output, attn_weights, value_states)
   if config is not None and not isinstance(config, Config):
     raise TypeError(f"config: expected a pallas_mosaic_gpu.Config, got {type(config).__name__}")
-  config = config or default_config(b, h, kvh, sq, skv, d)
+  config = config or default_config()
   g = h // kvh
   delta = delta_from_output(grad_attn_output, attn_output_f32).reshape(b, kvh, g * sq)
-  split = resolve_split(config.split, b, kvh, skv, g * sq // ROWS)
+  split = resolve_split(config.split, b, kvh, skv, g * sq // ROWS,
+                        _mosaic.sm_count(interpret, grad_attn_output, attn_weights,
+                                         value_states))
   p_groups = attn_weights.reshape(b, kvh, g * sq, skv)
   ds, dv = ds_dv_pass(grad_attn_output, p_groups, p_groups, delta, value_states, rate=p,
                       stages=config.rebuild_stages if p != 0 else config.stages, split=split,
