@@ -88,19 +88,6 @@ def effective_rate(rate):
                    rate_threshold(rate).astype(jnp.float32) / RATE_STEPS)
 
 
-
-def scaled_rate(rate):
-  """The rate a kernel scales the kept values by (``1 / (1 - scaled_rate(rate))``): the one
-  the mask draws (:func:`effective_rate`), as the forward kernels scale them, so that a
-  backward given the rate as the caller gave it matches the forward. A Python float gives
-  a Python float; a traced rate outside [0, 1) gives NaN (:func:`effective_rate` would clip
-  it)."""
-  if isinstance(rate, (int, float)):
-    return effective_rate(rate)
-  rate = jnp.asarray(rate, jnp.float32)
-  return validation.nan_unless_rate_valid(rate, effective_rate(rate))
-
-
 def key_words(rng, name="dropout_rng"):
   """``(k0, k1)``: the two uint32 words of a PRNG key that the hash takes; ``TypeError``
   naming ``name`` unless ``rng`` is one key."""

@@ -17,7 +17,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _triton_tiles as tiles
-from pallas_kernels import _dropout, validation
+from pallas_kernels import validation
 from pallas_kernels._util import (Dropout, check_can_compile, compiler_params, dot, out_struct,
                                   pallas_call)
 from pallas_kernels.attention_softmax_dropout_value.config import (
@@ -195,9 +195,8 @@ def attention_softmax_dropout_value_backward_from_delta(
   dense math handles a causal P; no tiles are skipped). Returns
   ``(grad_attn_scores [B, H, seq_q, seq_k], grad_value_states [B, KVH, seq_k, D])``.
 
-  Precondition: ``Pd == round(P * keep * (1 / (1 - p)))`` with ``1 / (1 - p)`` in fp32 and
-  ``p`` the rate the mask draws (``pallas_kernels._dropout.scaled_rate`` of the rate given,
-  as the forward kernels scale), the forward's Pd, which the kernel rebuilds for dV instead of reading it (a Pd off by an ulp
+  Precondition: ``Pd == round(P * keep * (1 / (1 - p)))`` with ``1 / (1 - p)`` in fp32, the
+  forward's Pd, which the kernel rebuilds for dV instead of reading it (a Pd off by an ulp
   in many elements would put dV outside the spec's tolerance).
 
   Traffic: 5 B per attention element in bf16 (read P and keep, write dS), against 7 B for
@@ -221,9 +220,6 @@ def attention_softmax_dropout_value_backward_from_delta(
     raise TypeError(f"config: expected a PassConfig, got {type(config).__name__}")
   cfg = config or default_from_delta_config(seq_q, seq_k, value_states.shape[3],
                                             attn_weights.dtype)
-  # The rate the forward scaled by (the one its mask draws), whatever the caller passes.
-  rate = _dropout.scaled_rate(attention_dropout if p is None else p)
   return _backward_from_delta(grad_attn_output, attn_weights, value_states, dropout_mask,
-                              delta, None if p is not None else rate,
-                              p_static=None if p is None else rate, cfg=cfg,
-                              interpret=interpret)
+                              delta, None if p is not None else attention_dropout,
+                              p_static=p, cfg=cfg, interpret=interpret)

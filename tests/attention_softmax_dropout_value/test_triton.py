@@ -301,19 +301,3 @@ def test_static_dropout_scale_is_the_forwards(p):
   forward = jax.jit(lambda r: 1.0 / (1.0 - jnp.asarray(r, jnp.float32)))(p)
   assert np.float32(dropout_scale(p)) == np.asarray(forward)
 
-
-@pytest.mark.parametrize("traced", [False, True])
-def test_from_delta_scales_by_the_rate_the_mask_draws(traced):
-  """The backward from delta scales by the rate the forward's mask draws (a multiple of
-  ``2**-16``), whether it is given that rate or the one the forward was given."""
-  from pallas_kernels import _dropout
-  args = make_inputs(1, 4, 2, 8, 80, 16, 0.1, seed=3)
-  d_o, probs, _, value, keep = args
-  delta = delta_of(args)
-  run = lambda r: asdv.attention_softmax_dropout_value_backward_from_delta(
-      d_o, probs, value, keep, r, delta, interpret=INTERPRET)
-  if traced:
-    run = jax.jit(run)
-  given, drawn = run(0.1), run(_dropout.effective_rate(0.1))
-  for a, b in zip(given, drawn):
-    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
