@@ -174,16 +174,13 @@ def backward_from_output(grad_attn_output, attn_weights, value_states, dropout_m
   ``[B, seq_q, H, D]`` instead of Pd: ``delta = rowsum(dO * O)`` (no delta kernel) and the
   dS-dV kernel drawing keep again from the key's seeds (``keep_seeds``,
   :func:`keep_seeds_of` of the forward's key and rate; needed for a rate > 0) and rebuilding
-  Pd from P with the forward's scale (of the rate the mask draws,
-  ``pallas_kernels._dropout.scaled_rate``): it reads P (2 B) and writes dS (2 B) per element. ``dropout_mask`` is checked
+  Pd from P: it reads P (2 B) and writes dS (2 B) per element. ``dropout_mask`` is checked
   but not read (a ``jax.ShapeDtypeStruct`` will do). Rows of more than one key block
   (:func:`takes_output`). Returns ``(grad_attn_scores, grad_value_states)``.
   """
   p = validation.check_attention_softmax_dropout_value(
       grad_attn_output, attn_weights, attn_weights, value_states, dropout_mask,
       attention_dropout)
-  if p is not None:   # the rate the forward scaled by (the one its mask draws)
-    p = _dropout.scaled_rate(p)
   b, h, sq, skv = attn_weights.shape
   kvh, d = value_states.shape[1], value_states.shape[3]
   why = unsupported_reason(b, h, kvh, sq, skv, d, attn_weights.dtype, p, False)
