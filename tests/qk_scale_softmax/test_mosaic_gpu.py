@@ -172,3 +172,17 @@ def test_lowers_for_a_gpu():
   fn = jax.jit(lambda g, p, q, k: mg.backward_kernel(g, p, q, k, scale=0.1))
   text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
+
+
+def test_grids_take_the_devices_sm_count(monkeypatch):
+  """The persistent grids are sized by the device's SM count; 132 (H100/H200 SXM) where it
+  is unknown: in the interpreter, or a device without ``core_count``."""
+  class Device:
+    platform = "gpu"
+    core_count = 114
+  monkeypatch.setattr(_mosaic, "device_of", lambda *arrays: Device())
+  assert _mosaic.sm_count(False) == 114
+  assert _mosaic.sm_count(True) == _mosaic.SMS == 132
+  Device.core_count = None
+  assert _mosaic.sm_count(False) == 132
+  assert mg.heads_per_program(264, 114) == 3 and mg.heads_per_program(264) == 2
