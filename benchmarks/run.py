@@ -91,7 +91,7 @@ def _from_delta_inputs(dims, p, key):
   d_o, probs, dropped, value, keep = wl.attention_inputs(dims, p, key)
   b, h, kvh, sq, skv, d = dims
   out32 = jnp.einsum("bkgqs,bksd->bqkgd", dropped.reshape(b, kvh, h // kvh, sq, skv), value,
-                     preferred_element_type=F32).reshape(b, sq, h, d)
+                     preferred_element_type=jnp.float32).reshape(b, sq, h, d)
   return d_o, probs, dropped, value, keep, out32
 
 

@@ -65,3 +65,14 @@ def test_the_benchmarks_use_the_packages_workloads():
   assert causal.causal and causal.label({"batch_size": 1, "seq_len_q": 4, "seq_len_k": 4}) == (
       "1, 4, 4 causal")
   assert bench.check is workloads.check and bench._ROTATE_BYTES == workloads.ROTATE_BYTES
+
+
+def test_from_delta_inputs_add_the_fp32_output():
+  """The from-delta problem's inputs: the entry point's, plus ``O = Pd @ V`` in fp32,
+  ``[B, Sq, H, D]``."""
+  args = bench._from_delta_inputs((1, 4, 2, 32, 48, 16), 0.1, jax.random.key(0))
+  d_o, probs, dropped, value, keep, out32 = args
+  assert out32.shape == d_o.shape and out32.dtype == jnp.float32
+  expected = jnp.einsum("bhqs,bhsd->bqhd", dropped.astype(jnp.float32),
+                        jnp.repeat(value, 2, axis=1).astype(jnp.float32))
+  assert jnp.allclose(out32, expected, rtol=1e-5, atol=1e-5)
