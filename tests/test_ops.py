@@ -169,7 +169,8 @@ def test_vmap_of_grad_over_extra_axis(op_name):
   # bf16 results may differ by a few roundings (2^-8 relative each): batching changes the
   # XLA fusions of the bf16 forward and the kernels' launches (the dV split of
   # attention_softmax_dropout_value depends on it), hence roundings and the order of fp32
-  # sums; the softmax backward's cancellation (P * (dW - delta)) magnifies them. bf16: the workloads' rtol (0.05).
+  # sums; the softmax backward's cancellation (P * (dW - delta)) magnifies them. bf16: the
+  # workloads' rtol (0.05).
   rtol = 5e-2 if xs[0].dtype == jnp.bfloat16 else 1e-6
   for i in range(2):
     single = jax.jit(grad)(*(x[i] for x in xs))

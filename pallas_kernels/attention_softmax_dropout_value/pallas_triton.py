@@ -561,8 +561,8 @@ def attention_softmax_dropout_value_backward(
   Dtypes: bf16 (the target), fp16 or fp32 (fp32 accumulation, IEEE fp32 dots); returns
   ``(grad_attn_scores [B, H, seq_q, seq_k], grad_value_states [B, KVH, seq_k, D])`` in it.
   The rate p in [0, 1) is a Python float (static; at 0 keep is never read) or a traced
-  scalar (outside [0, 1): NaN outputs). ``config`` (:class:`Config`): by default the table tuned for the
-  arrays' device kind, else a heuristic; ``block_q``, ``block_k``,
+  scalar (outside [0, 1): NaN outputs). ``config`` (:class:`Config`): by default the table
+  tuned for the arrays' device kind, else a heuristic; ``block_q``, ``block_k``,
   ``num_warps``, ``num_stages`` override a field of both passes. ``causal``: accepted for
   interface uniformity (a causal P is zero above the diagonal, which the dense math
   handles; no tiles are skipped). ``interpret``: run in the Pallas interpreter.

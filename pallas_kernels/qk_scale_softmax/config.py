@@ -214,11 +214,11 @@ def default_config(seq_q: int, seq_k: int, head_dim: int, dtype, device_kind=Non
 
   ``device_kind``: the kind of the device that runs the call (``None``: the heuristic). The
   table's scheme is used if it is in ``schemes`` (``per_head`` only for rows of at most
-  :data:`PER_HEAD_TUNED_MAX_ROW` keys, ``dl_gemm`` only for rows of at most :data:`DL_TUNED_MAX_ROW` keys; where
-  ``dl_gemm`` is not taken, the class's ``per_head`` entry if it has one), else its
-  ``two_pass`` entry. A ``dl_gemm`` entry carries its :class:`DlConfig` as ``dl``
-  (:func:`dl_config`; absent: :func:`default_dl_config`), and may carry another for causal
-  calls as ``causal_dl``.
+  :data:`PER_HEAD_TUNED_MAX_ROW` keys, ``dl_gemm`` only for rows of at most
+  :data:`DL_TUNED_MAX_ROW` keys; where ``dl_gemm`` is not taken, the class's ``per_head``
+  entry if it has one), else its ``two_pass`` entry. A ``dl_gemm`` entry carries its
+  :class:`DlConfig` as ``dl`` (:func:`dl_config`; absent: :func:`default_dl_config`), and may
+  carry another for causal calls as ``causal_dl``.
   """
   tuned = _tuning.lookup(_tuning.table(KERNEL, device_kind or ""), length_class(seq_k))
   if not tuned or jnp.dtype(dtype).itemsize > 2 or next_power_of_2(head_dim) > 128:
