@@ -6,9 +6,10 @@ bit for bit; ``p`` the rate it draws, a multiple of ``2**-16``). One program own
 ``block_rows`` whole rows (padded to a power of two) of one head: it reads the scores and the
 attention mask once and writes ``y`` once (4 B in, 4 B out per fp32 element; the mask is
 shared by the heads, and a mask that broadcasts to ``[B, 1, Sq, Sk]`` is read through its own
-shape: :func:`mask_operand`, :func:`load_mask`). One 32-bit hash draws two elements of ``keep``. Neither P nor ``keep``
-is written: the backward (``masked_softmax_dropout_backward_from_scores``) recomputes P from
-the scores and redraws the mask from the key.
+shape: :func:`mask_operand`, :func:`load_mask`). One 32-bit hash draws two elements of
+``keep``. Neither P nor ``keep`` is written: the backward
+(``masked_softmax_dropout_backward_from_scores``) recomputes P from the scores and redraws
+the mask from the key.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from conftest import INTERPRET, assert_close, keys
+from conftest import INTERPRET, assert_close, exact_jit, keys
 import jax_ops
 from jax_ops import reference
 
@@ -88,7 +88,7 @@ def test_broadcast_mask_equals_the_explicit_broadcast(implementation, shape):
   full = jnp.broadcast_to(mask, (b, 1, sq, sk))
   ct = jax.random.normal(k[3], (b, h, sq, sk), F32)
 
-  @jax.jit
+  @exact_jit   # bit for bit against another program (conftest.EXACT_COMPILER_OPTIONS)
   def value_and_grad(m):
     return _vjp(lambda s: jax_ops.masked_softmax_dropout(
         s, m, dropout_rate=0.1, dropout_rng=k[2], implementation=implementation,
@@ -117,9 +117,10 @@ def test_broadcast_mask_under_vmap(implementation):
     return jnp.sum(jax_ops.masked_softmax_dropout(
         s, m, dropout_rate=0.2, dropout_rng=k[2], implementation=implementation,
         interpret=INTERPRET) * jnp.arange(6.0))
-  both = jax.jit(jax.vmap(jax.value_and_grad(loss)))
-  shared = jax.jit(jax.vmap(jax.value_and_grad(loss), (0, None)))
-  for got, want in ((both(scores, pads), both(scores, jnp.broadcast_to(pads, (2, 1, 1, 6, 6)))),
-                    (shared(scores, causal), shared(scores, jnp.broadcast_to(causal, (1, 1, 6, 6))))):
+  both = exact_jit(jax.vmap(jax.value_and_grad(loss)))
+  shared = exact_jit(jax.vmap(jax.value_and_grad(loss), (0, None)))
+  pairs = ((both(scores, pads), both(scores, jnp.broadcast_to(pads, (2, 1, 1, 6, 6)))),
+           (shared(scores, causal), shared(scores, jnp.broadcast_to(causal, (1, 1, 6, 6)))))
+  for got, want in pairs:
     for g, w in zip(got, want):
       assert bool(jnp.array_equal(g, w))

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import INTERPRET, keys, softmax_probs
+from conftest import INTERPRET, exact_jit, keys, softmax_probs
 import jax_ops
 from jax_ops import masked_softmax_dropout_backward_reference as reference
 from pallas_kernels.masked_softmax_dropout import Config
@@ -47,6 +47,12 @@ def _same(got, want):
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+def _same_for(fn, mask, full):
+  """``fn`` of the mask as given equals ``fn`` of its explicit broadcast, bit for bit (each
+  compiled by ``conftest.exact_jit``: no FMA contracted in one program and not the other)."""
+  _same(exact_jit(fn)(mask), exact_jit(fn)(full))
+
+
 @pytest.mark.parametrize("form", FORMS, ids=str)
 def test_kernels_equal_the_explicit_broadcast(form):
   g, scores, mask, full, probs, keep, rng = _inputs(form)
@@ -56,7 +62,7 @@ def test_kernels_equal_the_explicit_broadcast(form):
       g, scores, m, rng, 0.1, **run)
   entry = lambda m: kernels.masked_softmax_dropout_backward(g, probs, m, keep, 0.1, **run)
   for fn in (fwd, from_scores, entry):
-    _same(fn(mask), fn(full))
+    _same_for(fn, mask, full)
   # And right: the entry point against the reference on the explicit mask.
   np.testing.assert_allclose(np.asarray(entry(mask)),
                              np.asarray(reference(g, probs, full, keep, 0.1)),
@@ -73,13 +79,13 @@ def test_backward_configs_and_no_dropout(form, config):
   g, scores, mask, full, probs, keep, rng = _inputs(form, seed=1)
   run = dict(config=config, interpret=INTERPRET)
   for rate in (0.0, 0.2):
-    _same(kernels.masked_softmax_dropout_backward(g, probs, mask, keep, rate, **run),
-          kernels.masked_softmax_dropout_backward(g, probs, full, keep, rate, **run))
-    _same(kernels.masked_softmax_dropout_backward_from_scores(g, scores, mask, rng, rate, **run),
-          kernels.masked_softmax_dropout_backward_from_scores(g, scores, full, rng, rate, **run))
+    _same_for(lambda m: kernels.masked_softmax_dropout_backward(g, probs, m, keep, rate, **run),
+              mask, full)
+    _same_for(lambda m: kernels.masked_softmax_dropout_backward_from_scores(
+        g, scores, m, rng, rate, **run), mask, full)
   fwd = lambda m: forward.masked_softmax_dropout_forward(scores, m, 0.0, block_rows=4,
                                                          interpret=INTERPRET)
-  _same(fwd(mask), fwd(full))
+  _same_for(fwd, mask, full)
 
 
 def test_traced_rate_and_vmap():
@@ -87,7 +93,7 @@ def test_traced_rate_and_vmap():
   inputs sharing one causal mask (unbatched mask)."""
   g, scores, _, _, probs, keep, rng = _inputs(FULL, seed=2)
   pads = jax.random.bernoulli(jax.random.key(3), 0.6, (2, B, 1, 1, SK))
-  per_mask = jax.jit(jax.vmap(lambda m, r: kernels.masked_softmax_dropout_backward_from_scores(
+  per_mask = exact_jit(jax.vmap(lambda m, r: kernels.masked_softmax_dropout_backward_from_scores(
       g, scores, m, rng, r, interpret=INTERPRET), (0, None)))
   _same(per_mask(pads, jnp.float32(0.3)),
         per_mask(jnp.broadcast_to(pads, (2,) + FULL), jnp.float32(0.3)))
@@ -95,7 +101,7 @@ def test_traced_rate_and_vmap():
   stack = lambda x: jnp.stack([x, x[::-1]])
   per_input = lambda m: jax.vmap(lambda g, p, k: kernels.masked_softmax_dropout_backward(
       g, p, m, k, 0.1, interpret=INTERPRET))(stack(g), stack(probs), stack(keep))
-  _same(per_input(causal), per_input(jnp.broadcast_to(causal, FULL)))
+  _same_for(per_input, causal, jnp.broadcast_to(causal, FULL))
 
 
 @pytest.mark.parametrize("form", BAD, ids=str)
