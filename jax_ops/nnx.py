@@ -149,7 +149,9 @@ class MaskedAttention(nnx.Module):
                deterministic: bool | None = None) -> jax.Array:
     p = self.proj
     b, s = p.check(x)
-    mask = _mask(mask, b, s, p.num_heads, heads_axis=False)
+    # Checked here (the layer's errors), passed on as given: the op reads a broadcast mask
+    # through its own shape, never materialized.
+    _mask(mask, b, s, p.num_heads, heads_axis=False)
     q, k, v = (p.heads(x, f, p.num_heads) for f in (p.query, p.key, p.value))
     scores = jnp.einsum("bhqd,bhkd->bhqk", q, k).astype(jnp.float32) / math.sqrt(p.head_dim)
     probs = masked_softmax_dropout(

@@ -191,13 +191,37 @@ def check_attention_softmax_dropout_value(grad_attn_output, attn_weights, attn_w
   return p
 
 
+def mask_broadcasts(shape, full) -> bool:
+  """Whether an attention mask of ``shape`` broadcasts to ``full`` (numpy rules: rank at
+  most ``len(full)``, each dimension, aligned right, 1 or the full size)."""
+  shape = tuple(shape)
+  return len(shape) <= len(full) and all(
+      m in (1, f) for m, f in zip(reversed(shape), reversed(tuple(full))))
+
+
+def check_mask(mask, b: int, sq: int, sk: int) -> None:
+  """``mask``: bool, ``[B, 1, Sq, Sk]`` or a shape that broadcasts to it (rank <= 4, each
+  dimension, aligned right, 1 or that size: ``[B, 1, 1, Sk]``, ``[Sq, Sk]``, ``[Sk]``,
+  ``[1, 1, Sq, Sk]``, ``[B, 1, Sq, 1]``, ...)."""
+  axes = ("B", "1", "Sq", "Sk")
+  full = (b, 1, sq, sk)
+  if not hasattr(mask, "shape") or not hasattr(mask, "dtype"):
+    raise TypeError(f"mask: expected an array of shape {_fmt(axes)} or one that broadcasts "
+                    f"to it, got {type(mask).__name__}")
+  if not mask_broadcasts(mask.shape, full):
+    raise ValueError(f"mask: expected {_fmt(axes)} = {_fmt(full)} or a shape that broadcasts "
+                     f"to it (rank <= 4, each dimension 1 or that size), got {_fmt(mask.shape)}")
+  check_array("mask", mask, axes[4 - mask.ndim:], dtypes=(jnp.bool_,))
+
+
 def check_scores_and_mask(scores, mask, *, dtypes=_LOW) -> None:
   """Checks the inputs of the masked softmax-dropout forward: ``scores``
-  ``[B, H, Sq, Sk]`` float, ``mask`` ``[B, 1, Sq, Sk]`` bool."""
+  ``[B, H, Sq, Sk]`` float, ``mask`` bool that broadcasts to ``[B, 1, Sq, Sk]``
+  (:func:`check_mask`)."""
   check_array("scores", scores, ("B", "H", "Sq", "Sk"), dtypes=dtypes)
   check_positive("scores", scores, ("B", "H", "Sq", "Sk"))
   b, _, sq, sk = scores.shape
-  check_array("mask", mask, ("B", "1", "Sq", "Sk"), (b, 1, sq, sk), dtypes=(jnp.bool_,))
+  check_mask(mask, b, sq, sk)
 
 
 def check_scores_and_value(scores, value_states, *, dtypes=_LOW) -> None:
@@ -233,13 +257,12 @@ def check_masked_softmax_dropout(grad_output, p_attn, mask, dropout_mask, p_drop
     # not settle it, p_attn is taken as the reference shape.
     mask_shape = tuple(getattr(mask, "shape", ()))
     def fits(x):
-      return len(mask_shape) == 4 and (x.shape[0], x.shape[2], x.shape[3]) == (
-          mask_shape[0], mask_shape[2], mask_shape[3])
+      return mask_broadcasts(mask_shape, (x.shape[0], 1, x.shape[2], x.shape[3]))
     if fits(grad_output) and not fits(p_attn):
       check_array(rows_name, p_attn, axes, grad_output.shape)
     check_array("grad_output", grad_output, axes, p_attn.shape)
   b, h, sq, sk = p_attn.shape
-  check_array("mask", mask, ("B", "1", "Sq", "Sk"), (b, 1, sq, sk), dtypes=(jnp.bool_,))
+  check_mask(mask, b, sq, sk)
   p = check_dropout_rate("p_dropout", p_dropout)
   if p != 0.0:  # a rate of exactly 0 never reads the dropout mask, so it may be None
     check_array("dropout_mask", dropout_mask, ("B", "H", "Sq", "Sk"), p_attn.shape,

@@ -17,8 +17,9 @@ else
   suites=()
 fi
 # Off a GPU, XLA compiles each interpreted kernel for the CPU at its lowest optimization level:
-# the test shapes are small, so compiling dominates (the numbers checked are the same; GPU
-# compiles are not affected).
+# the test shapes are small, so compiling dominates (the numbers checked are the same, but
+# for which multiply-adds become FMAs: tests/conftest.py EXACT_COMPILER_OPTIONS; GPU compiles
+# are not affected).
 if ! command -v nvidia-smi > /dev/null 2>&1; then
   export XLA_FLAGS="${XLA_FLAGS:-} --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 fi

@@ -11,6 +11,15 @@ from jax.experimental import pallas as pl
 ON_GPU = jax.default_backend() == "gpu"
 # Off a GPU the Pallas kernels run in the interpreter; on a GPU they compile.
 INTERPRET = not ON_GPU
+# XLA's CPU backend may fuse a multiply and the add it feeds into one FMA (rounded once). At
+# --xla_backend_optimization_level=0 (scripts/test.sh sets it off a GPU) whether it does
+# depends on the code around them: the fast instruction selector of that level fuses nothing,
+# but hands a basic block holding an instruction it cannot select to the full selector, which
+# fuses. Two programs with the same arithmetic (a kernel reading a broadcast mask, and the same
+# kernel reading the explicit broadcast) can then differ by an ulp. Bit-for-bit comparisons of
+# two programs compile them at level 1, the lowest at which every block gets the full selector:
+# what is fused then depends on the arithmetic, not on the code beside it. No effect on a GPU.
+EXACT_COMPILER_OPTIONS = {} if ON_GPU else {"xla_backend_optimization_level": 1}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -20,6 +29,13 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if "gpu" in item.keywords:
       item.add_marker(skip)
+
+
+def exact_jit(fn):
+  """``jax.jit(fn)`` for comparing bit for bit with another program: compiled with
+  :data:`EXACT_COMPILER_OPTIONS` (positional array arguments)."""
+  jitted = jax.jit(fn)
+  return lambda *args: jitted.lower(*args).compile(EXACT_COMPILER_OPTIONS)(*args)
 
 
 def assert_close(out, ref, *, atol, rtol, frac=0.99, name="output"):

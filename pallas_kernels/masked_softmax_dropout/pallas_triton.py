@@ -14,8 +14,9 @@ length is one chunk padded to the next power of two or two power-of-two chunks
 element: g, P (4 + 4 B) and keep (1 B) in, dS (4 B) out, plus the ``[B, 1, Sq, Sk]`` mask
 shared by the heads, whose programs run together under ``row_group=0`` (the default) so the
 mask tile comes from L2 after its first read; the H200 table sets ``row_group=65536`` (a
-head's row blocks first) for some row classes. The launch config comes from
-``config.default_config``.
+head's row blocks first) for some row classes. A mask that broadcasts (``[B, 1, 1, Sk]``,
+``[Sq, Sk]``, ...) is read through its own shape: a broadcast axis at index 0, broadcast in
+registers. The launch config comes from ``config.default_config``.
 
 ``masked_softmax_dropout_backward_from_scores`` is the op's backward: the same kernel given
 the scores instead of P, which it recomputes as the fused forward does, and the dropout key
@@ -34,7 +35,7 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels import _dropout, _tuning, _util, validation
 from pallas_kernels._util import Dropout, compiler_params, out_struct, pallas_call
 from pallas_kernels.masked_softmax_dropout.config import Config, column_chunks, default_config
-from pallas_kernels.masked_softmax_dropout.forward import masked_fill
+from pallas_kernels.masked_softmax_dropout.forward import load_mask, mask_operand, masked_fill
 
 _NAME = "masked_softmax_dropout_backward"
 
@@ -94,9 +95,10 @@ def _dropped_grad(g, keep, scale_ref, dropout: Dropout, drawn: bool):
   return jnp.where(keep, g * dropout.scale, 0.0)
 
 
-def _load_mask(mask_ref, b, r0, c0, block_rows, width, valid, config: Config):
-  return pltriton.load(mask_ref.at[b, pl.ds(r0, block_rows), pl.ds(c0, width)], mask=valid,
-                       other=False, cache_modifier=config.mask_cache)
+def _load_mask(mask_ref, mask_broadcast, b, r0, c0, block_rows, width, valid, seq_q, seq_k,
+               config: Config):
+  return load_mask(mask_ref, mask_broadcast, b, r0, block_rows, c0, width, valid, seq_q, seq_k,
+                   cache_modifier=config.mask_cache)
 
 
 def _grid(batch, num_heads, seq_q, config: Config):
@@ -137,10 +139,11 @@ def _softmax(tiles, dtype):
 
 
 def _kernel(*refs, num_heads, seq_q, seq_k, config: Config, dropout: Dropout, hashed: bool,
-            from_scores: bool):
+            from_scores: bool, mask_broadcast):
   """One program: ``block_rows`` whole rows of one head (:func:`_program_tile`), in
   power-of-two column chunks, every byte read once. ``hashed``: ``keep_ref`` holds the key's
-  seeds; ``from_scores``: ``p_ref`` holds the scores."""
+  seeds; ``from_scores``: ``p_ref`` holds the scores; ``mask_broadcast``: the mask's
+  broadcast axes (``forward.mask_operand``)."""
   scale_ref, g_ref, p_ref, mask_ref, keep_ref, o_ref = _unpack_refs(refs, dropout)
   h, b, r0 = _program_tile(num_heads, seq_q, config)
   bh = b * num_heads + h
@@ -160,8 +163,8 @@ def _kernel(*refs, num_heads, seq_q, seq_k, config: Config, dropout: Dropout, ha
     g = pltriton.load(g_ref.at[tile], mask=valid, other=0.0, **stream)
     x = pltriton.load(p_ref.at[tile], mask=valid, other=0.0, **stream)
     keep = None if hashed else _load_keep(keep_ref, scale_ref, tile, valid, dropout, stream)
-    attend = _load_mask(mask_ref, b, r0, c0, rows_n, width, valid, config) if mask_first \
-        else None
+    attend = _load_mask(mask_ref, mask_broadcast, b, r0, c0, rows_n, width, valid, seq_q,
+                        seq_k, config) if mask_first else None
     chunks.append((c0, width, valid, g, x, keep, attend))
 
   if from_scores:
@@ -180,7 +183,8 @@ def _kernel(*refs, num_heads, seq_q, seq_k, config: Config, dropout: Dropout, ha
   fill = _fill(dropout, scale_ref)
   for (c0, width, valid, _, _, _, attend), prob, gd in zip(chunks, probs, gds):
     if attend is None:
-      attend = _load_mask(mask_ref, b, r0, c0, rows_n, width, valid, config)
+      attend = _load_mask(mask_ref, mask_broadcast, b, r0, c0, rows_n, width, valid, seq_q,
+                          seq_k, config)
     out = jnp.where(attend, prob * (gd - total), fill)
     pltriton.store(o_ref.at[bh, pl.ds(r0, rows_n), pl.ds(c0, width)], out.astype(o_ref.dtype),
                    mask=valid, eviction_policy=config.store_eviction)
@@ -196,10 +200,11 @@ def _call(grad_output, p_attn, mask, dropout_mask, p_dropout, *, dropout: Dropou
   if config.uses_cache_modifiers:
     _util.enable_load_cache_modifiers("config.stream_cache / config.mask_cache",
                                       "use None")
+  mask, mask_broadcast = mask_operand(mask, b, seq_q, seq_k)
   kernel = functools.partial(_kernel, num_heads=h, seq_q=seq_q, seq_k=seq_k, config=config,
-                             dropout=dropout, hashed=hashed, from_scores=from_scores)
-  args = [grad_output.reshape(b * h, seq_q, seq_k), p_attn.reshape(b * h, seq_q, seq_k),
-          mask.reshape(b, seq_q, seq_k)]
+                             dropout=dropout, hashed=hashed, from_scores=from_scores,
+                             mask_broadcast=mask_broadcast)
+  args = [grad_output.reshape(b * h, seq_q, seq_k), p_attn.reshape(b * h, seq_q, seq_k), mask]
   if dropout.mode == "traced":
     p = jnp.asarray(p_dropout, jnp.float32)
     # An invalid traced rate (outside [0, 1), NaN) gives NaN gradients, not wrong ones.
@@ -237,7 +242,9 @@ def masked_softmax_dropout_backward(
     grad_output: ``[B, H, Sq, Sk]`` float (fp32 in the usual case), gradient of the
       dropout output.
     p_attn: ``[B, H, Sq, Sk]``, same dtype, the softmax output P.
-    mask: ``[B, 1, Sq, Sk]`` bool, True = attend; broadcast over the heads.
+    mask: bool, True = attend: ``[B, 1, Sq, Sk]`` or any shape that broadcasts to it
+      (``pallas_kernels.validation.check_mask``: ``[B, 1, 1, Sk]``, ``[Sq, Sk]``, ...),
+      read through its broadcast axes, never materialized.
     dropout_mask: ``[B, H, Sq, Sk]`` bool, True = kept. Never read when the rate is 0 (it
       may then be ``None`` if the rate is a Python number).
     p_dropout: dropout rate in [0, 1): a Python float, or a traced scalar (one outside

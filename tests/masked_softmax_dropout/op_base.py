@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from conftest import INTERPRET, assert_close, keys
+from conftest import INTERPRET, assert_close, exact_jit, keys
 import jax_ops
 from jax_ops import reference
 
@@ -70,3 +70,57 @@ def test_invalid_traced_rate_gives_nan(implementation, bad):
   ok = jax.jit(jax.grad(jax.checkpoint(loss)))(scores, 0.25)
   want = jax.grad(loss)(scores, 0.25)
   assert_close(ok, want, atol=1e-6, rtol=1e-6)
+
+
+# Masks that broadcast to [B, 1, Sq, Sk] = [2, 1, 5, 9]: padding, causal, one for all
+# batch entries, whole rows, one row of keys, rank 3.
+BROADCAST_MASKS = [(2, 1, 1, 9), (5, 9), (1, 1, 5, 9), (2, 1, 5, 1), (9,), (1, 5, 9)]
+
+
+@pytest.mark.parametrize("shape", BROADCAST_MASKS, ids=str)
+def test_broadcast_mask_equals_the_explicit_broadcast(implementation, shape):
+  """Values and gradients under jit equal the explicitly broadcast mask's bit for bit,
+  and jnp autodiff of the plain forward to rounding."""
+  b, h, sq, sk = 2, 3, 5, 9
+  k = keys(8, 4)
+  scores = 4 * jax.random.normal(k[0], (b, h, sq, sk), F32)
+  mask = jax.random.bernoulli(k[1], 0.6, shape)
+  full = jnp.broadcast_to(mask, (b, 1, sq, sk))
+  ct = jax.random.normal(k[3], (b, h, sq, sk), F32)
+
+  @exact_jit   # bit for bit against another program (conftest.EXACT_COMPILER_OPTIONS)
+  def value_and_grad(m):
+    return _vjp(lambda s: jax_ops.masked_softmax_dropout(
+        s, m, dropout_rate=0.1, dropout_rng=k[2], implementation=implementation,
+        interpret=INTERPRET), (scores,), ct)
+  got, want = value_and_grad(mask), value_and_grad(full)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert g.shape == w.shape and bool(jnp.array_equal(g, w))
+  keep = reference.dropout_keep_mask(k[2], 0.1, scores.shape)
+  plain = lambda s: reference.masked_softmax_dropout_forward(
+      s, full, keep, reference.effective_dropout_rate(0.1))[0]
+  ref_out, (ref_grad,) = _vjp(plain, (scores,), ct)
+  assert_close(got[0], ref_out, atol=1e-6, rtol=1e-6)
+  assert_close(got[1][0], ref_grad, atol=1e-5, rtol=1e-5)
+
+
+def test_broadcast_mask_under_vmap(implementation):
+  """vmap over a stack of scores sharing one causal mask (the mask not batched), and over
+  a stack of padding masks (the mask batched), with the gradient: as the explicit
+  broadcast."""
+  k = keys(9, 4)
+  scores = jax.random.normal(k[0], (2, 1, 2, 6, 6), F32)
+  pads = jax.random.bernoulli(k[1], 0.7, (2, 1, 1, 1, 6))
+  causal = jax_ops.causal_mask(6, 6)
+
+  def loss(s, m):
+    return jnp.sum(jax_ops.masked_softmax_dropout(
+        s, m, dropout_rate=0.2, dropout_rng=k[2], implementation=implementation,
+        interpret=INTERPRET) * jnp.arange(6.0))
+  both = exact_jit(jax.vmap(jax.value_and_grad(loss)))
+  shared = exact_jit(jax.vmap(jax.value_and_grad(loss), (0, None)))
+  pairs = ((both(scores, pads), both(scores, jnp.broadcast_to(pads, (2, 1, 1, 6, 6)))),
+           (shared(scores, causal), shared(scores, jnp.broadcast_to(causal, (1, 1, 6, 6)))))
+  for got, want in pairs:
+    for g, w in zip(got, want):
+      assert bool(jnp.array_equal(g, w))

@@ -195,3 +195,23 @@ def test_scores_policy_saves_only_the_inputs_and_the_key():
   fwd = jax.make_jaxpr(lambda s: jax.vjp(lambda s: op(s, 0.1), s)[0])(scores)
   kernels = [e for e in _eqns(fwd.jaxpr) if e.primitive.name == "pallas_call"]
   assert [len(e.outvars) for e in kernels] == [1]
+
+
+def test_padding_mask_is_never_broadcast():
+  """With a ``[B, 1, 1, S]`` padding mask, no equation of the Triton path's forward or
+  training step makes a bool array bigger than the mask (the XLA path's keep mask shows
+  the check can fail), and the residual is the mask as given."""
+  scores, _, _, rng = _inputs(2, 3, 7, seed=7)
+  pad = jnp.arange(7)[None, None, None, :] < jnp.array([7, 4])[:, None, None, None]
+  def big_bools(jaxpr):   # outside the kernels (whose tiles are bool arrays too)
+    for eqn in jaxpr.eqns:
+      yield from (v.aval.size > pad.size for v in eqn.outvars if v.aval.dtype == jnp.bool_)
+      if eqn.primitive.name != "pallas_call":
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+          yield from big_bools(sub)
+  for implementation in ("triton", "xla"):
+    op = _op(implementation, pad, rng)
+    step = jax.make_jaxpr(jax.grad(lambda s: jnp.sum(op(s, 0.1) ** 2)))(scores)
+    assert any(big_bools(step.jaxpr)) == (implementation == "xla")
+  assert [r.shape for r in _residuals("triton", scores, pad, rng, 0.1)] == [
+      (2, 3, 7, 7), (2, 1, 1, 7), (), ()]

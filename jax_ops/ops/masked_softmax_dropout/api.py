@@ -40,9 +40,18 @@ def masked_softmax_dropout(
   row whose attended logits all lie below -1e4 puts more weight on its masked keys than on
   its attended ones, and a fully masked row is uniform over all its keys.
 
+  The mask may be any bool array that broadcasts to ``[B, 1, Sq, Sk]`` under numpy rules:
+  rank <= 4 and each dimension, aligned right, 1 or that size (the head dimension 1):
+  ``[B, 1, 1, Sk]`` (padding), ``[Sq, Sk]`` (causal), ``[1, 1, Sq, Sk]``, ``[B, 1, Sq, 1]``,
+  ``[Sk]``. The broadcast is never materialized: the kernels read the mask through its own
+  shape (a padding mask costs ``Sk`` bytes per batch entry), XLA broadcasts it in its
+  fusion, and the forward saves it as given. The results equal those of the explicitly
+  broadcast mask bit for bit. Other shapes raise ``ValueError`` naming ``mask``.
+
   Args:
     scores: ``[B, H, Sq, Sk]`` float (fp32 in the usual case; bf16 and fp16 work too).
-    mask: ``[B, 1, Sq, Sk]`` bool, True = attend; broadcast over the heads.
+    mask: bool, True = attend: ``[B, 1, Sq, Sk]`` or a shape that broadcasts to it (see
+      above); one mask for all heads.
     dropout_rate: in [0, 1); 0 means no dropout. A Python float or a traced scalar.
     dropout_rng: a PRNG key, typed (``jax.random.key``) or a legacy ``uint32`` key
       (``jax.random.PRNGKey``); needed when ``dropout_rate`` may be > 0.

@@ -22,7 +22,8 @@ def masked_softmax_dropout_backward_reference(
   Args:
     grad_output: ``[B, H, Sq, Sk]`` gradient of the dropout output.
     p_attn: ``[B, H, Sq, Sk]`` softmax output P.
-    mask: ``[B, 1, Sq, Sk]`` bool, True = attend (broadcast over heads).
+    mask: bool, True = attend: ``[B, 1, Sq, Sk]`` or a shape that broadcasts to it
+      (``[B, 1, 1, Sk]``, ``[Sq, Sk]``, ...: ``pallas_kernels.validation.check_mask``).
     dropout_mask: ``[B, H, Sq, Sk]`` bool, True = kept; not read when p == 0.
     p_dropout: dropout rate p in [0, 1) (a traced p outside it gives NaN).
 
@@ -46,7 +47,8 @@ def masked_softmax_dropout_forward(
     rate: float | jax.typing.ArrayLike) -> tuple[jax.Array, jax.Array]:
   """``(y, P)`` for ``y = dropout(softmax(scores.masked_fill(~mask, -1e4)))``.
 
-  ``scores [B, H, Sq, Sk]``, ``mask [B, 1, Sq, Sk]`` bool (True = attend),
+  ``scores [B, H, Sq, Sk]``, ``mask`` bool that broadcasts to ``[B, 1, Sq, Sk]`` (True =
+  attend),
   ``keep`` a bool ``[B, H, Sq, Sk]`` mask or ``None``. Computed in fp32.
   """
   validation.check_scores_and_mask(scores, mask, dtypes=FLOATS)
