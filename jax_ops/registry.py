@@ -4,8 +4,9 @@
 
 * ``None``: the backend of highest priority that supports the device and the problem: on a
   Hopper GPU the Mosaic GPU kernels where they take the shapes, then the Triton kernels on
-  any CUDA GPU (under ``interpret=True`` anywhere), else ``"xla"``. Never an error because
-  of the device;
+  any CUDA GPU (under ``interpret=True`` anywhere), else ``"xla"``; but ``"xla"`` on a GPU
+  where the device's tuned table marks the problem's row-length class ``"backend": "xla"``
+  (:func:`tuned_to_xla`). Never an error because of the device;
 * ``"pallas"``: the best Pallas backend for the device;
 * a backend's name (``"xla"``, ``"triton"``, ``"mosaic_gpu"`` (``attention_softmax_dropout_value``
   and ``qk_scale_softmax``), or one added with :func:`register`).
@@ -23,6 +24,10 @@ from collections.abc import Callable
 import jax
 
 from jax_ops.backend import Backend, FunctionBackend, Problem
+from pallas_kernels import _tuning
+from pallas_kernels.attention_softmax_dropout_value import config as _attention_config
+from pallas_kernels.masked_softmax_dropout import config as _masked_config
+from pallas_kernels.qk_scale_softmax import config as _qk_config
 
 XLA = "xla"
 TRITON = "triton"
@@ -111,10 +116,40 @@ def _usable(backend: Backend, problem: Problem) -> bool:
   return on_device and backend.supports(problem)
 
 
+def _sixteen_bit(problem: Problem, head_dim: int) -> bool:
+  return problem.dtype in ("bfloat16", "float16") and head_dim <= 128
+
+
+# Per op, the class of a problem in the op's tuned table (the tuner's ``--op`` names the
+# table), where the tuner timed XLA against the kernels: the problems whose inputs it times
+# (``pallas_kernels.tune``); ``None`` elsewhere.
+_TUNED_CLASS = {
+    "attention_softmax_dropout_value": lambda p: _attention_config.length_class(
+        p.shape("scores")[3]) if _sixteen_bit(p, p.shape("value_states")[3]) else None,
+    "masked_softmax_dropout": lambda p: _masked_config.length_class(p.shape("scores")[3]),
+    "qk_scale_softmax": lambda p: _qk_config.length_class(p.shape("key")[2])
+    if _sixteen_bit(p, p.shape("key")[3]) and not p.causal else None,
+}
+
+
+def tuned_to_xla(op: str, problem: Problem) -> bool:
+  """Whether ``implementation=None`` runs ``"xla"`` for ``problem`` because the tuned table
+  of its device (``_tuning.table_kind``) says ``"backend": "xla"`` for its class: compiled
+  calls on a GPU, of the dtypes and (``qk_scale_softmax``) the dense problems the tuner
+  times."""
+  device = problem.device
+  if problem.interpret or device is None or getattr(device, "platform", None) != "gpu":
+    return False
+  key = _TUNED_CLASS[op](problem) if op in _TUNED_CLASS else None
+  return key is not None and _tuning.tuned_backend(op, _tuning.table_kind(device), key) == XLA
+
+
 def resolve(op: str, implementation: str | None, problem: Problem) -> Backend:
   """The backend a call of ``op`` uses (see the module docstring). A forced name raises
   ``ValueError`` saying why when its backend does not take the device or the problem."""
   _check_op(op)
+  if implementation is None and tuned_to_xla(op, problem):
+    return get(op, XLA)
   if implementation is None or implementation == PALLAS:
     backends = [get(op, n) for n in available(op)]
     if implementation == PALLAS:
