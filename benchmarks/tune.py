@@ -32,7 +32,7 @@ import sys
 import jax
 
 from benchmarks import run as bench
-from benchmarks.timing import compile_all, device_times_us, no_gpu
+from pallas_kernels._timing import compile_all, device_times_us, no_gpu
 from pallas_kernels import _tuning
 from pallas_kernels import masked_softmax_dropout as msd
 from pallas_kernels.masked_softmax_dropout.config import KERNEL

@@ -55,7 +55,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from benchmarks import run as bench
-from benchmarks.timing import compile_all, device_times_us, no_gpu
+from pallas_kernels._timing import compile_all, device_times_us, no_gpu
 from benchmarks.tune import best_by_geomean, read_table, write_table
 from pallas_kernels import _tuning
 from pallas_kernels import attention_softmax_dropout_value as asdv
