@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
-from benchmarks.timing import copy_ceiling, device_times_us, no_gpu
+from pallas_kernels._timing import copy_ceiling, device_times_us, no_gpu
 from jax_ops import reference, registry
 from pallas_kernels import _tuning
 from pallas_kernels import workloads as wl

@@ -14,9 +14,9 @@ The device folder is the device kind in lower case with ``_`` for other characte
 classes ahead of the package's; a device with no package tables of its own uses those of the
 measured device of the same compute capability whose name is closest (an H100 takes the
 H200's), under its user-cache classes; a device of an architecture with no tables uses
-heuristics (:func:`table_kind`). A class's entry may say ``"backend": "xla"``: the tuner
-measured XLA's backward faster there, and ``implementation=None`` of the op runs XLA
-(:func:`tuned_backend`); the kernels still read the entry's config.
+heuristics (:func:`table_kind`). A class's entry may say ``"backend": "xla"``, where the
+tuner's comparison chose XLA's backward over the kernels: ``implementation=None`` of the op
+then runs XLA (:func:`tuned_backend`); the kernels still read the entry's config.
 """
 
 from __future__ import annotations
@@ -114,8 +114,10 @@ def user_kinds() -> dict[str, str | None]:
 
 @functools.cache
 def _raw_table(kernel: str, device_kind: str, folder: str, tuned_dir: str) -> dict:
-  package_kind = _package_kind(device_kind, user_kinds().get(device_kind))
-  package = _read(table_path(kernel, package_kind), package_kind) if package_kind else {}
+  package = _read(table_path(kernel, device_kind), device_kind)
+  if not package and device_kind in user_kinds():  # under the user's: its architecture's
+    fallback = _package_kind(device_kind, user_kinds()[device_kind])
+    package = _read(table_path(kernel, fallback), fallback) if fallback else {}
   user = _read(user_table_path(kernel, device_kind), device_kind, jax.__version__)
   return {**package, **user}
 
