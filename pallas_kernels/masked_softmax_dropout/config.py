@@ -2,9 +2,9 @@
 
 A :class:`Config` says how many rows of one head a program owns, how a row is cut into
 power-of-two column chunks, and how the loads and the store meet the caches. The tuned table
-(``tuned/<device>/masked_softmax_dropout.json``, written by ``benchmarks/tune.py``) holds
-one :class:`TableEntry` per row-length class (:func:`length_class`); elsewhere
-:func:`heuristic_entry` stands in. :func:`default_config` is the op's one dispatch rule.
+(``tuned/<device>/masked_softmax_dropout.json``, written by ``python -m
+pallas_kernels.tune``) holds one :class:`TableEntry` per row-length class
+(:func:`length_class`); elsewhere :func:`heuristic_entry` stands in. :func:`default_config` is the op's one dispatch rule.
 """
 
 from __future__ import annotations
