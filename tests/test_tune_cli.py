@@ -268,3 +268,41 @@ def test_progress_bar_redraws_one_line_on_a_terminal():
   bar.close()
   text = stream.getvalue()
   assert text.count("\r") == 2 and text.endswith("\n") and text.count("\n") == 1
+
+
+# ------------------------------------------------------------------- what the device would run
+
+
+def test_the_candidates_take_their_input_sets(cache, pretend_h200, monkeypatch, capsys):
+  """Off a GPU nothing compiles for it, but what the timer gets fits together: XLA's backward
+  runs on the workload's input sets, and the first candidate of each pass whose sets need no
+  kernel to make lowers for a GPU (a pretended H200) on its sets."""
+  from pallas_kernels import _util
+  from pallas_kernels.attention_softmax_dropout_value import pallas_triton as asdv_triton
+  from pallas_kernels.qk_scale_softmax import pallas_triton as qks_triton
+  for module in (_util, asdv_triton, qks_triton):  # traced arguments hold no device
+    monkeypatch.setattr(module, "check_can_compile", lambda *a, **k: None)
+  ran = []
+
+  def measure(trial, candidates, make_sets, *, calls):
+    if trial.name in ("ds", "col"):  # their sets come from a pass-1 kernel
+      return {key: 1.0 for key, _ in candidates}
+    sets = make_sets()
+    assert len(sets) >= 2
+    key, fn = candidates[0]
+    if trial.name == common.XLA:
+      jax.block_until_ready(jax.jit(fn)(*sets[0]))
+    else:
+      shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in sets[0]]
+      jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",))
+    ran.append((trial.op, trial.name))
+    return {key: 1.0 for key, _ in candidates}
+
+  for op, shape in [(MASKED, "1,2,40"), (QK, "1,2,40,48,32"),
+                    ("attention_softmax_dropout_value", "1,4,2,24,40,32")]:
+    assert tune.main(["--op", op, "--shape", shape, "--quick"], measure=measure) == 0
+  assert sorted(set(ran)) == sorted({
+      (MASKED, "kernel"), (MASKED, "xla"), (QK, "row"), (QK, "two_pass"), (QK, "head"),
+      (QK, "dl"), (QK, "xla"), ("attention_softmax_dropout_value", "dv"),
+      ("attention_softmax_dropout_value", "xla")})
+  capsys.readouterr()
