@@ -116,32 +116,25 @@ def _usable(backend: Backend, problem: Problem) -> bool:
   return on_device and backend.supports(problem)
 
 
-def _sixteen_bit(problem: Problem, head_dim: int) -> bool:
-  return problem.dtype in ("bfloat16", "float16") and head_dim <= 128
-
-
-# Per op, the class of a problem in the op's tuned table (the tuner's ``--op`` names the
-# table), where the tuner timed XLA against the kernels: the problems whose inputs it times
-# (``pallas_kernels.tune``); ``None`` elsewhere.
-_TUNED_CLASS = {
-    "attention_softmax_dropout_value": lambda p: _attention_config.length_class(
-        p.shape("scores")[3]) if _sixteen_bit(p, p.shape("value_states")[3]) else None,
-    "masked_softmax_dropout": lambda p: _masked_config.length_class(p.shape("scores")[3]),
-    "qk_scale_softmax": lambda p: _qk_config.length_class(p.shape("key")[2])
-    if _sixteen_bit(p, p.shape("key")[3]) and not p.causal else None,
+# Per op, whether the tuned table of a device kind sends ``problem`` to XLA: each op's
+# ``config.runs_xla`` on the problem's shapes.
+_RUNS_XLA = {
+    "attention_softmax_dropout_value": lambda kind, p: _attention_config.runs_xla(
+        kind, p.shape("scores")[3], p.shape("value_states")[3], p.dtype),
+    "masked_softmax_dropout": lambda kind, p: _masked_config.runs_xla(kind, p.shape("scores")[3]),
+    "qk_scale_softmax": lambda kind, p: _qk_config.runs_xla(
+        kind, p.shape("key")[2], p.shape("key")[3], p.dtype, p.causal),
 }
 
 
 def tuned_to_xla(op: str, problem: Problem) -> bool:
   """Whether ``implementation=None`` runs ``"xla"`` for ``problem`` because the tuned table
-  of its device (``_tuning.table_kind``) says ``"backend": "xla"`` for its class: compiled
-  calls on a GPU, of the dtypes and (``qk_scale_softmax``) the dense problems the tuner
-  times."""
+  of its device (``_tuning.table_kind``) says ``"backend": "xla"`` for its class (each op's
+  ``config.runs_xla``): compiled calls on a GPU only."""
   device = problem.device
   if problem.interpret or device is None or getattr(device, "platform", None) != "gpu":
     return False
-  key = _TUNED_CLASS[op](problem) if op in _TUNED_CLASS else None
-  return key is not None and _tuning.tuned_backend(op, _tuning.table_kind(device), key) == XLA
+  return _RUNS_XLA[op](_tuning.table_kind(device), problem)
 
 
 def resolve(op: str, implementation: str | None, problem: Problem) -> Backend:

@@ -133,6 +133,23 @@ def test_an_xla_entry_runs_xla_for_its_class_only(cache):
   assert _tuning.tuned_backend(QK, H200, "256") == "pallas"
 
 
+def test_each_ops_rule_sends_only_its_tuned_problems_to_xla(cache):
+  from pallas_kernels.attention_softmax_dropout_value import config as attention
+  from pallas_kernels.masked_softmax_dropout import config as masked
+  for op in tune.OPS:
+    entry = dict(_tuning.table(op, H200)["1024"], backend="xla")
+    _write(_tuning.user_table_path(op, H200), H200, {"1024": entry})
+  assert attention.runs_xla(H200, 1024, 64, "bfloat16")
+  assert not attention.runs_xla(H200, 512, 64, "bfloat16")     # another class
+  assert not attention.runs_xla(H200, 1024, 64, "float32")     # not a tuned dtype
+  assert not attention.runs_xla(H200, 1024, 256, "bfloat16")   # nor head dim
+  assert masked.runs_xla(H200, 1024) and not masked.runs_xla(H200, 1000)
+  problem = Problem(op="masked_softmax_dropout", shapes=(("scores", (2, 4, 8, 1024)),),
+                    dtype="float32", device=FakeHopper())
+  assert registry.resolve("masked_softmax_dropout", None, problem).name == "xla"
+  assert not attention.runs_xla("NVIDIA A100-SXM4-80GB", 1024, 64, "bfloat16")
+
+
 def test_the_shipped_tables_run_the_kernels():
   for op in tune.OPS:
     with open(_tuning.table_path(op, H200)) as f:

@@ -118,6 +118,11 @@ def length_class(seq_k: int) -> str:
   return str(width) if width == seq_k else f"{width}-ragged"
 
 
+def runs_xla(device_kind: str | None, seq_k: int) -> bool:
+  """Whether ``device_kind``'s table marks rows of ``seq_k`` keys ``"backend": "xla"`` (the
+  tuner measured XLA's backward faster there); any dtype."""
+  return _tuning.tuned_backend(KERNEL, device_kind, length_class(seq_k)) == "xla"
+
 @dataclasses.dataclass(frozen=True)
 class TableEntry:
   """One row-length class's entry of the tuned table (its JSON object has these fields;

@@ -15,7 +15,7 @@ input sets rotated so that L2 is cold (:mod:`pallas_kernels._timing`), and XLA's
 (the reference under jit). Per row-length class it keeps the candidate with the best geomean
 of time / best time over the class's workloads; a class where XLA's backward is faster (the
 geomean of the selected kernels' time over XLA's is above 1) gets ``"backend": "xla"``, and
-``implementation=None`` of the op runs XLA there (``jax_ops.registry.tuned_to_xla``). The
+``implementation=None`` of the op runs XLA there (each op's ``config.runs_xla``). The
 entry points still run the kernels. ``--quick`` times fewer candidates and one workload per
 class.
 
