@@ -34,16 +34,12 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
-from benchmarks.timing import copy_ceiling, device_times_us, no_gpu
+from pallas_kernels._timing import copy_ceiling, device_times_us, no_gpu
 from jax_ops import reference, registry
 from pallas_kernels import _tuning
 from pallas_kernels import workloads as wl
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# Names the tuners read from here.
-_ROTATE_BYTES = wl.ROTATE_BYTES
-_attention_dims, _qk_dims = wl.attention_dims, wl.qk_dims
-_masked_floor = wl.masked_floor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +101,7 @@ def _from_delta_backward(d_o, probs, dropped, value, keep, out32, p):
 PROBLEM_FROM_DELTA = Problem(
     "attention_softmax_dropout_value",
     PROBLEM_ATTENTION.label,
-    lambda w, c, key: _from_delta_inputs(_attention_dims(w, c), c["attention_dropout"], key),
+    lambda w, c, key: _from_delta_inputs(wl.attention_dims(w, c), c["attention_dropout"], key),
     PROBLEM_ATTENTION.floor_bytes,
     lambda args, w, c: _jitted(_from_delta_backward)(*args, c["attention_dropout"]),
     lambda args, w, c: _jit_ref(reference.attention_softmax_dropout_value_backward_reference)(

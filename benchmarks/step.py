@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 import jax_ops
 from benchmarks import run
-from benchmarks.timing import device_times_us, kernel_breakdown_us, no_gpu
+from pallas_kernels._timing import device_times_us, kernel_breakdown_us, no_gpu
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 RATE = 0.1

@@ -4,8 +4,9 @@
 
 * ``None``: the backend of highest priority that supports the device and the problem: on a
   Hopper GPU the Mosaic GPU kernels where they take the shapes, then the Triton kernels on
-  any CUDA GPU (under ``interpret=True`` anywhere), else ``"xla"``. Never an error because
-  of the device;
+  any CUDA GPU (under ``interpret=True`` anywhere), else ``"xla"``; but ``"xla"`` on a GPU
+  where the device's tuned table marks the problem's row-length class ``"backend": "xla"``
+  (:func:`tuned_to_xla`). Never an error because of the device;
 * ``"pallas"``: the best Pallas backend for the device;
 * a backend's name (``"xla"``, ``"triton"``, ``"mosaic_gpu"`` (``attention_softmax_dropout_value``
   and ``qk_scale_softmax``), or one added with :func:`register`).
@@ -23,6 +24,10 @@ from collections.abc import Callable
 import jax
 
 from jax_ops.backend import Backend, FunctionBackend, Problem
+from pallas_kernels import _tuning
+from pallas_kernels.attention_softmax_dropout_value import config as _attention_config
+from pallas_kernels.masked_softmax_dropout import config as _masked_config
+from pallas_kernels.qk_scale_softmax import config as _qk_config
 
 XLA = "xla"
 TRITON = "triton"
@@ -111,10 +116,33 @@ def _usable(backend: Backend, problem: Problem) -> bool:
   return on_device and backend.supports(problem)
 
 
+# Per op, whether the tuned table of a device kind sends ``problem`` to XLA: each op's
+# ``config.runs_xla`` on the problem's shapes.
+_RUNS_XLA = {
+    "attention_softmax_dropout_value": lambda kind, p: _attention_config.runs_xla(
+        kind, p.shape("scores")[3], p.shape("value_states")[3], p.dtype),
+    "masked_softmax_dropout": lambda kind, p: _masked_config.runs_xla(kind, p.shape("scores")[3]),
+    "qk_scale_softmax": lambda kind, p: _qk_config.runs_xla(
+        kind, p.shape("key")[2], p.shape("key")[3], p.dtype, p.causal),
+}
+
+
+def tuned_to_xla(op: str, problem: Problem) -> bool:
+  """Whether ``implementation=None`` runs ``"xla"`` for ``problem`` because the tuned table
+  of its device (``_tuning.table_kind``) says ``"backend": "xla"`` for its class (each op's
+  ``config.runs_xla``): compiled calls on a GPU only."""
+  device = problem.device
+  if problem.interpret or device is None or getattr(device, "platform", None) != "gpu":
+    return False
+  return _RUNS_XLA[op](_tuning.table_kind(device), problem)
+
+
 def resolve(op: str, implementation: str | None, problem: Problem) -> Backend:
   """The backend a call of ``op`` uses (see the module docstring). A forced name raises
   ``ValueError`` saying why when its backend does not take the device or the problem."""
   _check_op(op)
+  if implementation is None and tuned_to_xla(op, problem):
+    return get(op, XLA)
   if implementation is None or implementation == PALLAS:
     backends = [get(op, n) for n in available(op)]
     if implementation == PALLAS:

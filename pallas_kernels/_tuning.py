@@ -1,12 +1,22 @@
 """Launch configurations: validation, per-device tuned tables, the device that runs a call.
 
-A tuned table is ``pallas_kernels/tuned/<device folder>/<kernel>.json`` (the folder is the
-device kind in lower case with ``_`` for other characters: ``NVIDIA H200`` ->
-``nvidia_h200``). It maps a row-length class to the tuned config, with
-named fields and the device's compute capability, and is written by the tuner in
-``benchmarks/``. A device uses its own kind's tables; a device with none uses those of the
+A tuned table maps a row-length class to the tuned config, with named fields, and records
+the device kind, its compute capability and the jax version it was measured with. It is
+written by ``python -m pallas_kernels.tune``. Two places hold tables:
+
+* the user cache, ``<cache>/<jax version>/<device folder>/<kernel>.json`` (:func:`cache_dir`:
+  ``$PALLAS_KERNELS_CACHE_DIR``, else ``$XDG_CACHE_HOME/pallas_kernels``, else
+  ``~/.cache/pallas_kernels``), read only by the same jax version on the same device kind;
+* the package, ``pallas_kernels/tuned/<device folder>/<kernel>.json``.
+
+The device folder is the device kind in lower case with ``_`` for other characters
+(``NVIDIA H200`` -> ``nvidia_h200``). A device uses its own kind's tables, the user cache's
+classes ahead of the package's; a device with no package tables of its own uses those of the
 measured device of the same compute capability whose name is closest (an H100 takes the
-H200's); a device of an architecture with no tables uses heuristics (:func:`table_kind`).
+H200's), under its user-cache classes; a device of an architecture with no tables uses
+heuristics (:func:`table_kind`). A class's entry may say ``"backend": "xla"``, where the
+tuner's comparison chose XLA's backward over the kernels: ``implementation=None`` of the op
+then runs XLA (:func:`tuned_backend`); the kernels still read the entry's config.
 """
 
 from __future__ import annotations
@@ -17,11 +27,15 @@ import json
 import os
 import re
 
+import jax
 
 from pallas_kernels import _phase
 from pallas_kernels._util import device_of, next_power_of_2
 
 TUNED_DIR = os.path.join(os.path.dirname(__file__), "tuned")
+CACHE_ENV = "PALLAS_KERNELS_CACHE_DIR"
+# What a class's "backend" may name: the kernels (the default, not written) or XLA.
+BACKENDS = ("pallas", "xla")
 
 
 def device_dir(device_kind: str) -> str:
@@ -30,20 +44,108 @@ def device_dir(device_kind: str) -> str:
 
 
 def table_path(kernel: str, device_kind: str) -> str:
+  """The package's table of ``kernel`` for ``device_kind``."""
   return os.path.join(TUNED_DIR, device_dir(device_kind), f"{kernel}.json")
 
 
+def cache_dir() -> str:
+  """The user cache's folder: ``$PALLAS_KERNELS_CACHE_DIR``, else
+  ``$XDG_CACHE_HOME/pallas_kernels``, else ``~/.cache/pallas_kernels``."""
+  if os.environ.get(CACHE_ENV):
+    return os.path.expanduser(os.environ[CACHE_ENV])
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return os.path.join(base, "pallas_kernels")
+
+
+def user_table_path(kernel: str, device_kind: str, jax_version: str | None = None) -> str:
+  """The user cache's table of ``kernel`` for ``device_kind`` and ``jax_version`` (default:
+  this process's jax)."""
+  return os.path.join(cache_dir(), jax_version or jax.__version__, device_dir(device_kind),
+                      f"{kernel}.json")
+
+
+def clear_caches() -> None:
+  """Forgets the tables read so far (after a table was written)."""
+  _raw_table.cache_clear()
+  _user_kinds.cache_clear()
+  measured_kinds.cache_clear()
+
+
+def _read(path: str, device_kind: str, jax_version: str | None = None) -> dict:
+  """The configs of the table at ``path`` if it records ``device_kind`` (and, where given,
+  ``jax_version``); else ``{}``."""
+  try:
+    with open(path) as f:
+      data = json.load(f)
+  except (FileNotFoundError, NotADirectoryError):
+    return {}
+  if data.get("device_kind") != device_kind:
+    return {}
+  if jax_version is not None and data.get("jax") != jax_version:
+    return {}
+  return dict(data.get("configs", {}))
+
+
 @functools.cache
-def table(kernel: str, device_kind: str | None) -> dict:
-  """``{class: {field: value}}`` measured for ``kernel`` on ``device_kind``; empty if none."""
+def _user_kinds(folder: str, jax_version: str) -> dict[str, str | None]:
+  """``{device kind: compute capability}`` of the user cache's tables of ``jax_version``."""
+  kinds = {}
+  root = os.path.join(folder, jax_version)
+  for sub in sorted(os.listdir(root)) if os.path.isdir(root) else ():
+    path = os.path.join(root, sub)
+    for name in sorted(os.listdir(path)) if os.path.isdir(path) else ():
+      if not name.endswith(".json"):
+        continue
+      try:
+        with open(os.path.join(path, name)) as f:
+          data = json.load(f)
+      except (OSError, ValueError):
+        continue
+      if data.get("device_kind") and data.get("jax") == jax_version:
+        cap = data.get("compute_capability")
+        kinds.setdefault(data["device_kind"], str(cap) if cap else None)
+  return kinds
+
+
+def user_kinds() -> dict[str, str | None]:
+  """``{device kind: compute capability}`` of the user cache's tables for this jax."""
+  return _user_kinds(cache_dir(), jax.__version__)
+
+
+@functools.cache
+def _raw_table(kernel: str, device_kind: str, folder: str, tuned_dir: str) -> dict:
+  package = _read(table_path(kernel, device_kind), device_kind)
+  if not package and device_kind in user_kinds():  # under the user's: its architecture's
+    fallback = _package_kind(device_kind, user_kinds()[device_kind])
+    package = _read(table_path(kernel, fallback), fallback) if fallback else {}
+  user = _read(user_table_path(kernel, device_kind), device_kind, jax.__version__)
+  return {**package, **user}
+
+
+def _raw(kernel: str, device_kind: str | None) -> dict:
   if not device_kind:
     return {}
-  try:
-    with open(table_path(kernel, device_kind)) as f:
-      data = json.load(f)
-  except FileNotFoundError:
-    return {}
-  return data["configs"] if data.get("device_kind") == device_kind else {}
+  return _raw_table(kernel, device_kind, cache_dir(), TUNED_DIR)
+
+
+def table(kernel: str, device_kind: str | None) -> dict:
+  """``{class: {field: value}}`` of ``kernel``'s kernel configs on ``device_kind``; empty if
+  none. The user cache's classes (this jax, this kind) come ahead of the package's; a kind
+  with user-cache tables but no package tables of its own takes the package classes of its
+  architecture's measured device (:func:`table_kind`). The entries' ``backend`` field is
+  left out (:func:`tuned_backend` reads it)."""
+  return {k: {f: v for f, v in e.items() if f != "backend"} if isinstance(e, dict) else e
+          for k, e in _raw(kernel, device_kind).items()}
+
+
+table.cache_clear = clear_caches  # the tables are cached: ``table.cache_clear()`` forgets them
+
+
+def tuned_backend(kernel: str, device_kind: str | None, key: str) -> str:
+  """``"xla"`` where ``kernel``'s table on ``device_kind`` says so for class ``key`` (that
+  class exactly: no other class's entry stands in), else ``"pallas"``."""
+  entry = _raw(kernel, device_kind).get(key)
+  return entry.get("backend", "pallas") if isinstance(entry, dict) else "pallas"
 
 
 @functools.cache
@@ -61,25 +163,41 @@ def measured_kinds() -> dict[str, str]:
   return kinds
 
 
-def table_kind(device) -> str | None:
-  """The device kind whose tuned tables serve ``device``: its own kind where the package
-  has tables for it; else, of the measured kinds of the same compute capability, the one
-  whose name shares the longest prefix with the device's (ties: the last in sorted order);
-  else the device's own kind, which has no table (heuristics). ``None`` for no device."""
-  kind = getattr(device, "device_kind", None)
-  if kind is None:
-    return None
+def _package_kind(kind: str, cap) -> str | None:
+  """The kind whose package tables serve ``kind`` (of compute capability ``cap``): itself
+  where the package has tables for it; else, of the measured kinds of the same compute
+  capability, the one whose name shares the longest prefix with it (ties: the last in
+  sorted order); else ``None``."""
   measured = measured_kinds()
-  cap = getattr(device, "compute_capability", None)
-  same = sorted(k for k, c in measured.items() if cap is not None and c == str(cap))
-  if kind in measured or not same:
+  if kind in measured:
     return kind
+  same = sorted(k for k, c in measured.items() if cap is not None and c == str(cap))
+  if not same:
+    return None
   return max(same, key=lambda k: len(os.path.commonprefix([k, kind])))
 
 
+def table_kind(device) -> str | None:
+  """The device kind whose tuned tables serve ``device``: its own kind where the package or
+  the user cache has tables for it; else, of the measured kinds of the same compute
+  capability, the one whose name shares the longest prefix with the device's (ties: the
+  last in sorted order); else the device's own kind, which has no table (heuristics).
+  ``None`` for no device."""
+  kind = getattr(device, "device_kind", None)
+  if kind is None:
+    return None
+  if kind in user_kinds():
+    return kind
+  return _package_kind(kind, getattr(device, "compute_capability", None)) or kind
+
+
 def table_source(device) -> str:
-  """Which tables serve ``device``: ``"package"`` (its own), ``"fallback: <kind>"`` (a
+  """Which tables serve ``device``: ``"user cache"`` (the user cache has tables of its kind
+  for this jax, ahead of the package's), ``"package"`` (its own), ``"fallback: <kind>"`` (a
   measured device of the same compute capability) or ``"heuristic"``."""
+  kind = getattr(device, "device_kind", None)
+  if kind is not None and kind in user_kinds():
+    return "user cache"
   kind = table_kind(device)
   if kind is None or kind not in measured_kinds():
     return "heuristic"

@@ -17,9 +17,9 @@ square ones with a causal P; ``--quick``: :data:`pallas_kernels.workloads.QUICK`
   against ``implementation="xla"`` on the same inputs and dropout key: the output and each
   gradient, by the same rule at :data:`OP_TOLERANCE`.
 
-A row per case names the backend that ran, the device time against XLA's (a GPU, with
-``benchmarks/timing.py`` of the checkout importable; else ``-``) and which tuned tables served
-the call (``pallas_kernels._tuning.table_source``; ``heuristic`` in the interpreter). Off a GPU
+A row per case names the backend that ran, the device time against XLA's (a GPU,
+:mod:`pallas_kernels._timing`; else ``-``) and which tuned tables served the call
+(``pallas_kernels._tuning.table_source``; ``heuristic`` in the interpreter). Off a GPU
 the kernels always run in the Pallas interpreter. Exits 1 if a case fails.
 """
 
@@ -39,6 +39,7 @@ from jax_ops import reference, registry
 from jax_ops.backend import Problem
 from pallas_kernels import _tuning
 from pallas_kernels import workloads as wl
+from pallas_kernels._timing import device_times_us
 
 F32 = jnp.float32
 CAUSAL = "qk_scale_softmax"  # the op whose workloads also run with a causal P
@@ -47,16 +48,6 @@ CAUSAL = "qk_scale_softmax"  # the op whose workloads also run with a causal P
 OP_TOLERANCE = {"bfloat16": (2e-2, 5e-2), "float16": (2e-2, 5e-2), "float32": (1e-5, 1e-5)}
 COLUMNS = (("op", 31), ("entry", 10), ("shape", 26), ("check", 5), ("max err (worst output)", 28),
            ("tolerance", 19), ("within", 8), ("backend", 22), ("vs XLA", 24), ("tables", 0))
-
-
-@functools.cache
-def _timer():
-  """``benchmarks.timing.device_times_us`` where the checkout's benchmarks are importable."""
-  try:
-    from benchmarks.timing import device_times_us
-  except ImportError:
-    return None
-  return device_times_us
 
 
 def shape_label(op, w, c, causal=False):
@@ -187,12 +178,12 @@ def run_op(op, c, w, causal, index, interpret, timed, calls):
 
 def make_timer(enabled):
   """``timed(fns, make_sets, calls) -> str``: Pallas and XLA device time and the speedup,
-  or ``-`` where nothing is timed (the interpreter, no GPU, no ``benchmarks/timing.py``)."""
+  or ``-`` where nothing is timed (the interpreter, no GPU)."""
   def timed(fns, make_sets, calls):
-    if not enabled or _timer() is None:
+    if not enabled:
       return "-"
     try:
-      pallas, xla = _timer()(fns, make_sets(), calls=calls)
+      pallas, xla = device_times_us(fns, make_sets(), calls=calls)
     except Exception as e:  # noqa: BLE001 - a timing that fails costs its column, not the check
       return f"- ({type(e).__name__})"
     return (f"{pallas['median_us']:.1f} / {xla['median_us']:.1f} us "
@@ -239,8 +230,7 @@ def main(argv=None) -> int:
     print("check: no GPU: the spec's workloads run in the Pallas interpreter, which takes "
           "hours; --quick checks small ones", file=sys.stderr)
   print(f"device: {device.device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
-        f"{'interpret' if interpret else 'compiled'}, tables: {tables}"
-        + ("" if _timer() or not timed else ", timing: no benchmarks/timing.py"))
+        f"{'interpret' if interpret else 'compiled'}, tables: {tables}")
   print(format_row([name for name, _ in COLUMNS]))
   print(format_row(["-" * (width or len(name)) for name, width in COLUMNS]))
   failed = total = 0

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental import pallas as pl
+
+# The tests never read the user's tuned tables: an empty user cache (tests that write one
+# point PALLAS_KERNELS_CACHE_DIR elsewhere).
+os.environ["PALLAS_KERNELS_CACHE_DIR"] = tempfile.mkdtemp(prefix="pallas_kernels_cache_")
 
 ON_GPU = jax.default_backend() == "gpu"
 # Off a GPU the Pallas kernels run in the interpreter; on a GPU they compile.

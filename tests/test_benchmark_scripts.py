@@ -8,7 +8,7 @@ import os
 import pytest
 
 from conftest import ON_GPU
-from benchmarks import chart, run, step, tune, tune_attention
+from benchmarks import chart, run, step
 
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the scripts run")
@@ -16,8 +16,6 @@ from benchmarks import chart, run, step, tune, tune_attention
     (run, ["--quick"]),
     (run, ["--op", "qk_scale_softmax_causal", "--out", "/nonexistent"]),
     (step, ["--op", "masked_softmax_dropout"]),
-    (tune, []),
-    (tune_attention, ["--op", tune_attention.ATTENTION]),
 ])
 def test_scripts_exit_2_without_a_gpu(script, argv, capsys):
   assert script.main(argv) == 2

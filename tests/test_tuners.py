@@ -1,6 +1,7 @@
-"""The tuners (``benchmarks/tune.py``, ``benchmarks/tune_attention.py``) on CPU: their
-candidate lists build valid configs, ``--cands`` maps the old positional tuples to named
-fields, and the tables they write are read back by the kernels' ``default_config``."""
+"""The tuners (``pallas_kernels.tune``'s modules) on CPU: their candidate lists build valid
+configs, ``--cands`` maps the old positional tuples to named fields, and the tables they
+write are read back by the kernels' ``default_config``. The command line, the user cache and
+XLA's entries: ``tests/test_tune_cli.py``."""
 
 from __future__ import annotations
 
@@ -12,11 +13,14 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from benchmarks import tune, tune_attention as ta
 from pallas_kernels import _tuning
 from pallas_kernels import attention_softmax_dropout_value as asdv
 from pallas_kernels import masked_softmax_dropout as msd
 from pallas_kernels import qk_scale_softmax as qks
+from pallas_kernels.tune import attention as ta
+from pallas_kernels.tune import attention_run as tr
+from pallas_kernels.tune import common
+from pallas_kernels.tune import masked as tune
 
 REPO_TUNED_DIR = _tuning.TUNED_DIR  # the checked-in tables
 FAKE = "Fake GPU 9000"  # a device kind no real table has: tables under a temp TUNED_DIR
@@ -74,7 +78,7 @@ def test_candidates_build_valid_configs(op):
         assert cfg.block_q <= max(16, entry["block_q"])
       key = ta.candidate_key(op, entry)
       assert ta.PASS_ENTRY[op](dict(key)) == dict(key)  # the key is a table entry
-      assert ta._label(key).startswith(f"{entry['block_q']}x")
+      assert common.label(key).startswith(f"{entry['block_q']}x")
     keys = [ta.candidate_key(op, e) for e in entries]
     assert len(set(keys)) == len(keys), (op, name, "duplicate candidates")
 
@@ -146,12 +150,14 @@ def test_cands_errors():
 
 
 def test_main_checks_cands_then_needs_a_gpu(capsys):
+  from pallas_kernels import tune as cli
   if jax.default_backend() == "gpu":
     pytest.skip("would tune")
-  with pytest.raises(ValueError, match="block_k"):  # validated before the GPU check
-    ta.main(["--op", ta.QK, "--cands", "col=[(64,24,4,2)]"])
-  assert ta.main(["--op", ta.ATTENTION, "--cands", "ds=[(64,64,4,2,0,2)]"]) == 2
-  assert tune.main([]) == 2
+  with pytest.raises(SystemExit):  # validated before the GPU check
+    cli.main(["--op", ta.QK, "--cands", "col=[(64,24,4,2)]"])
+  assert "block_k" in capsys.readouterr().err
+  assert cli.main(["--op", ta.ATTENTION, "--cands", "ds=[(64,64,4,2,0,2)]"]) == 2
+  assert cli.main([]) == 2
   assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
@@ -192,7 +198,7 @@ def test_attention_table_round_trip(tuned_dir):
   dv = [ta.candidate_key(ta.ATTENTION, e) for e in ta.ATTENTION_DV[9:12]]  # split=1 among them
   ds = [ta.candidate_key(ta.ATTENTION, dict(e, row_align=0)) for e in ta.ATTENTION_DS[:3]]
   ratios = {"256": {"dv": [_ratios(dv, [1.2, 1.0, 1.1])], "ds": [_ratios(ds, [1.0, 1.5, 1.1])]}}
-  ta._write_table(ta.ATTENTION, ratios, out, device_kind=FAKE)
+  tr._write_table(ta.ATTENTION, ratios, out, device_kind=FAKE)
   with open(out) as f:
     entry = json.load(f)["configs"]["256"]
   assert entry == {"dv": dict(dv[1]), "ds": dict(ds[0])}
@@ -205,7 +211,7 @@ def test_attention_table_round_trip(tuned_dir):
   assert asdv.Config.from_json(entry).to_json() == entry
   # A run of one pass keeps the other pass's entry.
   _tuning.table.cache_clear()
-  ta._write_table(ta.ATTENTION, {"256": {"ds": [_ratios(ds, [1.3, 1.0, 1.1])]}}, out, device_kind=FAKE)
+  tr._write_table(ta.ATTENTION, {"256": {"ds": [_ratios(ds, [1.3, 1.0, 1.1])]}}, out, device_kind=FAKE)
   got = asdv.default_config(2, 8, 2, 256, 256, 128, jnp.bfloat16, FAKE)
   assert got == asdv.Config(ta.pass_config(ta.ATTENTION, dict(dv[1]), 256, 256),
                             ta.pass_config(ta.ATTENTION, dict(ds[1]), 256, 256))
@@ -220,7 +226,7 @@ def test_qk_table_round_trip(tuned_dir):
                     "two_pass": [_ratios(["table"], [1.0])], "head": [_ratios(head, [1.1, 1.0])]},
             "512-ragged": {"row": [_ratios(row, [1.3, 1.0])], "col": [_ratios(col, [1.0, 1.2])]}}
   best_times = {"256": {"two_pass": [10.0], "head": [8.0]}, "512-ragged": {"two_pass": [5.0]}}
-  ta._write_table(ta.QK, ratios, out, best_times, device_kind=FAKE)
+  tr._write_table(ta.QK, ratios, out, best_times, device_kind=FAKE)
   with open(out) as f:
     configs = json.load(f)["configs"]
   assert list(configs) == ["256", "512-ragged"]
@@ -247,7 +253,7 @@ def test_writer_leaves_out_entries_it_cannot_read(tuned_dir, capsys):
                                               "num_stages": 2},
                 "col": {"block_q": 32, "block_k": 64, "num_warps": 4, "num_stages": 3}}}}, f)
   col = ta.candidate_key(ta.QK, ta.QK_COL[0])
-  result = ta._write_table(ta.QK, {"256": {"col": [_ratios([col], [1.0])]}}, old, {},
+  result = tr._write_table(ta.QK, {"256": {"col": [_ratios([col], [1.0])]}}, old, {},
                            device_kind=FAKE)
   assert list(result["configs"]) == ["256"]
   assert result["configs"]["256"]["col"] == dict(col)
@@ -267,7 +273,7 @@ def test_qk_tuner_keeps_dl_gemm_classes(tuned_dir, capsys):
     json.dump({"device_kind": FAKE, "configs": {"1024": entry}}, f)
   col = ta.candidate_key(ta.QK, ta.QK_COL[0])
   ratios = {"1024": {"col": [_ratios([col], [1.0])], "two_pass": [_ratios(["table"], [1.0])]}}
-  result = ta._write_table(ta.QK, ratios, old, {"1024": {"two_pass": [9.0]}}, device_kind=FAKE)
+  result = tr._write_table(ta.QK, ratios, old, {"1024": {"two_pass": [9.0]}}, device_kind=FAKE)
   got = result["configs"]["1024"]
   assert got["scheme"] == "dl_gemm" and got["dl"] == {"rows": 2, "num_warps": 4}
   assert got["causal_dl"] == {"rows": 1, "num_warps": 2}
@@ -280,7 +286,7 @@ def test_dl_candidates_build_valid_launches():
     for entry in ta.QK_DL:
       dl = qks.dl_config(entry, sk)
       assert isinstance(dl, qks.DlConfig) and dl.phased == entry.get("phased", False)
-  assert ta._label(tuple(ta.QK_DL[-1].items())) == "dl 2r/8w/phased"
+  assert common.label(tuple(ta.QK_DL[-1].items())) == "dl 2r/8w/phased"
   assert len({tuple(e.items()) for e in ta.QK_DL}) == len(ta.QK_DL)
 
 
@@ -302,7 +308,7 @@ def test_qk_tuner_picks_dl_gemm_when_its_launch_is_fastest(tuned_dir, capsys):
                   "dl": [_ratios([fast, slow], [1.0, 1.2])]} for key in ("1024", "2048")}
   best_times = {"1024": {"two_pass": [10.0], "dl": [8.0]},
                 "2048": {"two_pass": [10.0], "dl": [12.0]}}
-  result = ta._write_table(ta.QK, ratios, old, best_times, device_kind=FAKE)
+  result = tr._write_table(ta.QK, ratios, old, best_times, device_kind=FAKE)
   got = result["configs"]
   assert got["1024"]["scheme"] == "dl_gemm" and got["1024"]["dl"] == dict(fast)
   assert got["1024"]["causal_dl"] == {"rows": 2, "num_warps": 4}
@@ -316,7 +322,7 @@ def test_qk_tuner_picks_dl_gemm_when_its_launch_is_fastest(tuned_dir, capsys):
 @pytest.mark.parametrize("op", [ta.ATTENTION, ta.QK, msd.config.KERNEL])
 def test_checked_in_tables_are_valid_entries(op):
   """The writer keeps (re-writes unchanged in meaning) the classes of the tables there."""
-  canonical = {ta.ATTENTION: ta.TABLE_ENTRY[ta.ATTENTION], ta.QK: ta.TABLE_ENTRY[ta.QK]}.get(op, tune.entry_json)
+  canonical = {ta.ATTENTION: tr.TABLE_ENTRY[ta.ATTENTION], ta.QK: tr.TABLE_ENTRY[ta.QK]}.get(op, tune.entry_json)
   with open(_tuning.table_path(op, "NVIDIA H200")) as f:
     configs = json.load(f)["configs"]
   for key, entry in configs.items():
@@ -340,8 +346,8 @@ def test_merge_into_checked_in_tables_keeps_their_configs(tuned_dir):
     shutil.copy(os.path.join(REPO_TUNED_DIR, folder.name, f"{op}.json"), folder / f"{op}.json")
     _tuning.table.cache_clear()
     before = [default(sk) for sk in lengths]
-    canonical = ta.TABLE_ENTRY.get(op, tune.entry_json)
-    tune.write_table({}, str(folder / f"{op}.json"), entry_json=canonical, merge=True,
+    canonical = tr.TABLE_ENTRY.get(op, tune.entry_json)
+    common.write_table({}, str(folder / f"{op}.json"), entry_json=canonical, merge=True,
                      per_field=True, device_kind=kind)
     _tuning.table.cache_clear()
     assert [default(sk) for sk in lengths] == before, op

@@ -95,6 +95,15 @@ def length_class(seq_k: int) -> str:
   return _tuning.tile_length_class(seq_k)
 
 
+def runs_xla(device_kind: str | None, seq_k: int, head_dim: int, dtype) -> bool:
+  """Whether ``device_kind``'s table marks rows of ``seq_k`` keys ``"backend": "xla"`` (the
+  tuner measured XLA's backward faster there): 16-bit problems with ``head_dim <= 128``, the
+  ones the tuner times, only."""
+  if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16) or head_dim > 128:
+    return False
+  return _tuning.tuned_backend(KERNEL, device_kind, length_class(seq_k)) == "xla"
+
+
 def heuristic(seq_q, seq_k, head_dim, itemsize) -> Config:
   """Untuned defaults: 64 x 64 tiles (fp32 with D > 64: 32 query rows), 4-8 warps; both
   passes take the same tiles."""

@@ -157,6 +157,14 @@ def length_class(seq_k: int) -> str:
   return _tuning.tile_length_class(seq_k)
 
 
+def runs_xla(device_kind: str | None, seq_k: int, head_dim: int, dtype, causal: bool) -> bool:
+  """Whether ``device_kind``'s table marks rows of ``seq_k`` keys ``"backend": "xla"`` (the
+  tuner measured XLA's backward faster there): dense 16-bit problems with ``head_dim <= 128``,
+  the ones the tuner times, only."""
+  if causal or jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16) or head_dim > 128:
+    return False
+  return _tuning.tuned_backend(KERNEL, device_kind, length_class(seq_k)) == "xla"
+
 def heuristic(seq_q: int, seq_k: int, head_dim: int, *, row: bool) -> PassConfig:
   """Untuned tiles and launch parameters for the row (``row=True``) or column kernel.
 

@@ -1,6 +1,7 @@
 """Device-time measurement with the JAX profiler, and the copy-bandwidth ceiling.
 
-Each call's time is the sum of the durations of every GPU kernel (and memset or
+The tuner (``python -m pallas_kernels.tune``), ``python -m pallas_kernels.check`` and the
+scripts in ``benchmarks/`` share it. Each call's time is the sum of the durations of every GPU kernel (and memset or
 memcpy) it launched, read from the profiler's trace of the ``/device:GPU:0``
 plane's stream lines; the reported figure is the median over calls. Calls are
 separated by a host sync and a short sleep, so the trace splits into calls at
@@ -23,6 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels._util import compiler_params, pallas_call
+
 
 def no_gpu(what: str, hint: str | None = None) -> bool:
   """Whether this host lacks the CUDA GPU that ``what`` needs; if so, says it on stderr

@@ -1,0 +1,371 @@
+"""The two-pass kernels' tuning runs (candidates: :mod:`pallas_kernels.tune.attention`): the
+passes of a workload, the selection per class, the scheme (qk_scale_softmax), the backend
+against XLA, and the table.
+
+A workload's record is ``{"key": class, "times": {pass: {candidate key: us}}, "xla": us,
+"entry": us}``. Its kernel time is, where the entry point runs Mosaic GPU kernels for it
+(which no table tunes), the entry point's (``"entry"``); else the sum of the selected
+candidates' times over the passes (qk_scale_softmax: of the selected scheme; its two-pass
+scheme also counts the whole backward with the table's config). A class whose kernel times
+have a geomean over XLA's above 1 gets ``"backend": "xla"``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import attention_softmax_dropout_value as asdv
+from pallas_kernels import qk_scale_softmax as qks
+from pallas_kernels import workloads as wl
+from pallas_kernels._util import Dropout, is_hopper
+from pallas_kernels.attention_softmax_dropout_value import pallas_mosaic_gpu as asdv_mosaic
+from pallas_kernels.qk_scale_softmax import pallas_mosaic_gpu as qks_mosaic
+from pallas_kernels.tune import common
+from pallas_kernels.tune.attention import (ATTENTION, PASS_ENTRY, QK, SHAPE, _with_table,
+                                           candidate_key, candidates, pass_config)
+
+# Per scheme of qk_scale_softmax, the passes whose times add up to one backward.
+QK_SCHEMES = {"two_pass": ("two_pass",), "per_head": ("head",), "dl_gemm": ("dl",)}
+
+
+# ----------------------------------------------------------------------- the passes
+
+
+def _lazy(make):
+  made = []
+
+  def get():
+    if not made:
+      made.append(make())
+    return made[0]
+  return get
+
+
+def _attention_passes(w, constants, make_sets, cands):
+  """``({pass: ([(key, fn)], make_pass_sets)}, class)`` of attention_softmax_dropout_value."""
+  p = constants["attention_dropout"]
+  h = constants["num_attention_heads"]
+  b, _, kvh, sq, skv, d = wl.attention_dims(w, constants)
+
+  def views(d_o, probs, dropped, value, keep):
+    return (d_o, dropped.reshape(b * h, sq, skv), probs.reshape(b * h, sq, skv),
+            keep.reshape(b * h, sq, skv), value.reshape(b * kvh, skv, d))
+
+  base = asdv.default_config(b, h, kvh, sq, skv, d, jnp.bfloat16)
+  view_sets = _lazy(lambda: [views(*s) for s in make_sets()])
+
+  def ds_sets():
+    out = []
+    for d_o, pd3, p3, k3, v3 in view_sets():
+      _, dpart = asdv.dv_pass(d_o, pd3, v3, num_heads=h, cfg=base.dv, interpret=False)
+      out.append((d_o, p3, k3, v3, dpart))
+    return out
+  dropout = Dropout.of(p)
+
+  def keyed(entries):
+    return [(candidate_key(ATTENTION, e), pass_config(ATTENTION, e, sq, skv)) for e in entries]
+
+  dv = [(c, lambda d_o, pd3, v3, cfg=cfg: asdv.dv_pass(d_o, pd3, v3, num_heads=h, cfg=cfg,
+                                                       interpret=False))
+        for c, cfg in keyed(cands["dv"])]
+  ds = [(c, lambda d_o, p3, k3, v3, dpart, cfg=cfg: asdv.ds_pass(
+      d_o, p3, k3, v3, dpart, None, num_heads=h, dropout=dropout, cfg=cfg, interpret=False))
+        for c, cfg in keyed(cands["ds"])]
+  return {"dv": (dv, _lazy(lambda: [(s[0], s[1], s[4]) for s in view_sets()])),
+          "ds": (ds, _lazy(ds_sets))}, asdv.length_class(skv)
+
+
+def _qk_passes(w, constants, make_sets, cands, device_kind=None):
+  """``({pass: ([(key, fn)], make_pass_sets)}, class)`` of qk_scale_softmax."""
+  b, h, sq, sk, d = wl.qk_dims(w, constants)
+  scale = jnp.asarray([constants["scaling"]], jnp.float32)
+  pk = max(16, pl.next_power_of_2(sk))
+
+  def views(g, q, k, p):
+    return (g.reshape(b * h, sq, sk), p.reshape(b * h, sq, sk), q.reshape(b * h, sq, d),
+            k.reshape(b * h, sk, d))
+
+  # The table's two-pass entry (whatever scheme the table picks): the baseline to beat.
+  base = qks.default_config(sq, sk, d, jnp.bfloat16, device_kind, schemes=("two_pass",))
+  view_sets = _lazy(lambda: [views(*s) for s in make_sets()])
+  whole = _lazy(lambda: [(g, p, q, k) for g, p, q, k in view_sets()])
+
+  def col_sets():
+    out = []
+    for g, p, q, k in view_sets():
+      _, delta = qks.row_pass(scale, g, p, k, causal=False, cfg=base.row, interpret=False)
+      out.append((g, p, q, delta))
+    return out
+
+  def keyed(entries):
+    return [(candidate_key(QK, e), pass_config(QK, e, sq, sk)) for e in entries]
+
+  row_cands = [c for c in cands["row"] if c["block_k"] != qks.WHOLE_ROW or pk <= 512]
+  row = [(c, lambda g, p, k, cfg=cfg: qks.row_pass(
+      scale, g, p, k, causal=False, cfg=cfg, interpret=False)) for c, cfg in keyed(row_cands)]
+  col = [(c, lambda g, p, q, delta, cfg=cfg: qks.col_pass(
+      scale, g, p, q, delta, causal=False, cfg=cfg, interpret=False))
+         for c, cfg in keyed(cands["col"])]
+  passes = {"row": (row, _lazy(lambda: [(g, p, k) for g, p, _, k in view_sets()])),
+            "col": (col, _lazy(col_sets))}
+  # The whole backward with the table's two-pass config: the baseline the schemes must beat.
+  passes["two_pass"] = ([("table", lambda g, p, q, k: qks.qk_scale_softmax_backward(
+      g[None], q[None], k[None], p[None], constants["scaling"], causal=False, config=base,
+      interpret=False))], whole)
+  if pk <= 256:
+    head = [(c, lambda g, p, q, k, cfg=cfg: qks.head_pass(
+        scale, g, p, q, k, causal=False, cfg=cfg, interpret=False))
+            for c, cfg in keyed(cands["head"])]
+    passes["head"] = (head, whole)
+  if sk <= qks.MAX_DL_ROW:
+    passes["dl"] = (_dl_candidates(base, sk, constants["scaling"], cands["dl"]), whole)
+  return passes, qks.length_class(sk)
+
+
+def _dl_candidates(base, seq_k, scaling, entries):
+  """``[(key, fn)]``: the whole backward on the ``dl_gemm`` scheme, one per distinct dL
+  launch of ``entries`` at this row length (``dl_config`` caps rows and warps)."""
+  out, seen = [], set()
+  for entry in entries:
+    if entry.get("phased") and seq_k % 8 == 0:
+      continue
+    dl = qks.dl_config(entry, seq_k)
+    if dl in seen:
+      continue
+    seen.add(dl)
+    cfg = qks.Config(base.row, base.col, "dl_gemm", dl)
+    out.append((tuple(entry.items()), lambda g, p, q, k, cfg=cfg: qks.qk_scale_softmax_backward(
+        g[None], q[None], k[None], p[None], scaling, causal=False, config=cfg,
+        interpret=False)))
+  return out
+
+
+PASSES = {ATTENTION: _attention_passes, QK: _qk_passes}
+
+
+def length_class(op: str, constants: dict, w: dict) -> str:
+  if op == ATTENTION:
+    return asdv.length_class(w["seq_len_kv"])
+  return qks.length_class(w["seq_len_k"])
+
+
+def runs_mosaic(op: str, constants: dict, w: dict) -> bool:
+  """Whether the entry point runs Mosaic GPU kernels for the workload on this device."""
+  if not is_hopper(jax.devices()[0]):
+    return False
+  if op == ATTENTION:
+    b, h, kvh, sq, skv, d = wl.attention_dims(w, constants)
+    return asdv_mosaic.unsupported_reason(b, h, kvh, sq, skv, d, jnp.bfloat16,
+                                          constants["attention_dropout"], False) is None
+  b, h, sq, sk, d = wl.qk_dims(w, constants)
+  return qks_mosaic.unsupported_reason(b, h, sq, sk, d, jnp.bfloat16, constants["scaling"]) is None
+
+
+def from_shape(op: str, values: tuple) -> tuple[dict, dict]:
+  """``(constants, workload)`` of a shape: attention_softmax_dropout_value
+  ``B,H,KVH,Sq,Skv,D`` (the spec's dropout rate), qk_scale_softmax ``B,H,Sq,Sk,D`` (scale
+  ``D ** -0.5``)."""
+  n = len(SHAPE[op].split(","))
+  if len(values) != n:
+    raise ValueError(f"--shape for {op}: expected {SHAPE[op]}, got {','.join(map(str, values))}")
+  v = [int(x) for x in values]
+  constants, _ = wl.problem(op)
+  if op == ATTENTION:
+    c = dict(constants, num_attention_heads=v[1], num_key_value_heads=v[2], head_dim=v[5])
+    return c, {"batch_size": v[0], "seq_len_q": v[3], "seq_len_kv": v[4], "atol": 1e-5,
+               "rtol": 0.05}
+  c = dict(constants, num_heads=v[1], head_dim=v[4], scaling=v[4] ** -0.5)
+  return c, {"batch_size": v[0], "seq_len_q": v[2], "seq_len_k": v[3], "atol": 1e-5,
+             "rtol": 0.05}
+
+
+def run_workload(op, constants, w, index, measure, *, quick=False, calls=8, cands=None,
+                 passes=None, device_kind=None) -> dict:
+  """Times a workload's passes (``passes``: only these) and XLA's backward: its record."""
+  key = length_class(op, constants, w)
+  cands = _with_table(op, candidates(op, quick, cands), device_kind, key)
+  make_sets = common.lazy_sets(op, constants, w, index)
+  extra = {"device_kind": device_kind} if op == QK else {}
+  built, key = PASSES[op](w, constants, make_sets, cands, **extra)
+  times = {}
+  line = [f"{wl.label(op, w):>18} [{key}]"]
+  for name, (pass_cands, pass_sets) in built.items():
+    if passes and name not in passes:
+      continue
+    trial = common.Trial(op, key, name, constants, w)
+    times[name] = measure(trial, pass_cands, pass_sets, calls=calls)
+    line.append(f"{name}: " + " ".join(f"{common.label(c)}={t:.1f}"
+                                       for c, t in times[name].items()))
+  xla, entry = common.time_xla(op, common.Trial(op, key, common.XLA, constants, w), index,
+                               measure, make_sets, calls=calls,
+                               mosaic=runs_mosaic(op, constants, w))
+  line.append("xla: " + (f"{xla:.1f}" if xla else "-")
+              + (f"  entry (mosaic_gpu): {entry:.1f}" if entry else ""))
+  print("  ".join(line), flush=True)
+  return {"key": key, "times": times, "xla": xla, "entry": entry}
+
+
+# ----------------------------------------------------------------------- the table
+
+
+def attention_table_entry(entry: dict) -> dict:
+  """A class's entry of attention_softmax_dropout_value's table as ``default_config`` reads it
+  (``Config.from_json(...).to_json()``); raises if it is not one."""
+  return asdv.Config.from_json(entry).to_json()
+
+
+def qk_table_entry(entry: dict) -> dict:
+  """A class's entry of qk_scale_softmax's table (``scheme``, ``row``, ``col`` and, if measured,
+  ``head``; ``dl`` and ``causal_dl``, the dL kernel's launch for dense and causal calls, kept
+  as they are) as ``default_config`` reads it; raises if it is not one."""
+  scheme = entry.get("scheme", "two_pass")
+  if scheme not in qks.SCHEMES:
+    raise ValueError(f"scheme: expected one of {qks.SCHEMES}, got {scheme!r}")
+  out = {"scheme": scheme}
+  for name in ("row", "col", "head"):
+    if name in entry:
+      out[name] = PASS_ENTRY[QK](entry[name])
+    elif name != "head":
+      raise KeyError(f"no {name!r} pass")
+  for name in ("dl", "causal_dl"):
+    if name in entry:
+      fields = {k: entry[name][k] for k in ("rows", "num_warps", "phased") if k in entry[name]}
+      qks.DlConfig(**fields)  # raises on a bad value
+      out[name] = dict(entry[name])
+  return out
+
+
+TABLE_ENTRY = {ATTENTION: attention_table_entry, QK: qk_table_entry}
+
+
+def _choose_scheme(best_times):
+  """``best_times[pass]`` = per-workload best times of one class -> (scheme, {scheme: geomean
+  of its time / the best scheme's time}); a scheme counts only if measured on every workload."""
+  totals = {}
+  for scheme, names in QK_SCHEMES.items():
+    if all(n in best_times and None not in best_times[n] for n in names):
+      totals[scheme] = [sum(ts) for ts in zip(*(best_times[n] for n in names))]
+  if not totals:
+    return None, {}
+  best = [min(ts) for ts in zip(*totals.values())]
+  score = {s: math.exp(sum(math.log(t / b) for t, b in zip(ts, best)) / len(best))
+           for s, ts in totals.items()}
+  return min(score, key=score.get), {s: round(v, 4) for s, v in score.items()}
+
+
+def select(ratios, best_times=None) -> tuple[dict, dict]:
+  """ratios[class][pass] = list of {candidate: time / best} dicts, one per workload;
+  best_times[class][pass] = that pass's best time per workload (qk_scale_softmax: picks the
+  scheme). -> ``({class: {pass: entry, ["scheme": ...]}}, {class: {note: geomean}})``."""
+  table, notes = {}, {}
+  for key, passes in ratios.items():
+    entry, note = {}, {}
+    if best_times is not None:
+      scheme, scores = _choose_scheme(best_times.get(key, {}))
+      if scheme is not None:
+        entry["scheme"], note["scheme_geomean_vs_best"] = scheme, scores
+    for name, per_workload in passes.items():
+      if name == "two_pass":
+        continue
+      best, score = common.best_by_geomean(per_workload)
+      if best is None:
+        continue
+      entry[name] = dict(best)
+      note[f"{name}_geomean_vs_best"] = score
+    if entry:
+      table[key], notes[key] = entry, note
+  return table, notes
+
+
+def kernel_times(op: str, entry: dict, records: list[dict]) -> list:
+  """Per workload of a class, the kernel time of the selected ``entry`` (module docstring);
+  ``None`` where a pass it needs was not timed."""
+  def t(record, name, sub):
+    return record["times"].get(name, {}).get(sub) if sub is not None else None
+
+  def key_of(name):
+    if name not in entry:
+      return None
+    return tuple(entry[name].items()) if name == "dl" else candidate_key(op, entry[name])
+
+  out = []
+  for r in records:
+    if r.get("entry") is not None:
+      out.append(r["entry"])
+      continue
+    if op == ATTENTION:
+      parts = [t(r, "dv", key_of("dv")), t(r, "ds", key_of("ds"))]
+      out.append(None if None in parts else sum(parts))
+      continue
+    scheme = entry.get("scheme")
+    if scheme == "per_head":
+      out.append(t(r, "head", key_of("head")))
+    elif scheme == "dl_gemm":
+      out.append(t(r, "dl", key_of("dl")))
+    elif scheme == "two_pass":
+      row, col = t(r, "row", key_of("row")), t(r, "col", key_of("col"))
+      both = [x for x in (t(r, "two_pass", "table"),
+                          None if None in (row, col) else row + col) if x is not None]
+      out.append(min(both) if both else None)
+    else:
+      out.append(None)
+  return out
+
+
+def records_to_ratios(records: dict[str, list[dict]]):
+  """``(ratios, best_times)`` for :func:`select` from the records of each class."""
+  ratios, best_times = {}, {}
+  for key, rs in records.items():
+    for r in rs:
+      for name, times in r["times"].items():
+        best_times.setdefault(key, {}).setdefault(name, []).append(
+            min(times.values()) if times else None)
+        if times:
+          ratios.setdefault(key, {}).setdefault(name, []).append(common.ratios_of(times))
+  return ratios, best_times
+
+
+def _write_table(op, ratios, out, best_times=None, device_kind=None, records=None, show=None):
+  """Writes the selected entries (configs only; the passes of a class not measured in this
+  run, and the classes not measured, keep their entries from the table already at ``out``),
+  with each class's backend where ``records`` give its kernel and XLA times, and prints the
+  notes (of the classes in ``show``; default all)."""
+  table, notes = select(ratios, best_times)
+  if op == QK:  # a dl_gemm class whose dL launch this run did not time keeps its scheme
+    old = common.read_table(out, device_kind or _device_kind())
+    for key in table:
+      if (old.get(key, {}).get("scheme") == "dl_gemm" and "scheme" in table[key]
+          and "dl" not in ratios.get(key, {})):
+        table[key].pop("scheme")
+        notes[key]["scheme"] = "dl_gemm kept from the table (dl not timed in this run)"
+  for key, rs in (records or {}).items():
+    if key in table:
+      backend, score = common.choose_backend(kernel_times(op, table[key], rs),
+                                             [r["xla"] for r in rs])
+      if backend is not None:
+        table[key]["backend"] = backend
+        notes[key]["kernels_vs_xla_geomean"] = score
+  for key in (k for k in table if show is None or k in show):
+    print(f"  selected {key}: " + "  ".join(
+        f"{name}={common.label(tuple(v.items())) if isinstance(v, dict) else v}"
+        for name, v in table[key].items()) + f"  {json.dumps(notes[key])}", flush=True)
+  return common.write_table(table, out, entry_json=TABLE_ENTRY[op], merge=True,
+                            per_field=True, device_kind=device_kind)
+
+
+def _device_kind():
+  return jax.devices()[0].device_kind
+
+
+def write(op: str, records: dict[str, list[dict]], out: str, device_kind: str,
+          show=None) -> dict:
+  """Selects per class from the workloads' records and writes the table (prints the
+  selection of the classes in ``show``)."""
+  ratios, best_times = records_to_ratios(records)
+  return _write_table(op, ratios, out, best_times if op == QK else None, device_kind, records,
+                      show)
