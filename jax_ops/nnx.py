@@ -63,10 +63,10 @@ class _Projections(nnx.Module):
     return self.out(out_bshd.reshape(b, s, self.num_heads * self.head_dim))
 
 
-def _mask(mask, b, s, num_heads, *, heads_axis):
-  """A bool attention mask broadcast to ``[B, 1, S, S]`` (``heads_axis=False``) or
-  ``[B, H, S, S]``; any shape that broadcasts to ``[B, H, S, S]`` is accepted
-  (``[S, S]``, ``[B, 1, 1, S]`` padding masks, ...)."""
+def _check_mask(mask, b, s, num_heads, *, heads_axis):
+  """Raises unless ``mask`` is a bool array that broadcasts to ``[B, 1, S, S]``
+  (``heads_axis=False``) or ``[B, H, S, S]`` (``[S, S]``, ``[B, 1, 1, S]`` padding masks,
+  ...); the layers pass it on as given, never broadcast."""
   if not hasattr(mask, "shape") or not hasattr(mask, "dtype"):
     raise TypeError(f"mask: expected a bool array, got {type(mask).__name__}")
   validation.check_dtype("mask", mask, (jnp.bool_,))
@@ -82,7 +82,6 @@ def _mask(mask, b, s, num_heads, *, heads_axis):
     want = f"[B, H, S, S] = [{b}, {num_heads}, {s}, {s}]" if heads_axis else \
         f"[B, 1, S, S] = [{b}, 1, {s}, {s}]"
     raise ValueError(f"mask: expected a shape that broadcasts to {want}, got {list(mask.shape)}")
-  return jnp.broadcast_to(mask, full)
 
 
 def _dropout_args(layer, deterministic):
@@ -116,7 +115,7 @@ class GQASelfAttention(nnx.Module):
     p = self.proj
     b, s = p.check(x)
     if mask is not None:
-      mask = _mask(mask, b, s, p.num_heads, heads_axis=True)
+      _check_mask(mask, b, s, p.num_heads, heads_axis=True)
     q, k = p.heads(x, p.query, p.num_heads), p.heads(x, p.key, p.num_kv_heads)
     v = p.heads(x, p.value, p.num_kv_heads)
     k = jnp.repeat(k, p.num_heads // p.num_kv_heads, axis=1)
@@ -151,7 +150,7 @@ class MaskedAttention(nnx.Module):
     b, s = p.check(x)
     # Checked here (the layer's errors), passed on as given: the op reads a broadcast mask
     # through its own shape, never materialized.
-    _mask(mask, b, s, p.num_heads, heads_axis=False)
+    _check_mask(mask, b, s, p.num_heads, heads_axis=False)
     q, k, v = (p.heads(x, f, p.num_heads) for f in (p.query, p.key, p.value))
     scores = jnp.einsum("bhqd,bhkd->bhqk", q, k).astype(jnp.float32) / math.sqrt(p.head_dim)
     probs = masked_softmax_dropout(

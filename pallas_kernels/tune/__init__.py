@@ -33,7 +33,6 @@ stdout. Without a CUDA GPU it exits 2.
 from __future__ import annotations
 
 import argparse
-import sys
 
 import jax
 

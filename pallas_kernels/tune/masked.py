@@ -11,9 +11,6 @@ of time / best time over the class's workloads; its entry is a ``TableEntry``'s 
 
 from __future__ import annotations
 
-import jax
-
-from pallas_kernels import _tuning
 from pallas_kernels import masked_softmax_dropout as msd
 from pallas_kernels import workloads as wl
 from pallas_kernels.masked_softmax_dropout.config import KERNEL
@@ -150,8 +147,3 @@ def write(records: dict[str, list[dict]], out: str, device_kind: str, show=None)
     if score is not None and (show is None or key in show):
       print(f"  {key}: kernel / XLA geomean {score} -> {backends[key]}", flush=True)
   return _write_table(by_class, out, device_kind, backends, show)
-
-
-def device_kind_for_tables() -> str | None:
-  """The kind whose tables the kernels read on this process's device."""
-  return _tuning.table_kind(jax.devices()[0])
