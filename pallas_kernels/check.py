@@ -71,33 +71,42 @@ def cases(ops, quick):
 
 # --- the op's forward and backward --------------------------------------------------------
 
+def op_call(op, w, c, causal, key):
+  """``(call, n_grads)``: ``call(*arrays, **kw)`` runs the op on a workload's arrays (those
+  of :func:`op_inputs`) with its scalars and the dropout key drawn from ``key``,
+  differentiable in its first ``n_grads`` arrays."""
+  k = jax.random.split(key, 5)
+  if op == wl.OPS[0]:
+    return functools.partial(jax_ops.attention_softmax_dropout_value,
+                             dropout_rate=c["attention_dropout"], dropout_rng=k[3]), 2
+  if op == wl.OPS[1]:
+    return functools.partial(jax_ops.masked_softmax_dropout, dropout_rate=w["p_dropout"],
+                             dropout_rng=k[3]), 1
+  return functools.partial(jax_ops.qk_scale_softmax, scaling=c["scaling"], causal=causal), 2
+
+
 def op_inputs(op, w, c, causal, key):
-  """``(call, arrays, n_grads, cotangent)``: ``call(*arrays.values(), **kw)`` runs the op
-  with its scalars and dropout key, differentiable in its first ``n_grads`` arrays;
-  ``arrays`` names them as the op's backend choice does."""
+  """``(call, arrays, n_grads, cotangent)``: :func:`op_call` and the arrays it runs on,
+  named as the op's backend choice names them."""
+  call, n_grads = op_call(op, w, c, causal, key)
   k = jax.random.split(key, 5)
   if op == wl.OPS[0]:
     b, h, kvh, sq, skv, d = wl.attention_dims(w, c)
     primals = (jax.random.normal(k[0], (b, h, sq, skv), wl.BF16),
                jax.random.normal(k[1], (b, kvh, skv, d), wl.BF16))
     ct = jax.random.normal(k[2], (b, sq, h, d), wl.BF16)
-    call = functools.partial(jax_ops.attention_softmax_dropout_value,
-                             dropout_rate=c["attention_dropout"], dropout_rng=k[3])
-    return call, dict(zip(("scores", "value_states"), primals)), 2, ct
+    return call, dict(zip(("scores", "value_states"), primals)), n_grads, ct
   if op == wl.OPS[1]:
     b, h, s = w["batch_size"], w["n_heads"], w["seq_len"]
     scores = jax.random.normal(k[0], (b, h, s, s), F32)
     mask = jax.random.bernoulli(k[1], 0.7, (b, 1, s, s))
     ct = jax.random.normal(k[2], (b, h, s, s), F32)
-    call = functools.partial(jax_ops.masked_softmax_dropout, dropout_rate=w["p_dropout"],
-                             dropout_rng=k[3])
-    return call, {"scores": scores, "mask": mask}, 1, ct
+    return call, {"scores": scores, "mask": mask}, n_grads, ct
   b, h, sq, sk, d = wl.qk_dims(w, c)
   primals = (jax.random.normal(k[0], (b, h, sq, d), wl.BF16),
              jax.random.normal(k[1], (b, h, sk, d), wl.BF16))
   ct = jax.random.normal(k[2], (b, h, sq, sk), wl.BF16)
-  call = functools.partial(jax_ops.qk_scale_softmax, scaling=c["scaling"], causal=causal)
-  return call, dict(zip(("query", "key"), primals)), 2, ct
+  return call, dict(zip(("query", "key"), primals)), n_grads, ct
 
 
 def op_value_and_grad(call, n_grads, **kw):

@@ -11,13 +11,15 @@ For each kernel (``--op``, repeatable; default all three) and each workload (def
 spec's benchmark workloads, ``pallas_kernels/workloads.json``, a spread of them for the
 two-pass kernels; ``--shape``, repeatable, with one ``--op``: the shapes named, see
 :data:`SHAPE_HELP`) it times the candidate configurations of each of the kernel's passes on
-input sets rotated so that L2 is cold (:mod:`pallas_kernels._timing`), and XLA's backward
-(the reference under jit). Per row-length class it keeps the candidate with the best geomean
-of time / best time over the class's workloads; a class where XLA's backward is faster (the
-geomean of the selected kernels' time over XLA's is above 1) gets ``"backend": "xla"``, and
+input sets rotated so that L2 is cold (:mod:`pallas_kernels._timing`). Per row-length class
+it keeps the candidate with the best geomean of time / best time over the class's workloads.
+Then, with that table written, it times the op's forward and backward as a training step
+runs them (``implementation="pallas"`` against ``"xla"``, :func:`common.time_op`): a class
+where XLA's is faster (geomean above 1) gets ``"backend": "xla"``, and
 ``implementation=None`` of the op runs XLA there (each op's ``config.runs_xla``). The
 entry points still run the kernels. ``--quick`` times fewer candidates and one workload per
-class.
+class. (``--write-package`` times the op with the package's tables, so run it with no user
+cache for the device.)
 
 The table is written after every workload (a run cut short keeps what it measured) and
 merged into the one already there (the classes not measured keep their entries): by default
@@ -167,6 +169,10 @@ def main(argv=None, *, measure: common.Measure | None = None, stream=None) -> in
                           cands=cands, passes=passes, device_kind=table_kind)
     records[op].setdefault(record["key"], []).append(record)
     out = out_path(op, device_kind, args.write_package)
+    write(op, records[op], out, device_kind, show=set())
+    # The op's step with the table just written, against XLA's: the class's backend.
+    record["xla"], record["pallas"] = common.time_op(op, c, w, index, measure,
+                                                     key=record["key"], calls=calls)
     written[op] = (out, write(op, records[op], out, device_kind, show={record["key"]}))
     table_kind = _tuning.table_kind(device)
     progress.advance(f"{op} {wl.label(op, w)} [{record['key']}]")

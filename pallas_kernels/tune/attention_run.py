@@ -2,12 +2,10 @@
 passes of a workload, the selection per class, the scheme (qk_scale_softmax), the backend
 against XLA, and the table.
 
-A workload's record is ``{"key": class, "times": {pass: {candidate key: us}}, "xla": us,
-"entry": us}``. Its kernel time is, where the entry point runs Mosaic GPU kernels for it
-(which no table tunes), the entry point's (``"entry"``); else the sum of the selected
-candidates' times over the passes (qk_scale_softmax: of the selected scheme; its two-pass
-scheme also counts the whole backward with the table's config). A class whose kernel times
-have a geomean over XLA's above 1 gets ``"backend": "xla"``.
+A workload's record is ``{"key": class, "times": {pass: {candidate key: us}}}``, and, once
+the op's step was timed with the table written (:func:`pallas_kernels.tune.common.time_op`),
+``"xla"`` and ``"pallas"``: a class whose Pallas times have a geomean over XLA's above 1 gets
+``"backend": "xla"``.
 """
 
 from __future__ import annotations
@@ -22,9 +20,8 @@ from jax.experimental import pallas as pl
 from pallas_kernels import attention_softmax_dropout_value as asdv
 from pallas_kernels import qk_scale_softmax as qks
 from pallas_kernels import workloads as wl
-from pallas_kernels._util import Dropout, is_hopper
-from pallas_kernels.attention_softmax_dropout_value import pallas_mosaic_gpu as asdv_mosaic
-from pallas_kernels.qk_scale_softmax import pallas_mosaic_gpu as qks_mosaic
+from pallas_kernels._util import Dropout
+from pallas_kernels.qk_scale_softmax.config import PER_HEAD_TUNED_MAX_ROW
 from pallas_kernels.tune import common
 from pallas_kernels.tune.attention import (ATTENTION, PASS_ENTRY, QK, SHAPE, _with_table,
                                            candidate_key, candidates, pass_config)
@@ -117,7 +114,7 @@ def _qk_passes(w, constants, make_sets, cands, device_kind=None):
   passes["two_pass"] = ([("table", lambda g, p, q, k: qks.qk_scale_softmax_backward(
       g[None], q[None], k[None], p[None], constants["scaling"], causal=False, config=base,
       interpret=False))], whole)
-  if pk <= 256:
+  if pk <= PER_HEAD_TUNED_MAX_ROW:
     head = [(c, lambda g, p, q, k, cfg=cfg: qks.head_pass(
         scale, g, p, q, k, causal=False, cfg=cfg, interpret=False))
             for c, cfg in keyed(cands["head"])]
@@ -154,18 +151,6 @@ def length_class(op: str, constants: dict, w: dict) -> str:
   return qks.length_class(w["seq_len_k"])
 
 
-def runs_mosaic(op: str, constants: dict, w: dict) -> bool:
-  """Whether the entry point runs Mosaic GPU kernels for the workload on this device."""
-  if not is_hopper(jax.devices()[0]):
-    return False
-  if op == ATTENTION:
-    b, h, kvh, sq, skv, d = wl.attention_dims(w, constants)
-    return asdv_mosaic.unsupported_reason(b, h, kvh, sq, skv, d, jnp.bfloat16,
-                                          constants["attention_dropout"], False) is None
-  b, h, sq, sk, d = wl.qk_dims(w, constants)
-  return qks_mosaic.unsupported_reason(b, h, sq, sk, d, jnp.bfloat16, constants["scaling"]) is None
-
-
 def from_shape(op: str, values: tuple) -> tuple[dict, dict]:
   """``(constants, workload)`` of a shape: attention_softmax_dropout_value
   ``B,H,KVH,Sq,Skv,D`` (the spec's dropout rate), qk_scale_softmax ``B,H,Sq,Sk,D`` (scale
@@ -186,7 +171,7 @@ def from_shape(op: str, values: tuple) -> tuple[dict, dict]:
 
 def run_workload(op, constants, w, index, measure, *, quick=False, calls=8, cands=None,
                  passes=None, device_kind=None) -> dict:
-  """Times a workload's passes (``passes``: only these) and XLA's backward: its record."""
+  """Times a workload's passes (``passes``: only these): its record."""
   key = length_class(op, constants, w)
   cands = _with_table(op, candidates(op, quick, cands), device_kind, key)
   make_sets = common.lazy_sets(op, constants, w, index)
@@ -201,13 +186,8 @@ def run_workload(op, constants, w, index, measure, *, quick=False, calls=8, cand
     times[name] = measure(trial, pass_cands, pass_sets, calls=calls)
     line.append(f"{name}: " + " ".join(f"{common.label(c)}={t:.1f}"
                                        for c, t in times[name].items()))
-  xla, entry = common.time_xla(op, common.Trial(op, key, common.XLA, constants, w), index,
-                               measure, make_sets, calls=calls,
-                               mosaic=runs_mosaic(op, constants, w))
-  line.append("xla: " + (f"{xla:.1f}" if xla else "-")
-              + (f"  entry (mosaic_gpu): {entry:.1f}" if entry else ""))
   print("  ".join(line), flush=True)
-  return {"key": key, "times": times, "xla": xla, "entry": entry}
+  return {"key": key, "times": times}
 
 
 # ----------------------------------------------------------------------- the table
@@ -282,41 +262,6 @@ def select(ratios, best_times=None) -> tuple[dict, dict]:
   return table, notes
 
 
-def kernel_times(op: str, entry: dict, records: list[dict]) -> list:
-  """Per workload of a class, the kernel time of the selected ``entry`` (module docstring);
-  ``None`` where a pass it needs was not timed."""
-  def t(record, name, sub):
-    return record["times"].get(name, {}).get(sub) if sub is not None else None
-
-  def key_of(name):
-    if name not in entry:
-      return None
-    return tuple(entry[name].items()) if name == "dl" else candidate_key(op, entry[name])
-
-  out = []
-  for r in records:
-    if r.get("entry") is not None:
-      out.append(r["entry"])
-      continue
-    if op == ATTENTION:
-      parts = [t(r, "dv", key_of("dv")), t(r, "ds", key_of("ds"))]
-      out.append(None if None in parts else sum(parts))
-      continue
-    scheme = entry.get("scheme")
-    if scheme == "per_head":
-      out.append(t(r, "head", key_of("head")))
-    elif scheme == "dl_gemm":
-      out.append(t(r, "dl", key_of("dl")))
-    elif scheme == "two_pass":
-      row, col = t(r, "row", key_of("row")), t(r, "col", key_of("col"))
-      both = [x for x in (t(r, "two_pass", "table"),
-                          None if None in (row, col) else row + col) if x is not None]
-      out.append(min(both) if both else None)
-    else:
-      out.append(None)
-  return out
-
-
 def records_to_ratios(records: dict[str, list[dict]]):
   """``(ratios, best_times)`` for :func:`select` from the records of each class."""
   ratios, best_times = {}, {}
@@ -333,7 +278,7 @@ def records_to_ratios(records: dict[str, list[dict]]):
 def _write_table(op, ratios, out, best_times=None, device_kind=None, records=None, show=None):
   """Writes the selected entries (configs only; the passes of a class not measured in this
   run, and the classes not measured, keep their entries from the table already at ``out``),
-  with each class's backend where ``records`` give its kernel and XLA times, and prints the
+  with each class's backend where ``records`` give its op times (Pallas and XLA), and prints the
   notes (of the classes in ``show``; default all)."""
   table, notes = select(ratios, best_times)
   if op == QK:  # a dl_gemm class whose dL launch this run did not time keeps its scheme
@@ -345,11 +290,11 @@ def _write_table(op, ratios, out, best_times=None, device_kind=None, records=Non
         notes[key]["scheme"] = "dl_gemm kept from the table (dl not timed in this run)"
   for key, rs in (records or {}).items():
     if key in table:
-      backend, score = common.choose_backend(kernel_times(op, table[key], rs),
-                                             [r["xla"] for r in rs])
+      backend, score = common.choose_backend([r.get("pallas") for r in rs],
+                                             [r.get("xla") for r in rs])
       if backend is not None:
         table[key]["backend"] = backend
-        notes[key]["kernels_vs_xla_geomean"] = score
+        notes[key]["op_pallas_vs_xla_geomean"] = score
   for key in (k for k in table if show is None or k in show):
     print(f"  selected {key}: " + "  ".join(
         f"{name}={common.label(tuple(v.items())) if isinstance(v, dict) else v}"

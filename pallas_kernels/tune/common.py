@@ -1,5 +1,6 @@
 """What the tuners share: the measurement (a timer that can be swapped for tests), the
-progress bar, the per-class selection, XLA's comparison and the tables' reading and writing.
+progress bar, the per-class selection, the op's time against XLA's and the tables'
+reading and writing.
 
 A measurement is ``measure(trial, candidates, make_sets, *, calls) -> {key: time}``:
 ``candidates`` are ``(key, fn)`` pairs, ``make_sets()`` gives the input sets that the calls
@@ -21,8 +22,6 @@ from collections.abc import Callable
 
 import jax
 
-import pallas_kernels
-from jax_ops import reference
 from pallas_kernels import _tuning
 from pallas_kernels._timing import compile_all, device_times_us
 from pallas_kernels import workloads as wl
@@ -34,8 +33,8 @@ MAX_SETS = 16      # input sets per workload (together at least wl.ROTATE_BYTES)
 
 @dataclasses.dataclass(frozen=True)
 class Trial:
-  """What one measurement times: ``op``'s pass ``name`` (``"xla"``: XLA's backward and, where
-  the entry point runs Mosaic GPU kernels, the entry point) on workload ``workload`` of
+  """What one measurement times: ``op``'s pass ``name`` (``"xla"``: the op's forward and
+  backward, XLA's against the kernels', :func:`time_op`) on workload ``workload`` of
   ``constants`` (``pallas_kernels.workloads``' dicts), of row-length class ``key``."""
   op: str
   key: str
@@ -181,7 +180,8 @@ def best_by_geomean(ratios: list[dict]):
 
 
 def choose_backend(pallas: list, xla: list):
-  """``(backend, geomean of kernel time / XLA time)`` of a class from its workloads' times:
+  """``(backend, geomean of Pallas time / XLA time)`` of a class from its workloads' op
+  times (:func:`time_op`):
   :data:`XLA` where the geomean is above 1, else :data:`PALLAS`; ``(None, None)`` where a
   workload lacks either time."""
   if not pallas or any(t is None for t in (*pallas, *xla)) or len(pallas) != len(xla):
@@ -292,19 +292,26 @@ def write_table(configs: dict, out: str, *, entry_json: Callable, merge: bool = 
   return result
 
 
-def time_xla(op: str, trial: Trial, index: int, measure: Measure, make_sets, *, calls: int,
-             mosaic: bool) -> tuple[float | None, float | None]:
-  """``(XLA time, entry point time)`` of a workload: the reference backward
-  (``jax_ops.reference.<op>_backward_reference``) under jit, as the benchmarks time it, and,
-  where ``mosaic`` (the entry point runs Mosaic GPU kernels there, which no table tunes), the
-  entry point ``pallas_kernels.<op>_backward``; ``None`` for what did not run or was not
-  timed."""
-  c, w = trial.constants, trial.workload
-  scalar = wl.scalar(op, w, c)
-  ref = getattr(reference, op + "_backward_reference")
-  entry = getattr(pallas_kernels, op + "_backward")
-  candidates = [(XLA, lambda *a: ref(*a, scalar))]
-  if mosaic:
-    candidates.append(("entry", lambda *a: entry(*a, scalar)))
-  times = measure(trial, candidates, make_sets, calls=calls)
-  return times.get(XLA), times.get("entry") if mosaic else None
+def time_op(op: str, constants: dict, workload: dict, index: int, measure: Measure, *,
+            key: str, calls: int) -> tuple[float | None, float | None]:
+  """``(XLA time, Pallas time)`` of the op's forward and backward on a workload, as a user's
+  training step runs them: jit of ``jax.value_and_grad`` of ``sum(op(x) * ct)`` with
+  ``implementation="xla"`` and ``"pallas"`` (the kernels, with the tables as written so far,
+  whatever backend a class is marked with); ``None`` for what did not run."""
+  from pallas_kernels import check  # the check tool builds the op's step (no module imports it)
+
+  def one_set(k):
+    _, arrays, _, ct = check.op_inputs(op, workload, constants, False, k)
+    return (*arrays.values(), ct)
+  call, n_grads = check.op_call(op, workload, constants, False, jax.random.key(index))
+  made = []
+
+  def make_sets():
+    if not made:
+      made.append(wl.input_sets(one_set, index, MAX_SETS))
+    return made[0]
+  candidates = [(name, check.op_value_and_grad(call, n_grads, implementation=name))
+                for name in (XLA, PALLAS)]
+  times = measure(Trial(op, key, XLA, constants, workload), candidates, make_sets,
+                  calls=calls)
+  return times.get(XLA), times.get(PALLAS)

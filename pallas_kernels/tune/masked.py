@@ -72,8 +72,9 @@ def candidates(quick: bool, device_kind: str | None, seq_k: int) -> list[msd.Tab
 
 def run_workload(constants, w, index, measure, *, quick=False, calls=10, cands=None,
                  passes=None, device_kind=None) -> dict:
-  """Times a workload's candidates and XLA's backward: a record ``{"key": class, "times":
-  {"kernel": {TableEntry: us}}, "xla": us, "entry": None}``."""
+  """Times a workload's candidates: a record ``{"key": class, "times": {"kernel":
+  {TableEntry: us}}}`` (the op's times, ``"xla"`` and ``"pallas"``, come later:
+  :func:`pallas_kernels.tune.common.time_op`)."""
   del cands, passes
   sq = sk = w["seq_len"]
   key = msd.length_class(sk)
@@ -91,15 +92,12 @@ def run_workload(constants, w, index, measure, *, quick=False, calls=10, cands=N
   trial = common.Trial(OP, key, PASS, constants, w)
   by_time = measure(trial, fns, make_sets, calls=calls)
   times = {e: t for config, t in by_time.items() for e in by_config[config]}
-  xla, _ = common.time_xla(OP, common.Trial(OP, key, common.XLA, constants, w), index,
-                           measure, make_sets, calls=calls, mosaic=False)
   if by_time:
     best = min(by_time.values())
-    print(f"{wl.label(OP, w):>22} [{key}]  best {best:8.1f} us  xla "
-          + (f"{xla:.1f}" if xla else "-") + "  " + "  ".join(
+    print(f"{wl.label(OP, w):>22} [{key}]  best {best:8.1f} us  " + "  ".join(
               f"{common.label(by_config[c][0])}:{t:.1f}"
               for c, t in by_time.items()), flush=True)
-  return {"key": key, "times": {PASS: times}, "xla": xla, "entry": None}
+  return {"key": key, "times": {PASS: times}}
 
 
 def select(by_class: dict[str, list[dict]]) -> tuple[dict, dict]:
@@ -131,8 +129,9 @@ def _write_table(by_class: dict[str, list[dict]], out: str, device_kind=None,
 
 
 def write(records: dict[str, list[dict]], out: str, device_kind: str, show=None) -> dict:
-  """Selects per class from the workloads' records, decides the backend (the selected
-  entry's time against XLA's, :func:`common.choose_backend`) and writes the table."""
+  """Selects per class from the workloads' records, decides the backend where the records
+  hold the op's times (Pallas against XLA, :func:`common.choose_backend`) and writes the
+  table."""
   by_class = {k: [common.ratios_of(r["times"][PASS]) for r in rs if r["times"][PASS]]
               for k, rs in records.items()}
   by_class = {k: v for k, v in by_class.items() if v}
@@ -141,9 +140,8 @@ def write(records: dict[str, list[dict]], out: str, device_kind: str, show=None)
   for key, rs in records.items():
     if key not in selected:
       continue
-    best = msd.TableEntry.from_json(selected[key])
-    pallas = [r["times"][PASS].get(best) for r in rs]
-    backends[key], score = common.choose_backend(pallas, [r["xla"] for r in rs])
+    backends[key], score = common.choose_backend([r.get("pallas") for r in rs],
+                                                 [r.get("xla") for r in rs])
     if score is not None and (show is None or key in show):
-      print(f"  {key}: kernel / XLA geomean {score} -> {backends[key]}", flush=True)
+      print(f"  {key}: op Pallas / XLA geomean {score} -> {backends[key]}", flush=True)
   return _write_table(by_class, out, device_kind, backends, show)
