@@ -134,7 +134,10 @@ def tuned_to_xla(op: str, problem: Problem) -> bool:
   device = problem.device
   if problem.interpret or device is None or getattr(device, "platform", None) != "gpu":
     return False
-  return _RUNS_XLA[op](_tuning.table_kind(device), problem)
+  try:
+    return _RUNS_XLA[op](_tuning.table_kind(device), problem)
+  except KeyError:  # a problem without the op's shapes (a bare query) has no class
+    return False
 
 
 def resolve(op: str, implementation: str | None, problem: Problem) -> Backend:

@@ -148,6 +148,8 @@ def test_each_ops_rule_sends_only_its_tuned_problems_to_xla(cache):
                     dtype="float32", device=FakeHopper())
   assert registry.resolve("masked_softmax_dropout", None, problem).name == "xla"
   assert not attention.runs_xla("NVIDIA A100-SXM4-80GB", 1024, 64, "bfloat16")
+  bare = Problem(op="masked_softmax_dropout", shapes=(), dtype="float32", device=FakeHopper())
+  assert not registry.tuned_to_xla("masked_softmax_dropout", bare)   # no shapes: no class
 
 
 def test_the_shipped_tables_run_the_kernels():

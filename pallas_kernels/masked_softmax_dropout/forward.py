@@ -63,7 +63,10 @@ def load_mask(mask_ref, broadcast, b, r0, rows_n, c0, width, valid, seq_q, seq_k
   if not bcast_k:
     col_ok = (c0 + jnp.arange(width))[None, :] < seq_k
     inside = col_ok if inside is None else inside & col_ok
-  tile = pltriton.load(mask_ref.at[b, rows, cols], mask=inside, other=False, **load)
+  if inside is None:   # one element, broadcast both ways: always inside the array
+    tile = pltriton.load(mask_ref.at[b, rows, cols], **load)
+  else:
+    tile = pltriton.load(mask_ref.at[b, rows, cols], mask=inside, other=False, **load)
   return jnp.broadcast_to(tile, (rows_n, width))
 
 

@@ -43,6 +43,12 @@ def assert_config_fits(config, rows, cols):
 # ------------------------------------------------------------- loop strategies (kernels)
 
 
+def untuned(sq, sk, d, causal=False):
+  """The heuristic config (no device table), whose tiles ``block_q``/``block_k`` override:
+  a device's table may pick the ``dl_gemm`` scheme, which takes whole rows instead."""
+  return qks_config.default_config(sq, sk, d, jnp.bfloat16, None, causal=causal)
+
+
 # Small explicit tiles force several tiles in both loops (the row kernel's two passes).
 @pytest.mark.parametrize("sq, sk, d, blocks", [
     (131, 33, 40, dict(block_q=32, block_k=16)),
@@ -50,7 +56,8 @@ def assert_config_fits(config, rows, cols):
 ])
 def test_dense_tiles(sq, sk, d, blocks):
   args = make_inputs(0, 1, 2, sq, sk, d)
-  run_and_check(qk_scale_softmax_backward, args, 1.0 / np.sqrt(d), **blocks)
+  run_and_check(qk_scale_softmax_backward, args, 1.0 / np.sqrt(d), config=untuned(sq, sk, d),
+                **blocks)
 
 
 @pytest.mark.parametrize("sq, sk, d, blocks", [
@@ -59,7 +66,8 @@ def test_dense_tiles(sq, sk, d, blocks):
 ])
 def test_causal_tiles(sq, sk, d, blocks):
   args = make_inputs(1, 1, 2, sq, sk, d, causal=True)
-  run_and_check(qk_scale_softmax_backward, args, 1.0 / np.sqrt(d), causal=True, **blocks)
+  run_and_check(qk_scale_softmax_backward, args, 1.0 / np.sqrt(d), causal=True,
+                config=untuned(sq, sk, d, causal=True), **blocks)
 
 
 # (Sq, Sk, D, block_k): rows of Sk % 8 != 0 keys spanning several key tiles.
@@ -343,10 +351,12 @@ def test_causal_ignores_upper_triangle():
   upper = np.arange(sk)[None, :] > np.arange(sq)[:, None] + (sk - sq)
   g_bad = jnp.where(upper, jnp.nan, g).astype(g.dtype)
   p_bad = jnp.where(upper, jnp.inf, p).astype(p.dtype)
-  kw = dict(causal=True, block_q=16, block_k=16, interpret=INTERPRET)
+  kw = dict(causal=True, block_q=16, block_k=16, interpret=INTERPRET,
+            config=untuned(sq, sk, d, causal=True))
   clean = qk_scale_softmax_backward(g, q, k, p, 0.125, **kw)
   dirty = qk_scale_softmax_backward(g_bad, q, k, p_bad, 0.125, **kw)
-  dense = qk_scale_softmax_backward(g, q, k, p, 0.125, block_q=16, block_k=16, interpret=INTERPRET)
+  dense = qk_scale_softmax_backward(g, q, k, p, 0.125, block_q=16, block_k=16, interpret=INTERPRET,
+                                    config=untuned(sq, sk, d))
   ref = reference(g, q, k, p, 0.125)
   for a, b, c, r in zip(clean, dirty, dense, ref):
     assert_close_to_ref("causal", a, r)
