@@ -300,4 +300,3 @@ def test_static_dropout_scale_is_the_forwards(p):
   from pallas_kernels._util import dropout_scale
   forward = jax.jit(lambda r: 1.0 / (1.0 - jnp.asarray(r, jnp.float32)))(p)
   assert np.float32(dropout_scale(p)) == np.asarray(forward)
-
