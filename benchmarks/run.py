@@ -28,6 +28,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 
 import jax
@@ -157,7 +158,9 @@ def run_problem(problem: Problem, constants, workloads, ceiling_tbps, calls, on_
   """Checks and times every workload; ``on_row(rows)`` after each (to write partial results)."""
   rows = []
   for index, w in enumerate(workloads):
+    t0 = time.perf_counter()
     sets = input_sets(lambda key: problem.make_inputs(w, constants, key), index)
+    t1 = time.perf_counter()
     first, n_sets = sets[0], len(sets)
     kernel = lambda *a: problem.kernel(a, w, constants)
     xla = lambda *a: problem.xla(a, w, constants)
@@ -167,7 +170,10 @@ def run_problem(problem: Problem, constants, workloads, ceiling_tbps, calls, on_
     checks = [check(o, r, w["atol"], w["rtol"]) for o, r in zip(outs, refs)]
     used = kernels_used(problem, first, constants)
     del outs, refs
+    t2 = time.perf_counter()
     t_kernel, t_xla = device_times_us([kernel, xla], sets, calls=calls)
+    # Host wall seconds of the row's phases: where a run's time goes.
+    wall = {"inputs": t1 - t0, "compile_and_check": t2 - t1, "timing": time.perf_counter() - t2}
     floor_us = problem.floor_bytes(w, constants) / (ceiling_tbps * 1e6)
     row = {
         "workload": problem.label(w), **{k: v for k, v in w.items()}, "kernels": used,
@@ -180,13 +186,15 @@ def run_problem(problem: Problem, constants, workloads, ceiling_tbps, calls, on_
         "timing_split_ok": t_kernel["split_ok"] and t_xla["split_ok"],
         "input_sets": n_sets,
         "checks": checks, "passed": all(c["ok"] for c in checks),
+        "wall_s": {k: round(v, 1) for k, v in wall.items()},
     }
     rows.append(row)
     print(f"  {row['workload']:>24}  floor {floor_us:9.1f} us  pallas {row['pallas_us']:9.1f} us "
           f"({row['pallas_frac_floor']:5.1%})  xla {row['xla_us']:9.1f} us "
           f"({row['xla_frac_floor']:5.1%})  x{row['speedup']:5.2f}  "
           f"{'PASS' if row['passed'] else 'FAIL'} {used} "
-          f"{min(c['within'] for c in checks):.4%}", flush=True)
+          f"{min(c['within'] for c in checks):.4%}  "
+          f"[{' '.join(f'{k} {v:.0f}s' for k, v in wall.items())}]", flush=True)
     del sets, first
     if on_row is not None:
       on_row(rows)
