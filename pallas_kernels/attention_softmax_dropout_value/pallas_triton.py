@@ -150,59 +150,71 @@ def _dv_step(i, do_ref, pd_ref, *, b, kvh, k0, d_mask, kv_mask, nq, num_heads, g
   return bh, q0, q_mask, do, pd
 
 
+class _DvProgram:
+  """What a dV program knows of itself: its kv block (``j``, ``bk``, ``k0``) and share of
+  the loop (``start``, ``stop``), the block's masks, ``step(i)`` (:func:`_dv_step`), and
+  with ``v_ref`` its block of V (``v``)."""
+
+  def __init__(self, do_ref, pd_ref, *, num_heads, num_kv_heads, seq_q, seq_k, head_dim,
+               block_q, block_k, split, v_ref=None):
+    groups = num_heads // num_kv_heads
+    self.d_pad = d_pad = tiles.padded_head_dim(head_dim)
+    self.block_k, self.split = block_k, split
+    self.j, self.bk, self.share, b, kvh, self.k0 = _kv_block_ids(num_kv_heads, block_k)
+    d_mask = tiles.dim_mask(d_pad, head_dim)
+    kv_mask = tiles.tail_mask(self.k0, block_k, seq_k)
+    self.v_tile_mask = tiles.outer(kv_mask, d_mask)
+    if v_ref is not None:
+      self.v = tiles.load(v_ref.at[self.bk, pl.ds(self.k0, block_k), tiles.head_dims(d_pad)],
+                          self.v_tile_mask, 0.0)
+    nq = pl.cdiv(seq_q, block_q)
+    self.start, self.stop = _share_range(self.share, groups * nq, split)
+    self.step = functools.partial(
+        _dv_step, do_ref=do_ref, pd_ref=pd_ref, b=b, kvh=kvh, k0=self.k0, d_mask=d_mask,
+        kv_mask=kv_mask, nq=nq, num_heads=num_heads, groups=groups, seq_q=seq_q,
+        block_q=block_q, block_k=block_k, d_pad=d_pad)
+
+  def zero_acc(self):
+    return jnp.zeros((self.block_k, self.d_pad), f32)
+
+  def store(self, dv_ref, acc):
+    _store_dv(dv_ref, acc, self.split, self.share, self.bk, self.k0, self.block_k, self.d_pad,
+              self.v_tile_mask)
+
+
 def _dv_kernel(do_ref, pd_ref, dv_ref, *, num_heads, num_kv_heads, seq_q, seq_k, head_dim,
                block_q, block_k, split):
   """dV alone (the dS pass does not read delta's partials): no V, no dPd GEMM."""
-  groups = num_heads // num_kv_heads
-  d_pad = tiles.padded_head_dim(head_dim)
-  _, bk, share, b, kvh, k0 = _kv_block_ids(num_kv_heads, block_k)
-  d_mask = tiles.dim_mask(d_pad, head_dim)
-  kv_mask = tiles.tail_mask(k0, block_k, seq_k)
-  v_tile_mask = tiles.outer(kv_mask, d_mask)
-  nq = pl.cdiv(seq_q, block_q)
-  start, stop = _share_range(share, groups * nq, split)
-  step = functools.partial(_dv_step, do_ref=do_ref, pd_ref=pd_ref, b=b, kvh=kvh, k0=k0,
-                           d_mask=d_mask, kv_mask=kv_mask, nq=nq, num_heads=num_heads,
-                           groups=groups, seq_q=seq_q, block_q=block_q, block_k=block_k,
-                           d_pad=d_pad)
+  prog = _DvProgram(do_ref, pd_ref, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                    seq_q=seq_q, seq_k=seq_k, head_dim=head_dim, block_q=block_q,
+                    block_k=block_k, split=split)
 
   def body(i, acc):
-    _, _, _, do, pd = step(i)
+    _, _, _, do, pd = prog.step(i)
     # dV_j += Pd^T @ dO    [block_k, d_pad]; padded rows / columns of Pd are 0.
     return acc + dot(pd, do, trans_a=True)
 
-  acc = lax.fori_loop(start, stop, body, jnp.zeros((block_k, d_pad), f32))
-  _store_dv(dv_ref, acc, split, share, bk, k0, block_k, d_pad, v_tile_mask)
+  prog.store(dv_ref, lax.fori_loop(prog.start, prog.stop, body, prog.zero_acc()))
 
 
 def _dv_delta_kernel(do_ref, pd_ref, v_ref, dv_ref, dpart_ref, *, num_heads, num_kv_heads,
                      seq_q, seq_k, head_dim, block_q, block_k, split):
   """dV and delta's partial row sums: the program keeps its V block on chip, and per step
   also computes ``dPd = dO @ V^T`` and stores ``rowsum(dPd * Pd)`` over its kv block."""
-  groups = num_heads // num_kv_heads
-  d_pad = tiles.padded_head_dim(head_dim)
-  j, bk, share, b, kvh, k0 = _kv_block_ids(num_kv_heads, block_k)
-  d_mask = tiles.dim_mask(d_pad, head_dim)
-  kv_mask = tiles.tail_mask(k0, block_k, seq_k)
-  v_tile_mask = tiles.outer(kv_mask, d_mask)
-  v = tiles.load(v_ref.at[bk, pl.ds(k0, block_k), tiles.head_dims(d_pad)], v_tile_mask, 0.0)
-  nq = pl.cdiv(seq_q, block_q)
-  start, stop = _share_range(share, groups * nq, split)
-  step = functools.partial(_dv_step, do_ref=do_ref, pd_ref=pd_ref, b=b, kvh=kvh, k0=k0,
-                           d_mask=d_mask, kv_mask=kv_mask, nq=nq, num_heads=num_heads,
-                           groups=groups, seq_q=seq_q, block_q=block_q, block_k=block_k,
-                           d_pad=d_pad)
+  prog = _DvProgram(do_ref, pd_ref, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                    seq_q=seq_q, seq_k=seq_k, head_dim=head_dim, block_q=block_q,
+                    block_k=block_k, split=split, v_ref=v_ref)
+  v = prog.v
 
   def body(i, acc):
-    bh, q0, q_mask, do, pd = step(i)
+    bh, q0, q_mask, do, pd = prog.step(i)
     acc = acc + dot(pd, do, trans_a=True)  # dV_j += Pd^T @ dO
     dpd = dot(do, v, trans_b=True)  # dPd = dO @ V_j^T    [block_q, block_k]
     part = jnp.sum(dpd * pd.astype(f32), axis=1)
-    tiles.store(dpart_ref.at[bh, j, pl.ds(q0, block_q)], part, q_mask)
+    tiles.store(dpart_ref.at[bh, prog.j, pl.ds(q0, block_q)], part, q_mask)
     return acc
 
-  acc = lax.fori_loop(start, stop, body, jnp.zeros((block_k, d_pad), f32))
-  _store_dv(dv_ref, acc, split, share, bk, k0, block_k, d_pad, v_tile_mask)
+  prog.store(dv_ref, lax.fori_loop(prog.start, prog.stop, body, prog.zero_acc()))
 
 
 @functools.partial(jax.jit, static_argnames=["num_heads", "cfg", "interpret", "partials"])
