@@ -88,6 +88,22 @@ def pretend_h200(monkeypatch):
   monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: info)
 
 
+@pytest.fixture
+def triton_modules(monkeypatch):
+  """A list that gets the Triton IR text (no debug locations) of every Pallas Triton kernel
+  lowered from then on, one entry per kernel; the test clears it between lowerings."""
+  from jax._src.pallas.triton import lowering
+  mods = []
+  orig = lowering.lower_jaxpr_to_triton_module
+
+  def capture(*a, **k):
+    res = orig(*a, **k)
+    mods.append(res.module.operation.get_asm(enable_debug_info=False))
+    return res
+  monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", capture)
+  return mods
+
+
 def triton_calls_in_gpu_lowering(kernel, shapes, last=None, **kwargs):
   """Number of Triton kernels when ``kernel(*shapes, last, **kwargs)`` is lowered for a
   GPU (use with ``pretend_h200``). ``last=None`` makes it a traced fp32 scalar argument."""

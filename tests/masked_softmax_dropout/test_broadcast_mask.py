@@ -140,20 +140,12 @@ def test_dtype_and_type_errors_on_a_broadcast_shape():
 # --- What the lowered program reads ----------------------------------------------------
 
 @pytest.fixture
-def lowered(pretend_h200, monkeypatch):
+def lowered(pretend_h200, triton_modules, monkeypatch):
   """``lower(fn, shapes)``: ``(StableHLO text, the Triton kernels' IR lines with a load)``
   of ``fn`` lowered for a GPU (a pretended H200; no GPU needed)."""
-  from jax._src.pallas.triton import lowering
   for module in (forward, kernels):
     monkeypatch.setattr(module._util, "check_can_compile", lambda *a, **k: None)
-  mods = []
-  orig = lowering.lower_jaxpr_to_triton_module
-
-  def capture(*a, **k):
-    res = orig(*a, **k)
-    mods.append(res.module.operation.get_asm(enable_debug_info=False))
-    return res
-  monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", capture)
+  mods = triton_modules
 
   def lower(fn, shapes):
     mods.clear()

@@ -233,17 +233,9 @@ def test_variant_rectangular_bfloat16():
 
 
 @pytest.fixture
-def triton_ir(pretend_gpu, monkeypatch):
+def triton_ir(pretend_gpu, triton_modules):
   """``ir(config, p)``: the Triton IR text of the kernel on [2, 4, 131, 131] inputs."""
-  from jax._src.pallas.triton import lowering
-  mods = []
-  orig = lowering.lower_jaxpr_to_triton_module
-
-  def capture(*a, **k):
-    res = orig(*a, **k)
-    mods.append(res.module.operation.get_asm(enable_debug_info=False))
-    return res
-  monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", capture)
+  mods = triton_modules
 
   def ir(config, p=0.1, heads=4):
     shapes = [jax.ShapeDtypeStruct((2, heads, 131, 131), jnp.float32)] * 2 + [
