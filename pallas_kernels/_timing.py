@@ -1,9 +1,9 @@
 """Device-time measurement with the JAX profiler, and the copy-bandwidth ceiling.
 
 The tuner (``python -m pallas_kernels.tune``), ``python -m pallas_kernels.check`` and the
-scripts in ``benchmarks/`` share it. Each call's time is the sum of the durations of every GPU kernel (and memset or
-memcpy) it launched, read from the profiler's trace of the ``/device:GPU:0``
-plane's stream lines; the reported figure is the median over calls. Calls are
+scripts in ``benchmarks/`` share it. Each call's time is the sum of the durations of every
+GPU kernel (and memset or memcpy) it launched, read from the profiler's trace of the
+``/device:GPU:0`` plane's stream lines; the reported figure is the median over calls. Calls are
 separated by a host sync and a short sleep, so the trace splits into calls at
 idle gaps. Callers rotate several input sets so no call finds its inputs in L2.
 """

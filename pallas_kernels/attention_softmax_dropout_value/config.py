@@ -97,7 +97,7 @@ def length_class(seq_k: int) -> str:
 
 def runs_xla(device_kind: str | None, seq_k: int, head_dim: int, dtype) -> bool:
   """Whether ``device_kind``'s table marks rows of ``seq_k`` keys ``"backend": "xla"`` (the
-  tuner measured XLA's backward faster there): 16-bit problems with ``head_dim <= 128``, the
+  tuner's choice of XLA's backward for that class): 16-bit problems with ``head_dim <= 128``, the
   ones the tuner times, only."""
   if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16) or head_dim > 128:
     return False

@@ -4,7 +4,8 @@ A :class:`Config` says how many rows of one head a program owns, how a row is cu
 power-of-two column chunks, and how the loads and the store meet the caches. The tuned table
 (``tuned/<device>/masked_softmax_dropout.json``, written by ``python -m
 pallas_kernels.tune``) holds one :class:`TableEntry` per row-length class
-(:func:`length_class`); elsewhere :func:`heuristic_entry` stands in. :func:`default_config` is the op's one dispatch rule.
+(:func:`length_class`); elsewhere :func:`heuristic_entry` stands in. :func:`default_config`
+is the op's one dispatch rule.
 """
 
 from __future__ import annotations
@@ -120,8 +121,9 @@ def length_class(seq_k: int) -> str:
 
 def runs_xla(device_kind: str | None, seq_k: int) -> bool:
   """Whether ``device_kind``'s table marks rows of ``seq_k`` keys ``"backend": "xla"`` (the
-  tuner measured XLA's backward faster there); any dtype."""
+  tuner's choice of XLA's backward for that class); any dtype."""
   return _tuning.tuned_backend(KERNEL, device_kind, length_class(seq_k)) == "xla"
+
 
 @dataclasses.dataclass(frozen=True)
 class TableEntry:

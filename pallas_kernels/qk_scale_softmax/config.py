@@ -159,7 +159,7 @@ def length_class(seq_k: int) -> str:
 
 def runs_xla(device_kind: str | None, seq_k: int, head_dim: int, dtype, causal: bool) -> bool:
   """Whether ``device_kind``'s table marks rows of ``seq_k`` keys ``"backend": "xla"`` (the
-  tuner measured XLA's backward faster there): dense 16-bit problems with ``head_dim <= 128``,
+  tuner's choice of XLA's backward for that class): dense 16-bit problems with ``head_dim <= 128``,
   the ones the tuner times, only."""
   if causal or jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16) or head_dim > 128:
     return False
