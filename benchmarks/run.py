@@ -4,6 +4,7 @@ Usage (on a GPU, from the root of the checkout to time)::
 
     PYTHONPATH=. python3 -m benchmarks.run [--op NAME ...] [--quick] [--out DIR]
     python3 -m benchmarks.run --compare OLD_DIR NEW_DIR   # two runs, workload by workload
+    python3 -m benchmarks.run --merge OUT_DIR RUN_DIR...  # --workloads runs into one file
 
 For each op and each of its 16 workloads (``pallas_kernels/workloads.json``) it
 checks the kernel against the reference (>= 99% of elements within the
@@ -316,6 +317,43 @@ def compare(old_dir: str, new_dir: str, *, slower: float = 1.03) -> list[dict]:
   return out
 
 
+def merge(out_dir: str, dirs: list[str]) -> list[str]:
+  """Joins the ``--workloads`` runs of one tree (one results folder each, say one per device
+  call) into one file per op in ``out_dir``: rows in the workloads' order, the summary
+  recomputed, ``_subset`` dropped from the name once every workload is there. The runs must
+  share their device and commit; a workload in two runs keeps the later one. Returns the
+  files written (base names)."""
+  spec, runs = wl.spec(), {}
+  os.makedirs(out_dir, exist_ok=True)
+  for folder in dirs:
+    for name in sorted(os.listdir(folder)):
+      if name.endswith(".json"):
+        with open(os.path.join(folder, name)) as f:
+          res = json.load(f)
+        if "workload" in (res.get("rows") or [{}])[0]:
+          runs.setdefault(res["op"], []).append(res)
+  written = []
+  for op, parts in runs.items():
+    for key in ("device", "commit", "backend"):
+      if len({p.get(key) for p in parts}) > 1:
+        values = sorted({str(p.get(key)) for p in parts})
+        raise ValueError(f"{op}: the runs differ in {key}: {values}")
+    problem = problem_of(op)
+    labels = [problem.label(w) for w in spec[problem.name + "_backward"]["workloads"]
+              if not problem.causal or w["seq_len_q"] == w["seq_len_k"]]
+    by_label = {r["workload"]: r for p in parts for r in p["rows"]}
+    rows = [by_label[label] for label in labels if label in by_label]
+    ceilings = sorted(p["ceiling"]["TBps"] for p in parts)
+    summary = summarize(rows)
+    summary["workloads"] = (f"{len(rows)} of {len(labels)} (merged from {len(parts)} runs, copy "
+                            f"ceilings {ceilings[0]:.3f}-{ceilings[-1]:.3f} TB/s)")
+    meta = {k: v for k, v in parts[0].items() if k not in ("op", "summary", "rows")}
+    name = result_name(op, meta.get("backend", ENTRY), len(rows) < len(labels))
+    write_results(os.path.join(out_dir, name), op, meta, rows, summary)
+    written.append(name)
+  return written
+
+
 def problem_of(op: str) -> Problem:
   """The :class:`Problem` of a results file's ``op`` (a registry op or a variant above)."""
   if op == "qk_scale_softmax_causal":
@@ -359,9 +397,18 @@ def main(argv=None):
                            " (<op>_<backend>_subset.* with --backend)")
   parser.add_argument("--compare", nargs=2, metavar=("OLD_DIR", "NEW_DIR"),
                       help="compare two results folders workload by workload (no GPU needed)")
+  parser.add_argument("--merge", nargs="+", metavar="DIR",
+                      help="OUT_DIR RUN_DIR...: join one tree's --workloads runs into one file "
+                           "per op in OUT_DIR (no GPU needed)")
   args = parser.parse_args(argv)
   if args.compare:
     compare(*args.compare)
+    return 0
+  if args.merge:
+    if len(args.merge) < 2:
+      parser.error("--merge: expected OUT_DIR and at least one RUN_DIR")
+    for name in merge(args.merge[0], args.merge[1:]):
+      print(os.path.join(args.merge[0], name))
     return 0
   names = {n for op in PROBLEMS for n in registry.available(op)} | {ENTRY}
   if args.backend not in names:

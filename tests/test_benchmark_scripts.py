@@ -1,6 +1,6 @@
 """The benchmark scripts on CPU: they import, say they need a GPU and exit 2; their results
 go to ``benchmarks/results/<device>/`` with the date, device, jax version and commit; two
-runs compare workload by workload."""
+runs compare workload by workload; runs of parts of the workloads merge."""
 
 import json
 import os
@@ -9,6 +9,7 @@ import pytest
 
 from conftest import ON_GPU
 from benchmarks import chart, run, step
+from pallas_kernels import workloads as wl
 
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the scripts run")
@@ -128,6 +129,40 @@ def test_compare_pairs_rows_by_workload(tmp_path, capsys):
       ("masked_softmax_dropout.json", "1, 2, 256, 0.1", 1.01),
       ("step.json", "qk_scale_softmax, B=1 H=32 S=4096", 0.8)]
   assert out.count("SLOWER") == 1 and "old (GPU) -> new (GPU)" in out
+
+
+def test_merge_joins_workload_runs_in_order(tmp_path, capsys):
+  spec = wl.spec()["masked_softmax_dropout_backward"]["workloads"]
+  labels = [wl.label("masked_softmax_dropout", w, False) for w in spec]
+
+  def write(folder, indices, commit="abc1234", ceiling=3.0):
+    folder.mkdir()
+    rows = [{"workload": labels[i], "floor_us": 1.0, "pallas_us": 2.0 + i, "xla_us": 4.0,
+             "pallas_frac_floor": 1 / (2.0 + i), "xla_frac_floor": 0.25,
+             "speedup": 4 / (2.0 + i), "kernels": "triton",
+             "checks": [{"within": 1.0, "ok": True}], "passed": True}
+            for i in indices]
+    meta = {"date": "2026-12-06", "device": "NVIDIA H100 80GB HBM3", "jax": "0.11.2",
+            "commit": commit, "calls": 30, "backend": run.ENTRY,
+            "ceiling": {"TBps": ceiling, "method": "xla_scale",
+                        "all_TBps": {"xla_scale": ceiling}}}
+    (folder / "masked_softmax_dropout_subset.json").write_text(json.dumps(
+        {"op": "masked_softmax_dropout", **meta, "summary": {}, "rows": rows}))
+  write(tmp_path / "b", range(8, 16), ceiling=3.1)
+  write(tmp_path / "a", range(0, 8))
+  out = tmp_path / "out"
+  assert run.main(["--merge", str(out), str(tmp_path / "b"), str(tmp_path / "a")]) == 0
+  res = json.loads((out / "masked_softmax_dropout.json").read_text())
+  assert [r["workload"] for r in res["rows"]] == labels
+  assert res["commit"] == "abc1234" and res["summary"]["all_passed"]
+  assert res["summary"]["workloads"] == (
+      "16 of 16 (merged from 2 runs, copy ceilings 3.000-3.100 TB/s)")
+  assert "| **geomean** |" in (out / "masked_softmax_dropout.md").read_text()
+  part = run.merge(str(tmp_path / "part"), [str(tmp_path / "a")])
+  assert part == ["masked_softmax_dropout_subset"]
+  write(tmp_path / "other", [3], commit="def5678")
+  with pytest.raises(ValueError, match="differ in commit"):
+    run.merge(str(out), [str(tmp_path / "a"), str(tmp_path / "other")])
 
 
 def test_chart_needs_a_results_file(capsys):
