@@ -69,17 +69,18 @@ def test_candidates_build_valid_configs(op):
   for name, entries in ta.CANDIDATES[op].items():
     assert entries, (op, name)
     for entry in entries:
-      expected = asdv.PassConfig if op == ta.ATTENTION else qks.PassConfig
+      expected = (asdv.PassConfig if op == ta.ATTENTION
+                  else qks.ForwardConfig if name == "fwd" else qks.PassConfig)
       for sq, sk in SHAPES:
         if op == ta.QK and entry["block_k"] == qks.WHOLE_ROW and sk > 512:
           continue  # whole-row candidates are timed on short rows only
-        cfg = ta.pass_config(op, entry, sq, sk)  # the dataclass validation runs
+        cfg = ta.pass_config(op, entry, sq, sk, name)  # the dataclass validation runs
         assert type(cfg) is expected
         assert cfg.block_q <= max(16, entry["block_q"])
-      key = ta.candidate_key(op, entry)
-      assert ta.PASS_ENTRY[op](dict(key)) == dict(key)  # the key is a table entry
+      key = ta.candidate_key(op, entry, name)
+      assert ta._pass_entry(op, name, dict(key)) == dict(key)  # the key is a table entry
       assert common.label(key).startswith(f"{entry['block_q']}x")
-    keys = [ta.candidate_key(op, e) for e in entries]
+    keys = [ta.candidate_key(op, e, name) for e in entries]
     assert len(set(keys)) == len(keys), (op, name, "duplicate candidates")
 
 
@@ -242,6 +243,37 @@ def test_qk_table_round_trip(tuned_dir):
   assert two == qks.Config(qks.PassConfig(16, 256, 4, 1), ta.pass_config(ta.QK, dict(col[1]), 100, 256))
   assert qks.default_config(300, 293, 64, jnp.float16, FAKE) == qks.Config(
       qks.PassConfig(32, 64, 4, 2, row_align=16), ta.pass_config(ta.QK, dict(col[0]), 300, 293))
+
+
+def test_qk_forward_table_round_trip(tuned_dir, capsys):
+  """The forward's launch (pass ``fwd``) goes into its class's entry beside the backward's,
+  and the forward reads it back for 16-bit inputs with D <= 128 (tiles capped at the padded
+  lengths); other problems, and classes without one, keep the default."""
+  out = _tuning.table_path(qks.config.KERNEL, FAKE)
+  fwd = [ta.candidate_key(ta.QK, e, "fwd") for e in ta.QK_FWD[:3]]
+  col = ta.candidate_key(ta.QK, ta.QK_COL[0])
+  row = ta.candidate_key(ta.QK, ta.QK_ROW[4])
+  ratios = {"1024": {"row": [_ratios([row], [1.0])], "col": [_ratios([col], [1.0])],
+                     "fwd": [_ratios(fwd, [1.3, 1.1, 1.0]), _ratios(fwd, [1.2, 1.0, 1.05])]}}
+  tr._write_table(ta.QK, ratios, out, {"1024": {"two_pass": [9.0, 9.0]}}, device_kind=FAKE)
+  capsys.readouterr()
+  with open(out) as f:
+    entry = json.load(f)["configs"]["1024"]
+  assert entry["fwd"] == dict(fwd[2]) == ta.QK_FWD[2]  # the best geomean over the workloads
+  tuned = qks.ForwardConfig(64, 128, 4, 2)
+  assert qks.forward_config(4096, 4096, 128, jnp.bfloat16, FAKE) == tuned
+  assert qks.forward_config(100, 2048, 64, jnp.float16, FAKE) == tuned
+  assert qks.forward_config(16, 1000, 64, jnp.bfloat16, FAKE) == qks.ForwardConfig(16, 128, 4, 2)
+  default = qks.forward.default_forward_config
+  f32 = jnp.float32
+  assert qks.forward_config(4096, 4096, 128, f32, FAKE) == default(4096, 4096, 128, f32)
+  assert qks.forward_config(4096, 4096, 256, jnp.bfloat16, FAKE) == default(4096, 4096, 256)
+  assert qks.forward_config(64, 256, 128, jnp.bfloat16, FAKE) == default(64, 256, 128)  # no entry
+  assert qks.forward_config(4096, 4096, 128, jnp.bfloat16, None) == default(4096, 4096, 128)
+  with pytest.raises(ValueError, match="fwd: unknown fields"):
+    ta.fwd_entry(dict(block_q=64, block_k=64, num_warps=4, num_stages=2, row_align=16))
+  with pytest.raises(ValueError, match="block_k"):
+    ta.parse_cands(ta.QK, "fwd=[(64,512,8,2)]")
 
 
 def test_writer_leaves_out_entries_it_cannot_read(tuned_dir, capsys):

@@ -34,6 +34,7 @@ from pallas_kernels.qk_scale_softmax.dispatch import (forward_kernel_for, kernel
                                                       qk_scale_softmax_backward,
                                                       qk_scale_softmax_forward)
 from pallas_kernels.qk_scale_softmax.dl_gemm import dl_gemms, dl_pass
+from pallas_kernels.qk_scale_softmax.forward import ForwardConfig, forward_config
 from pallas_kernels.qk_scale_softmax.per_head import head_pass
 from pallas_kernels.qk_scale_softmax.two_pass import col_pass, row_pass, use_phased
 
@@ -45,6 +46,8 @@ __all__ = [
     "Config",
     "DlConfig",
     "PassConfig",
+    "ForwardConfig",
+    "forward_config",
     "SCHEMES",
     "MAX_DL_ROW",
     "MAX_DL_ELEMENTS",

@@ -37,8 +37,10 @@ from pallas_kernels import _triton_tiles as tiles
 from pallas_kernels import _tuning, _util, validation
 from pallas_kernels._util import compiler_params, dot, next_power_of_2, out_struct, pallas_call
 from pallas_kernels.qk_scale_softmax._common import row_num_full_k_tiles, row_num_k_tiles
+from pallas_kernels.qk_scale_softmax.config import KERNEL, length_class
 
-__all__ = ["qk_scale_softmax_forward", "ForwardConfig", "default_forward_config", "takes"]
+__all__ = ["qk_scale_softmax_forward", "ForwardConfig", "default_forward_config",
+           "forward_config", "takes"]
 
 _NAME = "qk_scale_softmax_forward"
 _F32 = jnp.float32
@@ -66,6 +68,11 @@ class ForwardConfig:
       raise ValueError(f"config.block_k: expected at most 256, got {self.block_k} (wider key "
                        "tiles miscompile on Hopper)")
 
+  def capped(self, seq_q: int, seq_k: int) -> ForwardConfig:
+    """The tiles capped at the padded lengths (powers of two >= 16)."""
+    return dataclasses.replace(self, block_q=min(self.block_q, max(16, next_power_of_2(seq_q))),
+                               block_k=min(self.block_k, max(16, next_power_of_2(seq_k))))
+
 
 def default_forward_config(seq_q: int, seq_k: int, head_dim: int,
                            dtype=jnp.bfloat16) -> ForwardConfig:
@@ -91,6 +98,20 @@ def default_forward_config(seq_q: int, seq_k: int, head_dim: int,
     return ForwardConfig(block_q=min(64, rows), block_k=block_k,
                          num_warps=4 if block_k <= 128 else 8, num_stages=2)
   return ForwardConfig(block_q=min(128, rows), block_k=64, num_warps=8, num_stages=3)
+
+
+def forward_config(seq_q: int, seq_k: int, head_dim: int, dtype,
+                   device_kind: str | None = None) -> ForwardConfig:
+  """The tuned launch for rows of ``seq_k`` keys on ``device_kind``: the ``"fwd"`` entry of
+  their length class in the device's ``qk_scale_softmax`` table (16-bit inputs with
+  ``head_dim <= 128``, the problems the tuner times), its tiles capped at the padded lengths;
+  else :func:`default_forward_config` (also for ``device_kind`` ``None``)."""
+  entry = _tuning.lookup(_tuning.table(KERNEL, device_kind or ""), length_class(seq_k))
+  fields = (entry or {}).get("fwd")
+  if (not isinstance(fields, dict) or jnp.dtype(dtype).itemsize != 2
+      or tiles.padded_head_dim(head_dim) > 128):
+    return default_forward_config(seq_q, seq_k, head_dim, dtype)
+  return ForwardConfig(**fields).capped(seq_q, seq_k)
 
 
 def _kernel(scale_ref, q_ref, k_ref, p_ref, *, seq_q, seq_k, head_dim, d_pad, block_q, block_k,
@@ -216,8 +237,8 @@ def qk_scale_softmax_forward(query, key, scaling, causal: bool = False, *,
     scaling: the logits' scale, a finite number > 0 (a Python float or a traced scalar).
     causal: keys ``k > q + (Sk - Sq)`` get probability exactly 0 (needs ``Sq <= Sk``); the
       kernel skips the GEMMs of the tiles wholly above the diagonal.
-    config: tiles and launch (:class:`ForwardConfig`; default
-      :func:`default_forward_config`).
+    config: tiles and launch (:class:`ForwardConfig`; default :func:`forward_config`: the
+      device's tuned table, else :func:`default_forward_config`).
     interpret: run the kernel in the Pallas interpreter (any backend).
 
   Returns:
@@ -241,7 +262,8 @@ def qk_scale_softmax_forward(query, key, scaling, causal: bool = False, *,
     raise ValueError(f"query, key: every array at most 2**31 - 1 elements (int32 offsets), "
                      f"got {n} in {name} (query {list(query.shape)}, key {list(key.shape)})")
   if config is None:
-    config = default_forward_config(seq_q, seq_k, d, query.dtype)
+    config = forward_config(seq_q, seq_k, d, query.dtype,
+                            _tuning.device_kind_of(query, key, interpret=interpret))
   elif not isinstance(config, ForwardConfig):
     raise TypeError(f"config: expected a qk_scale_softmax ForwardConfig, got "
                     f"{type(config).__name__}")

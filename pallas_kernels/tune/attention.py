@@ -25,11 +25,13 @@ takes a whole row in one tile it needs none, and pass 1 then runs without its dP
 tuner does not time that pairing: re-tuning a class of one-tile dS rows replaces its entry
 with a two-pass one.
 
-For qk_scale_softmax the tuner also times the whole backward with the table's two-pass
-config, for rows of <= 256 keys the one-kernel ``per_head`` scheme (pass ``head``), and the
-``dl_gemm`` scheme over the dL kernel's launches (pass ``dl``, :data:`QK_DL`); the table's
-``scheme`` for a class is the one with the best geomean over its workloads. The causal dL
-launch (``causal_dl``) is not timed: a class keeps the one its table has.
+For qk_scale_softmax the tuner also times its Triton forward (pass ``fwd``, :data:`QK_FWD`)
+where the op's forward runs it, the whole backward with the table's two-pass config, for
+rows of <= 256 keys the one-kernel ``per_head`` scheme (pass ``head``), and the ``dl_gemm``
+scheme over the dL kernel's launches (pass ``dl``, :data:`QK_DL`); the table's ``scheme``
+for a class is the one with the best geomean over its workloads. The causal dL launch
+(``causal_dl``) is not timed: a class keeps the one its table has. The forward's entry
+serves dense and causal calls alike.
 """
 
 from __future__ import annotations
@@ -136,14 +138,32 @@ QK_HEAD = [
 QK_DL = [dict(rows=r, num_warps=w) for r in (1, 2, 4, 8) for w in (1, 2, 4, 8)]
 QK_DL += [dict(e, phased=True) for e in QK_DL if e["rows"] <= 2]
 
+# qk_scale_softmax's Triton forward (``ForwardConfig`` fields; key tiles of at most 256), timed
+# where the op's forward runs it (not where the Mosaic GPU forward takes the rows). The
+# defaults first: rows of <= 256 keys as one tile, longer rows 128 x 64 on 8 warps.
+QK_FWD = [
+    dict(block_q=64, block_k=256, num_warps=8, num_stages=2),
+    dict(block_q=128, block_k=64, num_warps=8, num_stages=3),
+    dict(block_q=64, block_k=128, num_warps=4, num_stages=2),
+    dict(block_q=128, block_k=128, num_warps=8, num_stages=2),
+    dict(block_q=64, block_k=64, num_warps=4, num_stages=3),
+    dict(block_q=128, block_k=64, num_warps=8, num_stages=2),
+    dict(block_q=64, block_k=128, num_warps=8, num_stages=3),
+    dict(block_q=128, block_k=128, num_warps=8, num_stages=3),
+    dict(block_q=128, block_k=32, num_warps=4, num_stages=3),
+    dict(block_q=64, block_k=64, num_warps=4, num_stages=4),
+    dict(block_q=32, block_k=128, num_warps=4, num_stages=2),
+    dict(block_q=128, block_k=256, num_warps=8, num_stages=2),
+]
+
 # Candidate lists per op and pass (``--cands`` replaces them for one run).
 CANDIDATES = {
     ATTENTION: {"dv": ATTENTION_DV, "ds": ATTENTION_DS},
-    QK: {"row": QK_ROW, "col": QK_COL, "head": QK_HEAD},
+    QK: {"row": QK_ROW, "col": QK_COL, "head": QK_HEAD, "fwd": QK_FWD},
 }
 # --quick: the first of each list (the lists open with the usual winners), and these dL
 # launches.
-QUICK = {ATTENTION: {"dv": 6, "ds": 6}, QK: {"row": 6, "col": 5, "head": 4}}
+QUICK = {ATTENTION: {"dv": 6, "ds": 6}, QK: {"row": 6, "col": 5, "head": 4, "fwd": 6}}
 QUICK_DL = [dict(rows=r, num_warps=w) for r in (1, 2, 4) for w in (1, 4)] + [
     dict(rows=1, num_warps=1, phased=True)]
 WORKLOADS = {ATTENTION: ATTENTION_WORKLOADS, QK: QK_WORKLOADS}
@@ -194,25 +214,41 @@ def dl_entry(entry: dict) -> dict:
   return dict(entry)
 
 
+def fwd_entry(entry: dict) -> dict:
+  """A forward launch candidate of qk_scale_softmax (``ForwardConfig`` fields, all four);
+  raises ``ValueError`` naming a bad field."""
+  names = [f.name for f in dataclasses.fields(qks.ForwardConfig)]
+  unknown = sorted(set(entry) - set(names))
+  if unknown:
+    raise ValueError(f"fwd: unknown fields {unknown}; expected some of {names}")
+  config = qks.ForwardConfig(**entry)
+  return {name: getattr(config, name) for name in names}
+
+
 PASS_ENTRY = {ATTENTION: attention_pass_entry, QK: qk_pass_entry}
 
 
 def _pass_entry(op: str, name: str, entry: dict) -> dict:
-  return dl_entry(entry) if name == "dl" else PASS_ENTRY[op](entry)
+  if name == "dl":
+    return dl_entry(entry)
+  return fwd_entry(entry) if name == "fwd" else PASS_ENTRY[op](entry)
 
 
-def pass_config(op: str, entry: dict, seq_q: int, seq_k: int):
+def pass_config(op: str, entry: dict, seq_q: int, seq_k: int, name: str = ""):
   """The pass config a candidate runs with on a workload: tiles capped at the padded
   lengths (qk_scale_softmax: a whole-row tile is the padded row), as the op's
-  ``default_config`` does."""
+  ``default_config`` (pass ``"fwd"``: ``forward_config``) does."""
   if op == ATTENTION:
     return asdv.PassConfig.from_json(entry).capped(seq_q, seq_k)
+  if name == "fwd":
+    return qks.ForwardConfig(**entry).capped(seq_q, seq_k)
   return qks.pass_config(entry, seq_q, seq_k)
 
 
-def candidate_key(op: str, entry: dict) -> tuple:
-  """A candidate as a hashable key (its table entry's items); ``dict(key)`` is the entry."""
-  return tuple(PASS_ENTRY[op](entry).items())
+def candidate_key(op: str, entry: dict, name: str = "") -> tuple:
+  """A candidate of pass ``name`` as a hashable key (its table entry's items); ``dict(key)``
+  is the entry."""
+  return tuple(_pass_entry(op, name, entry).items())
 
 
 def from_tuple(op: str, values) -> dict:
@@ -250,7 +286,7 @@ def parse_cands(op: str, text: str) -> dict[str, list[dict]]:
       values = [values]  # one candidate
     entries = [dict(v) if isinstance(v, dict) else from_tuple(op, v) for v in values]
     for entry in entries:
-      PASS_ENTRY[op](entry)
+      _pass_entry(op, name, entry)
     result[name] = entries
   return result
 
@@ -286,8 +322,8 @@ def _with_table(op: str, cands: dict, device_kind: str | None, key: str) -> dict
     if name == "dl" or not isinstance((entry or {}).get(name), dict):
       continue
     try:
-      have = {candidate_key(op, e) for e in out[name]}
-      if candidate_key(op, entry[name]) not in have:
+      have = {candidate_key(op, e, name) for e in out[name]}
+      if candidate_key(op, entry[name], name) not in have:
         out[name].append(dict(entry[name]))
     except (KeyError, TypeError, ValueError):
       pass  # not a valid entry for this tuner: not timed

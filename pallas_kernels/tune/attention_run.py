@@ -24,7 +24,7 @@ from pallas_kernels._util import Dropout
 from pallas_kernels.qk_scale_softmax.config import PER_HEAD_TUNED_MAX_ROW
 from pallas_kernels.tune import common
 from pallas_kernels.tune.attention import (ATTENTION, PASS_ENTRY, QK, SHAPE, _with_table,
-                                           candidate_key, candidates, pass_config)
+                                           candidate_key, candidates, fwd_entry, pass_config)
 
 # Per scheme of qk_scale_softmax, the passes whose times add up to one backward.
 QK_SCHEMES = {"two_pass": ("two_pass",), "per_head": ("head",), "dl_gemm": ("dl",)}
@@ -121,6 +121,13 @@ def _qk_passes(w, constants, make_sets, cands, device_kind=None):
     passes["head"] = (head, whole)
   if sk <= qks.MAX_DL_ROW:
     passes["dl"] = (_dl_candidates(base, sk, constants["scaling"], cands["dl"]), whole)
+  shapes = (jax.ShapeDtypeStruct((b, h, sq, d), jnp.bfloat16),
+            jax.ShapeDtypeStruct((b, h, sk, d), jnp.bfloat16))
+  if qks.dispatch.pick_forward(*shapes, constants["scaling"]) == "triton":
+    fwd = [(candidate_key(QK, e, "fwd"), lambda q, k, cfg=pass_config(QK, e, sq, sk, "fwd"):
+            qks.forward.qk_scale_softmax_forward(q, k, constants["scaling"], config=cfg))
+           for e in cands["fwd"]]
+    passes["fwd"] = (fwd, _lazy(lambda: [(q, k) for _, q, k, _ in make_sets()]))
   return passes, qks.length_class(sk)
 
 
@@ -200,9 +207,10 @@ def attention_table_entry(entry: dict) -> dict:
 
 
 def qk_table_entry(entry: dict) -> dict:
-  """A class's entry of qk_scale_softmax's table (``scheme``, ``row``, ``col`` and, if measured,
-  ``head``; ``dl`` and ``causal_dl``, the dL kernel's launch for dense and causal calls, kept
-  as they are) as ``default_config`` reads it; raises if it is not one."""
+  """A class's entry of qk_scale_softmax's table (``scheme``, ``row``, ``col`` and, if
+  measured, ``head`` and the forward's ``fwd``; ``dl`` and ``causal_dl``, the dL kernel's
+  launch for dense and causal calls, kept as they are) as ``default_config`` and
+  ``forward_config`` read it; raises if it is not one."""
   scheme = entry.get("scheme", "two_pass")
   if scheme not in qks.SCHEMES:
     raise ValueError(f"scheme: expected one of {qks.SCHEMES}, got {scheme!r}")
@@ -212,6 +220,8 @@ def qk_table_entry(entry: dict) -> dict:
       out[name] = PASS_ENTRY[QK](entry[name])
     elif name != "head":
       raise KeyError(f"no {name!r} pass")
+  if "fwd" in entry:
+    out["fwd"] = fwd_entry(entry["fwd"])
   for name in ("dl", "causal_dl"):
     if name in entry:
       fields = {k: entry[name][k] for k in ("rows", "num_warps", "phased") if k in entry[name]}
