@@ -323,5 +323,6 @@ def test_the_candidates_take_their_input_sets(cache, pretend_h200, monkeypatch, 
   assert sorted(set(ran)) == sorted({
       (MASKED, "kernel"), (MASKED, "xla"), (QK, "row"), (QK, "two_pass"), (QK, "head"),
       (QK, "dl"), (QK, "fwd"), (QK, "xla"), ("attention_softmax_dropout_value", "dv"),
+      ("attention_softmax_dropout_value", "fwd"),
       ("attention_softmax_dropout_value", "xla")})
   capsys.readouterr()

@@ -69,8 +69,8 @@ def test_candidates_build_valid_configs(op):
   for name, entries in ta.CANDIDATES[op].items():
     assert entries, (op, name)
     for entry in entries:
-      expected = (asdv.PassConfig if op == ta.ATTENTION
-                  else qks.ForwardConfig if name == "fwd" else qks.PassConfig)
+      expected = (ta.FORWARD_CONFIG[op] if name == "fwd"
+                  else asdv.PassConfig if op == ta.ATTENTION else qks.PassConfig)
       for sq, sk in SHAPES:
         if op == ta.QK and entry["block_k"] == qks.WHOLE_ROW and sk > 512:
           continue  # whole-row candidates are timed on short rows only
@@ -271,9 +271,35 @@ def test_qk_forward_table_round_trip(tuned_dir, capsys):
   assert qks.forward_config(64, 256, 128, jnp.bfloat16, FAKE) == default(64, 256, 128)  # no entry
   assert qks.forward_config(4096, 4096, 128, jnp.bfloat16, None) == default(4096, 4096, 128)
   with pytest.raises(ValueError, match="fwd: unknown fields"):
-    ta.fwd_entry(dict(block_q=64, block_k=64, num_warps=4, num_stages=2, row_align=16))
+    ta.fwd_entry(ta.QK, dict(block_q=64, block_k=64, num_warps=4, num_stages=2, row_align=16))
   with pytest.raises(ValueError, match="block_k"):
     ta.parse_cands(ta.QK, "fwd=[(64,512,8,2)]")
+
+
+def test_attention_forward_table_round_trip(tuned_dir):
+  """attention_softmax_dropout_value's forward launch (pass ``fwd``) rides in its class's
+  entry beside dV and dS, and the forward reads it back (16-bit, D <= 128; capped)."""
+  from pallas_kernels.attention_softmax_dropout_value import forward as fwd_kernel
+  out = _tuning.table_path(asdv.config.KERNEL, FAKE)
+  dv = ta.candidate_key(ta.ATTENTION, ta.ATTENTION_DV[0])
+  ds = ta.candidate_key(ta.ATTENTION, ta.ATTENTION_DS[0])
+  fwd = [ta.candidate_key(ta.ATTENTION, e, "fwd") for e in ta.ATTENTION_FWD[:3]]
+  ratios = {"512": {"dv": [_ratios([dv], [1.0])], "ds": [_ratios([ds], [1.0])],
+                    "fwd": [_ratios(fwd, [1.2, 1.1, 1.0])]}}
+  tr._write_table(ta.ATTENTION, ratios, out, device_kind=FAKE)
+  with open(out) as f:
+    entry = json.load(f)["configs"]["512"]
+  assert entry["fwd"] == ta.ATTENTION_FWD[2] and set(entry) == {"dv", "ds", "fwd"}
+  tuned = _tuning.TritonPassConfig(32, 128, 4, 2)
+  assert fwd_kernel.forward_config(512, 512, 128, jnp.bfloat16, FAKE) == tuned
+  assert fwd_kernel.forward_config(16, 500, 64, jnp.float16, FAKE) == tuned.capped(16, 500)
+  assert asdv.default_config(2, 8, 2, 512, 512, 128, jnp.bfloat16, FAKE) == asdv.Config(
+      ta.pass_config(ta.ATTENTION, dict(dv), 512, 512),
+      ta.pass_config(ta.ATTENTION, dict(ds), 512, 512))  # the backward ignores "fwd"
+  default = _tuning.TritonPassConfig(32, 64, 4, 3)
+  assert fwd_kernel.forward_config(512, 512, 128, jnp.float32, FAKE) == default
+  assert fwd_kernel.forward_config(512, 2048, 128, jnp.bfloat16, FAKE) == default  # no entry
+  assert fwd_kernel.forward_config(512, 512, 128, jnp.bfloat16, None) == default
 
 
 def test_writer_leaves_out_entries_it_cannot_read(tuned_dir, capsys):

@@ -39,6 +39,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels import _triton_tiles as tiles
 from pallas_kernels import _dropout, _tuning, _util, validation
 from pallas_kernels._util import compiler_params, dot, next_power_of_2, out_struct, pallas_call
+from pallas_kernels.attention_softmax_dropout_value.config import KERNEL, length_class
 
 _I32 = tiles.i32
 _NAME = "attention_softmax_dropout_value_forward"
@@ -157,6 +158,22 @@ def takes(b, h, kvh, seq_q, seq_k, head_dim) -> bool:
   return max(b * h * seq_q * seq_k, b * kvh * seq_k * head_dim, b * seq_q * h * head_dim) < 2**31
 
 
+def forward_config(seq_q: int, seq_k: int, head_dim: int, dtype,
+                   device_kind: str | None = None) -> _tuning.TritonPassConfig:
+  """The launch for rows of ``seq_k`` keys on ``device_kind``: the ``"fwd"`` entry of their
+  length class in the device's ``attention_softmax_dropout_value`` table (16-bit inputs with
+  ``head_dim <= 128``, the problems the tuner times), its tiles capped at the padded lengths;
+  else the defaults (:func:`default_blocks`, :data:`DEFAULT_NUM_WARPS` warps,
+  :data:`DEFAULT_NUM_STAGES` stages; also for ``device_kind`` ``None``)."""
+  entry = _tuning.lookup(_tuning.table(KERNEL, device_kind or ""), length_class(seq_k))
+  fields = (entry or {}).get("fwd")
+  if (isinstance(fields, dict) and jnp.dtype(dtype).itemsize == 2
+      and tiles.padded_head_dim(head_dim) <= 128):
+    return _tuning.TritonPassConfig(**fields).capped(seq_q, seq_k)
+  return _tuning.TritonPassConfig(*default_blocks(seq_q, seq_k), DEFAULT_NUM_WARPS,
+                                  DEFAULT_NUM_STAGES)
+
+
 def default_blocks(seq_q: int, seq_k: int) -> tuple[int, int]:
   """``(block_q, block_k)``: the untuned defaults capped at the padded lengths (>= 16)."""
   return (min(DEFAULT_BLOCK_Q, max(16, next_power_of_2(seq_q))),
@@ -228,8 +245,9 @@ def attention_softmax_dropout_value_forward(scores, value_states, dropout_rate, 
     store_keep: whether the kernel writes ``keep`` (a Python bool).
     store_f32: whether the kernel writes ``O_f32`` (a Python bool; ``[B, Sq, H, D]`` fp32 is
       ``2 * D / Skv`` of the bf16 scores' bytes: half of them at ``Skv = 512``).
-    block_q, block_k: tiles (powers of two >= 16; default :func:`default_blocks`, untuned).
-    num_warps, num_stages: Triton launch parameters (default 4 and 3, untuned).
+    block_q, block_k: tiles (powers of two >= 16), and
+    num_warps, num_stages: Triton launch parameters; each left ``None`` takes
+      :func:`forward_config`'s (the device's tuned table, else the defaults).
     interpret: run the kernel in the Pallas interpreter (any backend).
 
   Returns:
@@ -269,12 +287,14 @@ def _launch_args(scores, value_states, dropout_rate, dropout_rng, block_q, block
   # The reference's scale, 1 / (1 - p) in fp32, of the rate drawn; NaN for an invalid
   # traced rate.
   dropout, seeds, scale = _dropout.kernel_args(dropout_rate, dropout_rng)
-  dq, dk = default_blocks(seq_q, seq_k)
+  base = forward_config(seq_q, seq_k, value_states.shape[3], scores.dtype,
+                        _tuning.device_kind_of(scores, value_states, interpret=interpret))
   # Validates the launch parameters (ValueError naming the field).
   cfg = _tuning.TritonPassConfig(
-      block_q=dq if block_q is None else block_q, block_k=dk if block_k is None else block_k,
-      num_warps=DEFAULT_NUM_WARPS if num_warps is None else num_warps,
-      num_stages=DEFAULT_NUM_STAGES if num_stages is None else num_stages)
+      block_q=base.block_q if block_q is None else block_q,
+      block_k=base.block_k if block_k is None else block_k,
+      num_warps=base.num_warps if num_warps is None else num_warps,
+      num_stages=base.num_stages if num_stages is None else num_stages)
   return dropout, (seeds, scale, dict(
       block_q=cfg.block_q, block_k=cfg.block_k,
       num_warps=cfg.num_warps, num_stages=cfg.num_stages, interpret=bool(interpret)))

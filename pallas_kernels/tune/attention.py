@@ -20,18 +20,21 @@ num_stages[, split, heads, row_align])``, split 0 = ``"auto"``; qk_scale_softmax
 ``(block_q, block_k, num_warps, num_stages[, row_align])``, block_k 0 = the whole row) or
 dicts of named fields.
 
+Each op's fused forward is a pass too (``fwd``: :data:`ATTENTION_FWD`, :data:`QK_FWD`),
+timed alone where the op's forward runs it; its entry in the table is read by the forward's
+``forward_config``.
+
 attention_softmax_dropout_value's pass 1 is timed with delta's partials. Where the dS pass
 takes a whole row in one tile it needs none, and pass 1 then runs without its dPd GEMM; the
 tuner does not time that pairing: re-tuning a class of one-tile dS rows replaces its entry
 with a two-pass one.
 
-For qk_scale_softmax the tuner also times its Triton forward (pass ``fwd``, :data:`QK_FWD`)
-where the op's forward runs it, the whole backward with the table's two-pass config, for
-rows of <= 256 keys the one-kernel ``per_head`` scheme (pass ``head``), and the ``dl_gemm``
-scheme over the dL kernel's launches (pass ``dl``, :data:`QK_DL`); the table's ``scheme``
-for a class is the one with the best geomean over its workloads. The causal dL launch
-(``causal_dl``) is not timed: a class keeps the one its table has. The forward's entry
-serves dense and causal calls alike.
+For qk_scale_softmax the tuner also times the whole backward with the table's two-pass
+config, for rows of <= 256 keys the one-kernel ``per_head`` scheme (pass ``head``), and the
+``dl_gemm`` scheme over the dL kernel's launches (pass ``dl``, :data:`QK_DL`); the table's
+``scheme`` for a class is the one with the best geomean over its workloads. The causal dL
+launch (``causal_dl``) is not timed: a class keeps the one its table has. The forward's
+entry serves dense and causal calls alike.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import dataclasses
 
 from pallas_kernels import attention_softmax_dropout_value as asdv
 from pallas_kernels import qk_scale_softmax as qks
+from pallas_kernels import _tuning
 from pallas_kernels._tuning import lookup, table as tuned_table
 from pallas_kernels.attention_softmax_dropout_value.config import AUTO
 
@@ -138,6 +142,21 @@ QK_HEAD = [
 QK_DL = [dict(rows=r, num_warps=w) for r in (1, 2, 4, 8) for w in (1, 2, 4, 8)]
 QK_DL += [dict(e, phased=True) for e in QK_DL if e["rows"] <= 2]
 
+# attention_softmax_dropout_value's fused forward (``TritonPassConfig`` fields), timed as the
+# op's step calls it (P and the fp32 O written). The default first.
+ATTENTION_FWD = [
+    dict(block_q=32, block_k=64, num_warps=4, num_stages=3),
+    dict(block_q=64, block_k=64, num_warps=4, num_stages=3),
+    dict(block_q=32, block_k=128, num_warps=4, num_stages=2),
+    dict(block_q=64, block_k=128, num_warps=8, num_stages=2),
+    dict(block_q=16, block_k=64, num_warps=4, num_stages=3),
+    dict(block_q=32, block_k=64, num_warps=4, num_stages=2),
+    dict(block_q=64, block_k=64, num_warps=8, num_stages=3),
+    dict(block_q=32, block_k=128, num_warps=8, num_stages=3),
+    dict(block_q=16, block_k=128, num_warps=4, num_stages=3),
+    dict(block_q=64, block_k=32, num_warps=4, num_stages=3),
+]
+
 # qk_scale_softmax's Triton forward (``ForwardConfig`` fields; key tiles of at most 256), timed
 # where the op's forward runs it (not where the Mosaic GPU forward takes the rows). The
 # defaults first: rows of <= 256 keys as one tile, longer rows 128 x 64 on 8 warps.
@@ -158,12 +177,12 @@ QK_FWD = [
 
 # Candidate lists per op and pass (``--cands`` replaces them for one run).
 CANDIDATES = {
-    ATTENTION: {"dv": ATTENTION_DV, "ds": ATTENTION_DS},
+    ATTENTION: {"dv": ATTENTION_DV, "ds": ATTENTION_DS, "fwd": ATTENTION_FWD},
     QK: {"row": QK_ROW, "col": QK_COL, "head": QK_HEAD, "fwd": QK_FWD},
 }
 # --quick: the first of each list (the lists open with the usual winners), and these dL
 # launches.
-QUICK = {ATTENTION: {"dv": 6, "ds": 6}, QK: {"row": 6, "col": 5, "head": 4, "fwd": 6}}
+QUICK = {ATTENTION: {"dv": 6, "ds": 6, "fwd": 5}, QK: {"row": 6, "col": 5, "head": 4, "fwd": 6}}
 QUICK_DL = [dict(rows=r, num_warps=w) for r in (1, 2, 4) for w in (1, 4)] + [
     dict(rows=1, num_warps=1, phased=True)]
 WORKLOADS = {ATTENTION: ATTENTION_WORKLOADS, QK: QK_WORKLOADS}
@@ -214,14 +233,18 @@ def dl_entry(entry: dict) -> dict:
   return dict(entry)
 
 
-def fwd_entry(entry: dict) -> dict:
-  """A forward launch candidate of qk_scale_softmax (``ForwardConfig`` fields, all four);
+# The forward kernels' launch dataclasses (all four fields: tiles, warps, stages).
+FORWARD_CONFIG = {ATTENTION: _tuning.TritonPassConfig, QK: qks.ForwardConfig}
+
+
+def fwd_entry(op: str, entry: dict) -> dict:
+  """A forward launch candidate of ``op`` (its :data:`FORWARD_CONFIG` fields, all four);
   raises ``ValueError`` naming a bad field."""
-  names = [f.name for f in dataclasses.fields(qks.ForwardConfig)]
+  names = [f.name for f in dataclasses.fields(FORWARD_CONFIG[op])]
   unknown = sorted(set(entry) - set(names))
   if unknown:
     raise ValueError(f"fwd: unknown fields {unknown}; expected some of {names}")
-  config = qks.ForwardConfig(**entry)
+  config = FORWARD_CONFIG[op](**entry)
   return {name: getattr(config, name) for name in names}
 
 
@@ -231,17 +254,17 @@ PASS_ENTRY = {ATTENTION: attention_pass_entry, QK: qk_pass_entry}
 def _pass_entry(op: str, name: str, entry: dict) -> dict:
   if name == "dl":
     return dl_entry(entry)
-  return fwd_entry(entry) if name == "fwd" else PASS_ENTRY[op](entry)
+  return fwd_entry(op, entry) if name == "fwd" else PASS_ENTRY[op](entry)
 
 
 def pass_config(op: str, entry: dict, seq_q: int, seq_k: int, name: str = ""):
   """The pass config a candidate runs with on a workload: tiles capped at the padded
   lengths (qk_scale_softmax: a whole-row tile is the padded row), as the op's
-  ``default_config`` (pass ``"fwd"``: ``forward_config``) does."""
+  ``default_config`` (pass ``"fwd"``: the forward's ``forward_config``) does."""
+  if name == "fwd":
+    return FORWARD_CONFIG[op](**entry).capped(seq_q, seq_k)
   if op == ATTENTION:
     return asdv.PassConfig.from_json(entry).capped(seq_q, seq_k)
-  if name == "fwd":
-    return qks.ForwardConfig(**entry).capped(seq_q, seq_k)
   return qks.pass_config(entry, seq_q, seq_k)
 
 

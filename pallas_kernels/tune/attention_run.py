@@ -20,7 +20,8 @@ from jax.experimental import pallas as pl
 from pallas_kernels import attention_softmax_dropout_value as asdv
 from pallas_kernels import qk_scale_softmax as qks
 from pallas_kernels import workloads as wl
-from pallas_kernels._util import Dropout
+from pallas_kernels._util import Dropout, is_hopper
+from pallas_kernels.attention_softmax_dropout_value import forward as asdv_forward
 from pallas_kernels.qk_scale_softmax.config import PER_HEAD_TUNED_MAX_ROW
 from pallas_kernels.tune import common
 from pallas_kernels.tune.attention import (ATTENTION, PASS_ENTRY, QK, SHAPE, _with_table,
@@ -73,8 +74,21 @@ def _attention_passes(w, constants, make_sets, cands):
   ds = [(c, lambda d_o, p3, k3, v3, dpart, cfg=cfg: asdv.ds_pass(
       d_o, p3, k3, v3, dpart, None, num_heads=h, dropout=dropout, cfg=cfg, interpret=False))
         for c, cfg in keyed(cands["ds"])]
-  return {"dv": (dv, _lazy(lambda: [(s[0], s[1], s[4]) for s in view_sets()])),
-          "ds": (ds, _lazy(ds_sets))}, asdv.length_class(skv)
+  passes = {"dv": (dv, _lazy(lambda: [(s[0], s[1], s[4]) for s in view_sets()])),
+            "ds": (ds, _lazy(ds_sets))}
+  # The fused forward as the op's step runs it (P and the fp32 O written; the keep mask
+  # stored by the Triton backend, drawn from seeds by the Mosaic GPU one on Hopper), on the
+  # bf16 P as its scores.
+  store_keep = not is_hopper(jax.devices()[0])
+  rng = jax.random.key(0)
+  fwd = [(candidate_key(ATTENTION, e, "fwd"),
+          lambda scores, value, cfg=pass_config(ATTENTION, e, sq, skv, "fwd"):
+          asdv_forward.attention_softmax_dropout_value_forward(
+              scores, value, p, rng, store_keep=store_keep, block_q=cfg.block_q,
+              block_k=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+         for e in cands.get("fwd", [])]
+  passes["fwd"] = (fwd, _lazy(lambda: [(s[1], s[3]) for s in make_sets()]))
+  return passes, asdv.length_class(skv)
 
 
 def _qk_passes(w, constants, make_sets, cands, device_kind=None):
@@ -126,7 +140,7 @@ def _qk_passes(w, constants, make_sets, cands, device_kind=None):
   if qks.dispatch.pick_forward(*shapes, constants["scaling"]) == "triton":
     fwd = [(candidate_key(QK, e, "fwd"), lambda q, k, cfg=pass_config(QK, e, sq, sk, "fwd"):
             qks.forward.qk_scale_softmax_forward(q, k, constants["scaling"], config=cfg))
-           for e in cands["fwd"]]
+           for e in cands.get("fwd", [])]
     passes["fwd"] = (fwd, _lazy(lambda: [(q, k) for _, q, k, _ in make_sets()]))
   return passes, qks.length_class(sk)
 
@@ -202,8 +216,12 @@ def run_workload(op, constants, w, index, measure, *, quick=False, calls=8, cand
 
 def attention_table_entry(entry: dict) -> dict:
   """A class's entry of attention_softmax_dropout_value's table as ``default_config`` reads it
-  (``Config.from_json(...).to_json()``); raises if it is not one."""
-  return asdv.Config.from_json(entry).to_json()
+  (``Config.from_json(...).to_json()``) and, if measured, the forward's ``fwd`` as
+  ``forward_config`` reads it; raises if it is not one."""
+  out = asdv.Config.from_json(entry).to_json()
+  if "fwd" in entry:
+    out["fwd"] = fwd_entry(ATTENTION, entry["fwd"])
+  return out
 
 
 def qk_table_entry(entry: dict) -> dict:
@@ -221,7 +239,7 @@ def qk_table_entry(entry: dict) -> dict:
     elif name != "head":
       raise KeyError(f"no {name!r} pass")
   if "fwd" in entry:
-    out["fwd"] = fwd_entry(entry["fwd"])
+    out["fwd"] = fwd_entry(QK, entry["fwd"])
   for name in ("dl", "causal_dl"):
     if name in entry:
       fields = {k: entry[name][k] for k in ("rows", "num_warps", "phased") if k in entry[name]}
