@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import os
 
 import jax.numpy as jnp
 import pytest
@@ -40,6 +41,16 @@ def tables(tmp_path, monkeypatch):
 
 def test_the_package_tables_record_their_architecture():
   assert _tuning.measured_kinds() == {"NVIDIA H200": "9.0"}
+
+
+def test_a_shipped_device_has_every_kernels_table():
+  """A device with package tables of its own reads only its own (no fallback per kernel), so
+  a folder missing one kernel's table would send that kernel to the heuristics there."""
+  kernels = {c.KERNEL + ".json" for c in (attention_config, masked_config, qk_config)}
+  folders = sorted(os.listdir(_tuning.TUNED_DIR))
+  assert folders
+  for folder in folders:
+    assert kernels <= set(os.listdir(os.path.join(_tuning.TUNED_DIR, folder))), folder
 
 
 def test_a_device_takes_its_own_tables_then_its_architectures_then_none():
