@@ -245,7 +245,7 @@ def test_qk_table_round_trip(tuned_dir):
       qks.PassConfig(32, 64, 4, 2, row_align=16), ta.pass_config(ta.QK, dict(col[0]), 300, 293))
 
 
-def test_qk_forward_table_round_trip(tuned_dir, capsys):
+def test_qk_forward_table_round_trip(tuned_dir, capsys, monkeypatch):
   """The forward's launch (pass ``fwd``) goes into its class's entry beside the backward's,
   and the forward reads it back for 16-bit inputs with D <= 128 (tiles capped at the padded
   lengths); other problems, and classes without one, keep the default."""
@@ -270,13 +270,23 @@ def test_qk_forward_table_round_trip(tuned_dir, capsys):
   assert qks.forward_config(4096, 4096, 256, jnp.bfloat16, FAKE) == default(4096, 4096, 256)
   assert qks.forward_config(64, 256, 128, jnp.bfloat16, FAKE) == default(64, 256, 128)  # no entry
   assert qks.forward_config(4096, 4096, 128, jnp.bfloat16, None) == default(4096, 4096, 128)
+  # The entry point launches with it on the device (its kind FAKE); a config given wins.
+  from pallas_kernels import _util
+  monkeypatch.setattr(_util, "check_can_compile", lambda *a, **k: None)
+  monkeypatch.setattr(_tuning, "device_kind_of", lambda *a, **k: FAKE)
+  launched = []
+  monkeypatch.setattr(qks.forward, "_call", lambda *a, config, **k: launched.append(config))
+  query, key = jnp.zeros((1, 1, 16, 64), jnp.bfloat16), jnp.zeros((1, 1, 1000, 64), jnp.bfloat16)
+  qks.forward.qk_scale_softmax_forward(query, key, 0.125)
+  qks.forward.qk_scale_softmax_forward(query, key, 0.125, config=qks.ForwardConfig(16, 32, 4, 1))
+  assert launched == [qks.ForwardConfig(16, 128, 4, 2), qks.ForwardConfig(16, 32, 4, 1)]
   with pytest.raises(ValueError, match="fwd: unknown fields"):
     ta.fwd_entry(ta.QK, dict(block_q=64, block_k=64, num_warps=4, num_stages=2, row_align=16))
   with pytest.raises(ValueError, match="block_k"):
     ta.parse_cands(ta.QK, "fwd=[(64,512,8,2)]")
 
 
-def test_attention_forward_table_round_trip(tuned_dir):
+def test_attention_forward_table_round_trip(tuned_dir, monkeypatch):
   """attention_softmax_dropout_value's forward launch (pass ``fwd``) rides in its class's
   entry beside dV and dS, and the forward reads it back (16-bit, D <= 128; capped)."""
   from pallas_kernels.attention_softmax_dropout_value import forward as fwd_kernel
@@ -296,6 +306,18 @@ def test_attention_forward_table_round_trip(tuned_dir):
   assert asdv.default_config(2, 8, 2, 512, 512, 128, jnp.bfloat16, FAKE) == asdv.Config(
       ta.pass_config(ta.ATTENTION, dict(dv), 512, 512),
       ta.pass_config(ta.ATTENTION, dict(ds), 512, 512))  # the backward ignores "fwd"
+  # The entry point launches with it on the device (its kind FAKE); arguments given win.
+  from pallas_kernels import _util
+  monkeypatch.setattr(_util, "check_can_compile", lambda *a, **k: None)
+  monkeypatch.setattr(_tuning, "device_kind_of", lambda *a, **k: FAKE)
+  scores = jnp.zeros((1, 2, 16, 500), jnp.bfloat16)
+  value = jnp.zeros((1, 1, 500, 64), jnp.bfloat16)
+  launch = fwd_kernel._launch_args(scores, value, 0.0, None, None, None, None, None, False)[1][2]
+  assert (launch["block_q"], launch["block_k"], launch["num_warps"], launch["num_stages"]) == (
+      16, 128, 4, 2)
+  launch = fwd_kernel._launch_args(scores, value, 0.0, None, None, 16, None, 3, False)[1][2]
+  assert (launch["block_q"], launch["block_k"], launch["num_warps"], launch["num_stages"]) == (
+      16, 16, 4, 3)
   default = _tuning.TritonPassConfig(32, 64, 4, 3)
   assert fwd_kernel.forward_config(512, 512, 128, jnp.float32, FAKE) == default
   assert fwd_kernel.forward_config(512, 2048, 128, jnp.bfloat16, FAKE) == default  # no entry

@@ -48,7 +48,7 @@ _FLOATS = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)
-class ForwardConfig:
+class ForwardConfig(_tuning.TritonPassConfig):
   """The forward kernel's tiles and launch: ``block_q`` query rows per program, ``block_k``
   keys per tile (powers of two >= 16), Triton's ``num_warps`` and
   ``num_stages``.
@@ -61,17 +61,10 @@ class ForwardConfig:
   num_stages: int = 3
 
   def __post_init__(self):
-    # Validates the fields (ValueError naming the field).
-    _tuning.TritonPassConfig(block_q=self.block_q, block_k=self.block_k,
-                             num_warps=self.num_warps, num_stages=self.num_stages)
+    super().__post_init__()  # validates the fields (ValueError naming the field)
     if self.block_k > 256:
       raise ValueError(f"config.block_k: expected at most 256, got {self.block_k} (wider key "
                        "tiles miscompile on Hopper)")
-
-  def capped(self, seq_q: int, seq_k: int) -> ForwardConfig:
-    """The tiles capped at the padded lengths (powers of two >= 16)."""
-    return dataclasses.replace(self, block_q=min(self.block_q, max(16, next_power_of_2(seq_q))),
-                               block_k=min(self.block_k, max(16, next_power_of_2(seq_k))))
 
 
 def default_forward_config(seq_q: int, seq_k: int, head_dim: int,

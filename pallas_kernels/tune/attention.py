@@ -21,8 +21,9 @@ num_stages[, split, heads, row_align])``, split 0 = ``"auto"``; qk_scale_softmax
 dicts of named fields.
 
 Each op's fused forward is a pass too (``fwd``: :data:`ATTENTION_FWD`, :data:`QK_FWD`),
-timed alone where the op's forward runs it; its entry in the table is read by the forward's
-``forward_config``.
+timed alone where the op's forward runs that kernel, writing what the op's forward writes;
+its entry in the table is read by the forward's ``forward_config``. A class's entry needs its
+backward passes too: ``--passes fwd`` on a class the table lacks writes nothing for it.
 
 attention_softmax_dropout_value's pass 1 is timed with delta's partials. Where the dS pass
 takes a whole row in one tile it needs none, and pass 1 then runs without its dPd GEMM; the
@@ -45,7 +46,6 @@ import dataclasses
 from pallas_kernels import attention_softmax_dropout_value as asdv
 from pallas_kernels import qk_scale_softmax as qks
 from pallas_kernels import _tuning
-from pallas_kernels._tuning import lookup, table as tuned_table
 from pallas_kernels.attention_softmax_dropout_value.config import AUTO
 
 ATTENTION = "attention_softmax_dropout_value"
@@ -143,7 +143,7 @@ QK_DL = [dict(rows=r, num_warps=w) for r in (1, 2, 4, 8) for w in (1, 2, 4, 8)]
 QK_DL += [dict(e, phased=True) for e in QK_DL if e["rows"] <= 2]
 
 # attention_softmax_dropout_value's fused forward (``TritonPassConfig`` fields), timed as the
-# op's step calls it (P and the fp32 O written). The default first.
+# op's forward calls it where it runs the fused kernel (its residual policy). The default first.
 ATTENTION_FWD = [
     dict(block_q=32, block_k=64, num_warps=4, num_stages=3),
     dict(block_q=64, block_k=64, num_warps=4, num_stages=3),
@@ -158,8 +158,9 @@ ATTENTION_FWD = [
 ]
 
 # qk_scale_softmax's Triton forward (``ForwardConfig`` fields; key tiles of at most 256), timed
-# where the op's forward runs it (not where the Mosaic GPU forward takes the rows). The
-# defaults first: rows of <= 256 keys as one tile, longer rows 128 x 64 on 8 warps.
+# where the op's forward runs it (not where the Mosaic GPU forward takes the rows). First the
+# defaults of rows of 129-256 keys (one tile) and of longer rows (128 x 64 on 8 warps); the
+# third is the default of rows of <= 128 keys.
 QK_FWD = [
     dict(block_q=64, block_k=256, num_warps=8, num_stages=2),
     dict(block_q=128, block_k=64, num_warps=8, num_stages=3),
@@ -339,7 +340,7 @@ def candidates(op: str, quick: bool, cands: dict | None = None) -> dict[str, lis
 def _with_table(op: str, cands: dict, device_kind: str | None, key: str) -> dict:
   """``cands`` plus, per pass, the entry the device's tables hold for class ``key`` (that
   no tuning run loses it)."""
-  entry = lookup(tuned_table(op, device_kind), key) if device_kind else None
+  entry = _tuning.lookup(_tuning.table(op, device_kind), key) if device_kind else None
   out = {name: list(entries) for name, entries in cands.items()}
   for name in out:
     if name == "dl" or not isinstance((entry or {}).get(name), dict):

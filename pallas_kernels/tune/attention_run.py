@@ -21,6 +21,7 @@ from pallas_kernels import attention_softmax_dropout_value as asdv
 from pallas_kernels import qk_scale_softmax as qks
 from pallas_kernels import workloads as wl
 from pallas_kernels._util import Dropout, is_hopper
+from pallas_kernels.attention_softmax_dropout_value import dispatch as asdv_dispatch
 from pallas_kernels.attention_softmax_dropout_value import forward as asdv_forward
 from pallas_kernels.qk_scale_softmax.config import PER_HEAD_TUNED_MAX_ROW
 from pallas_kernels.tune import common
@@ -76,19 +77,35 @@ def _attention_passes(w, constants, make_sets, cands):
         for c, cfg in keyed(cands["ds"])]
   passes = {"dv": (dv, _lazy(lambda: [(s[0], s[1], s[4]) for s in view_sets()])),
             "ds": (ds, _lazy(ds_sets))}
-  # The fused forward as the op's step runs it (P and the fp32 O written; the keep mask
-  # stored by the Triton backend, drawn from seeds by the Mosaic GPU one on Hopper), on the
-  # bf16 P as its scores.
-  store_keep = not is_hopper(jax.devices()[0])
-  rng = jax.random.key(0)
-  fwd = [(candidate_key(ATTENTION, e, "fwd"),
-          lambda scores, value, cfg=pass_config(ATTENTION, e, sq, skv, "fwd"):
-          asdv_forward.attention_softmax_dropout_value_forward(
-              scores, value, p, rng, store_keep=store_keep, block_q=cfg.block_q,
-              block_k=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages))
-         for e in cands.get("fwd", [])]
-  passes["fwd"] = (fwd, _lazy(lambda: [(s[1], s[3]) for s in make_sets()]))
+  stores = _attention_forward_stores(b, h, kvh, sq, skv, d, p)
+  if stores is not None:  # the op's forward runs the fused kernel: time it as the op calls it
+    rng = jax.random.key(0)
+    fwd = [(candidate_key(ATTENTION, e, "fwd"),
+            lambda scores, value, cfg=pass_config(ATTENTION, e, sq, skv, "fwd"):
+            asdv_forward.attention_softmax_dropout_value_forward(
+                scores, value, p, rng, **stores, block_q=cfg.block_q, block_k=cfg.block_k,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+           for e in cands.get("fwd", [])]
+    # The bf16 P stands in for the scores.
+    passes["fwd"] = (fwd, _lazy(lambda: [(s[1], s[3]) for s in make_sets()]))
   return passes, asdv.length_class(skv)
+
+
+def _attention_forward_stores(b, h, kvh, sq, skv, d, p) -> dict | None:
+  """What the op's fused forward writes on this device for a problem (its residual policy:
+  the Mosaic GPU backend's on a Hopper GPU where those kernels take it, else the Triton
+  backend's), as the forward kernel's ``store_*`` flags; ``None`` where the op's forward is
+  the jnp one."""
+  mosaic = (is_hopper(jax.devices()[0])
+            and asdv_dispatch.mosaic_gpu_reason(b, h, kvh, sq, skv, d, jnp.bfloat16, p,
+                                                False) is None)
+  policy = (asdv_dispatch.mosaic_gpu_residuals if mosaic
+            else asdv_dispatch.triton_residuals)(b, h, kvh, sq, skv, d)
+  if policy == asdv_dispatch.FUSED_OUTPUT:  # P, the fp32 O; keep stored for Triton only
+    return dict(store_keep=not mosaic)
+  if policy == asdv_dispatch.FUSED_INPUTS:  # P and Pd
+    return dict(store_dropped=True, store_keep=False, store_f32=False)
+  return None
 
 
 def _qk_passes(w, constants, make_sets, cands, device_kind=None):

@@ -243,6 +243,9 @@ def test_tuned_table_named_fields():
   for key, entry in data["configs"].items():
     cfg = asdv.Config.from_json(entry)
     assert asdv.Config.from_json(cfg.to_json()) == cfg, key
+    assert set(entry) <= {"dv", "ds", "fwd", "backend"}, key
+    if "fwd" in entry:  # the forward's launch
+      assert isinstance(_tuning.TritonPassConfig(**entry["fwd"]), _tuning.TritonPassConfig)
   tuned = asdv.default_config(4, 80, 8, 1024, 2048, 128, jnp.bfloat16, "NVIDIA H200")
   assert tuned == asdv.Config(asdv.PassConfig(128, 128, 8, 3),
                               asdv.PassConfig(64, 128, 8, 2, heads=2))

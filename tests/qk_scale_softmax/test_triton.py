@@ -459,12 +459,14 @@ def test_tuned_table():
     data = json.load(f)
   assert set(data) == {"device_kind", "compute_capability", "date", "jax", "configs"}
   for entry in data["configs"].values():
-    assert (set(entry) <= {"scheme", "row", "col", "head", "dl", "causal_dl"}
+    assert (set(entry) <= {"scheme", "row", "col", "head", "dl", "causal_dl", "fwd"}
             and entry["scheme"] in qks.SCHEMES)
     for name in {"dl", "causal_dl"} & set(entry):
       assert entry["scheme"] == "dl_gemm" and isinstance(qks.dl_config(entry[name], 4096),
                                                           qks.DlConfig)
-    for name in set(entry) - {"scheme", "dl", "causal_dl"}:
+    if "fwd" in entry:  # the forward's launch
+      assert isinstance(qks.ForwardConfig(**entry["fwd"]), qks.ForwardConfig)
+    for name in set(entry) - {"scheme", "dl", "causal_dl", "fwd"}:
       for seq in (100, 211, 449, 4096):  # every entry builds a valid config
         assert isinstance(qks.pass_config(entry[name], seq, seq), qks.PassConfig)
       block_k = entry[name]["block_k"]
