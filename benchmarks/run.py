@@ -323,7 +323,7 @@ def merge(out_dir: str, dirs: list[str]) -> list[str]:
   recomputed, ``_subset`` dropped from the name once every workload is there. The runs must
   share their device and commit; a workload in two runs keeps the later one. Returns the
   files written (base names)."""
-  spec, runs = wl.spec(), {}
+  runs = {}
   os.makedirs(out_dir, exist_ok=True)
   for folder in dirs:
     for name in sorted(os.listdir(folder)):
@@ -339,8 +339,7 @@ def merge(out_dir: str, dirs: list[str]) -> list[str]:
         values = sorted({str(p.get(key)) for p in parts})
         raise ValueError(f"{op}: the runs differ in {key}: {values}")
     problem = problem_of(op)
-    labels = [problem.label(w) for w in spec[problem.name + "_backward"]["workloads"]
-              if not problem.causal or w["seq_len_q"] == w["seq_len_k"]]
+    labels = [problem.label(w) for w in wl.problem(problem.name, causal=problem.causal)[1]]
     by_label = {r["workload"]: r for p in parts for r in p["rows"]}
     rows = [by_label[label] for label in labels if label in by_label]
     ceilings = sorted(p["ceiling"]["TBps"] for p in parts)
