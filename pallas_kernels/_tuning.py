@@ -10,11 +10,13 @@ written by ``python -m pallas_kernels.tune``. Two places hold tables:
 * the package, ``pallas_kernels/tuned/<device folder>/<kernel>.json``.
 
 The device folder is the device kind in lower case with ``_`` for other characters
-(``NVIDIA H200`` -> ``nvidia_h200``). A device uses its own kind's tables, the user cache's
-classes ahead of the package's; a device with no package tables of its own uses those of the
-measured device of the same compute capability whose name is closest (an H100 takes the
-H200's), under its user-cache classes; a device of an architecture with no tables uses
-heuristics (:func:`table_kind`). A class's entry may say ``"backend": "xla"``, where the
+(``NVIDIA H200`` -> ``nvidia_h200``). Tables are read class by class, in layers: a device
+of a measured kind reads its user-cache classes, then its package classes, then those of the
+other measured devices of its compute capability, nearest name first, for the kernels and
+classes its own tables lack (an H100 with only a qk_scale_softmax table of its own takes the
+H200's other tables); a device of an unmeasured kind reads as the nearest measured kind of
+its compute capability (:func:`table_kind`); a device of an architecture with no tables
+uses heuristics. A class's entry may say ``"backend": "xla"``, where the
 tuner's comparison chose XLA's backward over the kernels: ``implementation=None`` of the op
 then runs XLA (:func:`tuned_backend`); the kernels still read the entry's config.
 """
@@ -112,14 +114,29 @@ def user_kinds() -> dict[str, str | None]:
   return _user_kinds(cache_dir(), jax.__version__)
 
 
+def _layers(kernel: str, device_kind: str) -> list[tuple[str, str]]:
+  """``(source, kind)`` of the tables of ``kernel`` that serve ``device_kind``, first the
+  one read first: its user cache's, its package's, then the package's of the other measured
+  kinds of its compute capability, nearest name first (:func:`_same_architecture`)."""
+  out = []
+  if os.path.exists(user_table_path(kernel, device_kind)):
+    out.append(("user cache", device_kind))
+  cap = measured_kinds().get(device_kind) or user_kinds().get(device_kind)
+  for kind in [device_kind, *_same_architecture(device_kind, cap)]:
+    if os.path.exists(table_path(kernel, kind)):
+      out.append(("package", kind))
+  return out
+
+
 @functools.cache
 def _raw_table(kernel: str, device_kind: str, folder: str, tuned_dir: str) -> dict:
-  package = _read(table_path(kernel, device_kind), device_kind)
-  if not package and device_kind in user_kinds():  # under the user's: its architecture's
-    fallback = _package_kind(device_kind, user_kinds()[device_kind])
-    package = _read(table_path(kernel, fallback), fallback) if fallback else {}
-  user = _read(user_table_path(kernel, device_kind), device_kind, jax.__version__)
-  return {**package, **user}
+  configs = {}
+  for source, kind in reversed(_layers(kernel, device_kind)):  # the nearest layer last
+    if source == "user cache":
+      configs.update(_read(user_table_path(kernel, kind), kind, jax.__version__))
+    else:
+      configs.update(_read(table_path(kernel, kind), kind))
+  return configs
 
 
 def _raw(kernel: str, device_kind: str | None) -> dict:
@@ -130,10 +147,11 @@ def _raw(kernel: str, device_kind: str | None) -> dict:
 
 def table(kernel: str, device_kind: str | None) -> dict:
   """``{class: {field: value}}`` of ``kernel``'s kernel configs on ``device_kind``; empty if
-  none. The user cache's classes (this jax, this kind) come ahead of the package's; a kind
-  with user-cache tables but no package tables of its own takes the package classes of its
-  architecture's measured device (:func:`table_kind`). The entries' ``backend`` field is
-  left out (:func:`tuned_backend` reads it)."""
+  none. Class by class, the user cache's (this jax, this kind) come ahead of the package's
+  for the kind, and those ahead of the package's for the other measured kinds of its compute
+  capability, nearest name first (so a kind tuned for some kernels or classes only takes
+  the rest from its architecture). The entries' ``backend`` field is left out
+  (:func:`tuned_backend` reads it)."""
   return {k: {f: v for f, v in e.items() if f != "backend"} if isinstance(e, dict) else e
           for k, e in _raw(kernel, device_kind).items()}
 
@@ -163,26 +181,28 @@ def measured_kinds() -> dict[str, str]:
   return kinds
 
 
+def _same_architecture(kind: str, cap) -> list[str]:
+  """The measured kinds of compute capability ``cap`` other than ``kind``, the name that
+  shares the longest prefix with ``kind`` first (ties: in sorted order)."""
+  same = sorted(k for k, c in measured_kinds().items()
+                if cap is not None and c == str(cap) and k != kind)
+  return sorted(same, key=lambda k: -len(os.path.commonprefix([k, kind])))
+
+
 def _package_kind(kind: str, cap) -> str | None:
   """The kind whose package tables serve ``kind`` (of compute capability ``cap``): itself
-  where the package has tables for it; else, of the measured kinds of the same compute
-  capability, the one whose name shares the longest prefix with it (ties: the last in
-  sorted order); else ``None``."""
-  measured = measured_kinds()
-  if kind in measured:
+  where the package has tables for it; else the nearest measured kind of the same compute
+  capability (:func:`_same_architecture`); else ``None``."""
+  if kind in measured_kinds():
     return kind
-  same = sorted(k for k, c in measured.items() if cap is not None and c == str(cap))
-  if not same:
-    return None
-  return max(same, key=lambda k: len(os.path.commonprefix([k, kind])))
+  return next(iter(_same_architecture(kind, cap)), None)
 
 
 def table_kind(device) -> str | None:
   """The device kind whose tuned tables serve ``device``: its own kind where the package or
-  the user cache has tables for it; else, of the measured kinds of the same compute
-  capability, the one whose name shares the longest prefix with the device's (ties: the
-  last in sorted order); else the device's own kind, which has no table (heuristics).
-  ``None`` for no device."""
+  the user cache has tables for it; else the nearest measured kind of the same compute
+  capability (:func:`_same_architecture`); else the device's own kind, which has no table
+  (heuristics). ``None`` for no device."""
   kind = getattr(device, "device_kind", None)
   if kind is None:
     return None
@@ -191,17 +211,26 @@ def table_kind(device) -> str | None:
   return _package_kind(kind, getattr(device, "compute_capability", None)) or kind
 
 
-def table_source(device) -> str:
+def table_source(device, kernel: str | None = None) -> str:
   """Which tables serve ``device``: ``"user cache"`` (the user cache has tables of its kind
   for this jax, ahead of the package's), ``"package"`` (its own), ``"fallback: <kind>"`` (a
-  measured device of the same compute capability) or ``"heuristic"``."""
+  measured device of the same compute capability) or ``"heuristic"``. With ``kernel``: the
+  table of that kernel read first (classes it lacks come from the tables under it)."""
   kind = getattr(device, "device_kind", None)
-  if kind is not None and kind in user_kinds():
-    return "user cache"
-  kind = table_kind(device)
-  if kind is None or kind not in measured_kinds():
+  if kind is None:
     return "heuristic"
-  return "package" if kind == device.device_kind else f"fallback: {kind}"
+  if kernel is not None:
+    layers = _layers(kernel, table_kind(device))
+    if not layers:
+      return "heuristic"
+    source, served = layers[0]
+    return source if served == kind else f"fallback: {served}"
+  if kind in user_kinds():
+    return "user cache"
+  served = table_kind(device)
+  if served not in measured_kinds():
+    return "heuristic"
+  return "package" if served == kind else f"fallback: {served}"
 
 
 def device_kind_of(*arrays, interpret: bool = False) -> str | None:

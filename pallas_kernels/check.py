@@ -19,8 +19,8 @@ square ones with a causal P; ``--quick``: :data:`pallas_kernels.workloads.QUICK`
 
 A row per case names the backend that ran, the device time against XLA's (a GPU,
 :mod:`pallas_kernels._timing`; else ``-``) and which tuned tables served the call
-(``pallas_kernels._tuning.table_source``; ``heuristic`` in the interpreter). Off a GPU
-the kernels always run in the Pallas interpreter. Exits 1 if a case fails.
+(``pallas_kernels._tuning.table_source`` of the op's kernel; ``heuristic`` in the
+interpreter). Off a GPU the kernels always run in the Pallas interpreter. Exits 1 if a case fails.
 """
 
 from __future__ import annotations
@@ -249,7 +249,8 @@ def main(argv=None) -> int:
       total += 1
       try:
         ok, line = row_of(op, entry, shape,
-                          *run(op, c, w, causal, index, interpret, timed, args.calls), tables)
+                          *run(op, c, w, causal, index, interpret, timed, args.calls),
+                          "heuristic" if interpret else _tuning.table_source(device, op))
       except Exception as e:  # noqa: BLE001 - a case that raises fails; the others still run
         traceback.print_exc(file=sys.stderr)
         ok, line = False, format_row([op, entry, shape, "FAIL",

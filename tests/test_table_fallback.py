@@ -2,8 +2,8 @@
 
 import dataclasses
 import json
-import os
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -40,28 +40,54 @@ def tables(tmp_path, monkeypatch):
 
 
 def test_the_package_tables_record_their_architecture():
-  assert _tuning.measured_kinds() == {"NVIDIA H200": "9.0"}
-
-
-def test_a_shipped_device_has_every_kernels_table():
-  """A device with package tables of its own reads only its own (no fallback per kernel), so
-  a folder missing one kernel's table would send that kernel to the heuristics there."""
-  kernels = {c.KERNEL + ".json" for c in (attention_config, masked_config, qk_config)}
-  folders = sorted(os.listdir(_tuning.TUNED_DIR))
-  assert folders
-  for folder in folders:
-    assert kernels <= set(os.listdir(os.path.join(_tuning.TUNED_DIR, folder))), folder
+  assert _tuning.measured_kinds() == {"NVIDIA H100 80GB HBM3": "9.0", "NVIDIA H200": "9.0"}
 
 
 def test_a_device_takes_its_own_tables_then_its_architectures_then_none():
   assert _tuning.table_kind(FakeHopper()) == "NVIDIA H200"
   assert _tuning.table_source(FakeHopper()) == "package"
-  assert _tuning.table_kind(FakeH100()) == "NVIDIA H200"
-  assert _tuning.table_source(FakeH100()) == "fallback: NVIDIA H200"
+  assert _tuning.table_kind(FakeH100()) == "NVIDIA H100 80GB HBM3"
+  assert _tuning.table_source(FakeH100()) == "package"
   for other in (FakeBlackwell(), FakeA100()):
     assert _tuning.table_kind(other) == other.device_kind
     assert _tuning.table_source(other) == "heuristic"
+    assert _tuning.table_source(other, qk_config.KERNEL) == "heuristic"
   assert _tuning.table_kind(None) is None
+
+
+def test_a_kernel_without_a_table_of_the_device_takes_its_architectures():
+  """The H100 ships qk_scale_softmax's table only: its other kernels read the H200's."""
+  assert _tuning.table_source(FakeH100(), qk_config.KERNEL) == "package"
+  for kernel in (masked_config.KERNEL, attention_config.KERNEL):
+    assert _tuning.table_source(FakeH100(), kernel) == "fallback: NVIDIA H200"
+    assert _tuning.table_source(FakeHopper(), kernel) == "package"
+    assert _tuning.table(kernel, "NVIDIA H100 80GB HBM3") == _tuning.table(kernel, "NVIDIA H200")
+
+
+def _write(path, kind, configs):
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps({"device_kind": kind, "compute_capability": "9.0",
+                              "jax": jax.__version__, "configs": configs}))
+  _tuning.clear_caches()
+
+
+def test_classes_a_table_lacks_come_from_its_architecture(tmp_path, monkeypatch):
+  """Class by class: the device's own entries, then the nearest same-architecture table's."""
+  monkeypatch.setattr(_tuning, "TUNED_DIR", str(tmp_path))
+  monkeypatch.setenv(_tuning.CACHE_ENV, str(tmp_path / "cache"))
+  kernel, h100, h200 = masked_config.KERNEL, "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+  mine, theirs, other = ({"target": t, "num_warps": 4, "split": False} for t in (256, 512, 1024))
+  _write(tmp_path / "nvidia_h200" / f"{kernel}.json", h200, {"256": theirs, "512": theirs})
+  _write(tmp_path / "nvidia_h100_80gb_hbm3" / f"{kernel}.json", h100, {"256": mine})
+  try:
+    assert _tuning.table(kernel, h100) == {"256": mine, "512": theirs}
+    assert _tuning.table(kernel, h200) == {"256": theirs, "512": theirs}
+    _write(tmp_path / "cache" / jax.__version__ / "nvidia_h100_80gb_hbm3" / f"{kernel}.json",
+           h100, {"512": other})  # the user cache's classes come first
+    assert _tuning.table(kernel, h100) == {"256": mine, "512": other}
+    assert _tuning.table_source(FakeH100(), kernel) == "user cache"
+  finally:
+    _tuning.clear_caches()
 
 
 def test_the_nearest_name_of_the_architecture_wins(tables):
@@ -82,13 +108,15 @@ def test_a_table_without_its_architecture_serves_only_its_own_kind(tables):
   assert _tuning.table_source(FakeH100()) == "heuristic"
 
 
-@pytest.mark.parametrize("make_config", [
-    lambda kind: masked_config.default_config(1024, 1024, kind),
-    lambda kind: qk_config.default_config(1024, 1024, 128, jnp.bfloat16, kind),
-    lambda kind: attention_config.default_config(4, 80, 8, 211, 293, 128, jnp.bfloat16, kind),
+@pytest.mark.parametrize("make_config,own", [
+    (lambda kind: masked_config.default_config(1024, 1024, kind), False),
+    (lambda kind: qk_config.default_config(256, 256, 128, jnp.bfloat16, kind), True),
+    (lambda kind: attention_config.default_config(4, 80, 8, 211, 293, 128, jnp.bfloat16, kind),
+     False),
 ], ids=["masked_softmax_dropout", "qk_scale_softmax", "attention_softmax_dropout_value"])
-def test_an_h100_runs_the_h200_configs_and_a_b200_the_heuristic(make_config):
+def test_an_h100_runs_its_configs_or_the_h200s_and_a_b200_the_heuristic(make_config, own):
   h200 = make_config("NVIDIA H200")
   assert h200 != make_config(None)  # the table is not the heuristic there
-  assert make_config(_tuning.table_kind(FakeH100())) == h200
+  h100 = make_config(_tuning.table_kind(FakeH100()))
+  assert (h100 != h200) if own else (h100 == h200)
   assert make_config(_tuning.table_kind(FakeBlackwell())) == make_config(None)
