@@ -71,8 +71,20 @@ def problem(op: str, *, quick: bool = False, causal: bool = False) -> tuple[dict
   return entry["constants"], workloads
 
 
-def _softmax(key, shape, dtype):
-  return jax.nn.softmax(jax.random.normal(key, shape, F32), axis=-1).astype(dtype)
+def _softmax(key, shape, dtype, causal=False):
+  """The softmax of standard normal logits over the last axis (``causal``: logits above the
+  bottom-right diagonal of each ``[Sq, Sk]`` matrix set to -inf), in ``dtype``.
+
+  Made as a 2D ``[rows, Sk]`` array, then reshaped: XLA on a GPU compiles a softmax over a
+  rank-4 shape far more slowly than over a 2D one (it searches tilings of every dimension),
+  and the PRNG's bits follow the flattened index, so the logits are those of the 4D call."""
+  rows, sk = math.prod(shape[:-1]), shape[-1]
+  logits = jax.random.normal(key, (rows, sk), F32)
+  if causal:
+    sq = shape[-2]
+    query = jnp.arange(rows)[:, None] % sq
+    logits = jnp.where(jnp.arange(sk)[None, :] <= query + (sk - sq), logits, -jnp.inf)
+  return jax.nn.softmax(logits, axis=-1).astype(dtype).reshape(shape)
 
 
 # --- attention_softmax_dropout_value -----------------------------------------------------
@@ -135,11 +147,7 @@ def qk_inputs(dims, causal, key):
   """``(g, Q, K, P)`` in bf16; with ``causal``, P is zero above the bottom-right diagonal."""
   b, h, sq, sk, d = dims
   k = jax.random.split(key, 4)
-  logits = jax.random.normal(k[0], (b, h, sq, sk), F32)
-  if causal:
-    below = jnp.arange(sk)[None, :] <= jnp.arange(sq)[:, None] + (sk - sq)
-    logits = jnp.where(below, logits, -jnp.inf)
-  probs = jax.nn.softmax(logits, axis=-1).astype(BF16)
+  probs = _softmax(k[0], (b, h, sq, sk), BF16, causal)
   grad = jax.random.normal(k[1], (b, h, sq, sk), BF16)
   query = jax.random.normal(k[2], (b, h, sq, d), BF16)
   key_ = jax.random.normal(k[3], (b, h, sk, d), BF16)

@@ -76,3 +76,21 @@ def test_from_delta_inputs_add_the_fp32_output():
   expected = jnp.einsum("bhqs,bhsd->bqhd", dropped.astype(jnp.float32),
                         jnp.repeat(value, 2, axis=1).astype(jnp.float32))
   assert jnp.allclose(out32, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_softmax_inputs_are_those_of_the_rank_4_formula():
+  """The generators make the softmax as a 2D array (it compiles faster on a GPU); its values
+  are the rank-4 formula's, causal mask included."""
+  key = jax.random.key(5)
+  for shape, causal in (((2, 3, 5, 7), False), ((2, 3, 5, 7), True), ((1, 2, 4, 9), True)):
+    logits = jax.random.normal(key, shape, jnp.float32)
+    if causal:
+      sq, sk = shape[-2:]
+      below = jnp.arange(sk)[None, :] <= jnp.arange(sq)[:, None] + (sk - sq)
+      logits = jnp.where(below, logits, -jnp.inf)
+    expected = jax.nn.softmax(logits, axis=-1).astype(jnp.bfloat16)
+    got = workloads._softmax(key, shape, jnp.bfloat16, causal)
+    assert got.shape == shape and bool(jnp.all(got == expected)), (shape, causal)
+  _, _, _, probs = workloads.qk_inputs((1, 2, 6, 8, 16), True, key)
+  assert bool(jnp.all(jnp.triu(probs[0, 0].astype(jnp.float32), k=3) == 0))
+  assert bool(jnp.all(jnp.diagonal(probs[0, 0], offset=2) != 0))
