@@ -17,6 +17,7 @@ from jax_ops import registry
 from jax_ops.backend import Problem
 from pallas_kernels import _tuning
 from pallas_kernels import tune
+from pallas_kernels import workloads as wl
 from pallas_kernels.tune import common
 
 H200 = "NVIDIA H200"
@@ -181,7 +182,7 @@ def test_quick_writes_every_kernels_table_to_the_user_cache(cache, capsys):
   for op in tune.OPS:
     keys = [t.key for t in measure.asked if t.op == op and t.name == common.XLA]
     assert keys and len(keys) == len(set(keys)), op
-  assert "ETA" in out.err and "19/19" in out.err
+  assert "ETA" in out.err and "21/21" in out.err
 
 
 def test_quick_takes_fewer_candidates():
@@ -190,6 +191,33 @@ def test_quick_takes_fewer_candidates():
     full, quick = attention.candidates(op, False), attention.candidates(op, True)
     assert all(len(quick[n]) < len(full[n]) for n in full), op
   assert len(masked.candidates(True, None, 512)) < len(masked.candidates(False, None, 512))
+
+
+def test_a_default_run_measures_every_class_of_the_spec_and_of_the_shipped_tables():
+  """A class a run leaves out keeps the entry of the table under it: a whole run covers
+  them all (the spec's workloads' classes, and those the shipped tables hold)."""
+  for op in tune.OPS:
+    constants, spec = wl.problem(op)
+    classes = {tune.length_class(op, c, w) for c, w, _ in tune.default_workloads(op, False)}
+    assert {tune.length_class(op, constants, w) for w in spec} <= classes, op
+    for folder in os.listdir(_tuning.TUNED_DIR):
+      path = os.path.join(_tuning.TUNED_DIR, folder, f"{op}.json")
+      if os.path.exists(path):
+        with open(path) as f:
+          assert set(json.load(f)["configs"]) <= classes, (op, folder)
+
+
+def test_quick_times_the_largest_workload_of_each_class():
+  for op in tune.OPS:
+    full, quick = tune.default_workloads(op, False), tune.default_workloads(op, True)
+    key = lambda c, w, op=op: tune.length_class(op, c, w)
+    assert sorted(key(c, w) for c, w, _ in quick) == sorted({key(c, w) for c, w, _ in full})
+    for c, w, _ in quick:
+      size = wl.floor_bytes(op, w, c)
+      assert all(wl.floor_bytes(op, w2, c2) <= size
+                 for c2, w2, _ in full if key(c2, w2) == key(c, w)), (op, w)
+  masked_256 = [w for c, w, _ in tune.default_workloads(MASKED, True) if w["seq_len"] == 256]
+  assert [(w["batch_size"], w["n_heads"]) for w in masked_256] == [(32, 8)]
 
 
 def test_shape_tunes_the_class_of_the_shape_named(cache, capsys):

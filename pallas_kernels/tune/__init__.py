@@ -9,7 +9,8 @@ Usage::
 
 For each kernel (``--op``, repeatable; default all three) and each workload (default: the
 spec's benchmark workloads, ``pallas_kernels/workloads.json``, a spread of them for the
-two-pass kernels; ``--shape``, repeatable, with one ``--op``: the shapes named, see
+two-pass kernels, and a shape for each class of the shipped tables that no spec workload
+has, :func:`default_workloads`; ``--shape``, repeatable, with one ``--op``: the shapes named, see
 :data:`SHAPE_HELP`) it times the candidate configurations of each of the kernel's passes on
 input sets rotated so that L2 is cold (:mod:`pallas_kernels._timing`). Per row-length class
 it keeps the candidate with the best geomean of time / best time over the class's workloads.
@@ -47,6 +48,11 @@ OPS = wl.OPS
 SHAPE_HELP = {masked.OP: masked.SHAPE_HELP, **attention.SHAPE_HELP}
 CALLS = {masked.OP: 10, attention.ATTENTION: 8, attention.QK: 8}
 QUICK_CALLS = 5
+# Shapes a default run adds for row-length classes that no spec workload has and the shipped
+# tables hold (``--shape`` tuples of :data:`SHAPE_HELP`): masked_softmax_dropout's rows of
+# 1024 keys (the training step's shape).
+EXTRA_SHAPES = {masked.OP: ("8,16,1024,0.1",)}
+EXTRA_INDEX = 200  # the PRNG index of the first extra shape (--shape takes 100 on)
 
 
 def parse_shape(op: str, text: str) -> tuple[dict, dict]:
@@ -58,19 +64,25 @@ def parse_shape(op: str, text: str) -> tuple[dict, dict]:
 
 
 def default_workloads(op: str, quick: bool) -> list[tuple[dict, dict, int]]:
-  """``(constants, workload, index)`` of the spec's workloads a run times: the masked kernel
-  all 16, the two-pass kernels a spread (``attention.WORKLOADS``); ``quick``: the first of
-  each row-length class."""
+  """``(constants, workload, index)`` of the workloads a run times: of the spec's, the masked
+  kernel's 16 and the two-pass kernels' spread (``attention.WORKLOADS``), then the shapes of
+  :data:`EXTRA_SHAPES` (indices from :data:`EXTRA_INDEX`), so that every row-length class the
+  shipped tables hold is measured. ``quick``: one per class, the one of the most bytes (the
+  small ones are bound by launch latency, and say little of a config)."""
   constants, workloads = wl.problem(op)
   indices = masked.WORKLOADS if op == masked.OP else attention.WORKLOADS[op]
-  out, seen = [], set()
-  for i in indices:
-    key = length_class(op, constants, workloads[i])
-    if quick and key in seen:
-      continue
-    seen.add(key)
-    out.append((constants, workloads[i], i))
-  return out
+  plan = [(constants, workloads[i], i) for i in indices]
+  plan += [(*parse_shape(op, shape), EXTRA_INDEX + j)
+           for j, shape in enumerate(EXTRA_SHAPES.get(op, ()))]
+  if not quick:
+    return plan
+  largest = {}
+  for c, w, i in plan:
+    key, size = length_class(op, c, w), wl.floor_bytes(op, w, c)
+    if key not in largest or size > largest[key][0]:
+      largest[key] = (size, i)
+  keep = {i for _, i in largest.values()}
+  return [(c, w, i) for c, w, i in plan if i in keep]
 
 
 def length_class(op: str, constants: dict, w: dict) -> str:

@@ -92,7 +92,7 @@ ATTENTION_DS = [
     dict(block_q=128, block_k=64, num_warps=4, num_stages=3),
     dict(block_q=64, block_k=32, num_warps=4, num_stages=3),
 ]
-ATTENTION_WORKLOADS = (0, 1, 2, 3, 4, 8, 10, 15)  # the spec's workloads the default run times
+ATTENTION_WORKLOADS = (0, 1, 2, 3, 4, 5, 8, 10, 15)  # the spec's workloads the default run times
 
 # qk_scale_softmax: candidates of each kernel (qks.PassConfig fields); block_k WHOLE_ROW ("row")
 # is the whole padded row as one tile (row kernel: timed only on rows of <= 512 keys).
