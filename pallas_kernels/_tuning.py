@@ -10,13 +10,12 @@ written by ``python -m pallas_kernels.tune``. Two places hold tables:
 * the package, ``pallas_kernels/tuned/<device folder>/<kernel>.json``.
 
 The device folder is the device kind in lower case with ``_`` for other characters
-(``NVIDIA H200`` -> ``nvidia_h200``). Tables are read class by class, in layers: a device
-of a measured kind reads its user-cache classes, then its package classes, then those of the
-other measured devices of its compute capability, nearest name first, for the kernels and
-classes its own tables lack (an H100 with only a qk_scale_softmax table of its own takes the
-H200's other tables); a device of an unmeasured kind reads as the nearest measured kind of
-its compute capability (:func:`table_kind`); a device of an architecture with no tables
-uses heuristics. A class's entry may say ``"backend": "xla"``, where the
+(``NVIDIA H200`` -> ``nvidia_h200``). Per kernel, a device reads one package table: its own
+kind's, else that of the nearest measured kind of its compute capability that has one (an
+H100 with a qk_scale_softmax table of its own takes the H200's other two), with its
+user-cache classes (this jax) ahead of that table's. A device of an unmeasured kind reads as
+the nearest measured kind of its compute capability (:func:`table_kind`); a device of an
+architecture with no tables uses heuristics. A class's entry may say ``"backend": "xla"``, where the
 tuner's comparison chose XLA's backward over the kernels: ``implementation=None`` of the op
 then runs XLA (:func:`tuned_backend`); the kernels still read the entry's config.
 """
@@ -115,23 +114,25 @@ def user_kinds() -> dict[str, str | None]:
 
 
 def _layers(kernel: str, device_kind: str) -> list[tuple[str, str]]:
-  """``(source, kind)`` of the tables of ``kernel`` that serve ``device_kind``, first the
-  one read first: its user cache's, its package's, then the package's of the other measured
-  kinds of its compute capability, nearest name first (:func:`_same_architecture`)."""
+  """``(source, kind)`` of the tables of ``kernel`` that serve ``device_kind``, the one read
+  first first: its user cache's (this jax), then one package table: its own kind's, else
+  that of the nearest measured kind of its compute capability that has one
+  (:func:`_same_architecture`)."""
   out = []
-  if os.path.exists(user_table_path(kernel, device_kind)):
+  if _read(user_table_path(kernel, device_kind), device_kind, jax.__version__):
     out.append(("user cache", device_kind))
   cap = measured_kinds().get(device_kind) or user_kinds().get(device_kind)
   for kind in [device_kind, *_same_architecture(device_kind, cap)]:
-    if os.path.exists(table_path(kernel, kind)):
+    if _read(table_path(kernel, kind), kind):
       out.append(("package", kind))
+      break
   return out
 
 
 @functools.cache
 def _raw_table(kernel: str, device_kind: str, folder: str, tuned_dir: str) -> dict:
   configs = {}
-  for source, kind in reversed(_layers(kernel, device_kind)):  # the nearest layer last
+  for source, kind in reversed(_layers(kernel, device_kind)):  # the user's classes last
     if source == "user cache":
       configs.update(_read(user_table_path(kernel, kind), kind, jax.__version__))
     else:
@@ -147,10 +148,9 @@ def _raw(kernel: str, device_kind: str | None) -> dict:
 
 def table(kernel: str, device_kind: str | None) -> dict:
   """``{class: {field: value}}`` of ``kernel``'s kernel configs on ``device_kind``; empty if
-  none. Class by class, the user cache's (this jax, this kind) come ahead of the package's
-  for the kind, and those ahead of the package's for the other measured kinds of its compute
-  capability, nearest name first (so a kind tuned for some kernels or classes only takes
-  the rest from its architecture). The entries' ``backend`` field is left out
+  none. The user cache's classes (this jax, this kind) come ahead of one package table's:
+  the kind's own, else that of the nearest measured kind of its compute capability that has
+  a table of ``kernel`` (:func:`_layers`). The entries' ``backend`` field is left out
   (:func:`tuned_backend` reads it)."""
   return {k: {f: v for f, v in e.items() if f != "backend"} if isinstance(e, dict) else e
           for k, e in _raw(kernel, device_kind).items()}
@@ -167,11 +167,10 @@ def tuned_backend(kernel: str, device_kind: str | None, key: str) -> str:
 
 
 @functools.cache
-def measured_kinds() -> dict[str, str]:
-  """``{device kind: compute capability}`` of the devices the package has tables for."""
+def _measured_kinds(tuned_dir: str) -> dict[str, str]:
   kinds = {}
-  for folder in sorted(os.listdir(TUNED_DIR)) if os.path.isdir(TUNED_DIR) else ():
-    path = os.path.join(TUNED_DIR, folder)
+  for folder in sorted(os.listdir(tuned_dir)) if os.path.isdir(tuned_dir) else ():
+    path = os.path.join(tuned_dir, folder)
     for name in sorted(os.listdir(path)) if os.path.isdir(path) else ():
       if name.endswith(".json"):
         with open(os.path.join(path, name)) as f:
@@ -179,6 +178,14 @@ def measured_kinds() -> dict[str, str]:
         if data.get("device_kind") and data.get("compute_capability"):
           kinds.setdefault(data["device_kind"], str(data["compute_capability"]))
   return kinds
+
+
+def measured_kinds() -> dict[str, str]:
+  """``{device kind: compute capability}`` of the devices the package has tables for."""
+  return _measured_kinds(TUNED_DIR)
+
+
+measured_kinds.cache_clear = _measured_kinds.cache_clear
 
 
 def _same_architecture(kind: str, cap) -> list[str]:
@@ -215,7 +222,7 @@ def table_source(device, kernel: str | None = None) -> str:
   """Which tables serve ``device``: ``"user cache"`` (the user cache has tables of its kind
   for this jax, ahead of the package's), ``"package"`` (its own), ``"fallback: <kind>"`` (a
   measured device of the same compute capability) or ``"heuristic"``. With ``kernel``: the
-  table of that kernel read first (classes it lacks come from the tables under it)."""
+  table of that kernel read first (:func:`_layers`)."""
   kind = getattr(device, "device_kind", None)
   if kind is None:
     return "heuristic"

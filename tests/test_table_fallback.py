@@ -71,17 +71,22 @@ def _write(path, kind, configs):
   _tuning.clear_caches()
 
 
-def test_classes_a_table_lacks_come_from_its_architecture(tmp_path, monkeypatch):
-  """Class by class: the device's own entries, then the nearest same-architecture table's."""
+def test_a_kernels_table_is_one_devices_with_the_user_caches_classes_ahead(tmp_path, monkeypatch):
+  """A device's own table of a kernel serves it whole (the architecture's other tables fill
+  no class it lacks: their classes could carry another device's "xla" choice, or beat its own
+  nearest-ragged class); the user cache's classes come first."""
   monkeypatch.setattr(_tuning, "TUNED_DIR", str(tmp_path))
   monkeypatch.setenv(_tuning.CACHE_ENV, str(tmp_path / "cache"))
   kernel, h100, h200 = masked_config.KERNEL, "NVIDIA H100 80GB HBM3", "NVIDIA H200"
   mine, theirs, other = ({"target": t, "num_warps": 4, "split": False} for t in (256, 512, 1024))
   _write(tmp_path / "nvidia_h200" / f"{kernel}.json", h200, {"256": theirs, "512": theirs})
+  _write(tmp_path / "nvidia_h200" / f"{qk_config.KERNEL}.json", h200, {"128": theirs})
   _write(tmp_path / "nvidia_h100_80gb_hbm3" / f"{kernel}.json", h100, {"256": mine})
   try:
-    assert _tuning.table(kernel, h100) == {"256": mine, "512": theirs}
+    assert _tuning.table(kernel, h100) == {"256": mine}
     assert _tuning.table(kernel, h200) == {"256": theirs, "512": theirs}
+    assert _tuning.table(qk_config.KERNEL, h100) == {"128": theirs}  # no H100 table of it
+    assert _tuning.table_source(FakeH100(), qk_config.KERNEL) == "fallback: NVIDIA H200"
     _write(tmp_path / "cache" / jax.__version__ / "nvidia_h100_80gb_hbm3" / f"{kernel}.json",
            h100, {"512": other})  # the user cache's classes come first
     assert _tuning.table(kernel, h100) == {"256": mine, "512": other}

@@ -235,6 +235,22 @@ def test_shape_tunes_the_class_of_the_shape_named(cache, capsys):
   capsys.readouterr()
 
 
+def test_a_class_takes_the_untimed_causal_dl_of_the_table_that_served_it(
+    cache, tmp_path, monkeypatch, capsys):
+  """The causal dL launch is not timed: a class new to the device's table takes the one
+  of the table that served the device (its architecture's, say)."""
+  kind = jax.devices()[0].device_kind
+  with open(_tuning.table_path(QK, H200)) as f:
+    entry = json.load(f)["configs"]["256"]
+  assert "causal_dl" in entry
+  monkeypatch.setattr(_tuning, "TUNED_DIR", str(tmp_path / "tuned"))
+  _write(_tuning.table_path(QK, kind), kind, {"256": entry})
+  assert tune.main(["--op", QK, "--shape", "2,2,256,256,64"], measure=fake_measure()) == 0
+  with open(_tuning.user_table_path(QK, kind)) as f:
+    assert json.load(f)["configs"]["256"]["causal_dl"] == entry["causal_dl"]
+  capsys.readouterr()
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--shape", "1,2,3"], "exactly one --op"),
     (["--op", QK, "--shape", "1,2,3"], "B,H,Sq,Sk,D"),

@@ -34,7 +34,8 @@ For qk_scale_softmax the tuner also times the whole backward with the table's tw
 config, for rows of <= 256 keys the one-kernel ``per_head`` scheme (pass ``head``), and the
 ``dl_gemm`` scheme over the dL kernel's launches (pass ``dl``, :data:`QK_DL`); the table's
 ``scheme`` for a class is the one with the best geomean over its workloads. The causal dL
-launch (``causal_dl``) is not timed: a class keeps the one its table has. The forward's
+launch (``causal_dl``) is not timed: a class keeps the one its table has, else takes the one
+of the table that served the device. The forward's
 entry serves dense and causal calls alike.
 """
 

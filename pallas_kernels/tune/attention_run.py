@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels import _tuning
 from pallas_kernels import attention_softmax_dropout_value as asdv
 from pallas_kernels import qk_scale_softmax as qks
 from pallas_kernels import workloads as wl
@@ -333,6 +334,13 @@ def _write_table(op, ratios, out, best_times=None, device_kind=None, records=Non
           and "dl" not in ratios.get(key, {})):
         table[key].pop("scheme")
         notes[key]["scheme"] = "dl_gemm kept from the table (dl not timed in this run)"
+    # The causal dL launch is not timed: a class that has none at ``out`` takes the one of
+    # the table that served this device (say, its architecture's measured device's).
+    serving = _tuning.table(QK, _tuning.table_kind(jax.devices()[0]))
+    for key in table:
+      causal_dl = serving.get(key, {}).get("causal_dl")
+      if causal_dl is not None and "causal_dl" not in old.get(key, {}):
+        table[key]["causal_dl"] = dict(causal_dl)
   for key, rs in (records or {}).items():
     if key in table:
       backend, score = common.choose_backend([r.get("pallas") for r in rs],
