@@ -29,6 +29,7 @@ import os
 import re
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels import _phase
 from pallas_kernels._util import device_of, next_power_of_2
@@ -113,18 +114,20 @@ def user_kinds() -> dict[str, str | None]:
   return _user_kinds(cache_dir(), jax.__version__)
 
 
-def _layers(kernel: str, device_kind: str) -> list[tuple[str, str]]:
-  """``(source, kind)`` of the tables of ``kernel`` that serve ``device_kind``, the one read
-  first first: its user cache's (this jax), then one package table: its own kind's, else
-  that of the nearest measured kind of its compute capability that has one
+def _layers(kernel: str, device_kind: str) -> list[tuple[str, str, dict]]:
+  """``(source, kind, configs)`` of the tables of ``kernel`` that serve ``device_kind``,
+  first the one read first: its user cache's (this jax), then one package table: its own
+  kind's, else that of the nearest measured kind of its compute capability that has one
   (:func:`_same_architecture`)."""
   out = []
-  if _read(user_table_path(kernel, device_kind), device_kind, jax.__version__):
-    out.append(("user cache", device_kind))
+  user = _read(user_table_path(kernel, device_kind), device_kind, jax.__version__)
+  if user:
+    out.append(("user cache", device_kind, user))
   cap = measured_kinds().get(device_kind) or user_kinds().get(device_kind)
   for kind in [device_kind, *_same_architecture(device_kind, cap)]:
-    if _read(table_path(kernel, kind), kind):
-      out.append(("package", kind))
+    package = _read(table_path(kernel, kind), kind)
+    if package:
+      out.append(("package", kind, package))
       break
   return out
 
@@ -132,11 +135,8 @@ def _layers(kernel: str, device_kind: str) -> list[tuple[str, str]]:
 @functools.cache
 def _raw_table(kernel: str, device_kind: str, folder: str, tuned_dir: str) -> dict:
   configs = {}
-  for source, kind in reversed(_layers(kernel, device_kind)):  # the user's classes last
-    if source == "user cache":
-      configs.update(_read(user_table_path(kernel, kind), kind, jax.__version__))
-    else:
-      configs.update(_read(table_path(kernel, kind), kind))
+  for _, _, layer in reversed(_layers(kernel, device_kind)):  # the user's classes last
+    configs.update(layer)
   return configs
 
 
@@ -166,6 +166,18 @@ def tuned_backend(kernel: str, device_kind: str | None, key: str) -> str:
   return entry.get("backend", "pallas") if isinstance(entry, dict) else "pallas"
 
 
+def forward_entry(kernel: str, device_kind: str | None, key: str, dtype,
+                  head_dim: int) -> dict | None:
+  """The ``"fwd"`` entry (a fused forward kernel's launch fields) of class ``key`` in
+  ``kernel``'s table on ``device_kind``, for the problems the tuner times it on (16-bit
+  inputs, ``head_dim <= 128``); else ``None``."""
+  fields = (lookup(table(kernel, device_kind or ""), key) or {}).get("fwd")
+  if (isinstance(fields, dict) and jnp.dtype(dtype).itemsize == 2
+      and next_power_of_2(head_dim) <= 128):
+    return fields
+  return None
+
+
 @functools.cache
 def _measured_kinds(tuned_dir: str) -> dict[str, str]:
   kinds = {}
@@ -191,9 +203,9 @@ measured_kinds.cache_clear = _measured_kinds.cache_clear
 def _same_architecture(kind: str, cap) -> list[str]:
   """The measured kinds of compute capability ``cap`` other than ``kind``, the name that
   shares the longest prefix with ``kind`` first (ties: in sorted order)."""
-  same = sorted(k for k, c in measured_kinds().items()
-                if cap is not None and c == str(cap) and k != kind)
-  return sorted(same, key=lambda k: -len(os.path.commonprefix([k, kind])))
+  same = [k for k, c in measured_kinds().items()
+          if cap is not None and c == str(cap) and k != kind]
+  return sorted(same, key=lambda k: (-len(os.path.commonprefix([k, kind])), k))
 
 
 def _package_kind(kind: str, cap) -> str | None:
@@ -230,7 +242,7 @@ def table_source(device, kernel: str | None = None) -> str:
     layers = _layers(kernel, table_kind(device))
     if not layers:
       return "heuristic"
-    source, served = layers[0]
+    source, served, _ = layers[0]
     return source if served == kind else f"fallback: {served}"
   if kind in user_kinds():
     return "user cache"

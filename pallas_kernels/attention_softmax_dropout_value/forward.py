@@ -165,10 +165,8 @@ def forward_config(seq_q: int, seq_k: int, head_dim: int, dtype,
   ``head_dim <= 128``, the problems the tuner times), its tiles capped at the padded lengths;
   else the defaults (:func:`default_blocks`, :data:`DEFAULT_NUM_WARPS` warps,
   :data:`DEFAULT_NUM_STAGES` stages; also for ``device_kind`` ``None``)."""
-  entry = _tuning.lookup(_tuning.table(KERNEL, device_kind or ""), length_class(seq_k))
-  fields = (entry or {}).get("fwd")
-  if (isinstance(fields, dict) and jnp.dtype(dtype).itemsize == 2
-      and tiles.padded_head_dim(head_dim) <= 128):
+  fields = _tuning.forward_entry(KERNEL, device_kind, length_class(seq_k), dtype, head_dim)
+  if fields is not None:
     return _tuning.TritonPassConfig(**fields).capped(seq_q, seq_k)
   return _tuning.TritonPassConfig(*default_blocks(seq_q, seq_k), DEFAULT_NUM_WARPS,
                                   DEFAULT_NUM_STAGES)

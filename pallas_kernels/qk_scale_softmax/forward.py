@@ -99,10 +99,8 @@ def forward_config(seq_q: int, seq_k: int, head_dim: int, dtype,
   their length class in the device's ``qk_scale_softmax`` table (16-bit inputs with
   ``head_dim <= 128``, the problems the tuner times), its tiles capped at the padded lengths;
   else :func:`default_forward_config` (also for ``device_kind`` ``None``)."""
-  entry = _tuning.lookup(_tuning.table(KERNEL, device_kind or ""), length_class(seq_k))
-  fields = (entry or {}).get("fwd")
-  if (not isinstance(fields, dict) or jnp.dtype(dtype).itemsize != 2
-      or tiles.padded_head_dim(head_dim) > 128):
+  fields = _tuning.forward_entry(KERNEL, device_kind, length_class(seq_k), dtype, head_dim)
+  if fields is None:
     return default_forward_config(seq_q, seq_k, head_dim, dtype)
   return ForwardConfig(**fields).capped(seq_q, seq_k)
 
