@@ -172,13 +172,17 @@ def main(argv=None, *, measure: common.Measure | None = None, stream=None) -> in
   print(f"tuning on {device_kind}, jax {jax.__version__}: {len(plan)} workloads of "
         f"{', '.join(ops)}; tables go to "
         + ("the package" if args.write_package else _tuning.cache_dir()), flush=True)
+  # Each class's table entry as the run found it: a candidate on every workload of the class,
+  # though the run rewrites the entry after the class's first workload.
+  served = {op: dict(_tuning.table(op, table_kind)) for op in ops}
   records: dict[str, dict[str, list]] = {op: {} for op in ops}
   written = {}
   progress.show(f"{plan[0][0]} {wl.label(plan[0][0], plan[0][2])}" if plan else "")
   for op, c, w, index in plan:
     calls = args.calls or (QUICK_CALLS if args.quick else CALLS[op])
     record = run_workload(op, c, w, index, measure, quick=args.quick, calls=calls,
-                          cands=cands, passes=passes, device_kind=table_kind)
+                          cands=cands, passes=passes, device_kind=table_kind,
+                          served=served[op])
     records[op].setdefault(record["key"], []).append(record)
     out = out_path(op, device_kind, args.write_package)
     write(op, records[op], out, device_kind, show=set())

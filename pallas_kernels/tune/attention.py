@@ -338,10 +338,15 @@ def candidates(op: str, quick: bool, cands: dict | None = None) -> dict[str, lis
   return out
 
 
-def _with_table(op: str, cands: dict, device_kind: str | None, key: str) -> dict:
+def _with_table(op: str, cands: dict, device_kind: str | None, key: str,
+                served: dict | None = None) -> dict:
   """``cands`` plus, per pass, the entry the device's tables hold for class ``key`` (that
-  no tuning run loses it)."""
-  entry = _tuning.lookup(_tuning.table(op, device_kind), key) if device_kind else None
+  no tuning run loses it): of ``served`` (``{class: entry}``, the tables as the run found
+  them), else of ``device_kind``'s tables."""
+  if served is not None:
+    entry = _tuning.lookup(served, key)
+  else:
+    entry = _tuning.lookup(_tuning.table(op, device_kind), key) if device_kind else None
   out = {name: list(entries) for name, entries in cands.items()}
   for name in out:
     if name == "dl" or not isinstance((entry or {}).get(name), dict):

@@ -1,9 +1,10 @@
 """The masked_softmax_dropout tuner: one kernel, configs by elements per program and warps.
 
 For a workload it times every candidate :class:`TableEntry` (``target`` elements per
-program and ``num_warps``, each with ``split`` on and off; entries that make the same
-:class:`Config` are timed once, and a config of over 64 elements per thread and array, which
-spills, is not timed) and the entry the device's tables hold for the workload's class. Per
+program and ``num_warps``, each with ``split`` on and off, and each again with the cache
+fields of the tables' entry for the class; entries that make the same :class:`Config` are
+timed once, and a config of over 64 elements per thread and array, which spills, is not
+timed) and the entry the device's tables held for the workload's class when the run began. Per
 row-length class (``length_class(Sk)``) the table keeps the candidate with the best geomean
 of time / best time over the class's workloads; its entry is a ``TableEntry``'s JSON
 (``target``, ``num_warps``, ``split`` and the fields that differ from their defaults).
@@ -11,8 +12,11 @@ of time / best time over the class's workloads; its entry is a ``TableEntry``'s 
 
 from __future__ import annotations
 
+import dataclasses
+
 from pallas_kernels import masked_softmax_dropout as msd
 from pallas_kernels import workloads as wl
+from pallas_kernels._util import next_power_of_2
 from pallas_kernels.masked_softmax_dropout.config import KERNEL
 from pallas_kernels.tune import common
 
@@ -59,19 +63,30 @@ def from_shape(values: tuple) -> tuple[dict, dict]:
                            "atol": 1e-5, "rtol": 1e-5}
 
 
-def candidates(quick: bool, device_kind: str | None, seq_k: int) -> list[msd.TableEntry]:
+def candidates(quick: bool, device_kind: str | None, seq_k: int,
+               served: dict | None = None) -> list[msd.TableEntry]:
   """The entries timed for rows of ``seq_k``: the candidates (``quick``: :data:`QUICK`'s)
-  with split on and off, then the tables' entry for the class where it is not among them."""
+  with split on and off, the same with the cache and eviction fields of the tables' entry
+  for the class (where it has any), then that entry where it is not among them. The tables
+  are ``served`` (``{class: entry}``, the tables as the run found them: a class's entry
+  stays the same over its workloads while the run rewrites it), else those of
+  ``device_kind``."""
   base = [CANDIDATES[i] for i in QUICK] if quick else CANDIDATES
   out = [msd.TableEntry(**c, split=s) for c in base for s in (True, False)]
-  current = msd.tuned_entry(seq_k, device_kind)
+  if served is None:
+    current = msd.tuned_entry(seq_k, device_kind)
+  else:
+    entry = served.get(msd.length_class(seq_k)) or served.get(str(next_power_of_2(seq_k)))
+    current = msd.TableEntry.from_json(entry) if entry else None
+  if current is not None and current.variant:
+    out += [dataclasses.replace(e, variant=current.variant) for e in list(out)]
   if current is not None and current not in out:
     out.append(current)
   return out
 
 
 def run_workload(constants, w, index, measure, *, quick=False, calls=10, cands=None,
-                 passes=None, device_kind=None) -> dict:
+                 passes=None, device_kind=None, served=None) -> dict:
   """Times a workload's candidates: a record ``{"key": class, "times": {"kernel":
   {TableEntry: us}}}`` (the op's times, ``"xla"`` and ``"pallas"``, come later:
   :func:`pallas_kernels.tune.common.time_op`)."""
@@ -80,7 +95,7 @@ def run_workload(constants, w, index, measure, *, quick=False, calls=10, cands=N
   key = msd.length_class(sk)
   make_sets = common.lazy_sets(OP, constants, w, index)
   by_config: dict = {}
-  for entry in candidates(quick, device_kind, sk):
+  for entry in candidates(quick, device_kind, sk, served):
     config = entry.config(sq, sk)
     width = sum(c for _, c in msd.column_chunks(sk, config.split))
     if config.block_rows * width > 64 * 32 * entry.num_warps:
