@@ -11,8 +11,8 @@ written by ``python -m pallas_kernels.tune``. Two places hold tables:
 
 The device folder is the device kind in lower case with ``_`` for other characters
 (``NVIDIA H200`` -> ``nvidia_h200``). Per kernel, a device reads one package table: its own
-kind's, else that of the nearest measured kind of its compute capability that has one (an
-H100 with a qk_scale_softmax table of its own takes the H200's other two), with its
+kind's, else that of the nearest measured kind of its compute capability that has one (a
+device with tables of its own for some kernels takes another's for the rest), with its
 user-cache classes (this jax) ahead of that table's. A device of an unmeasured kind reads as
 the nearest measured kind of its compute capability (:func:`table_kind`); a device of an
 architecture with no tables uses heuristics. A class's entry may say ``"backend": "xla"``, where the
