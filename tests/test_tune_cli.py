@@ -251,6 +251,35 @@ def test_a_class_takes_the_untimed_causal_dl_of_the_table_that_served_it(
   capsys.readouterr()
 
 
+def test_each_workload_of_a_class_times_the_entry_the_run_found(cache, tmp_path, monkeypatch,
+                                                                 capsys):
+  """The run rewrites a class's entry after its first workload; the entry the tables held
+  when it began is still a candidate on the class's later workloads, and masked's launches
+  are timed with that entry's cache and eviction fields too."""
+  from pallas_kernels import masked_softmax_dropout as msd
+  kind = jax.devices()[0].device_kind
+  found = {"target": 256, "num_warps": 1, "split": False, "store_eviction": "evict_first"}
+  monkeypatch.setattr(_tuning, "TUNED_DIR", str(tmp_path / "tuned"))
+  _write(_tuning.table_path(MASKED, kind), kind, {"256": found})
+  asked = []
+  measure_keys = fake_measure(xla_classes=())
+
+  def recording(trial, candidates, make_sets, *, calls):
+    if trial.name == "kernel":
+      asked.append({key for key, _ in candidates})
+    return measure_keys(trial, candidates, make_sets, calls=calls)
+  assert tune.main(["--op", MASKED, "--shape", "2,4,256", "--shape", "4,16,256"],
+                   measure=recording) == 0
+  entry = msd.TableEntry.from_json(found)
+  with_fields = msd.TableEntry(1024, 8, False, entry.variant)
+  assert len(asked) == 2
+  assert all(entry.config(256, 256) in keys for keys in asked)
+  assert all(with_fields.config(256, 256) in keys for keys in asked)
+  with open(_tuning.user_table_path(MASKED, kind)) as f:
+    assert json.load(f)["configs"]["256"] != found  # the run did rewrite it
+  capsys.readouterr()
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--shape", "1,2,3"], "exactly one --op"),
     (["--op", QK, "--shape", "1,2,3"], "B,H,Sq,Sk,D"),
