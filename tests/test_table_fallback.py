@@ -56,12 +56,14 @@ def test_a_device_takes_its_own_tables_then_its_architectures_then_none():
 
 
 def test_a_kernel_without_a_table_of_the_device_takes_its_architectures():
-  """The H100 ships qk_scale_softmax's table only: its other kernels read the H200's."""
-  assert _tuning.table_source(FakeH100(), qk_config.KERNEL) == "package"
-  for kernel in (masked_config.KERNEL, attention_config.KERNEL):
-    assert _tuning.table_source(FakeH100(), kernel) == "fallback: NVIDIA H200"
-    assert _tuning.table_source(FakeHopper(), kernel) == "package"
-    assert _tuning.table(kernel, "NVIDIA H100 80GB HBM3") == _tuning.table(kernel, "NVIDIA H200")
+  """The H100 ships tables of qk_scale_softmax and attention_softmax_dropout_value: it reads
+  the H200's masked_softmax_dropout table."""
+  for kernel in (qk_config.KERNEL, attention_config.KERNEL):
+    assert _tuning.table_source(FakeH100(), kernel) == "package"
+  kernel = masked_config.KERNEL
+  assert _tuning.table_source(FakeH100(), kernel) == "fallback: NVIDIA H200"
+  assert _tuning.table_source(FakeHopper(), kernel) == "package"
+  assert _tuning.table(kernel, "NVIDIA H100 80GB HBM3") == _tuning.table(kernel, "NVIDIA H200")
 
 
 def _write(path, kind, configs):
