@@ -13,6 +13,7 @@ from pallas_kernels.masked_softmax_dropout.config import (
     default_config,
     heuristic_entry,
     length_class,
+    table_entry,
     tuned_entry,
 )
 from pallas_kernels.masked_softmax_dropout.pallas_triton import masked_softmax_dropout_backward
@@ -26,5 +27,6 @@ __all__ = [
     "heuristic_entry",
     "length_class",
     "masked_softmax_dropout_backward",
+    "table_entry",
     "tuned_entry",
 ]

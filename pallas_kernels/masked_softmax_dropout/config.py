@@ -182,12 +182,16 @@ def heuristic_entry(seq_k: int) -> TableEntry:
                     split=True)
 
 
-def tuned_entry(seq_k: int, device_kind: str | None) -> TableEntry | None:
-  """The table's entry for rows of ``seq_k`` on ``device_kind`` (a ragged class without
-  one takes the aligned class of its padded length); ``None`` without one."""
-  table = _tuning.table(KERNEL, device_kind or "")
+def table_entry(table: dict, seq_k: int) -> TableEntry | None:
+  """The entry of ``table`` (``{class: entry JSON}``) for rows of ``seq_k`` (a ragged class
+  without one takes the aligned class of its padded length); ``None`` without one."""
   entry = table.get(length_class(seq_k)) or table.get(str(next_power_of_2(seq_k)))
   return TableEntry.from_json(entry) if entry else None
+
+
+def tuned_entry(seq_k: int, device_kind: str | None) -> TableEntry | None:
+  """The tables' entry for rows of ``seq_k`` on ``device_kind`` (:func:`table_entry`)."""
+  return table_entry(_tuning.table(KERNEL, device_kind or ""), seq_k)
 
 
 def default_config(seq_q: int, seq_k: int, device_kind: str | None = None) -> Config:

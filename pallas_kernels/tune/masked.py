@@ -16,7 +16,6 @@ import dataclasses
 
 from pallas_kernels import masked_softmax_dropout as msd
 from pallas_kernels import workloads as wl
-from pallas_kernels._util import next_power_of_2
 from pallas_kernels.masked_softmax_dropout.config import KERNEL
 from pallas_kernels.tune import common
 
@@ -73,11 +72,8 @@ def candidates(quick: bool, device_kind: str | None, seq_k: int,
   ``device_kind``."""
   base = [CANDIDATES[i] for i in QUICK] if quick else CANDIDATES
   out = [msd.TableEntry(**c, split=s) for c in base for s in (True, False)]
-  if served is None:
-    current = msd.tuned_entry(seq_k, device_kind)
-  else:
-    entry = served.get(msd.length_class(seq_k)) or served.get(str(next_power_of_2(seq_k)))
-    current = msd.TableEntry.from_json(entry) if entry else None
+  current = (msd.tuned_entry(seq_k, device_kind) if served is None
+             else msd.table_entry(served, seq_k))
   if current is not None and current.variant:
     out += [dataclasses.replace(e, variant=current.variant) for e in list(out)]
   if current is not None and current not in out:
