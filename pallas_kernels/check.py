@@ -243,14 +243,16 @@ def main(argv=None) -> int:
   print(format_row([name for name, _ in COLUMNS]))
   print(format_row(["-" * (width or len(name)) for name, width in COLUMNS]))
   failed = total = 0
-  for op, c, w, causal, index in cases(args.op or wl.OPS, args.quick):
+  ops = args.op or wl.OPS
+  sources = {op: "heuristic" if interpret else _tuning.table_source(device, op) for op in ops}
+  for op, c, w, causal, index in cases(ops, args.quick):
     shape = shape_label(op, w, c, causal)
     for entry, run in (("kernel", run_kernel), ("op fwd+bwd", run_op)):
       total += 1
       try:
         ok, line = row_of(op, entry, shape,
                           *run(op, c, w, causal, index, interpret, timed, args.calls),
-                          "heuristic" if interpret else _tuning.table_source(device, op))
+                          sources[op])
       except Exception as e:  # noqa: BLE001 - a case that raises fails; the others still run
         traceback.print_exc(file=sys.stderr)
         ok, line = False, format_row([op, entry, shape, "FAIL",

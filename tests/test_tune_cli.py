@@ -190,7 +190,7 @@ def test_quick_takes_fewer_candidates():
   for op in (attention.ATTENTION, attention.QK):
     full, quick = attention.candidates(op, False), attention.candidates(op, True)
     assert all(len(quick[n]) < len(full[n]) for n in full), op
-  assert len(masked.candidates(True, None, 512)) < len(masked.candidates(False, None, 512))
+  assert len(masked.candidates(True, {}, 512)) < len(masked.candidates(False, {}, 512))
 
 
 def test_a_default_run_measures_every_class_of_the_spec_and_of_the_shipped_tables():

@@ -338,15 +338,10 @@ def candidates(op: str, quick: bool, cands: dict | None = None) -> dict[str, lis
   return out
 
 
-def _with_table(op: str, cands: dict, device_kind: str | None, key: str,
-                served: dict | None = None) -> dict:
-  """``cands`` plus, per pass, the entry the device's tables hold for class ``key`` (that
-  no tuning run loses it): of ``served`` (``{class: entry}``, the tables as the run found
-  them), else of ``device_kind``'s tables."""
-  if served is not None:
-    entry = _tuning.lookup(served, key)
-  else:
-    entry = _tuning.lookup(_tuning.table(op, device_kind), key) if device_kind else None
+def _with_table(op: str, cands: dict, served: dict, key: str) -> dict:
+  """``cands`` plus, per pass, the entry of ``served`` (``{class: entry}``, the device's
+  table as the run found it) for class ``key``: no tuning run loses it."""
+  entry = _tuning.lookup(served, key)
   out = {name: list(entries) for name, entries in cands.items()}
   for name in out:
     if name == "dl" or not isinstance((entry or {}).get(name), dict):

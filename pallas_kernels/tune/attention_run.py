@@ -210,9 +210,10 @@ def from_shape(op: str, values: tuple) -> tuple[dict, dict]:
 
 def run_workload(op, constants, w, index, measure, *, quick=False, calls=8, cands=None,
                  passes=None, device_kind=None, served=None) -> dict:
-  """Times a workload's passes (``passes``: only these): its record."""
+  """Times a workload's passes (``passes``: only these): its record. ``served``: the
+  device's table as the run found it, whose entry for the class each pass also times."""
   key = length_class(op, constants, w)
-  cands = _with_table(op, candidates(op, quick, cands), device_kind, key, served)
+  cands = _with_table(op, candidates(op, quick, cands), served or {}, key)
   make_sets = common.lazy_sets(op, constants, w, index)
   extra = {"device_kind": device_kind} if op == QK else {}
   built, key = PASSES[op](w, constants, make_sets, cands, **extra)

@@ -62,18 +62,15 @@ def from_shape(values: tuple) -> tuple[dict, dict]:
                            "atol": 1e-5, "rtol": 1e-5}
 
 
-def candidates(quick: bool, device_kind: str | None, seq_k: int,
-               served: dict | None = None) -> list[msd.TableEntry]:
+def candidates(quick: bool, served: dict, seq_k: int) -> list[msd.TableEntry]:
   """The entries timed for rows of ``seq_k``: the candidates (``quick``: :data:`QUICK`'s)
-  with split on and off, the same with the cache and eviction fields of the tables' entry
-  for the class (where it has any), then that entry where it is not among them. The tables
-  are ``served`` (``{class: entry}``, the tables as the run found them: a class's entry
-  stays the same over its workloads while the run rewrites it), else those of
-  ``device_kind``."""
+  with split on and off, the same with the cache and eviction fields of the entry of
+  ``served`` for the class (where it has any), then that entry where it is not among them.
+  ``served``: ``{class: entry}``, the device's table as the run found it (a class's entry
+  stays the same over its workloads while the run rewrites it)."""
   base = [CANDIDATES[i] for i in QUICK] if quick else CANDIDATES
   out = [msd.TableEntry(**c, split=s) for c in base for s in (True, False)]
-  current = (msd.tuned_entry(seq_k, device_kind) if served is None
-             else msd.table_entry(served, seq_k))
+  current = msd.table_entry(served, seq_k)
   if current is not None and current.variant:
     out += [dataclasses.replace(e, variant=current.variant) for e in list(out)]
   if current is not None and current not in out:
@@ -85,13 +82,14 @@ def run_workload(constants, w, index, measure, *, quick=False, calls=10, cands=N
                  passes=None, device_kind=None, served=None) -> dict:
   """Times a workload's candidates: a record ``{"key": class, "times": {"kernel":
   {TableEntry: us}}}`` (the op's times, ``"xla"`` and ``"pallas"``, come later:
-  :func:`pallas_kernels.tune.common.time_op`)."""
-  del cands, passes
+  :func:`pallas_kernels.tune.common.time_op`). ``served``: the device's table as the run
+  found it (:func:`candidates`)."""
+  del cands, passes, device_kind
   sq = sk = w["seq_len"]
   key = msd.length_class(sk)
   make_sets = common.lazy_sets(OP, constants, w, index)
   by_config: dict = {}
-  for entry in candidates(quick, device_kind, sk, served):
+  for entry in candidates(quick, served or {}, sk):
     config = entry.config(sq, sk)
     width = sum(c for _, c in msd.column_chunks(sk, config.split))
     if config.block_rows * width > 64 * 32 * entry.num_warps:
