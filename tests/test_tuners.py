@@ -218,6 +218,43 @@ def test_attention_table_round_trip(tuned_dir):
                             ta.pass_config(ta.ATTENTION, dict(ds[1]), 256, 256))
 
 
+def test_a_run_never_trades_a_workload_of_the_served_entry_for_the_geomean():
+  """A candidate better in geomean but over ``KEEP_SLACK`` slower than the served entry on
+  one workload of the class loses to it; one within the slack on each workload wins."""
+  small_fast = [{"a": 1.0, "served": 1.2}, {"a": 1.1, "served": 1.0}]
+  assert common.best_by_geomean(small_fast)[0] == "a"
+  assert common.best_by_geomean(small_fast, keep="served")[0] == "served"
+  close = [{"a": 1.0, "served": 1.2}, {"a": 1.005, "served": 1.0}]
+  assert common.best_by_geomean(close, keep="served")[0] == "a"
+  # An entry that did not run on every workload guards nothing.
+  assert common.best_by_geomean([{"a": 1.0, "served": 1.2}, {"a": 1.1}], keep="served")[0] == "a"
+
+
+def test_the_tuners_keep_the_served_entry_of_a_class(tuned_dir):
+  """Both writers take each class's served entry from the records (``"served"``)."""
+  win, served = (msd.TableEntry(target=1024, num_warps=8, split=True),
+                 msd.TableEntry(target=512, num_warps=1, split=False))
+  times = [{win: 10.0, served: 12.0}, {win: 110.0, served: 100.0}]
+  records = {"512": [{"key": "512", "times": {tune.PASS: t}, "served": served} for t in times]}
+  out = _tuning.table_path(msd.config.KERNEL, FAKE)
+  assert tune.write(records, out, FAKE, show=set())["configs"]["512"] == served.to_json()
+  for record in records["512"]:
+    record["served"] = None
+  _tuning.table.cache_clear()
+  assert tune.write(records, out, FAKE, show=set())["configs"]["512"] == win.to_json()
+
+  dv = [ta.candidate_key(ta.ATTENTION, e) for e in ta.ATTENTION_DV[:2]]
+  ds = [ta.candidate_key(ta.ATTENTION, e) for e in ta.ATTENTION_DS[:2]]
+  records = {"256": [{"key": "256", "served": {"dv": dv[1], "ds": ds[1]},
+                      "times": {"dv": {dv[0]: a, dv[1]: b}, "ds": {ds[0]: a, ds[1]: b}}}
+                     for a, b in [(10.0, 12.0), (110.0, 100.0)]]}
+  out = _tuning.table_path(asdv.config.KERNEL, FAKE)
+  entry = tr.write(ta.ATTENTION, records, out, FAKE, show=set())["configs"]["256"]
+  assert entry == {"dv": dict(dv[1]), "ds": dict(ds[1])}
+  served = {"256": {"dv": dict(dv[1]), "ds": dict(ds[1])}}
+  assert ta.served_keys(ta.ATTENTION, served, "256") == {"dv": dv[1], "ds": ds[1]}
+
+
 def test_qk_table_round_trip(tuned_dir):
   out = _tuning.table_path(qks.config.KERNEL, FAKE)
   row = [ta.candidate_key(ta.QK, e) for e in (ta.QK_ROW[0], ta.QK_ROW[-1])]  # whole row; row_align

@@ -4,8 +4,9 @@ Each kernel runs as two Pallas calls (attention_softmax_dropout_value: dV + delt
 qk_scale_softmax: delta + grad_query, then grad_key); they are timed apart, each over a list
 of candidate tiles and launch parameters plus the entry the device's tables hold for the
 class. Per length class (``length_class``) the table keeps, per pass, the candidate with the
-best geomean of time / best time over the class's workloads; the passes a run does not time
-(``--passes``) keep their entries.
+best geomean of time / best time over the class's workloads, among those at most
+``common.KEEP_SLACK`` slower than the tables' entry on each of them; the passes a run does
+not time (``--passes``) keep their entries.
 
 A class's entry holds configs only, with named fields, as the op's ``default_config`` reads
 them (attention_softmax_dropout_value: ``Config.to_json()``, ``{"dv": {...}, "ds": {...}}``;
@@ -335,6 +336,21 @@ def candidates(op: str, quick: bool, cands: dict | None = None) -> dict[str, lis
     if op == QK:
       out["dl"] = list(QUICK_DL)
   out.update(cands or {})
+  return out
+
+
+def served_keys(op: str, served: dict, key: str) -> dict:
+  """``{pass: candidate key}`` of the entry of ``served`` for class ``key``, for each pass
+  this tuner can time it in (the ``keep`` of :func:`common.best_by_geomean`)."""
+  entry = _tuning.lookup(served, key) or {}
+  out = {}
+  for name, fields in entry.items():
+    if name == "dl" or not isinstance(fields, dict):
+      continue
+    try:
+      out[name] = candidate_key(op, fields, name)
+    except (KeyError, TypeError, ValueError):
+      pass  # not a valid entry for this tuner: not timed
   return out
 
 

@@ -27,7 +27,8 @@ from pallas_kernels.attention_softmax_dropout_value import forward as asdv_forwa
 from pallas_kernels.qk_scale_softmax.config import PER_HEAD_TUNED_MAX_ROW
 from pallas_kernels.tune import common
 from pallas_kernels.tune.attention import (ATTENTION, PASS_ENTRY, QK, SHAPE, _with_table,
-                                           candidate_key, candidates, fwd_entry, pass_config)
+                                           candidate_key, candidates, fwd_entry, pass_config,
+                                           served_keys)
 
 # Per scheme of qk_scale_softmax, the passes whose times add up to one backward.
 QK_SCHEMES = {"two_pass": ("two_pass",), "per_head": ("head",), "dl_gemm": ("dl",)}
@@ -227,7 +228,7 @@ def run_workload(op, constants, w, index, measure, *, quick=False, calls=8, cand
     line.append(f"{name}: " + " ".join(f"{common.label(c)}={t:.1f}"
                                        for c, t in times[name].items()))
   print("  ".join(line), flush=True)
-  return {"key": key, "times": times}
+  return {"key": key, "times": times, "served": served_keys(op, served or {}, key)}
 
 
 # ----------------------------------------------------------------------- the table
@@ -285,10 +286,12 @@ def _choose_scheme(best_times):
   return min(score, key=score.get), {s: round(v, 4) for s, v in score.items()}
 
 
-def select(ratios, best_times=None) -> tuple[dict, dict]:
+def select(ratios, best_times=None, served=None) -> tuple[dict, dict]:
   """ratios[class][pass] = list of {candidate: time / best} dicts, one per workload;
   best_times[class][pass] = that pass's best time per workload (qk_scale_softmax: picks the
-  scheme). -> ``({class: {pass: entry, ["scheme": ...]}}, {class: {note: geomean}})``."""
+  scheme); served[class][pass] = the candidate key of the entry that served the class (a
+  pass's winner is at most ``common.KEEP_SLACK`` slower than it on each workload).
+  -> ``({class: {pass: entry, ["scheme": ...]}}, {class: {note: geomean}})``."""
   table, notes = {}, {}
   for key, passes in ratios.items():
     entry, note = {}, {}
@@ -299,7 +302,8 @@ def select(ratios, best_times=None) -> tuple[dict, dict]:
     for name, per_workload in passes.items():
       if name == "two_pass":
         continue
-      best, score = common.best_by_geomean(per_workload)
+      best, score = common.best_by_geomean(
+          per_workload, keep=((served or {}).get(key) or {}).get(name))
       if best is None:
         continue
       entry[name] = dict(best)
@@ -322,12 +326,13 @@ def records_to_ratios(records: dict[str, list[dict]]):
   return ratios, best_times
 
 
-def _write_table(op, ratios, out, best_times=None, device_kind=None, records=None, show=None):
+def _write_table(op, ratios, out, best_times=None, device_kind=None, records=None, show=None,
+                 served=None):
   """Writes the selected entries (configs only; the passes of a class not measured in this
   run, and the classes not measured, keep their entries from the table already at ``out``),
   with each class's backend where ``records`` give its op times (Pallas and XLA), and prints the
   notes (of the classes in ``show``; default all)."""
-  table, notes = select(ratios, best_times)
+  table, notes = select(ratios, best_times, served)
   if op == QK:  # a dl_gemm class whose dL launch this run did not time keeps its scheme
     old = common.read_table(out, device_kind or _device_kind())
     for key in table:
@@ -366,5 +371,6 @@ def write(op: str, records: dict[str, list[dict]], out: str, device_kind: str,
   """Selects per class from the workloads' records and writes the table (prints the
   selection of the classes in ``show``)."""
   ratios, best_times = records_to_ratios(records)
+  served = {k: rs[0].get("served") for k, rs in records.items() if rs}
   return _write_table(op, ratios, out, best_times if op == QK else None, device_kind, records,
-                      show)
+                      show, served)

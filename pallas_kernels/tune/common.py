@@ -168,12 +168,21 @@ def ratios_of(times: dict) -> dict:
   return {k: t / best for k, t in times.items()}
 
 
-def best_by_geomean(ratios: list[dict]):
-  """The candidate with the best geomean of time / best time over the workloads, and it."""
+# A candidate replaces the entry that served a class only if it is at most this much slower
+# than that entry on every workload of the class: a run never trades one shape for another.
+KEEP_SLACK = 0.01
+
+
+def best_by_geomean(ratios: list[dict], keep=None):
+  """The candidate with the best geomean of time / best time over the workloads, and it.
+  ``keep``: the entry that served the class; where it ran on every workload, only the
+  candidates within :data:`KEEP_SLACK` of it on each workload compete (it among them)."""
   common = set.intersection(*(set(r) for r in ratios)) if ratios else set()
   if not common:  # every candidate failed on some workload of the class
     print("no candidate ran on every workload of a class; its entry is left as it was")
     return None, None
+  if keep in common:
+    common = {c for c in common if all(r[c] <= r[keep] * (1 + KEEP_SLACK) for r in ratios)}
   score = {c: geomean(r[c] for r in ratios) for c in common}
   best = min(score, key=lambda c: (score[c], repr(c)))
   return best, round(score[best], 4)

@@ -6,8 +6,9 @@ fields of the tables' entry for the class; entries that make the same :class:`Co
 timed once, and a config of over 64 elements per thread and array, which spills, is not
 timed) and the entry the device's tables held for the workload's class when the run began. Per
 row-length class (``length_class(Sk)``) the table keeps the candidate with the best geomean
-of time / best time over the class's workloads; its entry is a ``TableEntry``'s JSON
-(``target``, ``num_warps``, ``split`` and the fields that differ from their defaults).
+of time / best time over the class's workloads, among those at most ``common.KEEP_SLACK``
+slower than that entry on each of them; its entry is a ``TableEntry``'s JSON (``target``,
+``num_warps``, ``split`` and the fields that differ from their defaults).
 """
 
 from __future__ import annotations
@@ -106,26 +107,28 @@ def run_workload(constants, w, index, measure, *, quick=False, calls=10, cands=N
     print(f"{wl.label(OP, w):>22} [{key}]  best {best:8.1f} us  " + "  ".join(
               f"{common.label(by_config[c][0])}:{t:.1f}"
               for c, t in by_time.items()), flush=True)
-  return {"key": key, "times": {PASS: times}}
+  return {"key": key, "times": {PASS: times}, "served": msd.table_entry(served or {}, sk)}
 
 
-def select(by_class: dict[str, list[dict]]) -> tuple[dict, dict]:
+def select(by_class: dict[str, list[dict]], served: dict | None = None) -> tuple[dict, dict]:
   """Per length class, the candidate (a ``TableEntry``) with the best geomean of time /
-  best time: ``({class: entry JSON}, {class: geomean_vs_best})``."""
+  best time, among those within ``common.KEEP_SLACK`` of the class's ``served[class]`` on
+  each workload (:func:`common.best_by_geomean`): ``({class: entry JSON},
+  {class: geomean_vs_best})``."""
   table, notes = {}, {}
   for key, ratios in sorted(by_class.items()):
-    best, score = common.best_by_geomean(ratios)
+    best, score = common.best_by_geomean(ratios, keep=(served or {}).get(key))
     if best is not None:
       table[key], notes[key] = best.to_json(), score
   return table, notes
 
 
 def _write_table(by_class: dict[str, list[dict]], out: str, device_kind=None,
-                 backends: dict | None = None, show=None) -> dict:
+                 backends: dict | None = None, show=None, served=None) -> dict:
   """Writes the selected entries (configs only, and ``backends[class]`` where given) merged
   into the table at ``out`` (a run cut short keeps the classes it did not reach), and
   prints their notes (of the classes in ``show``; default all)."""
-  table, notes = select(by_class)
+  table, notes = select(by_class, served)
   for key, backend in (backends or {}).items():
     if key in table and backend is not None:
       table[key]["backend"] = backend
@@ -144,8 +147,9 @@ def write(records: dict[str, list[dict]], out: str, device_kind: str, show=None)
   by_class = {k: [common.ratios_of(r["times"][PASS]) for r in rs if r["times"][PASS]]
               for k, rs in records.items()}
   by_class = {k: v for k, v in by_class.items() if v}
+  served = {k: rs[0].get("served") for k, rs in records.items() if rs}
   backends = {}
-  selected, _ = select(by_class)
+  selected, _ = select(by_class, served)
   for key, rs in records.items():
     if key not in selected:
       continue
@@ -153,4 +157,4 @@ def write(records: dict[str, list[dict]], out: str, device_kind: str, show=None)
                                                  [r.get("xla") for r in rs])
     if score is not None and (show is None or key in show):
       print(f"  {key}: op Pallas / XLA geomean {score} -> {backends[key]}", flush=True)
-  return _write_table(by_class, out, device_kind, backends, show)
+  return _write_table(by_class, out, device_kind, backends, show, served)
