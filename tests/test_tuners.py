@@ -242,6 +242,12 @@ def test_the_tuners_keep_the_served_entry_of_a_class(tuned_dir):
     record["served"] = None
   _tuning.table.cache_clear()
   assert tune.write(records, out, FAKE, show=set())["configs"]["512"] == win.to_json()
+  # masked's entry serves the op's backward too: its launch there counts as much.
+  records = {"512": [{"key": "512", "served": served,
+                      "times": {tune.PASS: {win: 10.0, served: 10.05},
+                                tune.OP_PASS: {win: 12.0, served: 10.0}}}]}
+  _tuning.table.cache_clear()
+  assert tune.write(records, out, FAKE, show=set())["configs"]["512"] == served.to_json()
 
   dv = [ta.candidate_key(ta.ATTENTION, e) for e in ta.ATTENTION_DV[:2]]
   ds = [ta.candidate_key(ta.ATTENTION, e) for e in ta.ATTENTION_DS[:2]]

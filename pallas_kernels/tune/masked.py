@@ -4,24 +4,31 @@ For a workload it times every candidate :class:`TableEntry` (``target`` elements
 program and ``num_warps``, each with ``split`` on and off, and each again with the cache
 fields of the tables' entry for the class; entries that make the same :class:`Config` are
 timed once, and a config of over 64 elements per thread and array, which spills, is not
-timed) and the entry the device's tables held for the workload's class when the run began. Per
-row-length class (``length_class(Sk)``) the table keeps the candidate with the best geomean
-of time / best time over the class's workloads, among those at most ``common.KEEP_SLACK``
-slower than that entry on each of them; its entry is a ``TableEntry``'s JSON (``target``,
-``num_warps``, ``split`` and the fields that differ from their defaults).
+timed) and the entry the device's tables held for the workload's class when the run began,
+each as the kernel entry point launches it and as the op's backward does (the variant that
+recomputes P from the scores: one entry serves both). Per row-length class
+(``length_class(Sk)``) the table keeps the candidate with the best geomean of time / best
+time over the class's workloads and both launches, among those at most
+``common.KEEP_SLACK`` slower than that entry on each of them; its entry is a
+``TableEntry``'s JSON (``target``, ``num_warps``, ``split`` and the fields that differ from
+their defaults).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax
+
 from pallas_kernels import masked_softmax_dropout as msd
+from pallas_kernels.masked_softmax_dropout import pallas_triton as msd_triton
 from pallas_kernels import workloads as wl
 from pallas_kernels.masked_softmax_dropout.config import KERNEL
 from pallas_kernels.tune import common
 
 OP = KERNEL
-PASS = "kernel"  # the one pass
+PASS = "kernel"  # the kernel entry point's launch
+OP_PASS = "op"   # the same entry's launch of the op's backward (from the scores)
 # TableEntry fields (each is timed with split=True and split=False): 4 to 32 elements per
 # thread and array.
 CANDIDATES = [
@@ -81,10 +88,12 @@ def candidates(quick: bool, served: dict, seq_k: int) -> list[msd.TableEntry]:
 
 def run_workload(constants, w, index, measure, *, quick=False, calls=10, cands=None,
                  passes=None, device_kind=None, served=None) -> dict:
-  """Times a workload's candidates: a record ``{"key": class, "times": {"kernel":
-  {TableEntry: us}}}`` (the op's times, ``"xla"`` and ``"pallas"``, come later:
-  :func:`pallas_kernels.tune.common.time_op`). ``served``: the device's table as the run
-  found it (:func:`candidates`)."""
+  """Times a workload's candidates twice: as the kernel entry point runs them (pass
+  ``"kernel"``, P and the keep mask read) and as the op's backward does (pass ``"op"``: the
+  variant that recomputes P from the scores and draws keep from a key). A record ``{"key":
+  class, "times": {pass: {TableEntry: us}}, "served": entry}`` (the op's times against XLA's,
+  ``"xla"`` and ``"pallas"``, come later: :func:`pallas_kernels.tune.common.time_op`).
+  ``served``: the device's table as the run found it (:func:`candidates`)."""
   del cands, passes, device_kind
   sq = sk = w["seq_len"]
   key = msd.length_class(sk)
@@ -97,17 +106,26 @@ def run_workload(constants, w, index, measure, *, quick=False, calls=10, cands=N
       continue  # over 64 elements per thread and array: spills
     by_config.setdefault(config, []).append(entry)
   p = w["p_dropout"]
-  fns = [(config, lambda g, pr, m, k, c=config: msd.masked_softmax_dropout_backward(
-      g, pr, m, k, p, config=c)) for config in by_config]
-  trial = common.Trial(OP, key, PASS, constants, w)
-  by_time = measure(trial, fns, make_sets, calls=calls)
-  times = {e: t for config, t in by_time.items() for e in by_config[config]}
-  if by_time:
-    best = min(by_time.values())
-    print(f"{wl.label(OP, w):>22} [{key}]  best {best:8.1f} us  " + "  ".join(
-              f"{common.label(by_config[c][0])}:{t:.1f}"
-              for c, t in by_time.items()), flush=True)
-  return {"key": key, "times": {PASS: times}, "served": msd.table_entry(served or {}, sk)}
+  rng = jax.random.key(index)
+  variants = {
+      PASS: lambda c: lambda g, pr, m, k: msd.masked_softmax_dropout_backward(
+          g, pr, m, k, p, config=c),
+      # The inputs' P stands in for the scores (any finite rows), keep for nothing.
+      OP_PASS: lambda c: lambda g, pr, m, k: msd_triton.masked_softmax_dropout_backward_from_scores(
+          g, pr, m, rng, p, config=c),
+  }
+  times = {}
+  for name, make_fn in variants.items():
+    fns = [(config, make_fn(config)) for config in by_config]
+    trial = common.Trial(OP, key, name, constants, w)
+    by_time = measure(trial, fns, make_sets, calls=calls)
+    times[name] = {e: t for config, t in by_time.items() for e in by_config[config]}
+    if by_time:
+      best = min(by_time.values())
+      print(f"{wl.label(OP, w):>22} [{key}] {name:>6}  best {best:8.1f} us  " + "  ".join(
+                f"{common.label(by_config[c][0])}:{t:.1f}"
+                for c, t in by_time.items()), flush=True)
+  return {"key": key, "times": times, "served": msd.table_entry(served or {}, sk)}
 
 
 def select(by_class: dict[str, list[dict]], served: dict | None = None) -> tuple[dict, dict]:
@@ -144,7 +162,8 @@ def write(records: dict[str, list[dict]], out: str, device_kind: str, show=None)
   """Selects per class from the workloads' records, decides the backend where the records
   hold the op's times (Pallas against XLA, :func:`common.choose_backend`) and writes the
   table."""
-  by_class = {k: [common.ratios_of(r["times"][PASS]) for r in rs if r["times"][PASS]]
+  by_class = {k: [common.ratios_of(r["times"][name]) for r in rs for name in (PASS, OP_PASS)
+                  if r["times"].get(name)]
               for k, rs in records.items()}
   by_class = {k: v for k, v in by_class.items() if v}
   served = {k: rs[0].get("served") for k, rs in records.items() if rs}
