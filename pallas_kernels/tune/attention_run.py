@@ -228,7 +228,11 @@ def run_workload(op, constants, w, index, measure, *, quick=False, calls=8, cand
     line.append(f"{name}: " + " ".join(f"{common.label(c)}={t:.1f}"
                                        for c, t in times[name].items()))
   print("  ".join(line), flush=True)
-  return {"key": key, "times": times, "served": served_keys(op, served or {}, key)}
+  record = {"key": key, "times": times, "served": served_keys(op, served or {}, key)}
+  causal_dl = (_tuning.lookup(served or {}, key) or {}).get("causal_dl")
+  if op == QK and causal_dl is not None:   # not timed: kept as the served entry has it
+    record["causal_dl"] = dict(causal_dl)
+  return record
 
 
 # ----------------------------------------------------------------------- the table
@@ -341,10 +345,11 @@ def _write_table(op, ratios, out, best_times=None, device_kind=None, records=Non
         table[key].pop("scheme")
         notes[key]["scheme"] = "dl_gemm kept from the table (dl not timed in this run)"
     # The causal dL launch is not timed: a class that has none at ``out`` takes the one of
-    # the table that served this device (say, its architecture's measured device's).
-    serving = _tuning.table(QK, _tuning.table_kind(jax.devices()[0]))
+    # the table that served this device when the run began (say, its architecture's
+    # measured device's; the records carry it).
     for key in table:
-      causal_dl = serving.get(key, {}).get("causal_dl")
+      causal_dl = next((r["causal_dl"] for r in (records or {}).get(key, [])
+                        if "causal_dl" in r), None)
       if causal_dl is not None and "causal_dl" not in old.get(key, {}):
         table[key]["causal_dl"] = dict(causal_dl)
   for key, rs in (records or {}).items():
