@@ -354,18 +354,11 @@ def served_keys(op: str, served: dict, key: str) -> dict:
   return out
 
 
-def _with_table(op: str, cands: dict, served: dict, key: str) -> dict:
-  """``cands`` plus, per pass, the entry of ``served`` (``{class: entry}``, the device's
-  table as the run found it) for class ``key``: no tuning run loses it."""
-  entry = _tuning.lookup(served, key)
+def _with_table(op: str, cands: dict, kept: dict) -> dict:
+  """``cands`` plus, per pass, the served entry's candidate ``kept[pass]``
+  (:func:`served_keys`) where it is not among them: no tuning run loses it."""
   out = {name: list(entries) for name, entries in cands.items()}
-  for name in out:
-    if name == "dl" or not isinstance((entry or {}).get(name), dict):
-      continue
-    try:
-      have = {candidate_key(op, e, name) for e in out[name]}
-      if candidate_key(op, entry[name], name) not in have:
-        out[name].append(dict(entry[name]))
-    except (KeyError, TypeError, ValueError):
-      pass  # not a valid entry for this tuner: not timed
+  for name, key in kept.items():
+    if name in out and key not in {candidate_key(op, e, name) for e in out[name]}:
+      out[name].append(dict(key))
   return out

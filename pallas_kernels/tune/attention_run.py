@@ -214,7 +214,8 @@ def run_workload(op, constants, w, index, measure, *, quick=False, calls=8, cand
   """Times a workload's passes (``passes``: only these): its record. ``served``: the
   device's table as the run found it, whose entry for the class each pass also times."""
   key = length_class(op, constants, w)
-  cands = _with_table(op, candidates(op, quick, cands), served or {}, key)
+  kept = served_keys(op, served or {}, key)
+  cands = _with_table(op, candidates(op, quick, cands), kept)
   make_sets = common.lazy_sets(op, constants, w, index)
   extra = {"device_kind": device_kind} if op == QK else {}
   built, key = PASSES[op](w, constants, make_sets, cands, **extra)
@@ -228,7 +229,7 @@ def run_workload(op, constants, w, index, measure, *, quick=False, calls=8, cand
     line.append(f"{name}: " + " ".join(f"{common.label(c)}={t:.1f}"
                                        for c, t in times[name].items()))
   print("  ".join(line), flush=True)
-  record = {"key": key, "times": times, "served": served_keys(op, served or {}, key)}
+  record = {"key": key, "times": times, "served": kept}
   causal_dl = (_tuning.lookup(served or {}, key) or {}).get("causal_dl")
   if op == QK and causal_dl is not None:   # not timed: kept as the served entry has it
     record["causal_dl"] = dict(causal_dl)
