@@ -248,6 +248,11 @@ def test_the_tuners_keep_the_served_entry_of_a_class(tuned_dir):
                                 tune.OP_PASS: {win: 12.0, served: 10.0}}}]}
   _tuning.table.cache_clear()
   assert tune.write(records, out, FAKE, show=set())["configs"]["512"] == served.to_json()
+  # ... unless the op runs XLA in that class: then only the entry point's launch counts.
+  records["512"][0].update(pallas=12.0, xla=11.0)
+  _tuning.table.cache_clear()
+  entry = tune.write(records, out, FAKE, show=set())["configs"]["512"]
+  assert entry == {**win.to_json(), "backend": "xla"}
 
   dv = [ta.candidate_key(ta.ATTENTION, e) for e in ta.ATTENTION_DV[:2]]
   ds = [ta.candidate_key(ta.ATTENTION, e) for e in ta.ATTENTION_DS[:2]]
