@@ -377,6 +377,6 @@ def write(op: str, records: dict[str, list[dict]], out: str, device_kind: str,
   """Selects per class from the workloads' records and writes the table (prints the
   selection of the classes in ``show``)."""
   ratios, best_times = records_to_ratios(records)
-  served = {k: rs[0].get("served") for k, rs in records.items() if rs}
+  served = common.served_of(records)
   return _write_table(op, ratios, out, best_times if op == QK else None, device_kind, records,
                       show, served)

@@ -168,6 +168,12 @@ def ratios_of(times: dict) -> dict:
   return {k: t / best for k, t in times.items()}
 
 
+def served_of(records: dict[str, list[dict]]) -> dict:
+  """``{class: the entry that served it when the run began}``, as its workloads' records
+  carry it (``"served"``, the same in each record of a class)."""
+  return {k: rs[0].get("served") for k, rs in records.items() if rs}
+
+
 # A candidate replaces the entry that served a class only if it is at most this much slower
 # than that entry on every workload of the class: a run never trades one shape for another.
 KEEP_SLACK = 0.01

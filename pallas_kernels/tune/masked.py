@@ -166,7 +166,7 @@ def write(records: dict[str, list[dict]], out: str, device_kind: str, show=None)
     return [common.ratios_of(r["times"][name]) for r in rs for name in names
             if r["times"].get(name)]
   by_class = {k: v for k, rs in records.items() if (v := ratios(rs))}
-  served = {k: rs[0].get("served") for k, rs in records.items() if rs}
+  served = common.served_of(records)
   backends = {}
   selected, _ = select(by_class, served)
   for key, rs in records.items():
