@@ -76,7 +76,8 @@ def dropout_keep_mask(rng: jax.Array, rate: float | jax.typing.ArrayLike,
   jax.random.bits(rng, (2,), uint32)``, ``n`` the index over the leading dimensions
   (row-major, e.g. ``b * H + h``), row ``r`` and column pair ``w = c // 2``::
 
-    h = mix32(mix32((r * ceil(cols / 2) + w) ^ k0) ^ (n * 0x9E3779B9 + k1))   # uint32
+    K = mix32(mix32(n * 0x9E3779B9 + k1) ^ k0)                              # per n
+    h = mix32((r * ceil(cols / 2) + w) ^ K)                                   # uint32
     u = (h >> (16 * (c % 2))) & 0xFFFF                                        # 16 bits
     keep = u >= round(rate * 2**16)
 
@@ -101,8 +102,11 @@ def dropout_keep_mask(rng: jax.Array, rate: float | jax.typing.ArrayLike,
   # Element-wise (each element hashes its pair): one fused loop, no [.., pairs] temporary.
   # A kernel computes one hash per pair and takes both halves.
   dims = (n_lead, rows, cols)
-  n, r, c = (jax.lax.broadcasted_iota(jnp.uint32, dims, i) for i in range(3))
-  u = _dropout.bits16(k0, k1, n, r, c, cols).reshape(shape)
+  # The slices' keys once each (the barrier keeps XLA from recomputing them per element).
+  key = jax.lax.optimization_barrier(
+      _dropout.slice_key(k0, k1, jnp.arange(n_lead, dtype=jnp.uint32))).reshape(-1, 1, 1)
+  r, c = (jax.lax.broadcasted_iota(jnp.uint32, dims, i) for i in (1, 2))
+  u = _dropout.keyed_bits16(key, r, c, cols).reshape(shape)
   return u >= jnp.asarray(_dropout.rate_threshold(rate), jnp.uint32)
 
 

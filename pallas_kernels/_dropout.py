@@ -4,7 +4,8 @@ the kernels that draw the mask themselves: the same uint32 arithmetic, bit for b
 For element ``(n, r, c)`` of an array ``[..., rows, cols]`` (``n`` the row-major index over
 the leading dimensions), with ``(k0, k1) = jax.random.bits(rng, (2,), uint32)``::
 
-  h    = mix32(mix32((r * ceil(cols / 2) + c // 2) ^ k0) ^ (n * GOLDEN + k1))
+  K    = mix32(mix32(n * GOLDEN + k1) ^ k0)                 (once per leading index)
+  h    = mix32((r * ceil(cols / 2) + c // 2) ^ K)
   u    = (h >> (16 * (c % 2))) & 0xFFFF
   keep = u >= round(rate * 2**16)          (the threshold at most 2**16 - 1)
 """
@@ -32,18 +33,35 @@ def mix32(x):
   return x ^ (x >> np.uint32(16))
 
 
-def pair_hash32(k0, k1, n, r, pair, cols: int):
-  """The hash ``h`` of the element pairs ``(n, r, pair)``: columns ``2 * pair`` and
-  ``2 * pair + 1``, whose 16 bits ``u`` are its low and high halves (uint32 values that
-  broadcast together)."""
+def slice_key(k0, k1, n):
+  """``K``, the key of the ``[rows, cols]`` slice of leading index ``n``: a scalar in a
+  kernel program that owns one slice, so that each pair of elements costs one mixer."""
+  return mix32(mix32(n * GOLDEN + k1) ^ k0)
+
+
+def keyed_pair_hash32(key, r, pair, cols: int):
+  """The hash ``h`` of the element pairs ``(r, pair)`` of the slice of key ``key``
+  (:func:`slice_key`): columns ``2 * pair`` and ``2 * pair + 1``, whose 16 bits ``u`` are
+  its low and high halves (uint32 values that broadcast together)."""
   pairs = np.uint32((cols + 1) // 2)
-  return mix32(mix32((r * pairs + pair) ^ k0) ^ (n * GOLDEN + k1))
+  return mix32((r * pairs + pair) ^ key)
+
+
+def pair_hash32(k0, k1, n, r, pair, cols: int):
+  """:func:`keyed_pair_hash32` of the slice of leading index ``n``."""
+  return keyed_pair_hash32(slice_key(k0, k1, n), r, pair, cols)
+
+
+def keyed_bits16(key, r, c, cols: int):
+  """The 16 bits ``u`` of elements ``(r, c)`` of the slice of key ``key`` (uint32 values
+  that broadcast together)."""
+  h = keyed_pair_hash32(key, r, c >> np.uint32(1), cols)
+  return (h >> ((c & np.uint32(1)) * np.uint32(16))) & np.uint32(0xFFFF)
 
 
 def bits16(k0, k1, n, r, c, cols: int):
   """The 16 bits ``u`` of elements ``(n, r, c)`` (uint32 values that broadcast together)."""
-  h = pair_hash32(k0, k1, n, r, c >> np.uint32(1), cols)
-  return (h >> ((c & np.uint32(1)) * np.uint32(16))) & np.uint32(0xFFFF)
+  return keyed_bits16(slice_key(k0, k1, n), r, c, cols)
 
 
 def tile_bits16(k0, k1, n, r, c0, width: int, cols: int, *, pairs: bool):

@@ -9,6 +9,7 @@ import pytest
 
 import jax_ops
 from jax_ops import _common
+from pallas_kernels import _dropout
 
 SHAPE = (4, 4, 96, 130)   # B, H, rows, cols: 200k elements, odd pairs per row
 
@@ -55,8 +56,17 @@ def test_keys_differ_and_repeat():
 def test_the_function_is_pinned():
   """The documented function, on a small case (a change of the hash fails here)."""
   m = _mask(42, 0.5, (1, 2, 3, 5)).astype(int).tolist()
-  assert m == [[[[1, 1, 1, 1, 1], [1, 0, 1, 1, 0], [1, 1, 0, 1, 1]],
-                [[0, 1, 0, 0, 0], [0, 0, 1, 1, 0], [0, 1, 0, 0, 0]]]]
+  assert m == [[[[0, 0, 0, 0, 0], [1, 0, 0, 0, 1], [1, 1, 0, 1, 0]],
+                [[1, 0, 1, 0, 1], [1, 1, 1, 1, 0], [1, 0, 1, 0, 1]]]]
+
+
+def test_each_of_the_16_bits_is_fair():
+  """Every bit of ``u`` (not only the top one a rate of 0.5 reads) is 1 half the time."""
+  k0, k1 = np.uint32(0x1234567), np.uint32(0x89ABCDEF)
+  n, r, c = (jax.lax.broadcasted_iota(jnp.uint32, (4, 96, 130), i) for i in range(3))
+  u = np.asarray(_dropout.bits16(k0, k1, n, r, c, 130))
+  means = ((u[..., None] >> np.arange(16, dtype=np.uint32)) & 1).reshape(-1, 16).mean(0)
+  assert np.all(np.abs(means - 0.5) < 4 * 0.5 / np.sqrt(u.size)), means
 
 
 def test_x64_draws_the_same_mask():
