@@ -468,6 +468,22 @@ def _exchange_delta(xchg_smem, mbar, xchg_barrier, xg_ref, step, program, *, clu
   return lax.cond(slot == 0, lambda: read(0), lambda: read(1))
 
 
+def _clusters_one_group_at_a_time(do, p_groups, pd_groups, v, *, rate, stages, interpret):
+  """The cluster launch under the Mosaic GPU interpreter, whose clusters stop (wait
+  forever) in a grid of more than one kv group, with split programs or with rings of more
+  than two slots: one launch per kv group, unsplit, two slots; the same math."""
+  b, kvh = p_groups.shape[:2]
+  g = do.shape[2] // kvh
+  ds, dv = [], []
+  for i in range(b):
+    parts = [ds_dv_pass(do[i:i + 1, :, k * g:(k + 1) * g], p_groups[i:i + 1, k:k + 1],
+                        pd_groups[i:i + 1, k:k + 1], None, v[i:i + 1, k:k + 1], rate=rate,
+                        stages=stages, split=1, interpret=interpret) for k in range(kvh)]
+    ds.append(jnp.concatenate([p[0] for p in parts], axis=1))
+    dv.append(jnp.concatenate([p[1] for p in parts], axis=1))
+  return jnp.concatenate(ds, axis=0), jnp.concatenate(dv, axis=0)
+
+
 def ds_dv_pass(do, p_groups, pd_groups, delta, v, *, rate, stages=2, split=1,
                keep_seeds=None, interpret=False):
   """``(dS [B, KVH, G * seq_q, seq_k], dV [B, KVH, seq_k, D])`` from the group slabs of P
@@ -497,6 +513,9 @@ def ds_dv_pass(do, p_groups, pd_groups, delta, v, *, rate, stages=2, split=1,
   cluster = fused_delta and blocks == 2
   if keep_seeds is not None and (fused_delta or rate == 0 or stages < 3):
     raise ValueError("keep_seeds goes with a delta, a rate > 0 and stages >= 3")
+  if cluster and interpret and (b * kvh > 1 or split > 1 or stages > 2):
+    return _clusters_one_group_at_a_time(do, p_groups, pd_groups, v, rate=rate,
+                                         stages=min(stages, 2), interpret=interpret)
   keep_hash = None if keep_seeds is None else (h, g, sq, skv, bool(interpret))
   keep_scale = None if rate == 0 else dropout_scale(rate)   # the forward's fp32 factor
   kernel = functools.partial(_ds_dv_kernel, kvh_count=kvh, g=g, sq=sq, d=d,
