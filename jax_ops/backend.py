@@ -47,9 +47,9 @@ OUTPUT = "output"
 SCORES = "scores"
 # attention_softmax_dropout_value: as "output", with the backend's fused forward
 # (``forward_with_output``), which draws the keep mask itself and returns (O, P, keep, O in
-# fp32); "keep" is what the backend's ``backward_from_output`` takes of the mask: a bool mask
-# (the Triton backend) or the key's seeds (the Mosaic GPU backend, whose kernel draws the
-# mask again).
+# fp32); "P" and "keep" are what the backend's ``backward_from_output`` takes: P and a bool
+# mask (the Triton backend), or the unnormalized softmax E and (the key's seeds, E's row
+# scales) (the Mosaic GPU backend, whose kernel draws the mask again and makes P = E * scale).
 FUSED_OUTPUT = "fused_output"
 # attention_softmax_dropout_value: the reference backward's P and Pd, from the backend's
 # fused forward (``forward_with_dropped``), which draws the keep mask itself and does not

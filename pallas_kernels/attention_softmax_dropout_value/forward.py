@@ -20,6 +20,11 @@ and, if asked, the unrounded fp32 ``O`` are stored straight into the ``[B, Sq, H
 layout. Traffic per attention element in bf16: read the scores twice (the second read
 partly from L2), write P (2 B), keep (1 B) and Pd (2 B), each optional.
 
+:func:`attention_softmax_dropout_value_forward_unnormalized` is the variant that normalizes
+last: pass 1 takes the row max alone, pass 2 one exponential per element, and it writes the
+unnormalized softmax ``E`` and the row scales ``1 / l`` instead of P (the Mosaic GPU
+backward makes ``P = E / l`` again).
+
 ``P`` matches the jnp softmax to within its rounding, not bit for bit: the row sum is
 accumulated in another order (online), so the rounded bf16 ``P`` differs by one ulp in about
 1e-5 of the elements. ``Pd`` is made from the kernel's own ``P`` exactly as the reference
@@ -56,12 +61,13 @@ DEFAULT_NUM_STAGES = 3
 
 def _kernel(seeds_ref, scale_ref, s_ref, v_ref, out_ref, *opt_refs,
             num_heads, num_kv_heads, seq_q, seq_k, head_dim, d_pad, block_q, block_k,
-            dropout, store_probs, store_dropped, store_keep, store_f32):
+            dropout, store_probs, store_dropped, store_keep, store_f32, late):
   """Refs: seeds [3] uint32 (k0, k1, threshold), scale [1] fp32, scores [B*H, Sq, Skv],
   V [B*KVH, Skv, D]; outputs O [B, Sq, H, D] and, in ``opt_refs``, P [B*H, Sq, Skv] (if
   ``store_probs``), the fp32 O [B, Sq, H, D] (if ``store_f32``), Pd (if ``store_dropped``
   and ``dropout``) and keep (if ``store_keep`` and ``dropout``), both [B*H, Sq, Skv]."""
   opt_refs = list(opt_refs)
+  scale_out_ref = opt_refs.pop(0) if late else None
   p_ref = opt_refs.pop(0) if store_probs else None
   out32_ref = opt_refs.pop(0) if store_f32 else None
   pd_ref = opt_refs.pop(0) if dropout and store_dropped else None
@@ -94,6 +100,13 @@ def _kernel(seeds_ref, scale_ref, s_ref, v_ref, out_ref, *opt_refs,
     if k_mask is not None:
       s = jnp.where(k_mask[None, :], s, -jnp.inf)
     return s
+
+  if late:
+    return _late_kernel(scores, tile, s_ref, v_ref, out_ref, scale_out_ref, p_ref, out32_ref,
+                        seeds_ref, scale_ref, bh=bh, b=b, h=h, bk=bk, rows=rows, q0=q0,
+                        q_mask=q_mask, d_mask=d_mask, head_dims=head_dims, n_k=n_k,
+                        block_q=block_q, block_k=block_k, d_pad=d_pad, seq_k=seq_k,
+                        dropout=dropout)
 
   # Pass 1: the row max m and the row sum l of exp(s - m), online.
   def stats(j, carry, s=None):
@@ -152,6 +165,51 @@ def _kernel(seeds_ref, scale_ref, s_ref, v_ref, out_ref, *opt_refs,
   tiles.store(out_ref.at[o_idx], acc.astype(out_ref.dtype), o_mask)
 
 
+def _late_kernel(scores, tile, s_ref, v_ref, out_ref, scale_out_ref, e_ref, out32_ref,
+                 seeds_ref, scale_ref, *, bh, b, h, bk, rows, q0, q_mask, d_mask, head_dims,
+                 n_k, block_q, block_k, d_pad, seq_k, dropout):
+  """The kernel with the normalization last: pass 1 takes the row max ``m`` alone; pass 2
+  ``e = exp(s - m)``, ``l += rowsum(e)``, ``E = round(e)`` stored (if ``e_ref``) and
+  ``acc += round(e * keep * scale) @ V``; then ``O = acc / l`` and ``1 / l`` stored."""
+  def row_max(j, m, s=None):
+    return jnp.maximum(m, jnp.max(scores(j) if s is None else s, axis=1))
+
+  m = jnp.full((block_q,), -jnp.inf, _F32)
+  s0 = scores(_I32(0)) if n_k == 1 else None
+  m = row_max(_I32(0), m, s0) if n_k == 1 else tiles.fori_loop(0, n_k, row_max, m)
+  if dropout:
+    k0s, k1s, threshold = seeds_ref[0], seeds_ref[1], seeds_ref[2]
+    scale = scale_ref[0]
+
+  def value(j, carry, s=None):
+    acc, l = carry
+    cols, k_mask, mask, idx = tile(j)
+    e = jnp.exp((scores(j) if s is None else s) - m[:, None])
+    l = l + jnp.sum(e, axis=1)
+    if e_ref is not None:
+      tiles.store(e_ref.at[idx], e.astype(e_ref.dtype), mask)
+    if dropout:
+      u = _dropout.tile_bits16(k0s, k1s, bh.astype(_U32), rows.astype(_U32)[:, None],
+                               (j * block_k).astype(_U32), block_k, seq_k, pairs=True)
+      dropped = jnp.where(u >= threshold, e * scale, 0.0).astype(out_ref.dtype)
+    else:
+      dropped = e.astype(out_ref.dtype)
+    v = tiles.load(v_ref.at[bk, tiles.ds(j * block_k, block_k), head_dims],
+                   tiles.outer(k_mask, d_mask), 0.0)
+    return acc + dot(dropped, v), l
+
+  init = (jnp.zeros((block_q, d_pad), _F32), jnp.zeros((block_q,), _F32))
+  acc, l = value(_I32(0), init, s0) if n_k == 1 else tiles.fori_loop(0, n_k, value, init)
+  inv_l = 1.0 / l
+  acc = acc * inv_l[:, None]
+  tiles.store(scale_out_ref.at[bh, pl.ds(q0, block_q)], inv_l, q_mask)
+  o_idx = (b, pl.ds(q0, block_q), h, head_dims)
+  o_mask = tiles.outer(q_mask, d_mask)
+  if out32_ref is not None:
+    tiles.store(out32_ref.at[o_idx], acc, o_mask)
+  tiles.store(out_ref.at[o_idx], acc.astype(out_ref.dtype), o_mask)
+
+
 def takes(b, h, kvh, seq_q, seq_k, head_dim) -> bool:
   """Whether the kernel takes a problem of these sizes: its int32 offsets reach every element
   of the scores, V and O (fewer than ``2**31`` each)."""
@@ -179,23 +237,26 @@ def default_blocks(seq_q: int, seq_k: int) -> tuple[int, int]:
 
 
 @functools.partial(jax.jit, static_argnames=("dropout", "store_probs", "store_dropped",
-                                             "store_keep", "store_f32", "block_q", "block_k",
+                                             "store_keep", "store_f32", "late", "block_q", "block_k",
                                              "num_warps", "num_stages", "interpret"))
 def _call(scores, value_states, seeds, scale, *, dropout, store_probs, store_dropped,
-          store_keep, store_f32, block_q, block_k, num_warps, num_stages, interpret):
+          store_keep, store_f32, block_q, block_k, num_warps, num_stages, interpret,
+          late=False):
   b, h, seq_q, seq_k = scores.shape
   kvh, d = value_states.shape[1], value_states.shape[3]
   kernel = functools.partial(
       _kernel, num_heads=h, num_kv_heads=kvh, seq_q=seq_q, seq_k=seq_k, head_dim=d,
       d_pad=tiles.padded_head_dim(d), block_q=block_q, block_k=block_k, dropout=dropout,
       store_probs=store_probs, store_dropped=store_dropped, store_keep=store_keep,
-      store_f32=store_f32)
+      store_f32=store_f32, late=late)
   flat = (b * h, seq_q, seq_k)
   args = (seeds, scale, scores.reshape(flat), value_states.reshape(b * kvh, seq_k, d))
   o_shape = (b, seq_q, h, d)
   out_shape = [out_struct(o_shape, scores.dtype, *args)]
+  if late:
+    out_shape.append(out_struct((b * h, seq_q), _F32, *args))
   if store_probs:
-    out_shape.append(out_struct(flat, scores.dtype, *args))
+    out_shape.append(out_struct(flat, exp_dtype(scores.dtype) if late else scores.dtype, *args))
   if store_f32:
     out_shape.append(out_struct(o_shape, _F32, *args))
   pd_out, keep_out = dropout and store_dropped, dropout and store_keep
@@ -212,6 +273,10 @@ def _call(scores, value_states, seeds, scale, *, dropout, store_probs, store_dro
       name=_NAME,
   )(*args)
   shape = scores.shape
+  if late:
+    row_scale = rest.pop(0).reshape(shape[:3])
+    probs = rest.pop(0).reshape(shape) if store_probs else None
+    return out, probs, row_scale, rest.pop(0) if store_f32 else None
   probs = rest.pop(0).reshape(shape) if store_probs else None
   out32 = rest.pop(0) if store_f32 else None
   dropped = rest.pop(0).reshape(shape) if pd_out else None
@@ -271,6 +336,40 @@ def attention_softmax_dropout_value_forward(scores, value_states, dropout_rate, 
   if store_dropped and not dropout:
     dropped = probs
   return out, probs if store_probs else None, dropped, keep, out32
+
+
+def exp_dtype(dtype):
+  """The dtype of the unnormalized forward's ``E`` (values in [0, 1]): fp16 for 16-bit
+  scores (11 significant bits, against bf16's 8: ``E * row_scale`` rounds P about as finely
+  as the normalized forward's one rounding), fp32 for fp32 scores."""
+  return jnp.float32 if jnp.dtype(dtype) == jnp.float32 else jnp.float16
+
+
+def attention_softmax_dropout_value_forward_unnormalized(
+    scores, value_states, dropout_rate, dropout_rng=None, *, store_exp: bool = True,
+    store_f32: bool = True, block_q=None, block_k=None, num_warps=None, num_stages=None,
+    interpret=False):
+  """``(O, E, row_scale, O_f32)``: the forward with its softmax left unnormalized.
+
+  ``E = round(exp(s - rowmax(s)))`` ``[B, H, Sq, Skv]`` (fp16 for 16-bit scores, fp32 for
+  fp32: :func:`exp_dtype`; values of E under fp16's ``2**-24`` are 0) and
+  ``row_scale = 1 / rowsum(exp(s - rowmax(s)))`` ``[B, H, Sq]`` fp32, so that
+  ``P = E * row_scale`` up to E's rounding. Pass 1 takes only the row max; pass 2 makes
+  ``e``, its row sum and ``acc += round(e * keep * scale) @ V``, and ``O = acc * row_scale``
+  (O is the dropped softmax times V up to Pd's rounding, which happens before the
+  normalization here and after it in :func:`attention_softmax_dropout_value_forward`).
+  One exponential per element instead of two. ``store_exp``/``store_f32`` (Python bools):
+  whether E / ``O_f32`` are written (else ``None``). The other arguments are
+  :func:`attention_softmax_dropout_value_forward`'s; ``keep`` is drawn, never stored.
+  """
+  for name, flag in (("store_exp", store_exp), ("store_f32", store_f32)):
+    if not isinstance(flag, (bool, np.bool_)):
+      raise TypeError(f"{name}: expected a Python bool, got {type(flag).__name__}")
+  dropout, launch = _launch_args(scores, value_states, dropout_rate, dropout_rng, block_q,
+                                 block_k, num_warps, num_stages, interpret)
+  return _call(scores, value_states, *launch[:2], dropout=dropout,
+               store_probs=bool(store_exp), store_dropped=False, store_keep=False,
+               store_f32=bool(store_f32), late=True, **launch[2])
 
 
 def _launch_args(scores, value_states, dropout_rate, dropout_rng, block_q, block_k, num_warps,

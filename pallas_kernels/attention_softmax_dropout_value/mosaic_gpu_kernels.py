@@ -14,7 +14,8 @@ ring and two consume it with wgmma, so the GEMMs overlap the streams.
    ``dS = P * (dPd * keep / (1 - p) - delta)`` written through shared memory with TMA.
    Its modes: rows of one key block compute delta themselves; rows of two key blocks run as
    a cluster of two programs exchanging their parts of delta with ``st.async`` at every step;
-   from the seeds, the kernel draws keep again and rebuilds Pd from P (no Pd read).
+   from the seeds, the kernel draws keep again and rebuilds Pd from P (no Pd read); given
+   row scales, it reads the unnormalized softmax E and makes ``P = E * scale`` first.
 
 Precondition: ``Pd == bf16(P * keep / (1 - p))`` bit for bit, as every forward makes it.
 Then ``delta = rowsum(dW * P) = rowsum(dPd * Pd)``, and since ``P > 0`` wherever it
@@ -209,7 +210,8 @@ def _drawn_keep(seeds_ref, t, b, kvh, key0, keep_hash):
 
 
 def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale, stages,
-                  split, fused_delta, keep_hash=None, cluster=0, interpret=False):
+                  split, fused_delta, keep_hash=None, rebuild=False, scaled=False, cluster=0,
+                  interpret=False):
   xg_ref = None
   if cluster:   # the exchange's slots and barriers; in the interpreter, global memory
     *refs, mbar, xchg_barrier = refs
@@ -222,8 +224,11 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
   elif fused_delta:   # rows of one key block: delta from the two warpgroups' halves
     v_ref, ds_ref, dv_ref, v_smem, ds_smem, barrier, xchg_smem, xchg_barrier = refs
     delta_ref = None
-  elif keep_hash is not None:   # keep drawn again from the seeds (pd_ref holds them)
-    delta_ref, v_ref, ds_ref, dv_ref, v_smem, ds_smem, barrier, pd_stage = refs
+  elif rebuild:   # Pd rebuilt from P (keep drawn again from the seeds pd_ref holds)
+    if scaled:
+      delta_ref, scale_ref, v_ref, ds_ref, dv_ref, v_smem, ds_smem, barrier, pd_stage = refs
+    else:
+      delta_ref, v_ref, ds_ref, dv_ref, v_smem, ds_smem, barrier, pd_stage = refs
   else:
     delta_ref, v_ref, ds_ref, dv_ref, v_smem, ds_smem, barrier = refs
   bk = lax.axis_index("bk")
@@ -236,7 +241,7 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
   q_tiles = sq // ROWS
   share_tiles = g * q_tiles // split           # row tiles of this program
   tile0 = share * share_tiles
-  dtype = p_ref.dtype
+  dtype = do_ref.dtype   # of dS and of the Pd operand (P's may differ: row_scale's fp16 E)
   wg_keys = pl.ds(wg * KEYS, KEYS)
   row_layout = plgpu.Layout.WGMMA.reduce(1)
   own_v = v_smem.at[wg]
@@ -268,7 +273,7 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
         finish(share_tiles - 1, p_last, dw_last)
       else:
         run_pipeline(dv_acc)
-      if keep_hash is not None:   # the last step's dV GEMM is still in flight
+      if rebuild:   # the last step's dV GEMM is still in flight
         plgpu.wgmma_wait(0)
       return dv_acc[...]
     dv = pl.run_scoped(run, plgpu.ACC((KEYS, d), f32))
@@ -291,26 +296,38 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
     if fused_delta:
       p_smem, pd_smem, do_smem, p_consumed, pd_consumed, do_consumed = args[:-1]
       delta_consumed = None
-    elif keep_hash is not None:   # no second stream: its barrier arrivals are skipped
-      p_smem, do_smem, delta_smem, p_consumed, do_consumed, delta_consumed = args[:-1]
+    elif rebuild:   # no second stream: its barrier arrivals are skipped
+      scale_smem = scale_consumed = None
+      if scaled:
+        (p_smem, do_smem, delta_smem, scale_smem,
+         p_consumed, do_consumed, delta_consumed, scale_consumed) = args[:-1]
+      else:
+        p_smem, do_smem, delta_smem, p_consumed, do_consumed, delta_consumed = args[:-1]
       pd_smem = pd_consumed = None
     else:
       (p_smem, pd_smem, do_smem, delta_smem,
        p_consumed, pd_consumed, do_consumed, delta_consumed) = args[:-1]
 
-    if keep_hash is not None:
-      # keep drawn again from the seeds; Pd = round(P * keep / (1 - p)) (the precondition)
-      # into one of this warpgroup's two staging tiles, the dV GEMM's operand. The step does
-      # not wait for its dV GEMM: the next step's wait for its dPd GEMM (wgmma groups
-      # complete in order) covers it, and only then are this step's ring slots (dO is the
-      # GEMM's operand) released (the pipeline's delay_release=1).
+    if rebuild:
+      # P (times its row's scale, when the forward left it unnormalized); keep drawn again
+      # from the seeds; Pd = round(P * keep / (1 - p)) (the precondition) into one of this
+      # warpgroup's two staging tiles, the dV GEMM's operand. The step does not wait for
+      # its dV GEMM: the next step's wait for its dPd GEMM (wgmma groups complete in order)
+      # covers it, and only then are this step's ring slots (dO is the GEMM's operand)
+      # released (the pipeline's delay_release=1).
       stage = pd_stage.at[wg, lax.rem(local, i32(2))]
       def mm(acc):
         plgpu.wgmma(acc, do_smem, v_smem.at[wg].T)                    # dPd [rows, keys]
-        p16 = plgpu.load(p_smem.at[:, wg_keys], layout=plgpu.Layout.WGMMA)
-        kept = _drawn_keep(pd_ref, t, b, kvh, key0, keep_hash)
-        p32 = p16.astype(f32)
-        stage[...] = jnp.where(kept, p32 * keep_scale, 0.0).astype(dtype)
+        p32 = plgpu.load(p_smem.at[:, wg_keys], layout=plgpu.Layout.WGMMA).astype(f32)
+        if scaled:
+          row_scale = plgpu.load(scale_smem, layout=row_layout)
+          p32 = p32 * lax.broadcast_in_dim(row_scale, (ROWS, KEYS), [0])
+        if keep_hash is None:
+          kept = None
+          stage[...] = p32.astype(dtype)
+        else:
+          kept = _drawn_keep(pd_ref, t, b, kvh, key0, keep_hash)
+          stage[...] = jnp.where(kept, p32 * keep_scale, 0.0).astype(dtype)
         plgpu.commit_smem()
         plgpu.wgmma(dv_acc, stage.T, do_smem)                         # dV [keys, d]
         return plgpu.wgmma_accumulator_load(acc, wait_n=1), p32, kept
@@ -318,8 +335,8 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
 
       @pl.when(local > 0)   # the previous step's dV GEMM is done: release its slots
       def _():
-        _release(p_consumed, do_consumed, delta_consumed)
-      dw = jnp.where(kept, dpd * keep_scale, 0.0)
+        _release(p_consumed, do_consumed, delta_consumed, scale_consumed)
+      dw = dpd if kept is None else jnp.where(kept, dpd * keep_scale, 0.0)
     else:
       def mm(acc):
         plgpu.wgmma(acc, do_smem, v_smem.at[wg].T)                    # dPd [rows, keys]
@@ -356,10 +373,10 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
                + plgpu.load(xchg_smem.at[slot, 1], layout=row_layout))
     else:
       delta = plgpu.load(delta_smem, layout=row_layout)
-      if keep_hash is None:
+      if not rebuild:
         _release(delta_consumed)
     ds = p * (dw - lax.broadcast_in_dim(delta, (ROWS, KEYS), [0]))
-    if keep_hash is None:
+    if not rebuild:
       plgpu.wgmma_wait(0)                                             # dV read Pd and dO
       plgpu.barrier_arrive(pd_consumed)
       plgpu.barrier_arrive(do_consumed)
@@ -367,7 +384,7 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
     return dv_acc
 
   tiled = _tiled(dtype)
-  delay = {"delay_release": 1} if keep_hash is not None else {}
+  delay = {"delay_release": 1} if rebuild else {}
   head_tile = lambda t: (lax.rem(tile0 + t, i32(q_tiles)), kvh * g + lax.div(tile0 + t, i32(q_tiles)), 0)
   in_specs = [
       plgpu.BlockSpec((ROWS, WGS * KEYS), lambda t: (tile0 + t, kb), transforms=tiled,
@@ -375,13 +392,15 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
       plgpu.BlockSpec((ROWS, WGS * KEYS), lambda t: (tile0 + t, kb), transforms=tiled),
       plgpu.BlockSpec((ROWS, None, d), head_tile, transforms=tiled, **delay),
   ]
-  operands = [p_ref.at[b, kvh], pd_ref.at[b, kvh] if keep_hash is None else None,
-              do_ref.at[b]]
-  if keep_hash is not None:   # P, dO and delta: nothing streamed for keep
+  operands = [p_ref.at[b, kvh], None if rebuild else pd_ref.at[b, kvh], do_ref.at[b]]
+  if rebuild:   # P, dO and delta (and the row scales): nothing streamed for Pd or keep
     del in_specs[1], operands[1]
   if not fused_delta:
     in_specs.append(plgpu.BlockSpec((ROWS,), lambda t: (tile0 + t,), **delay))
     operands.append(delta_ref.at[b, kvh])
+  if scaled:
+    in_specs.append(plgpu.BlockSpec((ROWS,), lambda t: (tile0 + t,), **delay))
+    operands.append(scale_ref.at[b, kvh])
   pipeline = plgpu.emit_pipeline_warp_specialized(
       step, grid=(share_tiles,), max_concurrent_steps=stages,
       memory_registers=MEMORY_REGISTERS, num_compute_wgs=WGS, wg_axis="wg",
@@ -485,7 +504,7 @@ def _clusters_one_group_at_a_time(do, p_groups, pd_groups, v, *, rate, stages, i
 
 
 def ds_dv_pass(do, p_groups, pd_groups, delta, v, *, rate, stages=2, split=1,
-               keep_seeds=None, interpret=False):
+               keep_seeds=None, row_scale=None, interpret=False):
   """``(dS [B, KVH, G * seq_q, seq_k], dV [B, KVH, seq_k, D])`` from the group slabs of P
   and Pd, ``delta [B, KVH, G * seq_q]`` and V.
 
@@ -498,6 +517,10 @@ def ds_dv_pass(do, p_groups, pd_groups, delta, v, *, rate, stages=2, split=1,
   drawn again in the kernel, as ``jax_ops.dropout_keep_mask`` draws it, and Pd rebuilt from
   P (``pd_groups`` unused): 4 B per element, nothing read for keep; each step's dV GEMM is
   waited for in the next step, so ``stages >= 3``.
+  ``row_scale`` (``[B, KVH, G * seq_q]`` fp32; with a delta): ``p_groups`` holds the
+  unnormalized ``E`` of :func:`..forward.attention_softmax_dropout_value_forward_unnormalized`
+  and ``P = E * row_scale`` in fp32; Pd is rebuilt from it (``pd_groups`` unused), as with
+  ``keep_seeds`` (which it may go with), so ``stages >= 3``.
   ``split`` programs share each key block's rows (``G * seq_q / 64`` a multiple of it);
   above 1 each adds an fp32 partial dV, summed here.
   """
@@ -513,6 +536,9 @@ def ds_dv_pass(do, p_groups, pd_groups, delta, v, *, rate, stages=2, split=1,
   cluster = fused_delta and blocks == 2
   if keep_seeds is not None and (fused_delta or rate == 0 or stages < 3):
     raise ValueError("keep_seeds goes with a delta, a rate > 0 and stages >= 3")
+  if row_scale is not None and (fused_delta or stages < 3 or (rate != 0 and keep_seeds is None)):
+    raise ValueError("row_scale goes with a delta, stages >= 3 and, for a rate > 0, keep_seeds")
+  rebuild = keep_seeds is not None or row_scale is not None
   if cluster and interpret and (b * kvh > 1 or split > 1 or stages > 2):
     return _clusters_one_group_at_a_time(do, p_groups, pd_groups, v, rate=rate,
                                          stages=min(stages, 2), interpret=interpret)
@@ -520,10 +546,12 @@ def ds_dv_pass(do, p_groups, pd_groups, delta, v, *, rate, stages=2, split=1,
   keep_scale = None if rate == 0 else dropout_scale(rate)   # the forward's fp32 factor
   kernel = functools.partial(_ds_dv_kernel, kvh_count=kvh, g=g, sq=sq, d=d,
                              keep_scale=keep_scale, stages=stages, split=split,
-                             fused_delta=fused_delta, keep_hash=keep_hash,
+                             fused_delta=fused_delta, keep_hash=keep_hash, rebuild=rebuild,
+                             scaled=row_scale is not None,
                              cluster=blocks if cluster else 0, interpret=bool(interpret))
-  dtype = p_groups.dtype
-  like = tuple(x for x in (do, p_groups, pd_groups, delta, keep_seeds, v) if x is not None)
+  dtype = do.dtype
+  like = tuple(x for x in (do, p_groups, pd_groups, delta, keep_seeds, row_scale, v)
+               if x is not None)
   dv_type = (out_struct((b, kvh, skv, d), v.dtype, *like) if split == 1
              else out_struct((split, b, kvh, skv, d), f32, *like))
   scratch = [
@@ -538,10 +566,11 @@ def ds_dv_pass(do, p_groups, pd_groups, delta, v, *, rate, stages=2, split=1,
                 plgpu.ClusterBarrier(collective_axes=("keys",), num_arrivals=WGS)]
   elif fused_delta:
     scratch += [plgpu.SMEM((2, WGS, ROWS), f32), plgpu.Barrier(num_arrivals=WGS)]
-  if keep_seeds is not None:
+  if rebuild:
     scratch.append(plgpu.SMEM((WGS, 2, ROWS, KEYS), dtype, transforms=_tiled(dtype)))
   second = keep_seeds if keep_seeds is not None else pd_groups
-  operands = [do, p_groups, second] + ([] if fused_delta else [delta]) + [v]
+  operands = ([do, p_groups, second] + ([] if fused_delta else [delta])
+              + ([] if row_scale is None else [row_scale]) + [v])
   out_type = (out_struct((b, kvh, rows, skv), dtype, *like), dv_type)
   if cluster:   # one cluster per row slab and share: its programs are the key blocks
     launch = dict(grid=(b * kvh, split), grid_names=("bk", "split"), cluster=(blocks,),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _dropout, _mosaic, validation
@@ -169,7 +170,7 @@ def keep_seeds_of(dropout_rng, rate):
 
 def backward_from_output(grad_attn_output, attn_weights, value_states, dropout_mask,
                          attention_dropout, attn_output_f32, *, keep_seeds=None,
-                         config: Config | None = None, interpret=False):
+                         row_scale=None, config: Config | None = None, interpret=False):
   """:func:`attention_softmax_dropout_value_backward` given the forward's fp32 output O
   ``[B, seq_q, H, D]`` instead of Pd: ``delta = rowsum(dO * O)`` (no delta kernel) and the
   dS-dV kernel drawing keep again from the key's seeds (``keep_seeds``,
@@ -177,13 +178,22 @@ def backward_from_output(grad_attn_output, attn_weights, value_states, dropout_m
   Pd from P: it reads P (2 B) and writes dS (2 B) per element. ``dropout_mask`` is checked
   but not read (a ``jax.ShapeDtypeStruct`` will do). Rows of more than one key block
   (:func:`takes_output`). Returns ``(grad_attn_scores, grad_value_states)``.
+
+  ``row_scale`` (``[B, H, seq_q]`` fp32): ``attn_weights`` is the unnormalized ``E``
+  (fp16, ``[B, H, seq_q, seq_k]``) of
+  :func:`.forward.attention_softmax_dropout_value_forward_unnormalized` and
+  ``P = E * row_scale`` (in fp32, per element, in the kernel).
   """
+  weights = attn_weights
+  if row_scale is not None:   # E (fp16), checked here; the rest as for P of V's dtype
+    validation.check_array("attn_weights", attn_weights, ("B", "H", "Sq", "Skv"),
+                           getattr(dropout_mask, "shape", None), dtypes=(jnp.float16,))
+    weights = jax.ShapeDtypeStruct(attn_weights.shape, value_states.dtype)
   p = validation.check_attention_softmax_dropout_value(
-      grad_attn_output, attn_weights, attn_weights, value_states, dropout_mask,
-      attention_dropout)
+      grad_attn_output, weights, weights, value_states, dropout_mask, attention_dropout)
   b, h, sq, skv = attn_weights.shape
   kvh, d = value_states.shape[1], value_states.shape[3]
-  why = unsupported_reason(b, h, kvh, sq, skv, d, attn_weights.dtype, p, False)
+  why = unsupported_reason(b, h, kvh, sq, skv, d, value_states.dtype, p, False)
   if why is None and not takes_output(skv):
     why = f"seq_k {skv} (from the output: more than {WGS * KEYS} keys only)"
   if why:
@@ -191,6 +201,9 @@ def backward_from_output(grad_attn_output, attn_weights, value_states, dropout_m
                      f"{why}")
   validation.check_array("attn_output_f32", attn_output_f32, ("B", "Sq", "H", "D"),
                          (b, sq, h, d), dtypes=(jnp.float32,))
+  if row_scale is not None:
+    validation.check_array("row_scale", row_scale, ("B", "H", "Sq"), (b, h, sq),
+                           dtypes=(jnp.float32,))
   if p != 0:
     if keep_seeds is None:
       raise ValueError("keep_seeds: needed for a dropout rate > 0 (keep_seeds_of)")
@@ -206,7 +219,11 @@ def backward_from_output(grad_attn_output, attn_weights, value_states, dropout_m
                         _mosaic.sm_count(interpret, grad_attn_output, attn_weights,
                                          value_states))
   p_groups = attn_weights.reshape(b, kvh, g * sq, skv)
+  if row_scale is not None:
+    row_scale = row_scale.reshape(b, kvh, g * sq)
+  rebuild = p != 0 or row_scale is not None
   ds, dv = ds_dv_pass(grad_attn_output, p_groups, p_groups, delta, value_states, rate=p,
-                      stages=config.rebuild_stages if p != 0 else config.stages, split=split,
-                      keep_seeds=keep_seeds if p != 0 else None, interpret=interpret)
+                      stages=config.rebuild_stages if rebuild else config.stages, split=split,
+                      keep_seeds=keep_seeds if p != 0 else None, row_scale=row_scale,
+                      interpret=interpret)
   return ds.reshape(b, h, sq, skv), dv

@@ -368,6 +368,48 @@ def test_backward_from_output_draws_keep_from_the_seeds():
                             keep_seeds=jnp.zeros((3,), jnp.uint32), interpret=True)
 
 
+@needs_kernels
+@pytest.mark.parametrize("b,h,kvh,sq,skv,d,p", [(2, 4, 2, 64, 256, 64, 0.1),
+                                                (1, 2, 1, 128, 384, 128, 0.0)])
+def test_backward_from_the_unnormalized_forward(b, h, kvh, sq, skv, d, p):
+  """``row_scale``: given the fused forward's unnormalized E and row scales
+  (``P = E * scale``), its fp32 output and the key's seeds, the gradients are the exact
+  ones (autodiff of the plain forward in fp32) at bf16 resolution, as the op's are; the
+  errors are those of the kernels reading P (``test_backward_from_output``) on the same
+  problem or smaller (5% slack)."""
+  import jax_ops
+  from conftest import assert_close
+  from jax_ops.ops.attention_softmax_dropout_value import reference as ref_a
+  from pallas_kernels.attention_softmax_dropout_value import forward
+  k = jax.random.split(jax.random.key(15), 4)
+  scores = (jax.random.normal(k[0], (b, h, sq, skv), jnp.float32) * 2).astype(jnp.bfloat16)
+  value = jax.random.normal(k[1], (b, kvh, skv, d), jnp.bfloat16)
+  d_o = jax.random.normal(k[3], (b, sq, h, d), jnp.bfloat16)
+  rate = jax_ops.effective_dropout_rate(p) if p else 0.0
+  keep = jax_ops.dropout_keep_mask(k[2], p, scores.shape) if p else None
+  seeds = mg.keep_seeds_of(k[2], rate) if p else None
+  unread = jax.ShapeDtypeStruct(scores.shape, jnp.bool_)
+  _, exp, row_scale, out32 = forward.attention_softmax_dropout_value_forward_unnormalized(
+      scores, value, p, k[2] if p else None, interpret=INTERPRET)
+  got = mg.backward_from_output(d_o, exp, value, unread, rate, out32, keep_seeds=seeds,
+                                row_scale=row_scale, interpret=INTERPRET)
+  _, probs, _, _, out32_p = forward.attention_softmax_dropout_value_forward(
+      scores, value, p, k[2] if p else None, store_keep=False, interpret=INTERPRET)
+  from_p = mg.backward_from_output(d_o, probs, value, unread, rate, out32_p,
+                                   keep_seeds=seeds, interpret=INTERPRET)
+  plain = lambda s, v: ref_a.attention_softmax_dropout_value_forward(s, v, keep, rate)[0]
+  _, pullback = jax.vjp(plain, scores.astype(jnp.float32), value.astype(jnp.float32))
+  exact = pullback(d_o.astype(jnp.float32))
+  for name, g, g_p, e in zip(("grad_attn_scores", "grad_value_states"), got, from_p, exact):
+    scale = float(jnp.abs(e).max())
+    assert_close(g, e, atol=2e-3 * scale, rtol=5e-2, name=name)
+    err = lambda x: float(jnp.sqrt(jnp.mean((x.astype(jnp.float32) - e) ** 2)))
+    assert err(g) <= 1.05 * err(g_p), (name, err(g), err(g_p))
+  with pytest.raises(ValueError, match=r"row_scale: expected .*\[B, H, Sq\]"):
+    mg.backward_from_output(d_o, exp, value, unread, rate, out32, row_scale=row_scale[:, :1],
+                            keep_seeds=seeds, interpret=True)
+
+
 def test_drawn_keep_with_delayed_dv_is_race_free(capsys):
   """Keep drawn from the seeds, each step's dV GEMM waited for in the next step and the
   ring's slots released a step later: the interpreter's race detector finds no race in its

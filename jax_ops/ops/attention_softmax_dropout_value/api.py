@@ -112,8 +112,11 @@ def _bwd(p_static, backend, policy, interpret, res, grad_out):
   else:
     d_scores, d_value = backend.backward(grad_out, probs, dropped, value_states, keep, p,
                                          causal=False, interpret=interpret)
-  # probs has the scores' shape and dtype.
-  d_scores, d_value = _common.checked_grads(backend, (d_scores, d_value), (probs, value_states),
+  # probs has the scores' shape (and their dtype, which value_states shares, unless it is the
+  # Mosaic GPU backend's fp16 unnormalized softmax).
+  like_scores = jax.ShapeDtypeStruct(probs.shape, value_states.dtype)
+  d_scores, d_value = _common.checked_grads(backend, (d_scores, d_value),
+                                            (like_scores, value_states),
                                             ("scores", "value_states"))
   # keep and the key are not differentiable (None: no cotangent); the rate's is zero.
   return d_scores, d_value, None, None, jnp.zeros_like(rate)
