@@ -185,9 +185,9 @@ def backward_from_output(grad_attn_output, attn_weights, value_states, dropout_m
   ``P = E * row_scale`` (in fp32, per element, in the kernel).
   """
   weights = attn_weights
-  if row_scale is not None:   # E (fp16), checked here; the rest as for P of V's dtype
+  if row_scale is not None:   # E's dtype checked here; its shape below, as P's
     validation.check_array("attn_weights", attn_weights, ("B", "H", "Sq", "Skv"),
-                           getattr(dropout_mask, "shape", None), dtypes=(jnp.float16,))
+                           dtypes=(jnp.float16,))
     weights = jax.ShapeDtypeStruct(attn_weights.shape, value_states.dtype)
   p = validation.check_attention_softmax_dropout_value(
       grad_attn_output, weights, weights, value_states, dropout_mask, attention_dropout)
