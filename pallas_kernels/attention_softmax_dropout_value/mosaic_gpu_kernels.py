@@ -225,9 +225,10 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
     v_ref, ds_ref, dv_ref, v_smem, ds_smem, barrier, xchg_smem, xchg_barrier = refs
     delta_ref = None
   elif rebuild:   # Pd rebuilt from P (keep drawn again from the seeds pd_ref holds)
-    delta_ref, *refs = refs
-    scale_ref = refs.pop(0) if scaled else None
-    v_ref, ds_ref, dv_ref, v_smem, ds_smem, barrier, pd_stage = refs
+    if scaled:
+      delta_ref, scale_ref, v_ref, ds_ref, dv_ref, v_smem, ds_smem, barrier, pd_stage = refs
+    else:
+      delta_ref, v_ref, ds_ref, dv_ref, v_smem, ds_smem, barrier, pd_stage = refs
   else:
     delta_ref, v_ref, ds_ref, dv_ref, v_smem, ds_smem, barrier = refs
   bk = lax.axis_index("bk")
