@@ -372,6 +372,25 @@ def test_attention_forward_table_round_trip(tuned_dir, monkeypatch):
   assert fwd_kernel.forward_config(512, 512, 128, jnp.bfloat16, None) == default
 
 
+def test_attention_tuner_times_the_forward_the_op_runs(monkeypatch):
+  """The tuner's ``fwd`` pass times the fused forward the op's residual policy runs: on a
+  Hopper GPU the Mosaic GPU backend's forward that normalizes last (rows of more than 128
+  keys) or the one writing P and Pd (128 keys), elsewhere the Triton backend's."""
+  import functools
+  from pallas_kernels.attention_softmax_dropout_value import forward as fwd_kernel
+  for hopper in (True, False):
+    monkeypatch.setattr(tr, "is_hopper", lambda _, hopper=hopper: hopper)
+    long = tr._attention_forward(2, 8, 2, 512, 512, 128, 0.1)
+    short = tr._attention_forward(2, 8, 2, 128, 128, 128, 0.1)
+    if hopper:
+      assert long is fwd_kernel.attention_softmax_dropout_value_forward_unnormalized
+      assert isinstance(short, functools.partial) and short.keywords == dict(
+          store_dropped=True, store_keep=False, store_f32=False)
+    else:
+      assert long is fwd_kernel.attention_softmax_dropout_value_forward
+      assert short is None   # the jnp forward: nothing to tune
+
+
 def test_writer_leaves_out_entries_it_cannot_read(tuned_dir, capsys):
   old = str(tuned_dir / "old.json")
   with open(old, "w") as f:

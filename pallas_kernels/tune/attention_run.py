@@ -10,6 +10,7 @@ the op's step was timed with the table written (:func:`pallas_kernels.tune.commo
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 
@@ -79,34 +80,36 @@ def _attention_passes(w, constants, make_sets, cands):
         for c, cfg in keyed(cands["ds"])]
   passes = {"dv": (dv, _lazy(lambda: [(s[0], s[1], s[4]) for s in view_sets()])),
             "ds": (ds, _lazy(ds_sets))}
-  stores = _attention_forward_stores(b, h, kvh, sq, skv, d, p)
-  if stores is not None:  # the op's forward runs the fused kernel: time it as the op calls it
+  forward = _attention_forward(b, h, kvh, sq, skv, d, p)
+  if forward is not None:  # the op's forward runs a fused kernel: time it as the op calls it
     rng = jax.random.key(0)
     fwd = [(candidate_key(ATTENTION, e, "fwd"),
             lambda scores, value, cfg=pass_config(ATTENTION, e, sq, skv, "fwd"):
-            asdv_forward.attention_softmax_dropout_value_forward(
-                scores, value, p, rng, **stores, block_q=cfg.block_q, block_k=cfg.block_k,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+            forward(scores, value, p, rng, block_q=cfg.block_q, block_k=cfg.block_k,
+                    num_warps=cfg.num_warps, num_stages=cfg.num_stages))
            for e in cands.get("fwd", [])]
     # The bf16 P stands in for the scores.
     passes["fwd"] = (fwd, _lazy(lambda: [(s[1], s[3]) for s in make_sets()]))
   return passes, asdv.length_class(skv)
 
 
-def _attention_forward_stores(b, h, kvh, sq, skv, d, p) -> dict | None:
-  """What the op's fused forward writes on this device for a problem (its residual policy:
-  the Mosaic GPU backend's on a Hopper GPU where those kernels take it, else the Triton
-  backend's), as the forward kernel's ``store_*`` flags; ``None`` where the op's forward is
-  the jnp one."""
+def _attention_forward(b, h, kvh, sq, skv, d, p):
+  """The fused forward kernel the op's forward runs on this device for a problem (its
+  residual policy: the Mosaic GPU backend's on a Hopper GPU where those kernels take it, else
+  the Triton backend's), with what it writes bound: a function of ``(scores, value, rate,
+  rng, **launch)``; ``None`` where the op's forward is the jnp one."""
   mosaic = (is_hopper(jax.devices()[0])
             and asdv_dispatch.mosaic_gpu_reason(b, h, kvh, sq, skv, d, jnp.bfloat16, p,
                                                 False) is None)
   policy = (asdv_dispatch.mosaic_gpu_residuals if mosaic
             else asdv_dispatch.triton_residuals)(b, h, kvh, sq, skv, d)
-  if policy == asdv_dispatch.FUSED_OUTPUT:  # P, the fp32 O; keep stored for Triton only
-    return dict(store_keep=not mosaic)
+  if policy == asdv_dispatch.FUSED_OUTPUT and mosaic:  # E, its row scales, the fp32 O
+    return asdv_forward.attention_softmax_dropout_value_forward_unnormalized
+  if policy == asdv_dispatch.FUSED_OUTPUT:  # P, keep, the fp32 O
+    return asdv_forward.attention_softmax_dropout_value_forward
   if policy == asdv_dispatch.FUSED_INPUTS:  # P and Pd
-    return dict(store_dropped=True, store_keep=False, store_f32=False)
+    return functools.partial(asdv_forward.attention_softmax_dropout_value_forward,
+                             store_dropped=True, store_keep=False, store_f32=False)
   return None
 
 
