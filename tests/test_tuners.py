@@ -263,7 +263,9 @@ def test_the_tuners_keep_the_served_entry_of_a_class(tuned_dir):
   entry = tr.write(ta.ATTENTION, records, out, FAKE, show=set())["configs"]["256"]
   assert entry == {"dv": dict(dv[1]), "ds": dict(ds[1])}
   served = {"256": {"dv": dict(dv[1]), "ds": dict(ds[1])}}
-  assert ta.served_keys(ta.ATTENTION, served, "256") == {"dv": dv[1], "ds": ds[1]}
+  kept = ta.served_keys(ta.ATTENTION, _tuning.lookup(served, "256"))
+  assert kept == {"dv": dv[1], "ds": ds[1]}
+  assert ta.served_keys(ta.ATTENTION, {}) == {}
 
 
 def test_qk_table_round_trip(tuned_dir):

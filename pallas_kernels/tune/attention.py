@@ -339,10 +339,9 @@ def candidates(op: str, quick: bool, cands: dict | None = None) -> dict[str, lis
   return out
 
 
-def served_keys(op: str, served: dict, key: str) -> dict:
-  """``{pass: candidate key}`` of the entry of ``served`` for class ``key``, for each pass
+def served_keys(op: str, entry: dict) -> dict:
+  """``{pass: candidate key}`` of a class's served table entry (``{}``: none), for each pass
   this tuner can time it in (the ``keep`` of :func:`common.best_by_geomean`)."""
-  entry = _tuning.lookup(served, key) or {}
   out = {}
   for name, fields in entry.items():
     if name == "dl" or not isinstance(fields, dict):

@@ -217,7 +217,8 @@ def run_workload(op, constants, w, index, measure, *, quick=False, calls=8, cand
   """Times a workload's passes (``passes``: only these): its record. ``served``: the
   device's table as the run found it, whose entry for the class each pass also times."""
   key = length_class(op, constants, w)
-  kept = served_keys(op, served or {}, key)
+  entry = _tuning.lookup(served or {}, key) or {}
+  kept = served_keys(op, entry)
   cands = _with_table(op, candidates(op, quick, cands), kept)
   make_sets = common.lazy_sets(op, constants, w, index)
   extra = {"device_kind": device_kind} if op == QK else {}
@@ -233,7 +234,7 @@ def run_workload(op, constants, w, index, measure, *, quick=False, calls=8, cand
                                        for c, t in times[name].items()))
   print("  ".join(line), flush=True)
   record = {"key": key, "times": times, "served": kept}
-  causal_dl = (_tuning.lookup(served or {}, key) or {}).get("causal_dl")
+  causal_dl = entry.get("causal_dl")
   if op == QK and causal_dl is not None:   # not timed: kept as the served entry has it
     record["causal_dl"] = dict(causal_dl)
   return record
