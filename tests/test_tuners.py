@@ -500,3 +500,31 @@ def test_merge_into_checked_in_tables_keeps_their_configs(tuned_dir):
                      per_field=True, device_kind=kind)
     _tuning.table.cache_clear()
     assert [default(sk) for sk in lengths] == before, op
+
+
+def test_run_workload_times_the_served_entry_and_keeps_causal_dl():
+  """A workload's record: every pass's candidates plus the class's served entry (timed by a
+  stand-in measurement here), ``served`` naming that entry's candidates, and
+  qk_scale_softmax's untimed ``causal_dl`` kept as the served entry has it."""
+  from pallas_kernels import workloads as wl
+  seen = {}
+
+  def measure(trial, cands, sets, calls):
+    seen[trial.name] = [key for key, _ in cands]
+    return {key: 1.0 for key, _ in cands}
+
+  spec = wl.spec()["qk_scale_softmax_backward"]
+  w = spec["workloads"][14]   # (1, 4096, 4096)
+  key = tr.length_class(ta.QK, spec["constants"], w)
+  extra = dict(block_q=16, block_k=64, num_warps=2, num_stages=2)
+  row = ta.candidate_key(ta.QK, extra, "row")
+  served = {key: {"scheme": "two_pass", "row": extra, "col": ta.QK_COL[0],
+                  "causal_dl": {"rows": 2, "num_warps": 4}}}
+  record = tr.run_workload(ta.QK, spec["constants"], w, 14, measure, quick=True,
+                           passes=("row",), served=served)
+  assert record["key"] == key and set(record["times"]) == {"row"}
+  assert row in seen["row"] and record["served"]["row"] == row
+  assert record["causal_dl"] == {"rows": 2, "num_warps": 4}
+  record = tr.run_workload(ta.QK, spec["constants"], w, 14, measure, quick=True,
+                           passes=("row",))
+  assert record["served"] == {} and "causal_dl" not in record
