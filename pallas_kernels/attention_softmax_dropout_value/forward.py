@@ -101,11 +101,29 @@ def _kernel(seeds_ref, scale_ref, s_ref, v_ref, out_ref, *opt_refs,
       s = jnp.where(k_mask[None, :], s, -jnp.inf)
     return s
 
+  def keep_bits(k0s, k1s, j):
+    """The 16 bits ``u`` of key tile ``j``'s elements: block_k is even, so is the tile's
+    start, hence one hash per two columns."""
+    return _dropout.tile_bits16(k0s, k1s, bh.astype(_U32), rows.astype(_U32)[:, None],
+                                (j * block_k).astype(_U32), block_k, seq_k, pairs=True)
+
+  def value_tile(j, k_mask):
+    """Key tile ``j`` of V; padded keys and head dims load 0."""
+    return tiles.load(v_ref.at[bk, tiles.ds(j * block_k, block_k), head_dims],
+                      tiles.outer(k_mask, d_mask), 0.0)
+
+  def store_output(acc):
+    """O (and, if asked, the fp32 O) from the fp32 accumulator, into [B, Sq, H, D]."""
+    o_idx = (b, pl.ds(q0, block_q), h, head_dims)
+    o_mask = tiles.outer(q_mask, d_mask)
+    if out32_ref is not None:
+      tiles.store(out32_ref.at[o_idx], acc, o_mask)
+    tiles.store(out_ref.at[o_idx], acc.astype(out_ref.dtype), o_mask)
+
   if late:
-    return _late_kernel(scores, tile, s_ref, v_ref, out_ref, scale_out_ref, p_ref, out32_ref,
-                        seeds_ref, scale_ref, bh=bh, b=b, h=h, bk=bk, rows=rows, q0=q0,
-                        q_mask=q_mask, d_mask=d_mask, head_dims=head_dims, n_k=n_k,
-                        block_q=block_q, block_k=block_k, d_pad=d_pad, seq_k=seq_k,
+    return _late_kernel(scores, tile, keep_bits, value_tile, store_output, scale_out_ref,
+                        p_ref, seeds_ref, scale_ref, out_dtype=out_ref.dtype, bh=bh, q0=q0,
+                        q_mask=q_mask, n_k=n_k, block_q=block_q, d_pad=d_pad,
                         dropout=dropout)
 
   # Pass 1: the row max m and the row sum l of exp(s - m), online.
@@ -138,10 +156,7 @@ def _kernel(seeds_ref, scale_ref, s_ref, v_ref, out_ref, *opt_refs,
     if p_ref is not None:
       tiles.store(p_ref.at[idx], probs, mask)
     if dropout:
-      # block_k is even, so is the tile's start: one hash per two columns.
-      u = _dropout.tile_bits16(k0s, k1s, bh.astype(_U32), rows.astype(_U32)[:, None],
-                               (j * block_k).astype(_U32), block_k, seq_k, pairs=True)
-      keep = u >= threshold
+      keep = keep_bits(k0s, k1s, j) >= threshold
       # As the reference's apply_dropout: (P * keep) * scale in fp32, rounded once; an
       # invalid traced rate (a NaN scale) gives NaN.
       dropped = (probs.astype(_F32) * keep.astype(_F32) * scale).astype(out_ref.dtype)
@@ -151,23 +166,16 @@ def _kernel(seeds_ref, scale_ref, s_ref, v_ref, out_ref, *opt_refs,
         tiles.store(keep_ref.at[idx], keep, mask)
     else:
       dropped = probs
-    v = tiles.load(v_ref.at[bk, tiles.ds(j * block_k, block_k), head_dims], tiles.outer(k_mask, d_mask),
-              0.0)
     # Padded keys: P = 0 (exp(-inf)) and V = 0.
-    return acc + dot(dropped, v)
+    return acc + dot(dropped, value_tile(j, k_mask))
 
   acc = jnp.zeros((block_q, d_pad), _F32)
-  acc = value(_I32(0), acc, s0) if n_k == 1 else tiles.fori_loop(0, n_k, value, acc)
-  o_idx = (b, pl.ds(q0, block_q), h, head_dims)
-  o_mask = tiles.outer(q_mask, d_mask)
-  if out32_ref is not None:
-    tiles.store(out32_ref.at[o_idx], acc, o_mask)
-  tiles.store(out_ref.at[o_idx], acc.astype(out_ref.dtype), o_mask)
+  store_output(value(_I32(0), acc, s0) if n_k == 1 else tiles.fori_loop(0, n_k, value, acc))
 
 
-def _late_kernel(scores, tile, s_ref, v_ref, out_ref, scale_out_ref, e_ref, out32_ref,
-                 seeds_ref, scale_ref, *, bh, b, h, bk, rows, q0, q_mask, d_mask, head_dims,
-                 n_k, block_q, block_k, d_pad, seq_k, dropout):
+def _late_kernel(scores, tile, keep_bits, value_tile, store_output, scale_out_ref, e_ref,
+                 seeds_ref, scale_ref, *, out_dtype, bh, q0, q_mask, n_k, block_q, d_pad,
+                 dropout):
   """The kernel with the normalization last: pass 1 takes the row max ``m`` alone; pass 2
   ``e = exp(s - m)``, ``l += rowsum(e)``, ``E = round(e)`` stored (if ``e_ref``) and
   ``acc += round(e * keep * scale) @ V``; then ``O = acc / l`` and ``1 / l`` stored."""
@@ -189,25 +197,17 @@ def _late_kernel(scores, tile, s_ref, v_ref, out_ref, scale_out_ref, e_ref, out3
     if e_ref is not None:
       tiles.store(e_ref.at[idx], e.astype(e_ref.dtype), mask)
     if dropout:
-      u = _dropout.tile_bits16(k0s, k1s, bh.astype(_U32), rows.astype(_U32)[:, None],
-                               (j * block_k).astype(_U32), block_k, seq_k, pairs=True)
-      dropped = jnp.where(u >= threshold, e * scale, 0.0).astype(out_ref.dtype)
+      dropped = jnp.where(keep_bits(k0s, k1s, j) >= threshold, e * scale, 0.0).astype(out_dtype)
     else:
-      dropped = e.astype(out_ref.dtype)
-    v = tiles.load(v_ref.at[bk, tiles.ds(j * block_k, block_k), head_dims],
-                   tiles.outer(k_mask, d_mask), 0.0)
-    return acc + dot(dropped, v), l
+      dropped = e.astype(out_dtype)
+    return acc + dot(dropped, value_tile(j, k_mask)), l
 
   init = (jnp.zeros((block_q, d_pad), _F32), jnp.zeros((block_q,), _F32))
   acc, l = value(_I32(0), init, s0) if n_k == 1 else tiles.fori_loop(0, n_k, value, init)
   inv_l = 1.0 / l
   acc = acc * inv_l[:, None]
   tiles.store(scale_out_ref.at[bh, pl.ds(q0, block_q)], inv_l, q_mask)
-  o_idx = (b, pl.ds(q0, block_q), h, head_dims)
-  o_mask = tiles.outer(q_mask, d_mask)
-  if out32_ref is not None:
-    tiles.store(out32_ref.at[o_idx], acc, o_mask)
-  tiles.store(out_ref.at[o_idx], acc.astype(out_ref.dtype), o_mask)
+  store_output(acc)
 
 
 def takes(b, h, kvh, seq_q, seq_k, head_dim) -> bool:
@@ -237,8 +237,8 @@ def default_blocks(seq_q: int, seq_k: int) -> tuple[int, int]:
 
 
 @functools.partial(jax.jit, static_argnames=("dropout", "store_probs", "store_dropped",
-                                             "store_keep", "store_f32", "late", "block_q", "block_k",
-                                             "num_warps", "num_stages", "interpret"))
+                                             "store_keep", "store_f32", "late", "block_q",
+                                             "block_k", "num_warps", "num_stages", "interpret"))
 def _call(scores, value_states, seeds, scale, *, dropout, store_probs, store_dropped,
           store_keep, store_f32, block_q, block_k, num_warps, num_stages, interpret,
           late=False):
