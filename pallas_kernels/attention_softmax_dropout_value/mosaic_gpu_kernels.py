@@ -210,8 +210,8 @@ def _drawn_keep(seeds_ref, t, b, kvh, key0, keep_hash):
 
 
 def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale, stages,
-                  split, fused_delta, keep_hash=None, rebuild=False, scaled=False, cluster=0,
-                  interpret=False):
+                  split, fused_delta, keep_hash=None, scaled=False, cluster=0, interpret=False):
+  rebuild = keep_hash is not None or scaled   # Pd made in the kernel, none read
   xg_ref = None
   if cluster:   # the exchange's slots and barriers; in the interpreter, global memory
     *refs, mbar, xchg_barrier = refs
@@ -546,7 +546,7 @@ def ds_dv_pass(do, p_groups, pd_groups, delta, v, *, rate, stages=2, split=1,
   keep_scale = None if rate == 0 else dropout_scale(rate)   # the forward's fp32 factor
   kernel = functools.partial(_ds_dv_kernel, kvh_count=kvh, g=g, sq=sq, d=d,
                              keep_scale=keep_scale, stages=stages, split=split,
-                             fused_delta=fused_delta, keep_hash=keep_hash, rebuild=rebuild,
+                             fused_delta=fused_delta, keep_hash=keep_hash,
                              scaled=row_scale is not None,
                              cluster=blocks if cluster else 0, interpret=bool(interpret))
   dtype = do.dtype
