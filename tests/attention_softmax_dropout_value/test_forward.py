@@ -237,6 +237,22 @@ def test_lowers_to_triton(pretend_gpu, dtype, d, rate):
   assert triton_calls_in_gpu_lowering(fn, shapes, rate) == 1
 
 
+def test_unnormalized_forward_with_masked_leading_keys():
+  """Rows whose first key tiles are all ``-inf`` (masked scores): the running max starts at
+  0 instead of ``-inf``, so no NaN; P and O match the jnp forward."""
+  from pallas_kernels.attention_softmax_dropout_value.forward import (
+      attention_softmax_dropout_value_forward_unnormalized as unnormalized, probs_from_exp)
+  scores, value, rng = _inputs(1, 2, 1, 16, 320, 64, jnp.bfloat16, seed=7)
+  scores = scores.at[0, 0, :4, :200].set(-jnp.inf).at[0, 1, 5, 100:].set(-jnp.inf)
+  o, e, row_scale, o32 = unnormalized(scores, value, 0.0, block_q=16, block_k=64,
+                                      interpret=INTERPRET)
+  _, (ref_o, ref_p, _, ref_o32) = _reference(scores, value, rng, rate=0.0)
+  np.testing.assert_allclose(np.asarray(probs_from_exp(e, row_scale)), _f32(ref_p),
+                             rtol=1e-2, atol=1e-6)
+  np.testing.assert_allclose(_f32(o32), _f32(ref_o32), rtol=2e-2, atol=2e-2)
+  assert np.isfinite(_f32(o)).all()
+
+
 @pytest.mark.parametrize("b,kvh,group,sq,sk,d,dtype,rate,blocks", [
     (2, 1, 4, 7, 131, 64, jnp.bfloat16, 0.1, (None, None)),   # the last key tile ragged
     (1, 2, 1, 19, 37, 80, jnp.float16, 0.2, (16, 64)),        # ragged rows and keys, D 80
