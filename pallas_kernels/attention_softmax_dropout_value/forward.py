@@ -22,8 +22,9 @@ partly from L2), write P (2 B), keep (1 B) and Pd (2 B), each optional.
 
 :func:`attention_softmax_dropout_value_forward_unnormalized` is the variant that normalizes
 last, in one pass (online softmax): one read of the scores and one exponential per element.
-It writes ``E = exp(s - m_t)`` with ``m_t`` the row's running max at each key tile, instead
-of P, and a scale per row and 64 keys, ``exp(m_t - m) / l`` (the Mosaic GPU backward makes
+It writes ``E = exp(s - m_t)`` with ``m_t`` the row's offset at each key tile (its running
+max, moved only when passed by more than :data:`SLACK`), instead of P, and a scale per row
+and 64 keys, ``exp(m_t - m) / l`` (the Mosaic GPU backward makes
 ``P = E * scale`` again).
 
 ``P`` matches the jnp softmax to within its rounding, not bit for bit: the row sum is
@@ -61,6 +62,8 @@ DEFAULT_NUM_STAGES = 3
 # Keys per row scale of the forward that normalizes last (the Mosaic GPU backward's
 # warpgroup width).
 TILE_KEYS = 64
+# How far a row's max may pass the offset of its E before the offset moves: E < exp(8).
+SLACK = 8.0
 
 
 def _kernel(seeds_ref, scale_ref, s_ref, v_ref, out_ref, *opt_refs,
@@ -181,10 +184,11 @@ def _kernel(seeds_ref, scale_ref, s_ref, v_ref, out_ref, *opt_refs,
 def _late_kernel(scores, tile, keep_bits, value_tile, store_output, scale_out_ref, e_ref,
                  seeds_ref, scale_ref, tile_max_ref, row_max_ref, *, out_dtype, bh, q0, q_mask,
                  n_k, block_q, d_pad, dropout, block_k):
-  """One pass over the key tiles with the running row max ``m`` (online softmax):
-  ``e = exp(s - m)``, E stored, ``m`` stored once per 64 keys, ``l = l * alpha + rowsum(e)``,
-  ``acc = acc * alpha + round(e * keep * scale) @ V`` with ``alpha = exp(m_old - m)``; then
-  ``O = acc / l``, ``1 / l`` and the final row max stored."""
+  """One pass over the key tiles with a running offset ``m`` per row (online softmax):
+  ``e = exp(s - m)``, E stored, ``m`` stored once per 64 keys, ``l += rowsum(e)``,
+  ``acc += round(e * keep * scale) @ V``; where a tile's row max passes ``m`` by more than
+  :data:`SLACK`, ``m`` becomes the running max and ``acc`` and ``l`` are rescaled by
+  ``exp(m_old - m)`` first. Then ``O = acc / l``, ``1 / l`` and the last ``m`` stored."""
   if dropout:
     k0s, k1s, threshold = seeds_ref[0], seeds_ref[1], seeds_ref[2]
     scale = scale_ref[0]
@@ -195,12 +199,21 @@ def _late_kernel(scores, tile, keep_bits, value_tile, store_output, scale_out_re
     acc, m, l = carry
     cols, k_mask, mask, idx = tile(j)
     s = scores(j)
-    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    tile_max = jnp.max(s, axis=1)
+    grown = jnp.maximum(m, tile_max)
     # A row whose keys so far are all -inf keeps 0 as its max: exp gives 0, never NaN.
-    m_new = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    alpha = jnp.exp(m - m_new)
+    grown = jnp.where(grown == -jnp.inf, 0.0, grown)
+    # The offset m moves (acc and l rescaled by exp(m_old - m)) only when some row's max
+    # passes it by more than SLACK: E stays under exp(SLACK) and most tiles skip the rescale.
+    need = (j == 0) | (jnp.max(tile_max - m) > SLACK)
+
+    def rescale(c):
+      alpha = jnp.exp(m - grown)
+      return c[0] * alpha[:, None], c[1] * alpha
+    acc, l = lax.cond(need, rescale, lambda c: c, (acc, l))
+    m_new = jnp.where(need, grown, m)
     e = jnp.exp(s - m_new[:, None])
-    l = l * alpha + jnp.sum(e, axis=1)
+    l = l + jnp.sum(e, axis=1)
     if e_ref is not None:
       tiles.store(e_ref.at[idx], e.astype(e_ref.dtype), mask)
       for c in range(chunks):
@@ -209,7 +222,7 @@ def _late_kernel(scores, tile, keep_bits, value_tile, store_output, scale_out_re
       dropped = jnp.where(keep_bits(k0s, k1s, j) >= threshold, e * scale, 0.0).astype(out_dtype)
     else:
       dropped = e.astype(out_dtype)
-    return acc * alpha[:, None] + dot(dropped, value_tile(j, k_mask)), m_new, l
+    return acc + dot(dropped, value_tile(j, k_mask)), m_new, l
 
   init = (jnp.zeros((block_q, d_pad), _F32), jnp.full((block_q,), -jnp.inf, _F32),
           jnp.zeros((block_q,), _F32))
@@ -374,12 +387,13 @@ def attention_softmax_dropout_value_forward_unnormalized(
   pass over the keys.
 
   ``E = round(exp(s - m_t))`` ``[B, H, Sq, Skv]`` (fp16 for 16-bit scores, fp32 for fp32:
-  :func:`exp_dtype`; values under fp16's ``2**-24`` are 0), with ``m_t`` the running row max
-  after the key tile holding the element, and ``row_scale = exp(m_t - m) / l``
-  ``[B, H, ceil(Skv / 64), Sq]`` fp32 per row and 64 keys (``m`` the row max,
-  ``l = rowsum(exp(s - m))``), so that ``P = E * row_scale`` up to E's rounding
-  (:func:`probs_from_exp`). The kernel keeps the running max, ``l`` and ``acc`` online
-  (rescaled by ``exp(m_old - m_new)`` as the max grows), adds ``round(e * keep * scale) @ V``
+  :func:`exp_dtype`; values under fp16's ``2**-24`` are 0, values at most ``exp(SLACK)``),
+  with ``m_t`` the row's offset at the key tile holding the element, and
+  ``row_scale = exp(m_t - m) / l`` ``[B, H, ceil(Skv / 64), Sq]`` fp32 per row and 64 keys
+  (``m`` the last offset, ``l = rowsum(exp(s - m))``), so that ``P = E * row_scale`` up to
+  E's rounding (:func:`probs_from_exp`). The kernel keeps the offset, ``l`` and ``acc``
+  online (the offset moves to the running max, and ``l`` and ``acc`` are rescaled, only
+  when a row's max passes it by more than :data:`SLACK`), adds ``round(e * keep * scale) @ V``
   per tile and ends with ``O = acc / l`` (O is the dropped softmax times V up to Pd's
   rounding, which happens before the normalization here and after it in
   :func:`attention_softmax_dropout_value_forward`). Key tiles (``block_k``) of 64 keys or a

@@ -239,11 +239,13 @@ def test_lowers_to_triton(pretend_gpu, dtype, d, rate):
 
 def test_unnormalized_forward_with_masked_leading_keys():
   """Rows whose first key tiles are all ``-inf`` (masked scores): the running max starts at
-  0 instead of ``-inf``, so no NaN; P and O match the jnp forward."""
+  0 instead of ``-inf``, so no NaN; rows whose max jumps by less and by more than the
+  slack in a later tile; P and O match the jnp forward."""
   from pallas_kernels.attention_softmax_dropout_value.forward import (
       attention_softmax_dropout_value_forward_unnormalized as unnormalized, probs_from_exp)
   scores, value, rng = _inputs(1, 2, 1, 16, 320, 64, jnp.bfloat16, seed=7)
-  scores = scores.at[0, 0, :4, :200].set(-jnp.inf).at[0, 1, 5, 100:].set(-jnp.inf)
+  scores = (scores.at[0, 0, :4, :200].set(-jnp.inf).at[0, 1, 5, 100:].set(-jnp.inf)
+            .at[0, 1, 6:, 130:].add(7.0).at[0, 1, 9:, 250:].add(20.0))   # the max jumps
   o, e, row_scale, o32 = unnormalized(scores, value, 0.0, block_q=16, block_k=64,
                                       interpret=INTERPRET)
   _, (ref_o, ref_p, _, ref_o32) = _reference(scores, value, rng, rate=0.0)
