@@ -288,8 +288,8 @@ def _call(scores, value_states, seeds, scale, *, dropout, store_probs, store_dro
     out_shape.append(out_struct(flat, scores.dtype, *args))
   if keep_out:
     out_shape.append(out_struct(flat, jnp.bool_, *args))
-  n_tiles = pl.cdiv(seq_k, block_k) * (block_k // TILE_KEYS)
-  if late and store_probs:
+  if late and store_probs:   # the offsets, per 64 keys of each key tile
+    n_tiles = pl.cdiv(seq_k, block_k) * (block_k // TILE_KEYS)
     out_shape.append(out_struct((b * h, n_tiles, seq_q), _F32, *args))
     out_shape.append(out_struct((b * h, seq_q), _F32, *args))
   out, *rest = pallas_call(

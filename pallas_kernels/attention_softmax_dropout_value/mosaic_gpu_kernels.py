@@ -401,8 +401,7 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
   if scaled:   # the scales of the row tile's head for this program's two 64-key chunks
     in_specs.append(plgpu.BlockSpec(
         (None, WGS, ROWS),
-        lambda t: (kvh * g + lax.div(tile0 + t, i32(q_tiles)), kb,
-                   lax.rem(tile0 + t, i32(q_tiles))), **delay))
+        lambda t: (head_tile(t)[1], kb, head_tile(t)[0]), **delay))
     operands.append(scale_ref.at[b])
   pipeline = plgpu.emit_pipeline_warp_specialized(
       step, grid=(share_tiles,), max_concurrent_steps=stages,
