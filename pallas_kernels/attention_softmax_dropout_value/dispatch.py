@@ -24,7 +24,7 @@ mosaic_gpu_reason = pallas_mosaic_gpu.unsupported_reason
 
 def mosaic_gpu_residuals(b, h, kvh, sq, skv, d) -> str:
   """What the op's forward saves for the Mosaic GPU kernels: ``"fused_output"`` (the
-  unnormalized softmax and its row scales, the fp32 output and the key's seeds, for
+  unnormalized softmax and its scales, the fp32 output and the key's seeds, for
   :func:`pallas_mosaic_gpu.backward_from_output`) on rows of
   more than one key block, ``"fused_inputs"`` (P and Pd, for the one-key-block kernel, which
   computes delta from them) on rows of one, and ``"inputs"`` (the jnp forward) past the fused

@@ -21,9 +21,11 @@ layout. Traffic per attention element in bf16: read the scores twice (the second
 partly from L2), write P (2 B), keep (1 B) and Pd (2 B), each optional.
 
 :func:`attention_softmax_dropout_value_forward_unnormalized` is the variant that normalizes
-last: pass 1 takes the row max alone, pass 2 one exponential per element, and it writes the
-unnormalized softmax ``E`` and the row scales ``1 / l`` instead of P (the Mosaic GPU
-backward makes ``P = E / l`` again).
+last, in one pass (online softmax): one read of the scores and one exponential per element.
+It writes ``E = exp(s - m_t)`` with ``m_t`` the row's offset at each key tile (its running
+max, moved only when passed by more than :data:`SLACK`), instead of P, and a scale per row
+and 64 keys, ``exp(m_t - m) / l`` (the Mosaic GPU backward makes
+``P = E * scale`` again).
 
 ``P`` matches the jnp softmax to within its rounding, not bit for bit: the row sum is
 accumulated in another order (online), so the rounded bf16 ``P`` differs by one ulp in about
@@ -57,6 +59,11 @@ DEFAULT_BLOCK_Q = 32
 DEFAULT_BLOCK_K = 64
 DEFAULT_NUM_WARPS = 4
 DEFAULT_NUM_STAGES = 3
+# Keys per row scale of the forward that normalizes last (the Mosaic GPU backward's
+# warpgroup width).
+TILE_KEYS = 64
+# How far a row's max may pass the offset of its E before the offset moves: E < exp(8).
+SLACK = 8.0
 
 
 def _kernel(seeds_ref, scale_ref, s_ref, v_ref, out_ref, *opt_refs,
@@ -72,6 +79,7 @@ def _kernel(seeds_ref, scale_ref, s_ref, v_ref, out_ref, *opt_refs,
   out32_ref = opt_refs.pop(0) if store_f32 else None
   pd_ref = opt_refs.pop(0) if dropout and store_dropped else None
   keep_ref = opt_refs.pop(0) if dropout and store_keep else None
+  tile_max_ref, row_max_ref = opt_refs if late and store_probs else (None, None)
   groups = num_heads // num_kv_heads
   q0 = pl.program_id(0) * block_q   # row block: the fastest grid axis (programs share V)
   bh = pl.program_id(1)             # b * H + h
@@ -122,9 +130,9 @@ def _kernel(seeds_ref, scale_ref, s_ref, v_ref, out_ref, *opt_refs,
 
   if late:
     return _late_kernel(scores, tile, keep_bits, value_tile, store_output, scale_out_ref,
-                        p_ref, seeds_ref, scale_ref, out_dtype=out_ref.dtype, bh=bh, q0=q0,
-                        q_mask=q_mask, n_k=n_k, block_q=block_q, d_pad=d_pad,
-                        dropout=dropout)
+                        p_ref, seeds_ref, scale_ref, tile_max_ref, row_max_ref,
+                        out_dtype=out_ref.dtype, bh=bh, q0=q0, q_mask=q_mask, n_k=n_k,
+                        block_q=block_q, d_pad=d_pad, dropout=dropout, block_k=block_k)
 
   # Pass 1: the row max m and the row sum l of exp(s - m), online.
   def stats(j, carry, s=None):
@@ -174,40 +182,56 @@ def _kernel(seeds_ref, scale_ref, s_ref, v_ref, out_ref, *opt_refs,
 
 
 def _late_kernel(scores, tile, keep_bits, value_tile, store_output, scale_out_ref, e_ref,
-                 seeds_ref, scale_ref, *, out_dtype, bh, q0, q_mask, n_k, block_q, d_pad,
-                 dropout):
-  """The kernel with the normalization last: pass 1 takes the row max ``m`` alone; pass 2
-  ``e = exp(s - m)``, ``l += rowsum(e)``, ``E = round(e)`` stored (if ``e_ref``) and
-  ``acc += round(e * keep * scale) @ V``; then ``O = acc / l`` and ``1 / l`` stored."""
-  def row_max(j, m, s=None):
-    return jnp.maximum(m, jnp.max(scores(j) if s is None else s, axis=1))
-
-  m = jnp.full((block_q,), -jnp.inf, _F32)
-  s0 = scores(_I32(0)) if n_k == 1 else None
-  m = row_max(_I32(0), m, s0) if n_k == 1 else tiles.fori_loop(0, n_k, row_max, m)
+                 seeds_ref, scale_ref, tile_max_ref, row_max_ref, *, out_dtype, bh, q0, q_mask,
+                 n_k, block_q, d_pad, dropout, block_k):
+  """One pass over the key tiles with a running offset ``m`` per row (online softmax):
+  ``e = exp(s - m)``, E stored, ``m`` stored once per 64 keys, ``l += rowsum(e)``,
+  ``acc += round(e * keep * scale) @ V``; where a tile's row max passes ``m`` by more than
+  :data:`SLACK`, ``m`` becomes the running max and ``acc`` and ``l`` are rescaled by
+  ``exp(m_old - m)`` first. Then ``O = acc / l``, ``1 / l`` and the last ``m`` stored."""
   if dropout:
     k0s, k1s, threshold = seeds_ref[0], seeds_ref[1], seeds_ref[2]
     scale = scale_ref[0]
+  chunks = block_k // TILE_KEYS
+  rows = pl.ds(q0, block_q)
 
-  def value(j, carry, s=None):
-    acc, l = carry
+  def value(j, carry):
+    acc, m, l = carry
     cols, k_mask, mask, idx = tile(j)
-    e = jnp.exp((scores(j) if s is None else s) - m[:, None])
+    s = scores(j)
+    tile_max = jnp.max(s, axis=1)
+    grown = jnp.maximum(m, tile_max)
+    # A row whose keys so far are all -inf keeps 0 as its max: exp gives 0, never NaN.
+    grown = jnp.where(grown == -jnp.inf, 0.0, grown)
+    # The offset m moves (acc and l rescaled by exp(m_old - m)) only when some row's max
+    # passes it by more than SLACK: E stays under exp(SLACK) and most tiles skip the rescale.
+    need = (j == 0) | (jnp.max(tile_max - m) > SLACK)
+
+    def rescale(c):
+      alpha = jnp.exp(m - grown)
+      return c[0] * alpha[:, None], c[1] * alpha
+    acc, l = lax.cond(need, rescale, lambda c: c, (acc, l))
+    m_new = jnp.where(need, grown, m)
+    e = jnp.exp(s - m_new[:, None])
     l = l + jnp.sum(e, axis=1)
     if e_ref is not None:
       tiles.store(e_ref.at[idx], e.astype(e_ref.dtype), mask)
+      for c in range(chunks):
+        tiles.store(tile_max_ref.at[bh, j * chunks + c, rows], m_new, q_mask)
     if dropout:
       dropped = jnp.where(keep_bits(k0s, k1s, j) >= threshold, e * scale, 0.0).astype(out_dtype)
     else:
       dropped = e.astype(out_dtype)
-    return acc + dot(dropped, value_tile(j, k_mask)), l
+    return acc + dot(dropped, value_tile(j, k_mask)), m_new, l
 
-  init = (jnp.zeros((block_q, d_pad), _F32), jnp.zeros((block_q,), _F32))
-  acc, l = value(_I32(0), init, s0) if n_k == 1 else tiles.fori_loop(0, n_k, value, init)
+  init = (jnp.zeros((block_q, d_pad), _F32), jnp.full((block_q,), -jnp.inf, _F32),
+          jnp.zeros((block_q,), _F32))
+  acc, m, l = value(_I32(0), init) if n_k == 1 else tiles.fori_loop(0, n_k, value, init)
   inv_l = 1.0 / l
-  acc = acc * inv_l[:, None]
-  tiles.store(scale_out_ref.at[bh, pl.ds(q0, block_q)], inv_l, q_mask)
-  store_output(acc)
+  tiles.store(scale_out_ref.at[bh, rows], inv_l, q_mask)
+  if e_ref is not None:
+    tiles.store(row_max_ref.at[bh, rows], m, q_mask)
+  store_output(acc * inv_l[:, None])
 
 
 def takes(b, h, kvh, seq_q, seq_k, head_dim) -> bool:
@@ -264,6 +288,10 @@ def _call(scores, value_states, seeds, scale, *, dropout, store_probs, store_dro
     out_shape.append(out_struct(flat, scores.dtype, *args))
   if keep_out:
     out_shape.append(out_struct(flat, jnp.bool_, *args))
+  if late and store_probs:   # the offsets, per 64 keys of each key tile
+    n_tiles = pl.cdiv(seq_k, block_k) * (block_k // TILE_KEYS)
+    out_shape.append(out_struct((b * h, n_tiles, seq_q), _F32, *args))
+    out_shape.append(out_struct((b * h, seq_q), _F32, *args))
   out, *rest = pallas_call(
       kernel,
       out_shape=tuple(out_shape),
@@ -276,7 +304,13 @@ def _call(scores, value_states, seeds, scale, *, dropout, store_probs, store_dro
   if late:
     row_scale = rest.pop(0).reshape(shape[:3])
     probs = rest.pop(0).reshape(shape) if store_probs else None
-    return out, probs, row_scale, rest.pop(0) if store_f32 else None
+    out32 = rest.pop(0) if store_f32 else None
+    if store_probs:   # P = E * exp(m_tile - m) / l, per 64 keys
+      tile_max, row_max = rest
+      n_t = pl.cdiv(seq_k, TILE_KEYS)
+      row_scale = (jnp.exp(tile_max[:, :n_t] - row_max[:, None])
+                   * row_scale.reshape(b * h, 1, seq_q)).reshape(b, h, n_t, seq_q)
+    return out, probs, row_scale, out32
   probs = rest.pop(0).reshape(shape) if store_probs else None
   out32 = rest.pop(0) if store_f32 else None
   dropped = rest.pop(0).reshape(shape) if pd_out else None
@@ -349,32 +383,47 @@ def attention_softmax_dropout_value_forward_unnormalized(
     scores, value_states, dropout_rate, dropout_rng=None, *, store_exp: bool = True,
     store_f32: bool = True, block_q=None, block_k=None, num_warps=None, num_stages=None,
     interpret=False):
-  """``(O, E, row_scale, O_f32)``: the forward with its softmax left unnormalized.
+  """``(O, E, row_scale, O_f32)``: the forward with its softmax left unnormalized, in one
+  pass over the keys.
 
-  ``E = round(exp(s - rowmax(s)))`` ``[B, H, Sq, Skv]`` (fp16 for 16-bit scores, fp32 for
-  fp32: :func:`exp_dtype`; values of E under fp16's ``2**-24`` are 0) and
-  ``row_scale = 1 / rowsum(exp(s - rowmax(s)))`` ``[B, H, Sq]`` fp32, so that
-  ``P = E * row_scale`` up to E's rounding. Pass 1 takes only the row max; pass 2 makes
-  ``e``, its row sum and ``acc += round(e * keep * scale) @ V``, and ``O = acc * row_scale``
-  (O is the dropped softmax times V up to Pd's rounding, which happens before the
-  normalization here and after it in :func:`attention_softmax_dropout_value_forward`).
-  One exponential per element instead of two. ``store_exp``/``store_f32`` (Python bools):
-  whether E / ``O_f32`` are written (else ``None``). The other arguments are
+  ``E = round(exp(s - m_t))`` ``[B, H, Sq, Skv]`` (fp16 for 16-bit scores, fp32 for fp32:
+  :func:`exp_dtype`; values under fp16's ``2**-24`` are 0, values at most ``exp(SLACK)``),
+  with ``m_t`` the row's offset at the key tile holding the element, and
+  ``row_scale = exp(m_t - m) / l`` ``[B, H, ceil(Skv / 64), Sq]`` fp32 per row and 64 keys
+  (``m`` the last offset, ``l = rowsum(exp(s - m))``), so that ``P = E * row_scale`` up to
+  E's rounding (:func:`probs_from_exp`). The kernel keeps the offset, ``l`` and ``acc``
+  online (the offset moves to the running max, and ``l`` and ``acc`` are rescaled, only
+  when a row's max passes it by more than :data:`SLACK`), adds ``round(e * keep * scale) @ V``
+  per tile and ends with ``O = acc / l`` (O is the dropped softmax times V up to Pd's
+  rounding, which happens before the normalization here and after it in
+  :func:`attention_softmax_dropout_value_forward`). Key tiles (``block_k``) of 64 keys or a
+  multiple. ``store_exp``/``store_f32`` (Python bools): whether E and its scales / ``O_f32``
+  are written (else ``None``). The other arguments are
   :func:`attention_softmax_dropout_value_forward`'s; ``keep`` is drawn, never stored.
   """
   for name, flag in (("store_exp", store_exp), ("store_f32", store_f32)):
     if not isinstance(flag, (bool, np.bool_)):
       raise TypeError(f"{name}: expected a Python bool, got {type(flag).__name__}")
   dropout, launch = _launch_args(scores, value_states, dropout_rate, dropout_rng, block_q,
-                                 block_k, num_warps, num_stages, interpret)
+                                 block_k, num_warps, num_stages, interpret,
+                                 min_block_k=TILE_KEYS)
   return _call(scores, value_states, *launch[:2], dropout=dropout,
                store_probs=bool(store_exp), store_dropped=False, store_keep=False,
                store_f32=bool(store_f32), late=True, **launch[2])
 
 
+def probs_from_exp(exp, row_scale):
+  """``P = E * row_scale[..., k // 64, q]`` in fp32, ``[B, H, Sq, Skv]``, from the outputs
+  of :func:`attention_softmax_dropout_value_forward_unnormalized`."""
+  seq_k = exp.shape[-1]
+  per_key = jnp.repeat(jnp.swapaxes(row_scale, -1, -2), TILE_KEYS, axis=-1)[..., :seq_k]
+  return exp.astype(_F32) * per_key
+
+
 def _launch_args(scores, value_states, dropout_rate, dropout_rng, block_q, block_k, num_warps,
-                 num_stages, interpret):
-  """Checks a forward call; ``(dropout, (seeds, scale, launch keywords))``."""
+                 num_stages, interpret, min_block_k=16):
+  """Checks a forward call; ``(dropout, (seeds, scale, launch keywords))``. Key tiles of
+  ``min_block_k`` keys or more (a default below it is raised to it)."""
   _util.check_can_compile(_NAME, interpret, scores, value_states)
   validation.check_scores_and_value(scores, value_states, dtypes=_FLOATS)
   b, h, seq_q, seq_k = scores.shape
@@ -389,9 +438,11 @@ def _launch_args(scores, value_states, dropout_rate, dropout_rng, block_q, block
   # Validates the launch parameters (ValueError naming the field).
   cfg = _tuning.TritonPassConfig(
       block_q=base.block_q if block_q is None else block_q,
-      block_k=base.block_k if block_k is None else block_k,
+      block_k=max(base.block_k, min_block_k) if block_k is None else block_k,
       num_warps=base.num_warps if num_warps is None else num_warps,
       num_stages=base.num_stages if num_stages is None else num_stages)
+  if cfg.block_k < min_block_k:
+    raise ValueError(f"block_k: at least {min_block_k} keys for this forward, got {cfg.block_k}")
   return dropout, (seeds, scale, dict(
       block_q=cfg.block_q, block_k=cfg.block_k,
       num_warps=cfg.num_warps, num_stages=cfg.num_stages, interpret=bool(interpret)))

@@ -320,7 +320,7 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
         plgpu.wgmma(acc, do_smem, v_smem.at[wg].T)                    # dPd [rows, keys]
         p32 = plgpu.load(p_smem.at[:, wg_keys], layout=plgpu.Layout.WGMMA).astype(f32)
         if scaled:
-          row_scale = plgpu.load(scale_smem, layout=row_layout)
+          row_scale = plgpu.load(scale_smem.at[wg], layout=row_layout)
           p32 = p32 * lax.broadcast_in_dim(row_scale, (ROWS, KEYS), [0])
         if keep_hash is None:
           kept = None
@@ -398,9 +398,11 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
   if not fused_delta:
     in_specs.append(plgpu.BlockSpec((ROWS,), lambda t: (tile0 + t,), **delay))
     operands.append(delta_ref.at[b, kvh])
-  if scaled:
-    in_specs.append(plgpu.BlockSpec((ROWS,), lambda t: (tile0 + t,), **delay))
-    operands.append(scale_ref.at[b, kvh])
+  if scaled:   # the scales of the row tile's head for this program's two 64-key chunks
+    in_specs.append(plgpu.BlockSpec(
+        (None, WGS, ROWS),
+        lambda t: (head_tile(t)[1], kb, head_tile(t)[0]), **delay))
+    operands.append(scale_ref.at[b])
   pipeline = plgpu.emit_pipeline_warp_specialized(
       step, grid=(share_tiles,), max_concurrent_steps=stages,
       memory_registers=MEMORY_REGISTERS, num_compute_wgs=WGS, wg_axis="wg",
@@ -517,9 +519,9 @@ def ds_dv_pass(do, p_groups, pd_groups, delta, v, *, rate, stages=2, split=1,
   drawn again in the kernel, as ``jax_ops.dropout_keep_mask`` draws it, and Pd rebuilt from
   P (``pd_groups`` unused): 4 B per element, nothing read for keep; each step's dV GEMM is
   waited for in the next step, so ``stages >= 3``.
-  ``row_scale`` (``[B, KVH, G * seq_q]`` fp32; with a delta): ``p_groups`` holds the
+  ``row_scale`` (``[B, H, seq_k / 64, seq_q]`` fp32; with a delta): ``p_groups`` holds the
   unnormalized ``E`` of :func:`..forward.attention_softmax_dropout_value_forward_unnormalized`
-  and ``P = E * row_scale`` in fp32; Pd is rebuilt from it (``pd_groups`` unused), as with
+  and ``P = E * row_scale[..., k // 64, q]`` in fp32; Pd is rebuilt from it (``pd_groups`` unused), as with
   ``keep_seeds`` (which it may go with), so ``stages >= 3``.
   ``split`` programs share each key block's rows (``G * seq_q / 64`` a multiple of it);
   above 1 each adds an fp32 partial dV, summed here.

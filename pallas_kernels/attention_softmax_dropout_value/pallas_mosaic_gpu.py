@@ -179,10 +179,10 @@ def backward_from_output(grad_attn_output, attn_weights, value_states, dropout_m
   but not read (a ``jax.ShapeDtypeStruct`` will do). Rows of more than one key block
   (:func:`takes_output`). Returns ``(grad_attn_scores, grad_value_states)``.
 
-  ``row_scale`` (``[B, H, seq_q]`` fp32): ``attn_weights`` is the unnormalized ``E``
-  (fp16, ``[B, H, seq_q, seq_k]``) of
+  ``row_scale`` (``[B, H, seq_k / 64, seq_q]`` fp32, a scale per row and 64 keys):
+  ``attn_weights`` is the unnormalized ``E`` (fp16, ``[B, H, seq_q, seq_k]``) of
   :func:`.forward.attention_softmax_dropout_value_forward_unnormalized` and
-  ``P = E * row_scale`` (in fp32, per element, in the kernel).
+  ``P[..., q, k] = E[..., q, k] * row_scale[..., k // 64, q]`` (in fp32, in the kernel).
   """
   weights = attn_weights
   if row_scale is not None:   # E's dtype checked here; its shape below, as P's
@@ -202,8 +202,8 @@ def backward_from_output(grad_attn_output, attn_weights, value_states, dropout_m
   validation.check_array("attn_output_f32", attn_output_f32, ("B", "Sq", "H", "D"),
                          (b, sq, h, d), dtypes=(jnp.float32,))
   if row_scale is not None:
-    validation.check_array("row_scale", row_scale, ("B", "H", "Sq"), (b, h, sq),
-                           dtypes=(jnp.float32,))
+    validation.check_array("row_scale", row_scale, ("B", "H", "Skv / 64", "Sq"),
+                           (b, h, skv // 64, sq), dtypes=(jnp.float32,))
   if p != 0:
     if keep_seeds is None:
       raise ValueError("keep_seeds: needed for a dropout rate > 0 (keep_seeds_of)")
@@ -219,8 +219,6 @@ def backward_from_output(grad_attn_output, attn_weights, value_states, dropout_m
                         _mosaic.sm_count(interpret, grad_attn_output, attn_weights,
                                          value_states))
   p_groups = attn_weights.reshape(b, kvh, g * sq, skv)
-  if row_scale is not None:
-    row_scale = row_scale.reshape(b, kvh, g * sq)
   rebuild = p != 0 or row_scale is not None
   ds, dv = ds_dv_pass(grad_attn_output, p_groups, p_groups, delta, value_states, rate=p,
                       stages=config.rebuild_stages if rebuild else config.stages, split=split,

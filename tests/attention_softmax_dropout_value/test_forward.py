@@ -237,9 +237,28 @@ def test_lowers_to_triton(pretend_gpu, dtype, d, rate):
   assert triton_calls_in_gpu_lowering(fn, shapes, rate) == 1
 
 
+def test_unnormalized_forward_with_masked_leading_keys():
+  """Rows whose first key tiles are all ``-inf`` (masked scores): the running max starts at
+  0 instead of ``-inf``, so no NaN; rows whose max jumps by less and by more than the
+  slack in a later tile; P and O match the jnp forward."""
+  from pallas_kernels.attention_softmax_dropout_value.forward import (
+      attention_softmax_dropout_value_forward_unnormalized as unnormalized, probs_from_exp)
+  scores, value, rng = _inputs(1, 2, 1, 16, 320, 64, jnp.bfloat16, seed=7)
+  scores = (scores.at[0, 0, :4, :200].set(-jnp.inf).at[0, 1, 5, 100:].set(-jnp.inf)
+            .at[0, 1, 6:, 130:].add(7.0).at[0, 1, 9:, 250:].add(20.0))   # the max jumps
+  o, e, row_scale, o32 = unnormalized(scores, value, 0.0, block_q=16, block_k=64,
+                                      interpret=INTERPRET)
+  _, (ref_o, ref_p, _, ref_o32) = _reference(scores, value, rng, rate=0.0)
+  np.testing.assert_allclose(np.asarray(probs_from_exp(e, row_scale)), _f32(ref_p),
+                             rtol=1e-2, atol=1e-6)
+  np.testing.assert_allclose(_f32(o32), _f32(ref_o32), rtol=2e-2, atol=2e-2)
+  assert np.isfinite(_f32(o)).all()
+
+
 @pytest.mark.parametrize("b,kvh,group,sq,sk,d,dtype,rate,blocks", [
     (2, 1, 4, 7, 131, 64, jnp.bfloat16, 0.1, (None, None)),   # the last key tile ragged
-    (1, 2, 1, 19, 37, 80, jnp.float16, 0.2, (16, 16)),        # ragged rows and keys, D 80
+    (1, 2, 1, 19, 37, 80, jnp.float16, 0.2, (16, 64)),        # ragged rows and keys, D 80
+    (1, 2, 2, 24, 300, 64, jnp.bfloat16, 0.1, (16, 128)),     # two 64-key scales a tile
     (1, 1, 2, 5, 33, 64, jnp.float32, 0.0, (None, None)),
 ])
 def test_unnormalized_forward(b, kvh, group, sq, sk, d, dtype, rate, blocks):
@@ -247,16 +266,17 @@ def test_unnormalized_forward(b, kvh, group, sq, sk, d, dtype, rate, blocks):
   the jnp forward; O is the fp32 O rounded; E is fp16 (fp32 for fp32 scores); with nothing
   else asked for, the same O."""
   from pallas_kernels.attention_softmax_dropout_value.forward import (
-      attention_softmax_dropout_value_forward_unnormalized as unnormalized)
+      attention_softmax_dropout_value_forward_unnormalized as unnormalized, probs_from_exp)
   scores, value, rng = _inputs(b, kvh * group, kvh, sq, sk, d, dtype, seed=5)
   o, e, row_scale, o32 = unnormalized(scores, value, rate, rng if rate else None,
                                       block_q=blocks[0], block_k=blocks[1],
                                       interpret=INTERPRET)
   _, (ref_o, ref_p, _, ref_o32) = _reference(scores, value, rng, rate=rate)
-  assert e.shape == scores.shape and row_scale.shape == scores.shape[:3]
+  assert e.shape == scores.shape
+  assert row_scale.shape == (b, kvh * group, -(-sk // 64), sq)
   assert e.dtype == (jnp.float32 if dtype == jnp.float32 else jnp.float16)
   assert row_scale.dtype == jnp.float32 and o32.dtype == jnp.float32 and o.dtype == dtype
-  p = _f32(e) * np.asarray(row_scale)[..., None]
+  p = np.asarray(probs_from_exp(e, row_scale))
   np.testing.assert_allclose(p, _f32(ref_p), rtol=1e-2 if dtype != jnp.float32 else 1e-5,
                              atol=1e-6)
   tol = 1e-5 if dtype == jnp.float32 else 2e-2
@@ -270,3 +290,5 @@ def test_unnormalized_forward(b, kvh, group, sq, sk, d, dtype, rate, blocks):
   np.testing.assert_array_equal(_f32(bare[0]), _f32(o))
   with pytest.raises(TypeError, match="store_exp"):
     unnormalized(scores, value, rate, rng, store_exp=1, interpret=True)
+  with pytest.raises(ValueError, match="block_k: at least 64"):
+    unnormalized(scores, value, rate, rng, block_k=32, interpret=True)

@@ -405,7 +405,7 @@ def test_backward_from_the_unnormalized_forward(b, h, kvh, sq, skv, d, p):
     assert_close(g, e, atol=2e-3 * scale, rtol=5e-2, name=name)
     err = lambda x: float(jnp.sqrt(jnp.mean((x.astype(jnp.float32) - e) ** 2)))
     assert err(g) <= 1.05 * err(g_p), (name, err(g), err(g_p))
-  with pytest.raises(ValueError, match=r"row_scale: expected .*\[B, H, Sq\]"):
+  with pytest.raises(ValueError, match=r"row_scale: expected .*\[B, H, Skv / 64, Sq\]"):
     mg.backward_from_output(d_o, exp, value, unread, rate, out32, row_scale=row_scale[:, :1],
                             keep_seeds=seeds, interpret=True)
 

@@ -8,7 +8,8 @@ streams, wgmma, one producer and two consumer warpgroups); the shapes they take:
 Residuals (:func:`pallas_kernels.attention_softmax_dropout_value.dispatch.mosaic_gpu_residuals`):
 on rows of more than 128 keys (``"fused_output"``) the fused Triton forward kernel that
 normalizes last (:func:`pallas_kernels.attention_softmax_dropout_value.forward.attention_softmax_dropout_value_forward_unnormalized`:
-one exponential per element) writes O, the unnormalized ``E`` (fp16), the row scales and
+one pass over the keys, one exponential per element) writes O, the unnormalized ``E``
+(fp16), its scales (per row and 64 keys) and
 the fp32 output, no Pd and no mask; the op saves the key's seeds, and the backward takes
 ``delta = rowsum(dO * O)``, draws keep again in the dS-dV kernel and rebuilds P and Pd from
 E (4 B per attention element). The op's value without a gradient comes from the same
