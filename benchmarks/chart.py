@@ -13,6 +13,7 @@ matplotlib is optional (``pip install -e '.[bench]' -c constraints.txt``); witho
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import math
@@ -143,10 +144,12 @@ def _pct(v):
 
 
 def main(argv=None):
-  paths = sys.argv[1:] if argv is None else argv
-  if not paths:
-    print("usage: python -m benchmarks.chart RESULTS.json [...]", file=sys.stderr)
-    return 2
+  parser = argparse.ArgumentParser(
+      prog="python -m benchmarks.chart",
+      description="Redraws the charts of benchmark results: a PNG next to each JSON.")
+  parser.add_argument("paths", nargs="+", metavar="RESULTS.json",
+                      help="results written by benchmarks.run")
+  paths = parser.parse_args(argv).paths
   for path in paths:
     png = write_chart(path)
     if png is None:

@@ -378,7 +378,7 @@ def result_name(op: str, backend: str, subset: bool) -> str:
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
   parser.add_argument("--op", action="append",
                       choices=sorted(PROBLEMS) + ["qk_scale_softmax_causal", FROM_DELTA],
                       help="op(s) to run; default: every op that has a Pallas kernel, and "

@@ -212,7 +212,7 @@ def write_chart(rows, png_path, meta=None):
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
   parser.add_argument("--calls", type=int, default=20)
   parser.add_argument("--op", action="append", choices=OPS,
                       help="op(s) whose steps to time; default: all")

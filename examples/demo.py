@@ -9,6 +9,7 @@ then trains a few steps. Exits non-zero if the gradients disagree.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import sys
 import time
@@ -58,7 +59,8 @@ def loss_fn(params, batch, rng, **kw):
   return jnp.mean((model(params, x, pad_mask, rng, **kw) - y) ** 2)
 
 
-def main():
+def main(argv=None):
+  argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split())).parse_args(argv)
   on_gpu = jax.default_backend() == "gpu"
   interpret = not on_gpu
   print(f"backend: {jax.default_backend()} ({jax.devices()[0].device_kind}); Pallas kernels "

@@ -89,7 +89,7 @@ def train(impl, steps, interpret):
 
 def main():
   global S, B
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
   parser.add_argument("--steps", type=int, default=300)
   parser.add_argument("--seq", type=int, default=S, help="sequence length")
   parser.add_argument("--batch", type=int, default=B, help="batch size")

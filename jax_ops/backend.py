@@ -60,8 +60,10 @@ FUSED_INPUTS = "fused_inputs"
 @dataclasses.dataclass(frozen=True)
 class Problem:
   """What a backend may look at to say whether it takes a call: the op's name, the shapes
-  of its arrays by argument name, their dtype, ``causal``, the device (``None`` when
-  unknown, as under ``jax.jit``) and whether the Pallas interpreter is asked for."""
+  of its arrays by argument name, their dtype, ``causal``, the device (the ops pass
+  :func:`pallas_kernels._util.device_of`'s: under ``jax.jit``, the default device; ``None``
+  only where a caller builds a problem without one) and whether the Pallas interpreter is
+  asked for."""
   op: str
   shapes: tuple[tuple[str, tuple[int, ...]], ...]
   dtype: str

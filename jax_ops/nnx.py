@@ -23,12 +23,14 @@ except ImportError as e:
 from jax_ops.ops.attention_softmax_dropout_value.api import attention_softmax_dropout_value
 from jax_ops.ops.masked_softmax_dropout.api import masked_softmax_dropout
 from jax_ops.ops.qk_scale_softmax.api import qk_scale_softmax
+from jax_ops._common import FLOATS
 from pallas_kernels import validation
 
 
-def _check_layer(embed_dim, num_heads, num_kv_heads, head_dim, dropout_rate=0.0):
+def _check_layer(embed_dim, num_heads, num_kv_heads, head_dim, dropout_rate=0.0, op_dtype=None):
   """The sizes are ints >= 1 and ``num_kv_heads`` divides ``num_heads``; ``dropout_rate`` is
-  a rate in [0, 1): a layer is checked when it is built, not at its first call."""
+  a rate in [0, 1); ``op_dtype`` (the dtype a layer hands its op) is one the ops take: a
+  layer is checked when it is built, not at its first call."""
   for name, v in (("embed_dim", embed_dim), ("num_heads", num_heads),
                   ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -36,6 +38,9 @@ def _check_layer(embed_dim, num_heads, num_kv_heads, head_dim, dropout_rate=0.0)
   if num_heads % num_kv_heads:
     raise ValueError(f"num_kv_heads={num_kv_heads} must divide num_heads={num_heads}")
   validation.check_dropout_rate("dropout_rate", dropout_rate)
+  if op_dtype is not None and jnp.dtype(op_dtype) not in map(jnp.dtype, FLOATS):
+    raise TypeError(f"dtype: expected bfloat16, float16 or float32 (the op's dtypes), got "
+                    f"{jnp.dtype(op_dtype).name}")
 
 
 class _Projections(nnx.Module):
@@ -103,7 +108,7 @@ class GQASelfAttention(nnx.Module):
                dropout_rate: float = 0.0, deterministic: bool = False,
                dtype: jax.typing.DTypeLike = jnp.bfloat16, implementation: str | None = None,
                interpret: bool = False, rngs: nnx.Rngs) -> None:
-    _check_layer(embed_dim, num_heads, num_kv_heads, head_dim, dropout_rate)
+    _check_layer(embed_dim, num_heads, num_kv_heads, head_dim, dropout_rate, op_dtype=dtype)
     self.proj = _Projections(embed_dim, num_heads, num_kv_heads, head_dim, rngs=rngs, dtype=dtype)
     self.dropout_rate, self.deterministic, self.rngs = dropout_rate, deterministic, rngs
     self.implementation, self.interpret = implementation, interpret
@@ -169,7 +174,7 @@ class QKSoftmaxAttention(nnx.Module):
   def __init__(self, embed_dim: int, num_heads: int, head_dim: int, *, causal: bool = False,
                dtype: jax.typing.DTypeLike = jnp.bfloat16, implementation: str | None = None,
                interpret: bool = False, rngs: nnx.Rngs) -> None:
-    _check_layer(embed_dim, num_heads, num_heads, head_dim)
+    _check_layer(embed_dim, num_heads, num_heads, head_dim, op_dtype=dtype)
     self.proj = _Projections(embed_dim, num_heads, num_heads, head_dim, rngs=rngs, dtype=dtype)
     self.causal, self.implementation, self.interpret = causal, implementation, interpret
 

@@ -221,7 +221,7 @@ def row_of(op, entry, shape, checks, used, time, tables):
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
   parser.add_argument("--op", action="append", choices=wl.OPS,
                       help="op(s) to check (repeatable); default: all three")
   parser.add_argument("--quick", action="store_true",

@@ -122,6 +122,20 @@ def test_layers_take_float64_under_x64():
       assert y.shape == (2, S, E) and y.dtype == dtype, name
 
 
+def test_layers_that_hand_their_dtype_to_the_op_refuse_float64():
+  """The GQA and QK layers hand their op arrays of their ``dtype``, which must be one the
+  ops take; the masked layer hands its op fp32 scores, so it takes any float dtype."""
+  with pytest.raises(TypeError, match=r"^dtype: expected bfloat16, float16 or float32 "
+                                      r"\(the op's dtypes\), got float64$"):
+    GQASelfAttention(E, 4, 2, 8, dtype=jnp.float64, rngs=nnx.Rngs(0))
+  with pytest.raises(TypeError, match=r"^dtype: expected .*, got float64$"):
+    QKSoftmaxAttention(E, 4, 8, dtype=jnp.float64, rngs=nnx.Rngs(0))
+  with jax.enable_x64(True):
+    layer = MaskedAttention(E, 4, 8, dtype=jnp.float64, implementation="xla", rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(0), (2, S, E))
+    assert _call("masked", layer, x, deterministic=True).dtype == jnp.float64
+
+
 def test_import_without_flax_names_the_extra():
   """``import jax_ops.nnx`` where flax cannot be imported (``None`` in ``sys.modules`` makes
   the import fail, as a missing package does) names the ``[flax]`` extra."""

@@ -144,3 +144,21 @@ def test_ops_take_numpy_arrays_and_both_key_kinds():
   q = rng.standard_normal((1, 2, 5, 4)).astype(np.float32)
   probs = jax_ops.qk_scale_softmax(q, q)
   assert isinstance(probs, jax.Array) and probs.shape == (1, 2, 5, 5)
+
+
+def test_ops_take_numpy_float64_as_jax_does():
+  """NumPy's default float64 becomes float32 as in any ``jnp`` function (x64 off); under
+  x64 it stays float64, which no op takes: a ``TypeError`` that names the argument."""
+  rng = np.random.default_rng(1)
+  scores, q = rng.standard_normal((1, 2, 5, 7)), rng.standard_normal((1, 2, 5, 4))
+  value, mask = rng.standard_normal((1, 1, 7, 4)), np.ones((5, 7), bool)
+  calls = {"scores": lambda: jax_ops.attention_softmax_dropout_value(scores, value),
+           "query": lambda: jax_ops.qk_scale_softmax(q, q)}
+  assert jax_ops.masked_softmax_dropout(scores, mask).dtype == jnp.float32
+  for call in calls.values():
+    assert call().dtype == jnp.float32
+  with jax.enable_x64(True):
+    for name, call in calls.items():
+      with pytest.raises(TypeError, match=f"^{name}: expected dtype bfloat16 or float16 or "
+                                          "float32, got float64$"):
+        call()

@@ -112,7 +112,7 @@ def out_path(op: str, device_kind: str, package: bool) -> str:
 
 def parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
-      prog="python -m pallas_kernels.tune", description=__doc__.splitlines()[0],
+      prog="python -m pallas_kernels.tune", description=" ".join(__doc__.split("\n\n")[0].split()),
       formatter_class=argparse.RawDescriptionHelpFormatter,
       epilog="--shape tuples:\n  " + "\n  ".join(SHAPE_HELP[op] for op in OPS))
   p.add_argument("--op", action="append", choices=OPS,

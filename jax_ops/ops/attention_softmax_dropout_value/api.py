@@ -44,13 +44,16 @@ def attention_softmax_dropout_value(
     dropout_rng: a PRNG key, typed (``jax.random.key``) or a legacy ``uint32`` key
       (``jax.random.PRNGKey``); needed when ``dropout_rate`` may be > 0.
     implementation: ``None`` (the fastest backend for the device), ``"pallas"``,
-      ``"triton"``, ``"xla"`` or a registered name: the backward pass.
+      ``"triton"``, ``"mosaic_gpu"``, ``"xla"`` or a registered name: the backward pass,
+      and the forward (the Pallas backends run a fused forward kernel where their
+      residual policy asks for one, see above; ``"xla"`` jnp).
     interpret: run Pallas kernels in the interpreter (for CPU).
 
   Returns:
     ``[B, Sq, H, D]`` in the dtype of ``scores``. The softmax runs in fp32 and is
     rounded to the input dtype before dropout and the value matmul (fp32 accumulate).
   """
+  scores, value_states = _common.as_jax(scores, value_states)
   validation.check_scores_and_value(scores, value_states, dtypes=_common.FLOATS)
   # The rate and the key are checked before the backend is picked (the same errors on
   # every path); the rates are the effective ones, which the mask draws.
