@@ -31,7 +31,7 @@ def test_step_fn_same_on_both_paths(make):
     np.testing.assert_allclose(np.asarray(gp, np.float32), np.asarray(gx, np.float32),
                                atol=2e-2 * scale, rtol=5e-2)
   compiled = step.step_fn(s, "xla").lower(primals, w, rng).compile()
-  assert step.temp_mb(compiled) >= 0
+  assert step.temp_mb(compiled) > 0
   np.testing.assert_allclose(float(compiled(primals, w, rng)[0]), float(loss_x))
   # The forward alone is another XLA program: on a GPU its fusions may round the 16-bit P
   # elsewhere than the step's (qk_scale_softmax's loss moved by 0.8% on an H100), so the

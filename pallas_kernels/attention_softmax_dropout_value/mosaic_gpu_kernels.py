@@ -385,7 +385,16 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
 
   tiled = _tiled(dtype)
   delay = {"delay_release": 1} if rebuild else {}
-  head_tile = lambda t: (lax.rem(tile0 + t, i32(q_tiles)), kvh * g + lax.div(tile0 + t, i32(q_tiles)), 0)
+
+  def head_tile(t):
+    """Step ``t``'s row block and query head (of the key head's ``g``), and head_dim 0."""
+    row, head = lax.rem(tile0 + t, i32(q_tiles)), kvh * g + lax.div(tile0 + t, i32(q_tiles))
+    return row, head, 0
+
+  def scale_tile(t):
+    row, head, _ = head_tile(t)
+    return head, kb, row
+
   in_specs = [
       plgpu.BlockSpec((ROWS, WGS * KEYS), lambda t: (tile0 + t, kb), transforms=tiled,
                       **delay),
@@ -399,9 +408,7 @@ def _ds_dv_kernel(do_ref, p_ref, pd_ref, *refs, kvh_count, g, sq, d, keep_scale,
     in_specs.append(plgpu.BlockSpec((ROWS,), lambda t: (tile0 + t,), **delay))
     operands.append(delta_ref.at[b, kvh])
   if scaled:   # the scales of the row tile's head for this program's two 64-key chunks
-    in_specs.append(plgpu.BlockSpec(
-        (None, WGS, ROWS),
-        lambda t: (head_tile(t)[1], kb, head_tile(t)[0]), **delay))
+    in_specs.append(plgpu.BlockSpec((None, WGS, ROWS), scale_tile, **delay))
     operands.append(scale_ref.at[b])
   pipeline = plgpu.emit_pipeline_warp_specialized(
       step, grid=(share_tiles,), max_concurrent_steps=stages,

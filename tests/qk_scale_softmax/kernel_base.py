@@ -5,9 +5,10 @@ point's signature ``(grad_output, query, key, attn_weights, scaling, *, causal=F
 interpret=False)`` (``pallas_kernels.qk_scale_softmax_backward`` for the Triton kernels),
 and star-imports this module. Nothing here uses a backend's internals.
 
-Every case compares with ``jax_ops.reference.qk_scale_softmax_backward_reference`` at the
-project's tolerance (|out - ref| <= 1e-5 + 0.05 |ref| on >= 99% of elements, no NaN/Inf)
-and bounds the largest error relative to the reference's scale. Sizes are small: interpret
+Every case compares with ``jax_ops.reference.qk_scale_softmax_backward_reference``:
+|out - ref| <= 1e-5 + rtol |ref| on >= 99% of elements, no NaN/Inf, and the largest error
+within a fraction of the reference's scale. In bf16, rtol is the spec's 0.05; the wider
+dtypes are held to a few of their ulps (the kernels round where the reference does). Sizes are small: interpret
 mode runs the kernel body in Python-level XLA ops on the CPU.
 """
 
@@ -21,18 +22,22 @@ import pytest
 from conftest import INTERPRET
 from jax_ops.reference import qk_scale_softmax_backward_reference as reference
 
-ATOL, RTOL, MIN_FRACTION = 1e-5, 0.05, 0.99
+ATOL, MIN_FRACTION = 1e-5, 0.99
+# dtype: (rtol, the largest error as a fraction of the reference's largest magnitude).
+TOLERANCE = {jnp.dtype(jnp.bfloat16): (0.05, 0.02), jnp.dtype(jnp.float16): (5e-3, 2e-3),
+             jnp.dtype(jnp.float32): (1e-4, 1e-5)}
 
 
-def assert_close(name, out, ref, *, max_rel=0.02):
-  """Project tolerance on >= 99% of elements, finite output, and a bounded worst case."""
+def assert_close(name, out, ref):
+  """The dtype's tolerance on >= 99% of elements, finite output, and a bounded worst case."""
   assert out.shape == ref.shape, (name, out.shape, ref.shape)
   assert out.dtype == ref.dtype, (name, out.dtype, ref.dtype)
+  rtol, max_rel = TOLERANCE[jnp.dtype(ref.dtype)]
   o = np.asarray(out.astype(jnp.float32), np.float64)
   r = np.asarray(ref.astype(jnp.float32), np.float64)
   assert np.all(np.isfinite(o)), f"{name}: NaN/Inf in kernel output"
   err = np.abs(o - r)
-  ok = err <= ATOL + RTOL * np.abs(r)
+  ok = err <= ATOL + rtol * np.abs(r)
   assert ok.mean() >= MIN_FRACTION, f"{name}: only {ok.mean():.4%} of elements within tolerance"
   scale = max(np.abs(r).max(), 1e-30)
   assert err.max() <= max_rel * scale + ATOL, f"{name}: max error {err.max():g} vs scale {scale:g}"

@@ -142,16 +142,18 @@ def test_op_with_the_mosaic_forward_matches_the_xla_path():
     return kernel(*args, **kwargs)
 
   def run(impl):
-    f = lambda q, k: jnp.sum(jax_ops.qk_scale_softmax(q, k, implementation=impl,
-                                                      interpret=INTERPRET) * ct)
-    return jax.value_and_grad(f, argnums=(0, 1))(query, key)
+    op = lambda q, k: jax_ops.qk_scale_softmax(q, k, implementation=impl, interpret=INTERPRET)
+    f = lambda q, k: jnp.sum(op(q, k) * ct)
+    return op(query, key), jax.value_and_grad(f, argnums=(0, 1))(query, key)
 
   with pytest.MonkeyPatch.context() as m:
     m.setattr(fm, "qk_scale_softmax_forward", spy)
     m.setattr(dispatch, "pick_forward", lambda *a, **kw: "mosaic_gpu")
-    (lp, gp) = run("triton")
-  (lx, gx) = run("xla")
+    pp, (lp, gp) = run("triton")
+  px, (lx, gx) = run("xla")
   assert calls, "the Mosaic GPU forward did not run"
+  np.testing.assert_allclose(np.asarray(pp, np.float32), np.asarray(px, np.float32),
+                             rtol=1e-2, atol=1e-5)  # ~2 bf16 ulps
   np.testing.assert_allclose(float(lp), float(lx), rtol=2e-2, atol=1e-2)
   for a, b in zip(gp, gx):
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)

@@ -65,6 +65,9 @@ def test_a_non_finite_head_stays_in_its_head(monkeypatch):
   g = g.at[0, 0, 5, 7].set(jnp.inf)
   dq, dk = backward(g, q, k, p, SCALE)
   ref_q, ref_k = reference(g, q, k, p, SCALE)
+  for got, ref in ((dq, ref_q), (dk, ref_k)):   # head 0: non-finite where the reference is
+    np.testing.assert_array_equal(np.isfinite(np.asarray(got[0, 0], np.float32)),
+                                  np.isfinite(np.asarray(ref[0, 0], np.float32)))
   assert not np.all(np.isfinite(np.asarray(dk[0, 0], np.float32)))
   assert_close("grad_query", dq[0, 1], ref_q[0, 1])
   assert_close("grad_key", dk[0, 1], ref_k[0, 1])
