@@ -251,8 +251,10 @@ def test_unnormalized_forward_with_masked_leading_keys():
   _, (ref_o, ref_p, _, ref_o32) = _reference(scores, value, rng, rate=0.0)
   np.testing.assert_allclose(np.asarray(probs_from_exp(e, row_scale)), _f32(ref_p),
                              rtol=1e-2, atol=1e-6)
-  np.testing.assert_allclose(_f32(o32), _f32(ref_o32), rtol=2e-2, atol=2e-2)
-  assert np.isfinite(_f32(o)).all()
+  # O sums P rounded to bf16 elsewhere than the reference's P (E, not P): within 0.5% of
+  # O's scale, and O in bf16 within about an ulp of that scale.
+  np.testing.assert_allclose(_f32(o32), _f32(ref_o32), rtol=1e-2, atol=5e-3)
+  np.testing.assert_allclose(_f32(o), _f32(ref_o), rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("b,kvh,group,sq,sk,d,dtype,rate,blocks", [
