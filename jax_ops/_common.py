@@ -20,13 +20,6 @@ f32 = jnp.float32
 FLOATS = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 
-def as_jax(*xs):
-  """NumPy arrays and scalars as jax arrays, in the dtype jax gives them (``float64``
-  becomes ``float32`` unless x64 is on), as ``jnp`` functions take them; anything else
-  as it is, for the argument checks to name."""
-  return tuple(jnp.asarray(x) if isinstance(x, (np.ndarray, np.generic)) else x for x in xs)
-
-
 def matmul_operand(x):
   """Matmul operands keep their dtype (fp32 accumulate via ``preferred_element_type``)
   on accelerators; XLA:CPU has no bf16 x bf16 -> fp32 dot, so there they are upcast

@@ -19,6 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 
 
+def as_jax(*xs):
+  """NumPy arrays and scalars as jax arrays, in the dtype jax gives them (``float64``
+  becomes ``float32`` unless x64 is on), as ``jnp`` functions take them; anything else
+  as it is, for the checks to name."""
+  return tuple(jnp.asarray(x) if isinstance(x, (np.ndarray, np.generic)) else x for x in xs)
+
+
 def _fmt(shape) -> str:
   return "[" + ", ".join(str(s) for s in shape) + "]"
 

@@ -162,3 +162,20 @@ def test_ops_take_numpy_float64_as_jax_does():
       with pytest.raises(TypeError, match=f"^{name}: expected dtype bfloat16 or float16 or "
                                           "float32, got float64$"):
         call()
+
+
+def test_kernel_entry_points_take_numpy_float64_as_jax_does():
+  """The kernel entry points convert NumPy inputs as the ops do: float64 -> float32."""
+  rng = np.random.default_rng(2)
+  g, probs = rng.standard_normal((1, 2, 4, 8)), np.full((1, 2, 4, 8), 1 / 8)
+  q, k = rng.standard_normal((1, 2, 4, 16)), rng.standard_normal((1, 2, 8, 16))
+  value, d_o = rng.standard_normal((1, 1, 8, 16)), rng.standard_normal((1, 4, 2, 16))
+  mask, keep = np.ones((1, 1, 4, 8), bool), np.ones((1, 2, 4, 8), bool)
+  outs = [
+      pallas_kernels.masked_softmax_dropout_backward(g, probs, mask, None, 0.0, interpret=True),
+      *pallas_kernels.qk_scale_softmax_backward(g, q, k, probs, 0.25, interpret=True),
+      *pallas_kernels.attention_softmax_dropout_value_backward(
+          d_o, probs, probs, value, keep, 0.0, implementation="triton", interpret=True),
+      *pallas_kernels.attention_softmax_dropout_value_backward_from_delta(
+          d_o, probs, value, keep, 0.0, np.zeros((1, 2, 4), np.float32), interpret=True)]
+  assert all(o.dtype == jnp.float32 for o in outs)

@@ -115,8 +115,10 @@ def attention_softmax_dropout_value_backward(
     ``(grad_attn_scores [B, H, seq_q, seq_k], grad_value_states [B, KVH, seq_k, D])`` in
     the inputs' dtype (bf16 is the target; fp16 and fp32 work, fp32 on Triton).
   """
-  args = (grad_attn_output, attn_weights, attn_weights_dropped, value_states, dropout_mask,
-          attention_dropout)
+  arrays = validation.as_jax(grad_attn_output, attn_weights, attn_weights_dropped,
+                             value_states, dropout_mask)
+  grad_attn_output, attn_weights, _, value_states, _ = arrays
+  args = (*arrays, attention_dropout)
   if implementation is None:
     if isinstance(config, pallas_mosaic_gpu.Config):
       implementation = MOSAIC_GPU

@@ -205,7 +205,8 @@ def attention_softmax_dropout_value_backward_from_delta(
   ``dS = P * (dW - delta)``, ``dV^T += dO^T @ Pd``. Its column tiles load rows of
   ``seq_k % 8 != 0`` keys element by element.
   """
-  arrays = (grad_attn_output, attn_weights, value_states, dropout_mask, delta)
+  arrays = validation.as_jax(grad_attn_output, attn_weights, value_states, dropout_mask, delta)
+  grad_attn_output, attn_weights, value_states, dropout_mask, delta = arrays
   check_can_compile("attention_softmax_dropout_value_backward_from_delta", interpret, *arrays)
   p = validation.check_attention_softmax_dropout_value(
       grad_attn_output, attn_weights, None, value_states, dropout_mask, attention_dropout,

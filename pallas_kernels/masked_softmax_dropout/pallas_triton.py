@@ -260,6 +260,8 @@ def masked_softmax_dropout_backward(
     ``grad_scores [B, H, Sq, Sk]`` in the dtype of ``p_attn``.
   """
   del causal  # see above: the dense math covers it
+  grad_output, p_attn, mask, dropout_mask = validation.as_jax(grad_output, p_attn, mask,
+                                                              dropout_mask)
   _util.check_can_compile(_NAME, interpret, grad_output, p_attn, mask, dropout_mask)
   p = validation.check_masked_softmax_dropout(grad_output, p_attn, mask, dropout_mask,
                                               p_dropout)

@@ -93,7 +93,7 @@ def qk_scale_softmax_backward(
   unknown = sorted(set(triton_options) - set(_TRITON_OPTIONS))
   if unknown:
     raise TypeError(f"qk_scale_softmax_backward: unexpected keyword arguments {unknown}")
-  args = (grad_output, query, key, attn_weights, scaling)
+  args = (*validation.as_jax(grad_output, query, key, attn_weights), scaling)
   chosen = sorted(k for k, v in triton_options.items() if v is not None)
   if implementation is None:
     # the chosen entry point checks the arguments

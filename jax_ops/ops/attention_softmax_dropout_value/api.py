@@ -53,7 +53,7 @@ def attention_softmax_dropout_value(
     ``[B, Sq, H, D]`` in the dtype of ``scores``. The softmax runs in fp32 and is
     rounded to the input dtype before dropout and the value matmul (fp32 accumulate).
   """
-  scores, value_states = _common.as_jax(scores, value_states)
+  scores, value_states = validation.as_jax(scores, value_states)
   validation.check_scores_and_value(scores, value_states, dtypes=_common.FLOATS)
   # The rate and the key are checked before the backend is picked (the same errors on
   # every path); the rates are the effective ones, which the mask draws.

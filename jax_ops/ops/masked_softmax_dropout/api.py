@@ -63,7 +63,7 @@ def masked_softmax_dropout(
   Returns:
     ``[B, H, Sq, Sk]`` in the dtype of ``scores`` (softmax computed in fp32).
   """
-  scores, mask = _common.as_jax(scores, mask)
+  scores, mask = validation.as_jax(scores, mask)
   validation.check_scores_and_mask(scores, mask, dtypes=_common.FLOATS)
   # The rate and the key are checked before the backend is picked (the same errors on
   # every path); the rates are the effective ones, which the mask draws.

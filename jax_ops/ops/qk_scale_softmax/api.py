@@ -42,7 +42,7 @@ def qk_scale_softmax(query: jax.typing.ArrayLike, key: jax.typing.ArrayLike, *,
   Returns:
     ``[B, H, Sq, Sk]`` in the dtype of ``query`` (fp32 logits and softmax).
   """
-  query, key = _common.as_jax(query, key)
+  query, key = validation.as_jax(query, key)
   validation.check_query_and_key(query, key, dtypes=_common.FLOATS)
   _, _, sq, d = query.shape
   causal = validation.check_causal(causal, sq, key.shape[2])
