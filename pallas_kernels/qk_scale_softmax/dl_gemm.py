@@ -24,6 +24,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -240,9 +241,27 @@ def _gemm_tile(i, head, dl_ref, x_ref, o_ref, *, transpose: bool, causal: bool, 
     return m[:, None] if axis == 0 else m[None, :]
 
   o0 = i * out_block
+  # Dense square problems of whole tiles walk the reduction rotated, so that a grad_query
+  # tile and a grad_key tile read each [out_block, out_block] block of dL in the same step:
+  # at step t the grad_query tile of row block i reads key block (i + t) mod n and the
+  # grad_key tile of key block c reads row block (c - t) mod n, so block (i, c) is read by
+  # both at t = (c - i) mod n and the second read is served by L2.
+  per = out_block // red_block
+  n = out_len // out_block
+  rotate = (not causal and seq_q == seq_k and out_len % out_block == 0
+            and out_block % red_block == 0)
+
+  def step(j):
+    """The reduction step that iteration ``j`` takes."""
+    if not rotate:
+      return j
+    if not transpose:
+      return lax.rem(j + i * I32(per), I32(n * per))
+    return (lax.rem(i - lax.div(j, I32(per)) + I32(n), I32(n)) * I32(per)
+            + lax.rem(j, I32(per)))
 
   def body(j, acc):
-    r0 = j * red_block
+    r0 = step(j) * red_block
     if transpose:  # dL tile [red (queries), out (keys)]
       idx = (head, pl.ds(r0, red_block), pl.ds(o0, out_block))
       a_mask = _and_masks(ok(r0, red_block, red_len, 0), ok(o0, out_block, out_len, 1))
