@@ -248,15 +248,30 @@ def test_dl_gemms_lowers_to_triton(pretend_h200, sq, sk, d):
   assert triton_calls_in_gpu_lowering(one, shapes) == 1
 
 
+def test_dl_gemms_rotate_dense_square_whole_tiles_only():
+  """The rotated walk takes dense square problems whose tiles divide them (``dq``: capped)."""
+  cfg = qks.DL_GEMM
+  assert dlg._rotates(False, 4096, 4096, cfg.capped(4096, 4096))
+  assert dlg._rotates(False, 96, 96, qks.PassConfig(32, 16, 4, 2))
+  assert not dlg._rotates(True, 4096, 4096, cfg)          # causal
+  assert not dlg._rotates(False, 2048, 4096, cfg)         # not square
+  assert not dlg._rotates(False, 96, 96, cfg.capped(96, 96))  # 128-row tiles over 96 rows
+  assert not dlg._rotates(False, 128, 128, qks.PassConfig(64, 128, 4, 2))  # step > tile
+
+
 @pytest.mark.parametrize("causal, b, h, sq, sk, d, gemm", [
     (False, 2, 2, 33, 131, 64, qks.PassConfig(32, 16, 4, 2)),
     (True, 1, 3, 40, 40, 40, qks.PassConfig(16, 32, 4, 2)),
     (False, 1, 2, 7, 64, 128, qks.PassConfig(128, 64, 8, 3)),
     (True, 1, 2, 70, 9, 64, qks.DL_GEMM), (True, 1, 2, 131, 33, 64, qks.PassConfig(16, 32, 4, 2)),
-    (True, 1, 2, 33, 131, 64, qks.PassConfig(32, 16, 4, 2))])
+    (True, 1, 2, 33, 131, 64, qks.PassConfig(32, 16, 4, 2)),
+    (False, 2, 2, 96, 96, 64, qks.PassConfig(32, 16, 4, 2)),
+    (False, 1, 2, 128, 128, 40, qks.PassConfig(32, 32, 4, 2))])
 def test_dl_gemm_one_launch(causal, b, h, sq, sk, d, gemm):
   """Both GEMMs in one Triton launch: ragged tiles, causal skips with Sq != Sk both ways
-  (rows with no keys), D padding, tiles larger than the problem."""
+  (rows with no keys), D padding, tiles larger than the problem, and the rotated,
+  interleaved walk of dense square problems of whole tiles (two steps per tile side, and
+  one)."""
   g, q, k, p = make_inputs(17, b, h, sq, sk, d, causal=causal)
   v = lambda x: x.reshape((b * h,) + x.shape[2:])
   cfg = qks.DlConfig(2, 4, gemm=gemm)
