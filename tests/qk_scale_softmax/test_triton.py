@@ -266,7 +266,9 @@ def test_dl_gemms_rotate_dense_square_whole_tiles_only():
     (True, 1, 2, 70, 9, 64, qks.DL_GEMM), (True, 1, 2, 131, 33, 64, qks.PassConfig(16, 32, 4, 2)),
     (True, 1, 2, 33, 131, 64, qks.PassConfig(32, 16, 4, 2)),
     (False, 2, 2, 96, 96, 64, qks.PassConfig(32, 16, 4, 2)),
-    (False, 1, 2, 128, 128, 40, qks.PassConfig(32, 32, 4, 2))])
+    (False, 1, 2, 128, 128, 40, qks.PassConfig(32, 32, 4, 2)),
+    (False, 1, 1, 512, 512, 64, qks.DL_GEMM_DENSE_LARGE),
+    (True, 1, 1, 300, 300, 64, qks.DL_GEMM_CAUSAL_LARGE)])
 def test_dl_gemm_one_launch(causal, b, h, sq, sk, d, gemm):
   """Both GEMMs in one Triton launch: ragged tiles, causal skips with Sq != Sk both ways
   (rows with no keys), D padding, tiles larger than the problem, and the rotated,
@@ -284,6 +286,11 @@ def test_dl_gemm_one_launch(causal, b, h, sq, sk, d, gemm):
 def test_dl_config_gemm_field():
   assert qks.DlConfig().gemm == qks.DL_GEMM
   assert qks.dl_config({"rows": 2, "num_warps": 4}, 512).gemm == qks.DL_GEMM
+  big = qks.DL_GEMM_LARGE
+  assert qks.dl_config({"rows": 2, "num_warps": 4}, big, big).gemm == qks.DL_GEMM_DENSE_LARGE
+  assert qks.dl_config(None, big, big, causal=True).gemm == qks.DL_GEMM_CAUSAL_LARGE
+  assert qks.dl_config(None, 4 * big, big // 2).gemm == qks.DL_GEMM
+  assert qks.dl_gemm_tiles(big // 2, 4 * big, False) == qks.DL_GEMM
   with pytest.raises(TypeError, match="config.dl.gemm"):
     qks.DlConfig(gemm=(64, 64))
 
