@@ -513,17 +513,20 @@ def test_tuned_table():
   # hold in registers: the two-pass kernels).
   # One row on one warp for rows of 512-2048 keys; 4096 keys would be more than
   # DL_MAX_PER_WARP elements on a warp, so that length takes the default dL config.
-  assert h200(4096, 4096) == dataclasses.replace(two_pass_4096, scheme="dl_gemm",
-                                                 dl=qks.default_dl_config(4096))
+  # The GEMM launch's tiles by problem size (dl_gemm_tiles).
+  assert h200(4096, 4096) == dataclasses.replace(
+      two_pass_4096, scheme="dl_gemm",
+      dl=dataclasses.replace(qks.default_dl_config(4096), gemm=qks.DL_GEMM_DENSE_LARGE))
   for s in (512, 1024, 2048):
-    assert h200(s, s).dl == qks.DlConfig(1, 1), s
+    assert h200(s, s).dl == qks.DlConfig(1, 1, gemm=qks.dl_gemm_tiles(s, s, False)), s
   assert qks.dl_config({"rows": 8, "num_warps": 1}, 449) == qks.default_dl_config(449)
   assert qks.dl_config({"rows": 4, "num_warps": 1}, 449) == qks.DlConfig(4, 1)
   # Causal: the dL kernel's row classes, the default's rows for rows of 1024-4096 keys
   # (an entry without rows), 2 rows on 4 warps for 512, 8 rows on 8 warps for 256.
   assert h200(4096, 4096, causal=True) == dataclasses.replace(
-      h200(4096, 4096), dl=qks.default_dl_config(4096))
-  assert h200(2048, 2048, causal=True).dl == qks.default_dl_config(2048)
+      h200(4096, 4096), dl=qks.dl_config(None, 4096, 4096, causal=True))
+  assert h200(2048, 2048, causal=True).dl == dataclasses.replace(
+      qks.default_dl_config(2048), gemm=qks.DL_GEMM_CAUSAL_LARGE)
   assert h200(512, 512, causal=True).dl == qks.DlConfig(2, 4)
   assert h200(256, 256, causal=True).dl == qks.DlConfig(8, 8)
   assert qks.dl_config({"phased": True}, 449) == dataclasses.replace(
