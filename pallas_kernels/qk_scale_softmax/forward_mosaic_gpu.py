@@ -169,7 +169,7 @@ def _call(query, key, *, scale, keys, stages, interpret):
 
 
 def qk_scale_softmax_forward(query, key, scaling, causal: bool = False, *, keys=None,
-                             stages=3, interpret=False):
+                             stages=4, interpret=False):
   """``P = softmax((Q @ K^T) * scaling)`` ``[B, H, Sq, Sk]`` in the inputs' dtype, one Mosaic
   GPU kernel.
 
