@@ -12,9 +12,10 @@ configurations (dataclasses, heuristic, tuned table).
 
 from pallas_kernels.qk_scale_softmax.config import (
     DL_GEMM,
+    DL_GEMM_CAUSAL_FROM,
     DL_GEMM_CAUSAL_LARGE,
+    DL_GEMM_DENSE_FROM,
     DL_GEMM_DENSE_LARGE,
-    DL_GEMM_LARGE,
     DL_TUNED_MAX_ROW,
     MAX_DL_ELEMENTS,
     MAX_DL_ROW,
@@ -57,7 +58,8 @@ __all__ = [
     "MAX_DL_ELEMENTS",
     "DL_TUNED_MAX_ROW",
     "DL_GEMM",
-    "DL_GEMM_LARGE",
+    "DL_GEMM_DENSE_FROM",
+    "DL_GEMM_CAUSAL_FROM",
     "DL_GEMM_DENSE_LARGE",
     "DL_GEMM_CAUSAL_LARGE",
     "MAX_PER_HEAD_ROW",

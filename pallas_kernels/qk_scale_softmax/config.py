@@ -88,19 +88,21 @@ class Config:
 
 
 # The dl_gemm scheme's GEMM launch (both GEMMs' tiles), and the tiles that a table's
-# ``dl_gemm`` entry takes where both lengths are at least DL_GEMM_LARGE (:func:`dl_gemm_tiles`).
+# ``dl_gemm`` entry takes where both lengths are at least DL_GEMM_DENSE_FROM (dense) or
+# DL_GEMM_CAUSAL_FROM (causal) (:func:`dl_gemm_tiles`).
 DL_GEMM = PassConfig(128, 64, 8, 3)
-DL_GEMM_LARGE = 1024
+DL_GEMM_DENSE_FROM, DL_GEMM_CAUSAL_FROM = 1024, 2048
 DL_GEMM_DENSE_LARGE = PassConfig(256, 64, 8, 4)
 DL_GEMM_CAUSAL_LARGE = PassConfig(128, 64, 8, 5)
 
 
 def dl_gemm_tiles(seq_q: int, seq_k: int, causal: bool) -> PassConfig:
   """The GEMM launch's tiles for a ``[seq_q, seq_k]`` problem: :data:`DL_GEMM`, or from
-  :data:`DL_GEMM_LARGE` rows and keys on, 256-row tiles on 4 stages (dense) or
-  :data:`DL_GEMM`'s tiles on 5 stages (causal, whose ``dL`` kernel writes up to the tiles'
-  boundary past the diagonal). Both ask for 192 KiB of shared memory: Hopper's tables only."""
-  if min(seq_q, seq_k) < DL_GEMM_LARGE:
+  :data:`DL_GEMM_DENSE_FROM` rows and keys on 256-row tiles on 4 stages (dense), from
+  :data:`DL_GEMM_CAUSAL_FROM` on :data:`DL_GEMM`'s tiles on 5 stages (causal, whose ``dL``
+  kernel writes up to the tiles' boundary past the diagonal). Both ask for 192 KiB of
+  shared memory: Hopper's tables only."""
+  if min(seq_q, seq_k) < (DL_GEMM_CAUSAL_FROM if causal else DL_GEMM_DENSE_FROM):
     return DL_GEMM
   return DL_GEMM_CAUSAL_LARGE if causal else DL_GEMM_DENSE_LARGE
 

@@ -286,9 +286,11 @@ def test_dl_gemm_one_launch(causal, b, h, sq, sk, d, gemm):
 def test_dl_config_gemm_field():
   assert qks.DlConfig().gemm == qks.DL_GEMM
   assert qks.dl_config({"rows": 2, "num_warps": 4}, 512).gemm == qks.DL_GEMM
-  big = qks.DL_GEMM_LARGE
+  big, causal_big = qks.DL_GEMM_DENSE_FROM, qks.DL_GEMM_CAUSAL_FROM
   assert qks.dl_config({"rows": 2, "num_warps": 4}, big, big).gemm == qks.DL_GEMM_DENSE_LARGE
-  assert qks.dl_config(None, big, big, causal=True).gemm == qks.DL_GEMM_CAUSAL_LARGE
+  causal = qks.dl_config(None, causal_big, causal_big, causal=True)
+  assert causal.gemm == qks.DL_GEMM_CAUSAL_LARGE
+  assert qks.dl_config(None, big, big, causal=True).gemm == qks.DL_GEMM   # 1024 < 2048
   assert qks.dl_config(None, 4 * big, big // 2).gemm == qks.DL_GEMM
   assert qks.dl_gemm_tiles(big // 2, 4 * big, False) == qks.DL_GEMM
   with pytest.raises(TypeError, match="config.dl.gemm"):
@@ -527,6 +529,7 @@ def test_tuned_table():
       h200(4096, 4096), dl=qks.dl_config(None, 4096, 4096, causal=True))
   assert h200(2048, 2048, causal=True).dl == dataclasses.replace(
       qks.default_dl_config(2048), gemm=qks.DL_GEMM_CAUSAL_LARGE)
+  assert h200(1024, 1024, causal=True).dl.gemm == qks.DL_GEMM
   assert h200(512, 512, causal=True).dl == qks.DlConfig(2, 4)
   assert h200(256, 256, causal=True).dl == qks.DlConfig(8, 8)
   assert qks.dl_config({"phased": True}, 449) == dataclasses.replace(
