@@ -464,7 +464,7 @@ def test_qk_tuner_picks_dl_gemm_when_its_launch_is_fastest(tuned_dir, capsys):
   assert got["2048"]["scheme"] == "two_pass"
   _tuning.table.cache_clear()
   cfg = qks.default_config(1024, 1024, 128, jnp.bfloat16, FAKE)
-  assert cfg.scheme == "dl_gemm" and cfg.dl == qks.dl_config(dict(fast), 1024)
+  assert cfg.scheme == "dl_gemm" and cfg.dl == qks.dl_config(dict(fast), 1024, 1024)
   assert "dl 2r/2w" in capsys.readouterr().out
 
 

@@ -87,8 +87,24 @@ class Config:
       raise TypeError(f"config.dl: expected a DlConfig or None, got {type(self.dl).__name__}")
 
 
-# The dl_gemm scheme's GEMM launch (both GEMMs' tiles).
+# The dl_gemm scheme's GEMM launch (both GEMMs' tiles), and the tiles that a table's
+# ``dl_gemm`` entry takes where both lengths are at least DL_GEMM_DENSE_FROM (dense) or
+# DL_GEMM_CAUSAL_FROM (causal) (:func:`dl_gemm_tiles`).
 DL_GEMM = PassConfig(128, 64, 8, 3)
+DL_GEMM_DENSE_FROM, DL_GEMM_CAUSAL_FROM = 1024, 2048
+DL_GEMM_DENSE_LARGE = PassConfig(256, 64, 8, 4)
+DL_GEMM_CAUSAL_LARGE = PassConfig(128, 64, 8, 5)
+
+
+def dl_gemm_tiles(seq_q: int, seq_k: int, causal: bool) -> PassConfig:
+  """The GEMM launch's tiles for a ``[seq_q, seq_k]`` problem: :data:`DL_GEMM`, or from
+  :data:`DL_GEMM_DENSE_FROM` rows and keys on 256-row tiles on 4 stages (dense), from
+  :data:`DL_GEMM_CAUSAL_FROM` on :data:`DL_GEMM`'s tiles on 5 stages (causal, whose ``dL``
+  kernel writes up to the tiles' boundary past the diagonal). Both ask for 192 KiB of
+  shared memory: Hopper's tables only."""
+  if min(seq_q, seq_k) < (DL_GEMM_CAUSAL_FROM if causal else DL_GEMM_DENSE_FROM):
+    return DL_GEMM
+  return DL_GEMM_CAUSAL_LARGE if causal else DL_GEMM_DENSE_LARGE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,13 +151,17 @@ def default_dl_config(seq_k: int) -> DlConfig:
 DL_MAX_PER_WARP = 2048
 
 
-def dl_config(entry: dict | None, seq_k: int) -> DlConfig:
+def dl_config(entry: dict | None, seq_k: int, seq_q: int | None = None,
+              causal: bool = False) -> DlConfig:
   """A table entry's ``dl`` field (``{"rows": r, "num_warps": w, "phased": bool}``, each
   optional: the default's; ``None``: the default) as a :class:`DlConfig` for rows of
   ``seq_k`` keys. ``rows`` is capped so that a program holds at most 8192 elements, and an
   entry whose program would hold more than :data:`DL_MAX_PER_WARP` elements per warp at
-  this length takes the default."""
+  this length takes the default. ``seq_q`` given, the GEMM tiles are
+  :func:`dl_gemm_tiles`' (else :data:`DL_GEMM`)."""
   default = default_dl_config(seq_k)
+  if seq_q is not None:
+    default = dataclasses.replace(default, gemm=dl_gemm_tiles(seq_q, seq_k, causal))
   if entry is None:
     return default
   width = dl_width(seq_k)
@@ -149,7 +169,8 @@ def dl_config(entry: dict | None, seq_k: int) -> DlConfig:
   warps = int(entry.get("num_warps", default.num_warps))
   if rows * width > DL_MAX_PER_WARP * warps:
     rows, warps = default.rows, default.num_warps
-  return DlConfig(rows=rows, num_warps=warps, phased=bool(entry.get("phased", False)))
+  return DlConfig(rows=rows, num_warps=warps, gemm=default.gemm,
+                  phased=bool(entry.get("phased", False)))
 
 
 def length_class(seq_k: int) -> str:
@@ -243,5 +264,5 @@ def default_config(seq_q: int, seq_k: int, head_dim: int, dtype, device_kind=Non
   row, col = pass_config(tuned["row"], seq_q, seq_k), pass_config(tuned["col"], seq_q, seq_k)
   if scheme == "dl_gemm":
     dl = tuned["causal_dl"] if causal and "causal_dl" in tuned else tuned.get("dl")
-    return Config(row, col, "dl_gemm", dl_config(dl, seq_k))
+    return Config(row, col, "dl_gemm", dl_config(dl, seq_k, seq_q, causal))
   return Config(row, col)

@@ -24,6 +24,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -219,13 +220,16 @@ def _and_masks(*masks):
   return out
 
 
-def _gemm_tile(i, head, dl_ref, x_ref, o_ref, *, transpose: bool, causal: bool, seq_q: int,
-               seq_k: int, head_dim: int, block_q: int, block_k: int):
+def _gemm_tile(i, head, dl_ref, x_ref, o_ref, *, transpose: bool, causal: bool, rotate: bool,
+               seq_q: int, seq_k: int, head_dim: int, block_q: int, block_k: int):
   """Output tile ``i`` of head ``head``: ``dL @ K`` (``transpose=False``: ``block_q`` query
   rows, the loop over key tiles) or ``dL^T @ Q`` (``block_k`` key rows, the loop over query
   tiles). Causal: only the tiles that meet the diagonal's lower side, which hold 0 above it
   (:func:`dl_pass`); masking them here instead would take the tiles through registers and
-  cost the GEMM its pipelining."""
+  cost the GEMM its pipelining. ``rotate`` (:func:`_rotates`): the loop starts at the
+  diagonal block and wraps around, so that the ``grad_query`` tile of row block ``i`` and
+  the ``grad_key`` tile of key block ``c`` read dL's block ``(i, c)`` in the same step,
+  ``(c - i) mod n``: the second read comes from L2."""
   d_pad = tiles.padded_head_dim(head_dim)
   d_ok = None if d_pad == head_dim else (jnp.arange(d_pad, dtype=I32) < head_dim)[None, :]
   out_block, red_block = (block_k, block_q) if transpose else (block_q, block_k)
@@ -240,9 +244,23 @@ def _gemm_tile(i, head, dl_ref, x_ref, o_ref, *, transpose: bool, causal: bool, 
     return m[:, None] if axis == 0 else m[None, :]
 
   o0 = i * out_block
+  # Rotated, step t of the grad_query tile of row block i reads key block (i + t) mod n and
+  # step t of the grad_key tile of key block c reads row block (c - t) mod n, in blocks of
+  # out_block (per reduction steps each).
+  per = out_block // red_block
+  n = out_len // out_block
+
+  def step(j):
+    """The reduction step that iteration ``j`` takes."""
+    if not rotate:
+      return j
+    if not transpose:
+      return lax.rem(j + i * I32(per), I32(n * per))
+    return (lax.rem(i - lax.div(j, I32(per)) + I32(n), I32(n)) * I32(per)
+            + lax.rem(j, I32(per)))
 
   def body(j, acc):
-    r0 = j * red_block
+    r0 = step(j) * red_block
     if transpose:  # dL tile [red (queries), out (keys)]
       idx = (head, pl.ds(r0, red_block), pl.ds(o0, out_block))
       a_mask = _and_masks(ok(r0, red_block, red_len, 0), ok(o0, out_block, out_len, 1))
@@ -264,18 +282,32 @@ def _gemm_tile(i, head, dl_ref, x_ref, o_ref, *, transpose: bool, causal: bool, 
               acc.astype(o_ref.dtype), _and_masks(ok(o0, out_block, out_len, 0), d_ok))
 
 
-def _gemms_kernel(dl_ref, k_ref, q_ref, dq_ref, dk_ref, *, q_tiles: int, dq_dims, dk_dims):
-  """The ``grad_query`` tiles (the first ``q_tiles`` programs of the grid's first axis) and
-  the ``grad_key`` tiles (the rest) of one head, in one launch."""
-  i, bh = pl.program_id(0), pl.program_id(1)
+def _rotates(causal: bool, seq_q: int, seq_k: int, dq: PassConfig) -> bool:
+  """Whether the GEMM launch walks rotated and interleaved: dense square problems of whole
+  ``[block_q, block_q]`` blocks (``dq``: the grad_query tiles), where every grad_query tile
+  has its grad_key twin reading the same blocks of dL."""
+  return (not causal and seq_q == seq_k and seq_q % dq.block_q == 0
+          and dq.block_q % dq.block_k == 0)
 
-  @pl.when(i < q_tiles)
+
+def _gemms_kernel(dl_ref, k_ref, q_ref, dq_ref, dk_ref, *, q_tiles: int, interleave: bool,
+                  dq_dims, dk_dims):
+  """The ``grad_query`` and the ``grad_key`` tiles of one head, in one launch: the first
+  ``q_tiles`` programs of the grid's first axis and the rest, or (``interleave``, as many
+  of each) the even and the odd programs, so that twin tiles run side by side."""
+  pid, bh = pl.program_id(0), pl.program_id(1)
+  if interleave:
+    is_dq, dq_tile, dk_tile = pid % 2 == 0, pid // 2, pid // 2
+  else:
+    is_dq, dq_tile, dk_tile = pid < q_tiles, pid, pid - q_tiles
+
+  @pl.when(is_dq)
   def _dq():
-    _gemm_tile(i, bh, dl_ref, k_ref, dq_ref, transpose=False, **dq_dims)
+    _gemm_tile(dq_tile, bh, dl_ref, k_ref, dq_ref, transpose=False, **dq_dims)
 
-  @pl.when(i >= q_tiles)
+  @pl.when(jnp.logical_not(is_dq))
   def _dk():
-    _gemm_tile(i - q_tiles, bh, dl_ref, q_ref, dk_ref, transpose=True, **dk_dims)
+    _gemm_tile(dk_tile, bh, dl_ref, q_ref, dk_ref, transpose=True, **dk_dims)
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "cfg", "interpret"))
@@ -291,14 +323,16 @@ def dl_gemms(dl, q, k, *, causal: bool = False, cfg: PassConfig, interpret):
   # grad_key's tiles are cfg's transposed (block_q keys, block_k query rows).
   dq = cfg.capped(seq_q, seq_k)
   dk = dataclasses.replace(cfg, block_q=cfg.block_k, block_k=cfg.block_q).capped(seq_q, seq_k)
-  common = dict(causal=causal, seq_q=seq_q, seq_k=seq_k, head_dim=head_dim)
+  rotate = _rotates(causal, seq_q, seq_k, dq)
+  common = dict(causal=causal, rotate=rotate, seq_q=seq_q, seq_k=seq_k, head_dim=head_dim)
   dq_dims = dict(common, block_q=dq.block_q, block_k=dq.block_k)
   dk_dims = dict(common, block_q=dk.block_q, block_k=dk.block_k)
   q_tiles = pl.cdiv(seq_q, dq_dims["block_q"])
   grid = (q_tiles + pl.cdiv(seq_k, dk_dims["block_k"]), bh)
   like = (dl, q, k)
   return pallas_call(
-      functools.partial(_gemms_kernel, q_tiles=q_tiles, dq_dims=dq_dims, dk_dims=dk_dims),
+      functools.partial(_gemms_kernel, q_tiles=q_tiles, interleave=rotate, dq_dims=dq_dims,
+                        dk_dims=dk_dims),
       out_shape=(out_struct((bh, seq_q, head_dim), q.dtype, *like),
                  out_struct((bh, seq_k, head_dim), k.dtype, *like)),
       grid=grid,

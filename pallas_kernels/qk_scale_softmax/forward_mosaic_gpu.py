@@ -1,21 +1,25 @@
 """The qk_scale_softmax forward as one Pallas Mosaic GPU kernel (Hopper, sm_90a):
 ``P = softmax((Q @ K^T) * scaling)``, dense rows, ``Q @ K^T`` on the tensor cores (wgmma).
 
-Same math as the Triton forward (:mod:`pallas_kernels.qk_scale_softmax.forward`)::
+The Triton forward's math (:mod:`pallas_kernels.qk_scale_softmax.forward`), with ``1 / l`` folded
+into the exponent::
 
     s = Q @ K^T                               (fp32 accumulation)
     m = max_k s * c,  l = sum_k exp2(s * c - m)       with c = scaling * log2(e)
-    P = exp2(s * c - m) * (1 / l)             rounded to the input dtype
+    P = exp2(s * c - (m + log2(l)))           rounded to the input dtype
 
 A program owns 128 query rows of one (batch, head), 64 per consumer warpgroup, their Q rows
 resident in shared memory, and runs one warp-specialized pipeline of ``2 * seq_k / keys``
 steps: a TMA warpgroup streams the head's ``[keys, D]`` tiles of K twice (the second time
-mostly from L2), and each consumer warpgroup
+mostly from L2). At each step a consumer warpgroup issues the wgmma of its ``[64, keys]``
+logits tile and, while it runs, works on the previous step's tile:
 
-1. (the first ``seq_k / keys`` steps) computes its ``[64, keys]`` logits tile with wgmma and
-   takes the running row max and sum (rescaled when the max grows);
-2. (the rest) computes the same tile again and stores ``P`` through shared memory with TMA
-   (two staging tiles per warpgroup: a tile is overwritten once its last copy has read it).
+1. (a tile of the first ``seq_k / keys`` steps) the running row max and sum (rescaled when
+   the max grows); after the last one the max becomes ``m + log2(l)``;
+2. (a tile of the rest) ``P = exp2(s * c - m)``, stored through shared memory with TMA (two
+   staging tiles per warpgroup: a tile is overwritten once its last copy has read it).
+
+The last tile's ``P`` is stored after the pipeline.
 
 Bytes: Q and K in, P out once (2 B per element in bf16). ``Q @ K^T`` is computed twice, as
 in the Triton forward. Supported (:func:`unsupported_reason`): bf16 or fp16, ``D`` of 64 or
@@ -83,14 +87,6 @@ def _kernel(q_ref, k_ref, p_ref, q_smem, q_barrier, p_stage, *, sk, keys, stages
   row0 = rb * ROW_BLOCK + wg * ROWS
   dtype = p_ref.dtype
 
-  def compute_context(run_pipeline):
-    plgpu.copy_gmem_to_smem(q_ref.at[bh, pl.ds(row0, ROWS)], q_smem.at[wg], q_barrier.at[wg])
-    plgpu.barrier_wait(q_barrier.at[wg])
-    m = jnp.full((ROWS,), -jnp.inf, f32)
-    l = jnp.zeros((ROWS,), f32)
-    run_pipeline((m, l))
-    plgpu.wait_smem_to_gmem(0)
-
   def stats(s, m, l):
     m_new = jnp.maximum(m, jnp.max(s, axis=1) * c)
     e = jnp.exp2(s * c - _rows(m_new, s.shape))
@@ -100,40 +96,43 @@ def _kernel(q_ref, k_ref, p_ref, q_smem, q_barrier, p_stage, *, sk, keys, stages
     del s
     return m, l
 
-  def probs(s, m, l):
-    return (jnp.exp2(s * c - _rows(m, s.shape)) * _rows(1.0 / l, s.shape)).astype(dtype)
+  def store(s, m_log_l, jj):
+    """P's key tile ``jj`` from its logits ``s``, out through staging slot ``jj % 2``."""
+    slot = lax.rem(jj, i32(2))
+    plgpu.wait_smem_to_gmem(1, wait_read_only=True)   # the slot's last copy has read it
+    p_stage[wg, slot] = jnp.exp2(s * c - _rows(m_log_l, s.shape)).astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(
+        p_stage.at[wg, slot], p_ref.at[bh, pl.ds(row0, ROWS), pl.ds(jj * keys, keys)])
+
+  def compute_context(run_pipeline):
+    plgpu.copy_gmem_to_smem(q_ref.at[bh, pl.ds(row0, ROWS)], q_smem.at[wg], q_barrier.at[wg])
+    plgpu.barrier_wait(q_barrier.at[wg])
+    m = jnp.full((ROWS,), -jnp.inf, f32)
+    l = jnp.zeros((ROWS,), f32)
+    s = plgpu.layout_cast(jnp.zeros((ROWS, keys), f32), plgpu.Layout.WGMMA)
+    m, _, s = run_pipeline((m, l, s))
+    store(s, m, i32(n_k - 1))
+    plgpu.wait_smem_to_gmem(0)
 
   def step(idx, k_smem, carry):
     (j,) = idx
-    m, l = carry
-    jj = j - n_k                    # the key tile of pass 2
-    first = j < n_k
-    slot = lax.rem(jnp.maximum(jj, 0), i32(2))
-
-    def store(p, cols):
-      p_stage[wg, slot, :, cols] = p
-
-    def publish():
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(
-          p_stage.at[wg, slot], p_ref.at[bh, pl.ds(row0, ROWS), pl.ds(jj * keys, keys)])
-
-    @pl.when(jnp.logical_not(first))
-    def _free_slot():
-      plgpu.wait_smem_to_gmem(1, wait_read_only=True)   # the slot's last copy has read it
+    m, l, s_prev = carry
+    jp = j - 1                      # the step whose logits s_prev holds
 
     def mm(acc):
       plgpu.wgmma(acc, q_smem.at[wg], k_smem.T)
-      plgpu.wgmma_wait(0)
-      return acc[...]
-    s = pl.run_scoped(mm, plgpu.ACC((ROWS, keys), f32))
-    m, l = lax.cond(first, stats, unchanged, s, m, l)
+      # The previous tile's softmax runs while this tile's wgmma is in flight.
+      m2, l2 = lax.cond(jnp.logical_and(jp >= 0, jp < n_k), stats, unchanged, s_prev, m, l)
+      m2 = lax.cond(jp == n_k - 1, lambda: m2 + jnp.log2(l2), lambda: m2)
 
-    @pl.when(jnp.logical_not(first))
-    def _store():
-      store(probs(s, m, l), pl.ds(0, keys))
-      publish()
-    return m, l
+      @pl.when(jp >= n_k)
+      def _store():
+        store(s_prev, m2, jp - n_k)
+      plgpu.wgmma_wait(0)
+      return acc[...], m2, l2
+    s, m, l = pl.run_scoped(mm, plgpu.ACC((ROWS, keys), f32))
+    return m, l, s
 
   tiled = _mosaic.tiled(p_ref.dtype)
   pipeline = plgpu.emit_pipeline_warp_specialized(
@@ -170,7 +169,7 @@ def _call(query, key, *, scale, keys, stages, interpret):
 
 
 def qk_scale_softmax_forward(query, key, scaling, causal: bool = False, *, keys=None,
-                             stages=3, interpret=False):
+                             stages=4, interpret=False):
   """``P = softmax((Q @ K^T) * scaling)`` ``[B, H, Sq, Sk]`` in the inputs' dtype, one Mosaic
   GPU kernel.
 

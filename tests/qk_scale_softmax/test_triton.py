@@ -248,15 +248,32 @@ def test_dl_gemms_lowers_to_triton(pretend_h200, sq, sk, d):
   assert triton_calls_in_gpu_lowering(one, shapes) == 1
 
 
+def test_dl_gemms_rotate_dense_square_whole_tiles_only():
+  """The rotated walk takes dense square problems whose tiles divide them (``dq``: capped)."""
+  cfg = qks.DL_GEMM
+  assert dlg._rotates(False, 4096, 4096, cfg.capped(4096, 4096))
+  assert dlg._rotates(False, 96, 96, qks.PassConfig(32, 16, 4, 2))
+  assert not dlg._rotates(True, 4096, 4096, cfg)          # causal
+  assert not dlg._rotates(False, 2048, 4096, cfg)         # not square
+  assert not dlg._rotates(False, 96, 96, cfg.capped(96, 96))  # 128-row tiles over 96 rows
+  assert not dlg._rotates(False, 128, 128, qks.PassConfig(64, 128, 4, 2))  # step > tile
+
+
 @pytest.mark.parametrize("causal, b, h, sq, sk, d, gemm", [
     (False, 2, 2, 33, 131, 64, qks.PassConfig(32, 16, 4, 2)),
     (True, 1, 3, 40, 40, 40, qks.PassConfig(16, 32, 4, 2)),
     (False, 1, 2, 7, 64, 128, qks.PassConfig(128, 64, 8, 3)),
     (True, 1, 2, 70, 9, 64, qks.DL_GEMM), (True, 1, 2, 131, 33, 64, qks.PassConfig(16, 32, 4, 2)),
-    (True, 1, 2, 33, 131, 64, qks.PassConfig(32, 16, 4, 2))])
+    (True, 1, 2, 33, 131, 64, qks.PassConfig(32, 16, 4, 2)),
+    (False, 2, 2, 96, 96, 64, qks.PassConfig(32, 16, 4, 2)),
+    (False, 1, 2, 128, 128, 40, qks.PassConfig(32, 32, 4, 2)),
+    (False, 1, 1, 512, 512, 64, qks.DL_GEMM_DENSE_LARGE),
+    (True, 1, 1, 300, 300, 64, qks.DL_GEMM_CAUSAL_LARGE)])
 def test_dl_gemm_one_launch(causal, b, h, sq, sk, d, gemm):
   """Both GEMMs in one Triton launch: ragged tiles, causal skips with Sq != Sk both ways
-  (rows with no keys), D padding, tiles larger than the problem."""
+  (rows with no keys), D padding, tiles larger than the problem, and the rotated,
+  interleaved walk of dense square problems of whole tiles (two steps per tile side, and
+  one)."""
   g, q, k, p = make_inputs(17, b, h, sq, sk, d, causal=causal)
   v = lambda x: x.reshape((b * h,) + x.shape[2:])
   cfg = qks.DlConfig(2, 4, gemm=gemm)
@@ -269,6 +286,13 @@ def test_dl_gemm_one_launch(causal, b, h, sq, sk, d, gemm):
 def test_dl_config_gemm_field():
   assert qks.DlConfig().gemm == qks.DL_GEMM
   assert qks.dl_config({"rows": 2, "num_warps": 4}, 512).gemm == qks.DL_GEMM
+  big, causal_big = qks.DL_GEMM_DENSE_FROM, qks.DL_GEMM_CAUSAL_FROM
+  assert qks.dl_config({"rows": 2, "num_warps": 4}, big, big).gemm == qks.DL_GEMM_DENSE_LARGE
+  causal = qks.dl_config(None, causal_big, causal_big, causal=True)
+  assert causal.gemm == qks.DL_GEMM_CAUSAL_LARGE
+  assert qks.dl_config(None, big, big, causal=True).gemm == qks.DL_GEMM   # 1024 < 2048
+  assert qks.dl_config(None, 4 * big, big // 2).gemm == qks.DL_GEMM
+  assert qks.dl_gemm_tiles(big // 2, 4 * big, False) == qks.DL_GEMM
   with pytest.raises(TypeError, match="config.dl.gemm"):
     qks.DlConfig(gemm=(64, 64))
 
@@ -491,17 +515,21 @@ def test_tuned_table():
   # hold in registers: the two-pass kernels).
   # One row on one warp for rows of 512-2048 keys; 4096 keys would be more than
   # DL_MAX_PER_WARP elements on a warp, so that length takes the default dL config.
-  assert h200(4096, 4096) == dataclasses.replace(two_pass_4096, scheme="dl_gemm",
-                                                 dl=qks.default_dl_config(4096))
+  # The GEMM launch's tiles by problem size (dl_gemm_tiles).
+  assert h200(4096, 4096) == dataclasses.replace(
+      two_pass_4096, scheme="dl_gemm",
+      dl=dataclasses.replace(qks.default_dl_config(4096), gemm=qks.DL_GEMM_DENSE_LARGE))
   for s in (512, 1024, 2048):
-    assert h200(s, s).dl == qks.DlConfig(1, 1), s
+    assert h200(s, s).dl == qks.DlConfig(1, 1, gemm=qks.dl_gemm_tiles(s, s, False)), s
   assert qks.dl_config({"rows": 8, "num_warps": 1}, 449) == qks.default_dl_config(449)
   assert qks.dl_config({"rows": 4, "num_warps": 1}, 449) == qks.DlConfig(4, 1)
   # Causal: the dL kernel's row classes, the default's rows for rows of 1024-4096 keys
   # (an entry without rows), 2 rows on 4 warps for 512, 8 rows on 8 warps for 256.
   assert h200(4096, 4096, causal=True) == dataclasses.replace(
-      h200(4096, 4096), dl=qks.default_dl_config(4096))
-  assert h200(2048, 2048, causal=True).dl == qks.default_dl_config(2048)
+      h200(4096, 4096), dl=qks.dl_config(None, 4096, 4096, causal=True))
+  assert h200(2048, 2048, causal=True).dl == dataclasses.replace(
+      qks.default_dl_config(2048), gemm=qks.DL_GEMM_CAUSAL_LARGE)
+  assert h200(1024, 1024, causal=True).dl.gemm == qks.DL_GEMM
   assert h200(512, 512, causal=True).dl == qks.DlConfig(2, 4)
   assert h200(256, 256, causal=True).dl == qks.DlConfig(8, 8)
   assert qks.dl_config({"phased": True}, 449) == dataclasses.replace(
