@@ -37,6 +37,7 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from pallas_kernels._timing import copy_ceiling, device_times_us, no_gpu
+from pallas_kernels._util import first_paragraph
 from jax_ops import reference, registry
 from pallas_kernels import _tuning
 from pallas_kernels import workloads as wl
@@ -378,7 +379,7 @@ def result_name(op: str, backend: str, subset: bool) -> str:
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+  parser = argparse.ArgumentParser(description=first_paragraph(__doc__))
   parser.add_argument("--op", action="append",
                       choices=sorted(PROBLEMS) + ["qk_scale_softmax_causal", FROM_DELTA],
                       help="op(s) to run; default: every op that has a Pallas kernel, and "

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import jax_ops
 from benchmarks import run
 from pallas_kernels._timing import device_times_us, kernel_breakdown_us, no_gpu
+from pallas_kernels._util import first_paragraph
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 RATE = 0.1
@@ -212,7 +213,7 @@ def write_chart(rows, png_path, meta=None):
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+  parser = argparse.ArgumentParser(description=first_paragraph(__doc__))
   parser.add_argument("--calls", type=int, default=20)
   parser.add_argument("--op", action="append", choices=OPS,
                       help="op(s) whose steps to time; default: all")

@@ -165,3 +165,8 @@ def enable_load_cache_modifiers(what: str = "cache_modifier", hint: str = ""):
   for name in (".ca", ".cg"):
     if name not in names and name[1:] in names:
       names[name] = names[name[1:]]
+
+
+def first_paragraph(doc: str) -> str:
+  """A module docstring's first paragraph on one line: a command-line tool's description."""
+  return " ".join(doc.split("\n\n")[0].split())

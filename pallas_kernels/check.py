@@ -40,6 +40,7 @@ from jax_ops.backend import Problem
 from pallas_kernels import _tuning
 from pallas_kernels import workloads as wl
 from pallas_kernels._timing import device_times_us
+from pallas_kernels._util import first_paragraph
 
 F32 = jnp.float32
 CAUSAL = "qk_scale_softmax"  # the op whose workloads also run with a causal P
@@ -221,7 +222,7 @@ def row_of(op, entry, shape, checks, used, time, tables):
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+  parser = argparse.ArgumentParser(description=first_paragraph(__doc__))
   parser.add_argument("--op", action="append", choices=wl.OPS,
                       help="op(s) to check (repeatable); default: all three")
   parser.add_argument("--quick", action="store_true",

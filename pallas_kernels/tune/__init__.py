@@ -42,6 +42,7 @@ import jax
 from pallas_kernels import _tuning
 from pallas_kernels import workloads as wl
 from pallas_kernels._timing import no_gpu
+from pallas_kernels._util import first_paragraph
 from pallas_kernels.tune import attention, attention_run, common, masked
 
 OPS = wl.OPS
@@ -112,7 +113,7 @@ def out_path(op: str, device_kind: str, package: bool) -> str:
 
 def parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
-      prog="python -m pallas_kernels.tune", description=" ".join(__doc__.split("\n\n")[0].split()),
+      prog="python -m pallas_kernels.tune", description=first_paragraph(__doc__),
       formatter_class=argparse.RawDescriptionHelpFormatter,
       epilog="--shape tuples:\n  " + "\n  ".join(SHAPE_HELP[op] for op in OPS))
   p.add_argument("--op", action="append", choices=OPS,

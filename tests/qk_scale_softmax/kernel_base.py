@@ -8,8 +8,8 @@ and star-imports this module. Nothing here uses a backend's internals.
 Every case compares with ``jax_ops.reference.qk_scale_softmax_backward_reference``:
 |out - ref| <= 1e-5 + rtol |ref| on >= 99% of elements, no NaN/Inf, and the largest error
 within a fraction of the reference's scale. In bf16, rtol is the spec's 0.05; the wider
-dtypes are held to a few of their ulps (the kernels round where the reference does). Sizes are small: interpret
-mode runs the kernel body in Python-level XLA ops on the CPU.
+dtypes are held to a few of their ulps (the kernels round where the reference does). Sizes
+are small: interpret mode runs the kernel body in Python-level XLA ops on the CPU.
 """
 
 from __future__ import annotations
