@@ -10,7 +10,7 @@ if [ "${1:-}" = "--jax" ]; then
   shift 2
   python=.venv-jax012/bin/python
   suites=(tests/attention_softmax_dropout_value tests/masked_softmax_dropout tests/qk_scale_softmax
-          tests/test_ops.py tests/test_readme.py)
+          tests/test_ops.py tests/test_gradient_accuracy.py tests/test_readme.py)
 else
   bash scripts/setup.sh
   python=.venv/bin/python
