@@ -7,7 +7,8 @@ is ``jax.vjp`` of the same forward in float64 (x64 on). It is compared with the 
 logits and softmax, P cast to the input dtype as the op's forward does). The target is at
 most :data:`TARGET` times that error. Sharp cases (query == key, scores scaled by 8) are where
 a backward that only has the rounded P loses the gradient: P_ii rounds to 1 and
-``g - rowsum(g * P)`` cancels.
+``g - rowsum(g * P)`` cancels. Cases with dropout give the plain forward the op's keep mask
+(``jax_ops.dropout_keep_mask``).
 
 Where an op misses the target today, :data:`KNOWN_GAPS` holds the ratio it must stay under,
 and the case fails if it meets the target (then its entry goes). The gaps and the fixes tried
@@ -120,25 +121,36 @@ def test_qk_scale_softmax(implementation, case):
         truth(lambda q, k: qk_forward(q, k, causal, F64), (query, key), ct))
 
 
+def dropout(probs, keep, rate, dtype):
+  """The plain forward's dropout: kept elements scaled by ``1 / (1 - rate)`` in ``dtype``."""
+  if not rate:
+    return probs
+  rate = jax_ops.effective_dropout_rate(rate)
+  return jnp.where(keep, probs.astype(dtype) / (1 - rate), 0).astype(probs.dtype)
+
+
 # --- attention_softmax_dropout_value: scores [B, H, Sq, Skv] (x 8: sharp), value
-# [B, KVH, Skv, D]; no dropout (the mask the op draws is its own).
+# [B, KVH, Skv, D], dropout rate.
 ASDV_CASES = {
-    "sharp": ((1, 4, 2, 24, 40, 64), 8.0),
-    "random": ((1, 4, 2, 24, 40, 64), 1.0),
+    "sharp": ((1, 4, 2, 24, 40, 64), 8.0, 0.0),
+    "random": ((1, 4, 2, 24, 40, 64), 1.0, 0.0),
+    "random_dropout": ((1, 4, 2, 24, 40, 64), 1.0, 0.1),
 }
 # Mosaic GPU: D 64 or 128, Sq % 64 == 0, Skv % 128 == 0.
 ASDV_MOSAIC_CASES = {
-    "mosaic:sharp": ((1, 2, 1, 64, 128, 64), 8.0),
-    "mosaic:random": ((1, 2, 1, 64, 128, 64), 1.0),
+    "mosaic:sharp": ((1, 2, 1, 64, 128, 64), 8.0, 0.0),
+    "mosaic:random": ((1, 2, 1, 64, 128, 64), 1.0, 0.0),
+    "mosaic:random_dropout": ((1, 2, 1, 64, 128, 64), 1.0, 0.1),
 }
 ASDV_PARAMS = ([(impl, c) for impl in ("xla", "triton") for c in ASDV_CASES]
                + [("mosaic_gpu", c) for c in ASDV_MOSAIC_CASES])
 
 
-def asdv_forward(scores, value, dtype):
+def asdv_forward(scores, value, keep, rate, dtype):
   b, h, sq, skv = scores.shape
   kvh, d = value.shape[1], value.shape[3]
   probs = jax.nn.softmax(scores.astype(dtype), axis=-1).astype(scores.dtype)
+  probs = dropout(probs, keep, rate, dtype)
   out = jnp.einsum("bkgqs,bksd->bqkgd", probs.reshape(b, kvh, h // kvh, sq, skv), value,
                    preferred_element_type=dtype)
   return out.reshape(b, sq, h, d).astype(scores.dtype)
@@ -146,38 +158,44 @@ def asdv_forward(scores, value, dtype):
 
 @pytest.mark.parametrize("implementation,case", ASDV_PARAMS)
 def test_attention_softmax_dropout_value(implementation, case):
-  (b, h, kvh, sq, skv, d), scale = {**ASDV_CASES, **ASDV_MOSAIC_CASES}[case]
-  k = keys(46, 3)
+  (b, h, kvh, sq, skv, d), scale, rate = {**ASDV_CASES, **ASDV_MOSAIC_CASES}[case]
+  k = keys(46, 4)
   scores = (scale * jax.random.normal(k[0], (b, h, sq, skv), F32)).astype(jnp.bfloat16)
   value = jax.random.normal(k[1], (b, kvh, skv, d), jnp.bfloat16)
   ct = jax.random.normal(k[2], (b, sq, h, d), jnp.bfloat16)
+  keep = jax_ops.dropout_keep_mask(k[3], rate, scores.shape) if rate else None
   op = jax.jit(lambda s, v: jax_ops.attention_softmax_dropout_value(
-      s, v, implementation=implementation, interpret=INTERPRET and implementation != "xla"))
+      s, v, dropout_rate=rate, dropout_rng=k[3], implementation=implementation,
+      interpret=INTERPRET and implementation != "xla"))
   check("attention_softmax_dropout_value", implementation, case,
         vjp(op, (scores, value), ct),
-        vjp(lambda s, v: asdv_forward(s, v, F32), (scores, value), ct),
-        truth(lambda s, v: asdv_forward(s, v, F64), (scores, value), ct))
+        vjp(lambda s, v: asdv_forward(s, v, keep, rate, F32), (scores, value), ct),
+        truth(lambda s, v: asdv_forward(s, v, keep, rate, F64), (scores, value), ct))
 
 
-# --- masked_softmax_dropout (fp32): scores [B, H, S, S] (x 8: sharp), mask [B, 1, S, S];
-# no dropout.
-MSD_CASES = {"sharp": ((1, 2, 24, 40), 8.0), "random": ((1, 2, 24, 40), 1.0)}
+# --- masked_softmax_dropout (fp32): scores [B, H, S, S] (x 8: sharp), mask [B, 1, S, S],
+# dropout rate.
+MSD_CASES = {"sharp": ((1, 2, 24, 40), 8.0, 0.0), "random": ((1, 2, 24, 40), 1.0, 0.0),
+             "random_dropout": ((1, 2, 24, 40), 1.0, 0.1)}
 
 
-def msd_forward(scores, mask):
-  return jax.nn.softmax(jnp.where(mask, scores, -1e4), axis=-1)
+def msd_forward(scores, mask, keep, rate):
+  probs = jax.nn.softmax(jnp.where(mask, scores, -1e4), axis=-1)
+  return dropout(probs, keep, rate, probs.dtype)
 
 
 @pytest.mark.parametrize("implementation", ["xla", "triton"])
 @pytest.mark.parametrize("case", list(MSD_CASES))
 def test_masked_softmax_dropout(implementation, case):
-  (b, h, sq, sk), scale = MSD_CASES[case]
-  k = keys(47, 3)
+  (b, h, sq, sk), scale, rate = MSD_CASES[case]
+  k = keys(47, 4)
   scores = scale * jax.random.normal(k[0], (b, h, sq, sk), F32)
   mask = jax.random.bernoulli(k[1], 0.8, (b, 1, sq, sk))
   ct = jax.random.normal(k[2], (b, h, sq, sk), F32)
+  keep = jax_ops.dropout_keep_mask(k[3], rate, scores.shape) if rate else None
   op = jax.jit(lambda s: jax_ops.masked_softmax_dropout(
-      s, mask, implementation=implementation, interpret=INTERPRET and implementation != "xla"))
+      s, mask, dropout_rate=rate, dropout_rng=k[3], implementation=implementation,
+      interpret=INTERPRET and implementation != "xla"))
   check("masked_softmax_dropout", implementation, case, vjp(op, (scores,), ct),
-        vjp(lambda s: msd_forward(s, mask), (scores,), ct),
-        truth(lambda s: msd_forward(s, mask), (scores,), ct))
+        vjp(lambda s: msd_forward(s, mask, keep, rate), (scores,), ct),
+        truth(lambda s: msd_forward(s, mask, keep, rate), (scores,), ct))
