@@ -11,7 +11,7 @@ a backward that only has the rounded P loses the gradient: P_ii rounds to 1 and
 (``jax_ops.dropout_keep_mask``).
 
 Where an op misses the target today, :data:`KNOWN_GAPS` holds the ratio it must stay under,
-and the case fails if it meets the target (then its entry goes). The gaps and the fixes tried
+and the case fails once it is under CLOSED * TARGET (then its entry goes). The gaps and fixes
 are in ``docs/qk_scale_softmax.md`` ("Open: the op's gradient on a sharp softmax") and
 ``docs/attention_softmax_dropout_value.md`` ("Open").
 """
@@ -28,15 +28,17 @@ F32 = jnp.float32
 F64 = jnp.float64
 TARGET = 1.5
 # (op, case): the ratio to the plain forward's error that the op stays under until the gap is
-# closed; about 1.3x the ratio measured with the interpreters (the backends agree to 1%).
+# closed; about 1.3x the ratio measured with the interpreters (the backends agree to 1%). A
+# gap counts as closed (its entry must go) once the ratio is under CLOSED * TARGET: a case on
+# the target's edge may land either side of it on another machine.
+CLOSED = 0.9
 KNOWN_GAPS = {
-    ("qk_scale_softmax", "sharp_d64"): 20.0,             # 15.3x
-    ("qk_scale_softmax", "sharp_d128"): 200.0,           # 154x
-    ("qk_scale_softmax", "sharp_causal_d64"): 25.0,      # 19.0x
-    ("qk_scale_softmax", "random_d64"): 2.5,             # 1.80x
-    ("qk_scale_softmax", "mosaic:sharp_d128"): 120.0,    # 92.9x
-    ("qk_scale_softmax", "mosaic:sharp_causal_d128"): 140.0,  # 107x
-    ("qk_scale_softmax", "mosaic:random_d128"): 2.5,     # 1.90x
+    ("qk_scale_softmax", "sharp_d64"): 2.0,              # 1.50x
+    ("qk_scale_softmax", "sharp_d128"): 3.0,             # 2.29x
+    ("qk_scale_softmax", "sharp_causal_d64"): 2.1,       # 1.63x
+    ("qk_scale_softmax", "random_d64"): 2.3,             # 1.74x
+    ("qk_scale_softmax", "mosaic:sharp_causal_d128"): 2.1,  # 1.58x
+    ("qk_scale_softmax", "mosaic:random_d128"): 2.2,     # 1.65x
     ("attention_softmax_dropout_value", "sharp"): 2.3,   # 1.75x
     ("attention_softmax_dropout_value", "mosaic:sharp"): 2.3,  # 1.65x
 }
@@ -69,7 +71,7 @@ def check(op, implementation, case, op_grads, plain_grads, true_grads):
     assert ratio <= TARGET, f"{what}, over the target {TARGET}x"
   else:
     assert ratio <= gap, f"{what}, over the known gap's {gap}x"
-    assert ratio > TARGET, f"{what}: the gap is closed, take the case out of KNOWN_GAPS"
+    assert ratio > CLOSED * TARGET, f"{what}: the gap is closed, take the case out of KNOWN_GAPS"
 
 
 # --- qk_scale_softmax: (B, H, Sq, Sk, D), sharp (the last Sq keys equal the queries), causal.

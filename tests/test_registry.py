@@ -64,7 +64,7 @@ def test_a_registered_backend_is_used_by_the_op():
   def doubled(grad_output, query, key, attn_weights, scaling):
     calls.append(scaling)
     dq, dk = jax_ops.qk_scale_softmax_backward_reference(grad_output, query, key, attn_weights,
-                                                         scaling)
+                                                         scaling, renormalize=True)
     return 2 * dq, 2 * dk
 
   registry.register("qk_scale_softmax", "doubled", doubled)

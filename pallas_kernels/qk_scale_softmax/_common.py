@@ -1,5 +1,18 @@
-"""What the Triton schemes of the qk_scale_softmax backward share: ``dL`` rounded as the
-reference rounds it, the row sums ``delta``, and the tile ranges of a causal ``P``."""
+"""What the Triton schemes of the qk_scale_softmax backward share: ``dL`` in either form, the
+row sums it needs, and the tile ranges of a causal ``P``.
+
+Two forms of ``dL`` (``renormalize``):
+
+- ``False``, the spec: ``delta = sum_j g_ij P_ij``, ``dL = dtype(dtype(P (g - delta)) * s)``.
+- ``True``: a row whose sum is within :data:`RENORM_BAND` of 1 is corrected to sum to 1,
+  ``P' = P (1 + r P)`` with ``r = (1 - sum_j P_ij) / sum_j P_ij^2`` (``r = 0`` elsewhere),
+  ``delta = sum_j g_ij P'_ij`` and ``dL = dtype(s P' (g - delta))``, rounded once. A rounded
+  P loses ``g - delta`` on a sharp row (``P_ii`` rounds to 1); the correction keeps it.
+
+A row's sums travel as a tuple: ``(sum gP,)`` or ``(sum gP, sum gP^2, sum P, sum P^2)``
+(:func:`row_sums`); :func:`row_stats` turns them into what :func:`dl_tile` takes,
+``(delta,)`` or ``(delta, r)``.
+"""
 
 from __future__ import annotations
 
@@ -30,17 +43,65 @@ def round_to(x, dtype):
   return x.astype(dtype).astype(F32)
 
 
-def dl_tile(g, p, delta, scale, dtype):
-  """``dL = dtype(dtype(P * (g - delta)) * scaling)``, exactly the reference's roundings.
-
-  The second rounding is the conversion the matmul operand needs anyway."""
-  d_l = round_to(p.astype(F32) * (g.astype(F32) - delta[:, None]), dtype)
-  return (d_l * scale).astype(dtype)
+# A row is renormalized where its sum is within this of 1 (bf16 rounds each element by at
+# most 2**-9 relative; a row further off is not a rounded softmax row, e.g. a causal row of
+# no keys, and is left as it is).
+RENORM_BAND = 2.0 ** -6
 
 
-def row_delta(g, p):
-  """``sum_j g_ij * P_ij`` of a ``[rows, keys]`` tile, in fp32."""
-  return jnp.sum(g.astype(F32) * p.astype(F32), axis=1)
+def dl_tile(g, p, stats, scale, dtype, *, broadcast=None, rounding=round_to):
+  """``dL`` of a ``[rows, keys]`` tile from its row stats (:func:`row_stats`), as the
+  reference computes it: ``dtype(dtype(P (g - delta)) * s)`` (spec) or
+  ``dtype(s P (1 + r P) (g - delta))`` (renormalized).
+
+  The last rounding is the conversion the matmul operand needs anyway; ``rounding`` is the
+  spec's first (fp32 -> dtype -> fp32). ``broadcast`` spreads a row vector over the tile
+  (default ``v[:, None]``)."""
+  col = broadcast or (lambda v: v[:, None])
+  p = p.astype(F32)
+  g = g.astype(F32)
+  if len(stats) == 1:
+    d_l = rounding(p * (g - col(stats[0])), dtype)
+    return (d_l * scale).astype(dtype)
+  delta, r = stats
+  return ((p + col(r) * (p * p)) * (g - col(delta)) * scale).astype(dtype)
+
+
+def row_sums(g, p, renormalize: bool):
+  """The row sums of a ``[rows, keys]`` tile, in fp32: ``(sum gP,)``, and with
+  ``renormalize`` also ``sum gP^2``, ``sum P`` and ``sum P^2``."""
+  g = g.astype(F32)
+  p = p.astype(F32)
+  gp = g * p
+  if not renormalize:
+    return (jnp.sum(gp, axis=1),)
+  return (jnp.sum(gp, axis=1), jnp.sum(gp * p, axis=1), jnp.sum(p, axis=1),
+          jnp.sum(p * p, axis=1))
+
+
+def zero_sums(rows: int, renormalize: bool):
+  """:func:`row_sums`'s zeros, the start of a sum over key tiles."""
+  return tuple(jnp.zeros((rows,), F32) for _ in range(4 if renormalize else 1))
+
+
+def add_sums(a, b):
+  return tuple(x + y for x, y in zip(a, b))
+
+
+def row_stats(sums):
+  """``(delta,)`` from the spec's sums, or ``(delta, r)`` from the renormalized form's."""
+  if len(sums) == 1:
+    return sums
+  gp, gpp, total, squares = sums
+  deficit = 1.0 - total
+  near = jnp.abs(deficit) <= RENORM_BAND
+  r = jnp.where(near, deficit, 0.0) / jnp.where(near, squares, 1.0)
+  return gp + r * gpp, r
+
+
+def whole_row_stats(g, p, renormalize: bool):
+  """:func:`row_stats` of a tile that holds whole rows."""
+  return row_stats(row_sums(g, p, renormalize))
 
 
 # With causal=True, P_ij may be non-zero only for j <= i + (Sk - Sq). These helpers give

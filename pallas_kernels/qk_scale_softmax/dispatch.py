@@ -67,8 +67,8 @@ def _pick(grad_output, query, key, attn_weights, scaling, *, interpret) -> str:
 def qk_scale_softmax_backward(
     grad_output: jax.typing.ArrayLike, query: jax.typing.ArrayLike, key: jax.typing.ArrayLike,
     attn_weights: jax.typing.ArrayLike, scaling: float | jax.typing.ArrayLike, *,
-    causal: bool = False, implementation: str | None = None, interpret: bool = False,
-    **triton_options) -> tuple[jax.Array, jax.Array]:
+    causal: bool = False, implementation: str | None = None, renormalize: bool = False,
+    interpret: bool = False, **triton_options) -> tuple[jax.Array, jax.Array]:
   """Backward of ``softmax((Q @ K^T) * scaling)`` to ``Q`` and ``K``: the kernel entry point.
 
   Args:
@@ -81,6 +81,9 @@ def qk_scale_softmax_backward(
       skip the tiles above that diagonal (the Mosaic GPU kernel computes them). Results
       equal the dense ones.
     implementation: ``None`` (:func:`kernels_for`), ``"mosaic_gpu"`` or ``"triton"``.
+    renormalize: ``False``, the spec's ``dL``; ``True``, rows of P within ``2**-6`` of
+      summing to 1 corrected to sum to 1 and ``dL`` rounded once (the op's backward:
+      accurate where a sharp row's ``P_ii`` rounds to 1; same bytes).
     interpret: run in the Pallas interpreter (any machine).
     **triton_options: the Triton entry point's other keywords (``config``, ``block_q``,
       ``block_k``, ``num_warps``, ``num_stages``); they select the Triton kernels.
@@ -102,10 +105,12 @@ def qk_scale_softmax_backward(
     if chosen:
       raise TypeError(f"implementation='mosaic_gpu' takes no Triton options, got {chosen}")
     return pallas_mosaic_gpu.qk_scale_softmax_backward(*args, causal=causal,
+                                                       renormalize=renormalize,
                                                        interpret=interpret)
   if implementation == TRITON:
-    return pallas_triton.qk_scale_softmax_backward(*args, causal=causal, interpret=interpret,
-                                                   **triton_options)
+    return pallas_triton.qk_scale_softmax_backward(*args, causal=causal,
+                                                   renormalize=renormalize,
+                                                   interpret=interpret, **triton_options)
   raise ValueError(f"implementation: expected None or one of {IMPLEMENTATIONS}, got "
                    f"{implementation!r}")
 

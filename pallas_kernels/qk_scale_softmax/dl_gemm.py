@@ -44,8 +44,8 @@ def takes(dtype, head_dim: int) -> bool:
 
 
 def _dl_block(q0, *, bh, scale_ref, g_ref, p_ref, dl_ref, seq_q: int, seq_k: int,
-              block_q: int, width: int, causal: bool = False, causal_tile=None,
-              row_end: int | None = None, whole_blocks: bool | None = None):
+              block_q: int, width: int, renormalize: bool, causal: bool = False,
+              causal_tile=None, row_end: int | None = None, whole_blocks: bool | None = None):
   """``dL`` of the rows ``[q0, q0 + block_q)`` of head ``bh`` below ``row_end`` (default
   ``seq_q``; ``whole_blocks``: no row past it, statically), ``width`` keys of each (a power
   of two >= the keys read and written). Causal, ``causal_tile = (R, T)``: row ``i`` is read
@@ -77,7 +77,8 @@ def _dl_block(q0, *, bh, scale_ref, g_ref, p_ref, dl_ref, seq_q: int, seq_k: int
     below = cols[None, :] < end
     g = jnp.where(below, g, jnp.zeros_like(g))
     p = jnp.where(below, p, jnp.zeros_like(p))
-  dl = cm.dl_tile(g, p, cm.row_delta(g, p), scale_ref[0], dl_ref.dtype)  # 0 where not read
+  stats = cm.whole_row_stats(g, p, renormalize)
+  dl = cm.dl_tile(g, p, stats, scale_ref[0], dl_ref.dtype)  # 0 where not read
   tiles.store(dl_ref.at[tile], dl, store)
 
 
@@ -117,7 +118,7 @@ def dl_classes(seq_q: int, seq_k: int, rows: int,
 
 
 def _dl_kernel_classes(scale_ref, g_ref, p_ref, dl_ref, *, seq_q: int, seq_k: int,
-                       classes, causal_tile: tuple[int, int]):
+                       classes, causal_tile: tuple[int, int], renormalize: bool):
   """Causal ``dL`` in row classes (:func:`dl_classes`): one program id range per class,
   longest rows first; a program holds ``block_q`` rows of its class's ``width``."""
   pid, bh = pl.program_id(0), pl.program_id(1)  # outside the branches (the interpreter)
@@ -129,14 +130,15 @@ def _dl_kernel_classes(scale_ref, g_ref, p_ref, dl_ref, *, seq_q: int, seq_k: in
     def _(lo=lo, hi=hi, width=width, block_q=block_q, start=start):
       _dl_block((pid - start) * block_q + lo, bh=bh, scale_ref=scale_ref,
                 g_ref=g_ref, p_ref=p_ref, dl_ref=dl_ref, seq_q=seq_q, seq_k=seq_k,
-                block_q=block_q, width=width, causal=True, causal_tile=causal_tile,
+                block_q=block_q, width=width, renormalize=renormalize, causal=True,
+                causal_tile=causal_tile,
                 row_end=hi, whole_blocks=(hi - lo) % block_q == 0)
 
     start += n
 
 
 def _dl_kernel_phased(scale_ref, g_ref, p_ref, dl_ref, *, seq_q: int, seq_k: int,
-                      block_q: int, width: int, align: int):
+                      block_q: int, width: int, align: int, renormalize: bool):
   """Dense ``dL`` for rows of ``Sk % 8 != 0`` keys, on 16-byte aligned tiles: one program =
   one row class (``block_q`` rows ``align`` apart, ``pallas_kernels._phase``) of one head,
   the row held from ``phase`` keys early (``width >= Sk + align - 1``), so that ``g`` and
@@ -156,7 +158,7 @@ def _dl_kernel_phased(scale_ref, g_ref, p_ref, dl_ref, *, seq_q: int, seq_k: int
   p = pltriton.load(p_ref.at[offs], mask=mask, other=0.0)
   g = jnp.where(inside, g, jnp.zeros_like(g))  # the neighbouring rows' keys
   p = jnp.where(inside, p, jnp.zeros_like(p))
-  dl = cm.dl_tile(g, p, cm.row_delta(g, p), scale_ref[0], dl_ref.dtype)
+  dl = cm.dl_tile(g, p, cm.whole_row_stats(g, p, renormalize), scale_ref[0], dl_ref.dtype)
   tiles.store(dl_ref.at[offs], dl, row_ok & vector[None, :])
   tiles.store(dl_ref.at[offs], dl, row_ok & (valid & jnp.logical_not(vector))[None, :])
 
@@ -167,9 +169,11 @@ def dl_phased(seq_k: int, cfg: DlConfig, causal: bool, *sizes: int) -> bool:
   return cfg.phased and not causal and _phase.usable(seq_k, *sizes)
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "cfg", "interpret", "causal_tile"))
-def dl_pass(scale, g, p, *, causal=False, cfg, interpret, causal_tile=None):
-  """``dL [B*H, Sq, Sk]`` (the input dtype, rounded as the reference rounds it) from 3D
+@functools.partial(jax.jit, static_argnames=("causal", "cfg", "interpret", "causal_tile",
+                                             "renormalize"))
+def dl_pass(scale, g, p, *, causal=False, cfg, interpret, causal_tile=None, renormalize=False):
+  """``dL [B*H, Sq, Sk]`` (the input dtype, in the form ``renormalize`` names: ``_common``,
+  rounded as the reference rounds it) from 3D
   ``[B*H, Sq, Sk]`` views of ``g`` and ``P``, ``g`` and ``P`` read once. Dense:
   ``cfg.rows`` whole rows per program (:func:`_dl_kernel`, or :func:`_dl_kernel_phased`
   where :func:`dl_phased`). Causal (``causal_tile = (R, T)`` required): the row classes of
@@ -182,7 +186,7 @@ def dl_pass(scale, g, p, *, causal=False, cfg, interpret, causal_tile=None):
     width = dl_width(seq_k + align - 1)  # the row from up to align - 1 keys early
     dl = pallas_call(
         functools.partial(_dl_kernel_phased, seq_q=seq_q, seq_k=seq_k, block_q=block,
-                          width=width, align=align),
+                          width=width, align=align, renormalize=renormalize),
         out_shape=out_struct((bh * seq_q * seq_k,), g.dtype, g, p),
         grid=(_phase.num_programs(seq_q, align, block), bh),
         compiler_params=compiler_params(cfg.num_warps, 1),
@@ -196,11 +200,11 @@ def dl_pass(scale, g, p, *, causal=False, cfg, interpret, causal_tile=None):
       raise ValueError("dl_pass: a causal dL needs the GEMMs' causal_tile")
     classes = dl_classes(seq_q, seq_k, cfg.rows, causal_tile)
     kernel = functools.partial(_dl_kernel_classes, seq_q=seq_q, seq_k=seq_k, classes=classes,
-                               causal_tile=causal_tile)
+                               causal_tile=causal_tile, renormalize=renormalize)
     programs = sum(pl.cdiv(hi - lo, block_q) for lo, hi, _, block_q in classes)
   else:
     kernel = functools.partial(_dl_kernel, seq_q=seq_q, seq_k=seq_k, block_q=cfg.rows,
-                               width=dl_width(seq_k))
+                               width=dl_width(seq_k), renormalize=renormalize)
     programs = pl.cdiv(seq_q, cfg.rows)
   return pallas_call(
       kernel,
@@ -350,10 +354,10 @@ def causal_tile_of(*cfgs: PassConfig) -> tuple[int, int]:
   return side, side
 
 
-def dl_gemm(scale, g, p, q, k, *, causal=False, cfg: DlConfig, interpret):
+def dl_gemm(scale, g, p, q, k, *, causal=False, cfg: DlConfig, interpret, renormalize=False):
   """The scheme on 3D ``[B*H, ...]`` views: ``dL`` from :func:`dl_pass`, then
   ``(grad_query, grad_key)`` from :func:`dl_gemms` (tiles ``cfg.gemm``)."""
   causal_tile = causal_tile_of(cfg.gemm) if causal else None
   dl = dl_pass(scale, g, p, causal=causal, cfg=cfg, interpret=interpret,
-               causal_tile=causal_tile)
+               causal_tile=causal_tile, renormalize=renormalize)
   return dl_gemms(dl, q, k, causal=causal, cfg=cfg.gemm, interpret=interpret)

@@ -7,6 +7,9 @@ Same math as the Triton kernels (:mod:`.pallas_triton`)::
   dL_ij   = dtype(dtype(P_ij * (g_ij - delta_i)) * scaling)
   dQ      = dL @ K,     dK = dL^T @ Q         (wgmma, fp32 accumulation)
 
+or, with ``renormalize=True``, ``dL`` from P corrected to sum to 1 and rounded once
+(:mod:`._common`).
+
 One read of ``g`` and ``P`` (4 B per attention element in bf16, the floor). One warpgroup
 issues the TMA copies of a two-stage ring; two consumer warpgroups run the math. A step is
 a tile of 64 query rows of one head: ``g``, ``P`` ``[64, 128]``, its ``Q`` rows and the
@@ -14,7 +17,8 @@ head's ``K`` (32 KB; it rides in the ring, so a program walks several heads in o
 with no restart between them and a launch of many short heads is one wave of programs).
 Consumer warpgroup ``w`` owns keys ``[64 w, 64 w + 64)``:
 
-- it sums each whole row (``delta``; both warpgroups do, which needs no exchange buffer);
+- it sums each whole row (``delta``, or the four sums of the renormalized form; both
+  warpgroups do, which needs no exchange buffer);
 - it writes its half of ``dL`` over its half of the ``g`` tile (both have read ``g`` then);
 - once both halves are written, it computes columns ``[64 w, 64 w + 64)`` of the tile's dQ
   from the whole ``dL`` tile and ``K``, and adds its keys' ``dL^T @ Q`` to dK, an fp32
@@ -39,6 +43,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _mosaic, validation
 from pallas_kernels._util import out_struct
+from pallas_kernels.qk_scale_softmax import _common as cm
 
 f32 = jnp.float32
 i32 = np.int32  # index constants: int32 under x64 too (lax.div/rem need one dtype)
@@ -67,45 +72,37 @@ def unsupported_reason(b, h, sq, sk, d, dtype, scaling_static) -> str | None:
   return None
 
 
-def _round_to(x, dtype):
-  """``x`` (fp32) rounded to nearest-even in ``dtype``, back in fp32."""
-  return x.astype(dtype).astype(f32)
-
-
-def _scaled_dl(g, p, delta, scale, dtype):
-  """``dtype(dtype(P * (g - delta)) * scale)`` of a tile (``g``, ``P`` fp32, ``delta`` its
-  row sums): ``dL`` rounded as the reference rounds it."""
-  dl = _round_to(p * (g - lax.broadcast_in_dim(delta, g.shape, [0])), dtype)
-  return (dl * scale).astype(dtype)
-
-
-def _dl_over_g(g_smem, p_smem, keys, other, p_done, read_barrier, dl_barrier, *, scale):
+def _dl_over_g(g_smem, p_smem, keys, other, p_done, read_barrier, dl_barrier, *, scale,
+               renormalize):
   """One consumer warpgroup's half of a step's ``dL``, written over its half of the ``g``
   tile; returns once both halves are written.
 
-  ``delta``: each warpgroup sums the whole row (no exchange buffer), the other warpgroup's
-  half first (its values die before this half's are loaded). ``p_done`` is arrived once P
+  The row sums (``_common.row_sums``): each warpgroup sums the whole row (no exchange
+  buffer), the other warpgroup's half first (its values die before this half's are
+  loaded). ``p_done`` is arrived once P
   is read; ``read_barrier`` holds the dL write until both have read ``g``; ``dl_barrier``
   until both halves are written (the GEMMs read the whole tile).
   """
   layout = plgpu.Layout.WGMMA
   dtype = g_smem.dtype
-  other_sum = jnp.sum(plgpu.load(g_smem.at[:, other], layout=layout).astype(f32)
-                      * plgpu.load(p_smem.at[:, other], layout=layout).astype(f32), axis=1)
+  other_sums = cm.row_sums(plgpu.load(g_smem.at[:, other], layout=layout),
+                          plgpu.load(p_smem.at[:, other], layout=layout), renormalize)
   g = plgpu.load(g_smem.at[:, keys], layout=layout).astype(f32)
   p = plgpu.load(p_smem.at[:, keys], layout=layout).astype(f32)
-  delta = jnp.sum(g * p, axis=1) + other_sum
+  stats = cm.row_stats(cm.add_sums(cm.row_sums(g, p, renormalize), other_sums))
   plgpu.barrier_arrive(p_done)
   plgpu.barrier_arrive(read_barrier)
   plgpu.barrier_wait(read_barrier)
-  g_smem[:, keys] = _scaled_dl(g, p, delta, scale, dtype)
+  g_smem[:, keys] = cm.dl_tile(
+      g, p, stats, scale, dtype, broadcast=lambda v: lax.broadcast_in_dim(v, g.shape, [0]),
+      rounding=lambda x, dt: x.astype(dt).astype(f32))
   plgpu.commit_smem()
   plgpu.barrier_arrive(dl_barrier)
   plgpu.barrier_wait(dl_barrier)
 
 
 def _kernel(g_ref, p_ref, q_ref, k_ref, dq_ref, dk_ref, read_barrier, dl_barrier, dk_stage,
-            dq_stage, *, bh, heads_per_program, tiles, sk, scale):
+            dq_stage, *, bh, heads_per_program, tiles, sk, scale, renormalize):
   program = lax.axis_index("program")
   wg = lax.axis_index("wg")
   half = sk // WGS
@@ -127,7 +124,8 @@ def _kernel(g_ref, p_ref, q_ref, k_ref, dq_ref, dk_ref, read_barrier, dl_barrier
   def step(idx, g_smem, p_smem, q_smem, k_smem, g_done, p_done, q_done, k_done, carry):
     i, t = idx
     head = head_of(i)
-    _dl_over_g(g_smem, p_smem, keys, other, p_done, read_barrier, dl_barrier, scale=scale)
+    _dl_over_g(g_smem, p_smem, keys, other, p_done, read_barrier, dl_barrier, scale=scale,
+               renormalize=renormalize)
 
     def mm(dq_acc, dk_acc):
       plgpu.wgmma(dq_acc, g_smem, k_smem.at[:, cols])         # dQ[:, cols] = dL @ K
@@ -178,13 +176,14 @@ def heads_per_program(bh, sms=None) -> int:
   return max(1, math.ceil(bh / (_mosaic.SMS if sms is None else sms)))
 
 
-def backward_kernel(g, p, q, k, *, scale, interpret=False):
+def backward_kernel(g, p, q, k, *, scale, renormalize=False, interpret=False):
   """``(dQ [BH, Sq, D], dK [BH, Sk, D])`` from ``g``, ``P`` ``[BH, Sq, Sk]``, ``Q``
-  ``[BH, Sq, D]``, ``K`` ``[BH, Sk, D]`` (one dtype) and a static ``scale``."""
+  ``[BH, Sq, D]``, ``K`` ``[BH, Sk, D]`` (one dtype) and a static ``scale``; ``renormalize``:
+  the form of ``dL`` (:mod:`._common`)."""
   bh, sq, sk = g.shape
   hpp = heads_per_program(bh, _mosaic.sm_count(interpret, g, p, q, k))
   kernel = functools.partial(_kernel, bh=bh, heads_per_program=hpp, tiles=sq // ROWS, sk=sk,
-                             scale=float(scale))
+                             scale=float(scale), renormalize=bool(renormalize))
   tiled = _mosaic.tiled(g.dtype)
   scratch = [plgpu.Barrier(num_arrivals=WGS), plgpu.Barrier(num_arrivals=WGS),
              plgpu.SMEM((WGS, sk // WGS, HEAD_DIM), g.dtype, transforms=tiled),
@@ -209,12 +208,13 @@ def _launch(kernel, scratch, programs, g, p, q, k, *, interpret):
 
 
 def qk_scale_softmax_backward(grad_output, query, key, attn_weights, scaling, *, causal=False,
-                              interpret=False):
+                              renormalize=False, interpret=False):
   """Backward of ``softmax((Q @ K^T) * scaling)`` to ``Q`` and ``K``, one Mosaic GPU kernel.
 
   Same arguments and results as the Triton entry point
   (:func:`pallas_kernels.qk_scale_softmax.pallas_triton.qk_scale_softmax_backward`):
-  ``g``, ``P`` ``[B, H, Sq, Sk]``, ``Q`` ``[B, H, Sq, D]``, ``K`` ``[B, H, Sk, D]``;
+  ``g``, ``P`` ``[B, H, Sq, Sk]``, ``Q`` ``[B, H, Sq, D]``, ``K`` ``[B, H, Sk, D]``, and
+  ``renormalize`` (the form of ``dL``);
   returns ``(grad_query [B, H, Sq, D], grad_key [B, H, Sk, D])`` in the inputs' dtype.
 
   Raises ``ValueError`` for a problem outside :func:`unsupported_reason`'s limits, and off
@@ -233,5 +233,5 @@ def qk_scale_softmax_backward(grad_output, query, key, attn_weights, scaling, *,
   bh = b * h
   dq, dk = backward_kernel(grad_output.reshape(bh, sq, sk), attn_weights.reshape(bh, sq, sk),
                query.reshape(bh, sq, d), key.reshape(bh, sk, d), scale=scale,
-               interpret=interpret)
+               renormalize=renormalize, interpret=interpret)
   return dq.reshape(b, h, sq, d), dk.reshape(b, h, sk, d)

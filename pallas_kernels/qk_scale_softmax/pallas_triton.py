@@ -9,7 +9,10 @@ the gradients of ``Q`` (``[B, H, Sq, D]``) and ``K`` (``[B, H, Sk, D]``) are::
   grad_key   = dL^T @ Q
 
 ``delta`` is a full-row reduction that every ``dL`` element needs, and ``dL`` is rounded
-exactly as the reference rounds it. The config (:func:`.config.default_config`) picks one
+exactly as the reference rounds it. With ``renormalize=True`` a row of P whose sum is within
+``2**-6`` of 1 is first corrected to sum to 1, ``P' = P (1 + r P)``, and ``dL = dtype(P'
+(g - sum_j g_ij P'_ij) * scaling)`` is rounded once (``_common``): the gradient keeps
+``g - delta`` on a sharp row, where ``P_ii`` rounds to 1. The config (:func:`.config.default_config`) picks one
 of three schemes: ``"two_pass"`` (:mod:`.two_pass`: a row kernel for ``delta`` and
 ``grad_query``, a column kernel for ``grad_key``), ``"per_head"`` (:mod:`.per_head`: one
 program per head, short rows) and ``"dl_gemm"`` (:mod:`.dl_gemm`: ``dL`` written, then the
@@ -52,8 +55,9 @@ def _check_dl_gemm(cfg: DlConfig, query, key):
                      f"{query.dtype} query of shape {query.shape}")
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "config", "interpret"))
-def _backward(grad_output, query, key, attn_weights, scaling, *, causal, config, interpret):
+@functools.partial(jax.jit, static_argnames=("causal", "config", "interpret", "renormalize"))
+def _backward(grad_output, query, key, attn_weights, scaling, *, causal, config, interpret,
+              renormalize):
   b, h, seq_q, head_dim = query.shape
   seq_k = key.shape[2]
   bh = b * h
@@ -66,21 +70,23 @@ def _backward(grad_output, query, key, attn_weights, scaling, *, causal, config,
   if config.scheme == "dl_gemm":
     dl_cfg = config.dl or default_dl_config(seq_k)
     grad_query, grad_key = dl_gemm.dl_gemm(scale, g, p, q, k, causal=causal, cfg=dl_cfg,
-                                           interpret=interpret)
+                                           interpret=interpret, renormalize=renormalize)
   elif config.scheme == "per_head":
     grad_query, grad_key = per_head.head_pass(scale, g, p, q, k, causal=causal,
-                                              cfg=config.col, interpret=interpret)
+                                              cfg=config.col, interpret=interpret,
+                                              renormalize=renormalize)
   else:
-    grad_query, delta = two_pass.row_pass(scale, g, p, k, causal=causal, cfg=config.row,
-                                          interpret=interpret)
-    grad_key = two_pass.col_pass(scale, g, p, q, delta, causal=causal, cfg=config.col,
+    grad_query, stats = two_pass.row_pass(scale, g, p, k, causal=causal, cfg=config.row,
+                                          interpret=interpret, renormalize=renormalize)
+    grad_key = two_pass.col_pass(scale, g, p, q, stats, causal=causal, cfg=config.col,
                                  interpret=interpret)
   return grad_query.reshape(b, h, seq_q, head_dim), grad_key.reshape(b, h, seq_k, head_dim)
 
 
 def qk_scale_softmax_backward(grad_output, query, key, attn_weights, scaling, *, causal=False,
                               config: Config | None = None, block_q=None, block_k=None,
-                              num_warps=None, num_stages=None, interpret=False):
+                              num_warps=None, num_stages=None, renormalize=False,
+                              interpret=False):
   """Backward of ``softmax((Q @ K^T) * scaling)`` to ``Q`` and ``K``.
 
   Args:
@@ -97,6 +103,9 @@ def qk_scale_softmax_backward(grad_output, query, key, attn_weights, scaling, *,
     block_q, block_k, num_warps, num_stages: override one field of both kernels' configs
       (tiles: powers of two >= 16 along ``Sq`` and ``Sk``). With the ``"dl_gemm"`` scheme
       only ``num_warps`` applies (to the ``dL`` kernel); the others raise.
+    renormalize: ``False`` (the spec's ``dL``, rounded twice) or ``True`` (rows of P whose
+      sum is within ``2**-6`` of 1 corrected to sum to 1, ``dL`` rounded once: the op's
+      backward, accurate on sharp rows; three more row sums, same bytes).
     interpret: run the kernels in the Pallas interpreter (any backend; slow, for tests).
       Without it the kernels compile for a CUDA GPU only.
 
@@ -136,4 +145,4 @@ def qk_scale_softmax_backward(grad_output, query, key, attn_weights, scaling, *,
   config = _tuning.with_overrides(config, block_q=block_q, block_k=block_k,
                                   num_warps=num_warps, num_stages=num_stages)
   return _backward(grad_output, query, key, attn_weights, scaling, causal=causal,
-                   config=config, interpret=bool(interpret))
+                   config=config, interpret=bool(interpret), renormalize=bool(renormalize))

@@ -23,7 +23,7 @@ from pallas_kernels.qk_scale_softmax.config import MAX_PER_HEAD_ROW
 
 
 def _head_kernel(scale_ref, g_ref, p_ref, q_ref, k_ref, dq_ref, dk_ref, *, seq_q: int,
-                 seq_k: int, head_dim: int, block_q: int, causal: bool):
+                 seq_k: int, head_dim: int, block_q: int, causal: bool, renormalize: bool):
   """One program: a whole head (``"per_head"`` scheme, short rows).
 
   Walks the head's query tiles; each holds whole rows (``Sk`` padded), so ``delta``, ``dL``
@@ -53,8 +53,7 @@ def _head_kernel(scale_ref, g_ref, p_ref, q_ref, k_ref, dq_ref, dk_ref, *, seq_q
     idx = (bh, pl.ds(q_start, block_q), tiles.ds(ZERO, block_k))
     g = pltriton.load(g_ref.at[idx], mask=mask, other=0.0)
     p = pltriton.load(p_ref.at[idx], mask=mask, other=0.0)
-    delta = cm.row_delta(g, p)
-    d_l = cm.dl_tile(g, p, delta, scale, dtype)
+    d_l = cm.dl_tile(g, p, cm.whole_row_stats(g, p, renormalize), scale, dtype)
     qd_idx = (bh, pl.ds(q_start, block_q), tiles.ds(ZERO, d_pad))
     qd_mask = row_ok[:, None] & d_ok[None, :]
     pltriton.store(dq_ref.at[qd_idx], dot(d_l, k).astype(dq_ref.dtype), mask=qd_mask)
@@ -66,9 +65,10 @@ def _head_kernel(scale_ref, g_ref, p_ref, q_ref, k_ref, dq_ref, dk_ref, *, seq_q
                  acc.astype(dk_ref.dtype), mask=col_ok[:, None] & d_ok[None, :])
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "cfg", "interpret"))
-def head_pass(scale, g, p, q, k, *, causal, cfg, interpret):
-  """``(grad_query, grad_key)`` of 3D ``[B*H, ...]`` views, one program per head."""
+@functools.partial(jax.jit, static_argnames=("causal", "cfg", "interpret", "renormalize"))
+def head_pass(scale, g, p, q, k, *, causal, cfg, interpret, renormalize=False):
+  """``(grad_query, grad_key)`` of 3D ``[B*H, ...]`` views, one program per head
+  (``renormalize``: the form of ``dL``, ``_common``)."""
   bh, seq_q, seq_k = g.shape
   head_dim = q.shape[-1]
   if next_power_of_2(seq_k) > MAX_PER_HEAD_ROW:
@@ -76,7 +76,7 @@ def head_pass(scale, g, p, q, k, *, causal, cfg, interpret):
                      f"got Sk={seq_k}")
   return pallas_call(
       functools.partial(_head_kernel, seq_q=seq_q, seq_k=seq_k, head_dim=head_dim,
-                        block_q=cfg.block_q, causal=causal),
+                        block_q=cfg.block_q, causal=causal, renormalize=renormalize),
       out_shape=(out_struct((bh, seq_q, head_dim), q.dtype, g, p, q, k),
                  out_struct((bh, seq_k, head_dim), q.dtype, g, p, q, k)),
       grid=(bh,),

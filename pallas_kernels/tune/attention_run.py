@@ -131,8 +131,8 @@ def _qk_passes(w, constants, make_sets, cands, device_kind=None):
   def col_sets():
     out = []
     for g, p, q, k in view_sets():
-      _, delta = qks.row_pass(scale, g, p, k, causal=False, cfg=base.row, interpret=False)
-      out.append((g, p, q, delta))
+      _, stats = qks.row_pass(scale, g, p, k, causal=False, cfg=base.row, interpret=False)
+      out.append((g, p, q, stats))
     return out
 
   def keyed(entries):
@@ -141,8 +141,8 @@ def _qk_passes(w, constants, make_sets, cands, device_kind=None):
   row_cands = [c for c in cands["row"] if c["block_k"] != qks.WHOLE_ROW or pk <= 512]
   row = [(c, lambda g, p, k, cfg=cfg: qks.row_pass(
       scale, g, p, k, causal=False, cfg=cfg, interpret=False)) for c, cfg in keyed(row_cands)]
-  col = [(c, lambda g, p, q, delta, cfg=cfg: qks.col_pass(
-      scale, g, p, q, delta, causal=False, cfg=cfg, interpret=False))
+  col = [(c, lambda g, p, q, stats, cfg=cfg: qks.col_pass(
+      scale, g, p, q, stats, causal=False, cfg=cfg, interpret=False))
          for c, cfg in keyed(cands["col"])]
   passes = {"row": (row, _lazy(lambda: [(g, p, k) for g, p, _, k in view_sets()])),
             "col": (col, _lazy(col_sets))}

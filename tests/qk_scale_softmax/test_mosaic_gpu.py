@@ -30,7 +30,7 @@ def backward(*args, **kw):
 
 def check(args, scaling=SCALE, **kw):
   out_q, out_k = backward(*args, scaling, **kw)
-  ref_q, ref_k = reference(*args, scaling)
+  ref_q, ref_k = reference(*args, scaling, renormalize=kw.get("renormalize", False))
   assert_close("grad_query", out_q, ref_q)
   assert_close("grad_key", out_k, ref_k)
   return out_q, out_k
@@ -85,6 +85,21 @@ def test_causal_and_float16():
   check(make_inputs(3, 1, 2, 128, 128, 128, causal=True), causal=True)
   check(make_inputs(3, 1, 1, 64, 128, 128, causal=True), causal=True)
   check(make_inputs(4, 1, 2, 128, 128, 128, dtype=jnp.float16))
+
+
+@needs_kernels
+@pytest.mark.parametrize("causal", [False, True])
+def test_renormalize(causal):
+  """``renormalize=True`` gives the reference's renormalized gradients on peaked rows
+  (``P_ii`` rounds to 1), where they are far from the spec's."""
+  args = make_inputs(6, 1, 2, 128, 128, 128, causal=causal, probs="peaked")
+  outs = check(args, causal=causal, renormalize=True)
+  ours = reference(*args, SCALE, renormalize=True)
+  spec = reference(*args, SCALE)
+  norm = lambda a, b: float(jnp.linalg.norm((a.astype(jnp.float32) - b.astype(jnp.float32)))
+                            / jnp.linalg.norm(b.astype(jnp.float32)))
+  for out, ref, other in zip(outs, ours, spec):
+    assert norm(out, ref) < 0.1 * norm(other, ref)
 
 
 @needs_kernels
@@ -165,14 +180,16 @@ def test_dispatch_on_a_hopper(monkeypatch):
   assert on(128, 128, interpret=True) == "triton"
 
 
-def test_lowers_for_a_gpu():
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_lowers_for_a_gpu(renormalize):
   """The kernel goes through the Mosaic GPU lowering rules for CUDA on any host (catches an
   unsupported op before a GPU sees it; the Mosaic passes and ptxas still need one)."""
   s = jax.ShapeDtypeStruct
   bh, sq, sk = 4, 128, 128
   args = [s((bh, sq, sk), jnp.bfloat16)] * 2 + [s((bh, sq, 128), jnp.bfloat16),
                                               s((bh, sk, 128), jnp.bfloat16)]
-  fn = jax.jit(lambda g, p, q, k: mg.backward_kernel(g, p, q, k, scale=0.1))
+  fn = jax.jit(lambda g, p, q, k: mg.backward_kernel(g, p, q, k, scale=0.1,
+                                                     renormalize=renormalize))
   text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
 

@@ -436,6 +436,48 @@ def test_rounding_is_bit_exact():
   np.testing.assert_array_equal(got.view(np.uint32), _round_bits(x).view(np.uint32))
 
 
+# ------------------------------------------------- renormalize=True: the op's form of dL
+
+
+def _pass(block_q, block_k, **kw):
+  return qks.PassConfig(block_q, block_k, 4, 2, **kw)
+
+
+# scheme: (config, causal, Sq, Sk); every row kernel of two_pass, per_head, and dl_gemm's
+# dense, causal (row classes) and phased dL kernels.
+RENORMALIZE_SCHEMES = {
+    "one_tile": (qks.Config(_pass(16, 64), _pass(16, 16)), False, 33, 40),
+    "one_tile_causal": (qks.Config(_pass(16, 64), _pass(16, 16)), True, 40, 40),
+    "two_pass": (qks.Config(_pass(16, 16), _pass(16, 16)), False, 33, 70),
+    "causal": (qks.Config(_pass(16, 16), _pass(16, 32)), True, 33, 70),
+    "phased": (qks.Config(_pass(16, 16, row_align=8), _pass(16, 32)), False, 33, 45),
+    "per_head": (qks.Config(_pass(16, 32), _pass(16, 32), "per_head"), True, 33, 70),
+    "dl_gemm": (dataclasses.replace(DL_GEMM, dl=qks.DlConfig(4, 4)), False, 33, 70),
+    "dl_gemm_causal": (dataclasses.replace(DL_GEMM, dl=qks.DlConfig(4, 4)), True, 33, 70),
+    "dl_gemm_phased": (dataclasses.replace(DL_GEMM, dl=qks.DlConfig(2, 4, phased=True)), False,
+                       33, 45),
+}
+
+
+def rel_norm(out, ref):
+  o, r = (np.asarray(x, np.float64) for x in (out.astype(jnp.float32), ref.astype(jnp.float32)))
+  return np.linalg.norm(o - r) / np.linalg.norm(r)
+
+
+@pytest.mark.parametrize("scheme", list(RENORMALIZE_SCHEMES))
+def test_renormalize(scheme):
+  """``renormalize=True`` on every scheme and row kernel gives the reference's renormalized
+  gradients, on peaked rows (``P_ii`` rounds to 1), where they are far from the spec's."""
+  config, causal, sq, sk = RENORMALIZE_SCHEMES[scheme]
+  args = make_inputs(23, 1, 2, sq, sk, 64, causal=causal, probs="peaked")
+  outs = run_and_check(qk_scale_softmax_backward, args, 0.125, causal=causal, config=config,
+                       renormalize=True)
+  ours = reference(*args, 0.125, renormalize=True)
+  spec = reference(*args, 0.125)
+  for out, ref, other in zip(outs, ours, spec):
+    assert rel_norm(out, ref) < 0.1 * rel_norm(other, ref), scheme
+
+
 # --------------------------------------------------------------- configs, errors, lowering
 
 
@@ -566,7 +608,8 @@ def test_table_entries_round_trip():
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("row_align", [-1, 0])
-def test_lowers_to_triton(pretend_h200, causal, dtype, row_align):
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_lowers_to_triton(pretend_h200, causal, dtype, row_align, renormalize):
   """The kernels lower to Triton IR for a GPU (no GPU needed; catches unsupported ops; dl_gemm:
   the dL kernel and the one GEMM launch).
   Rows of 300 keys: dense with ``row_align=-1`` takes the phase-aligned row kernel.
@@ -583,7 +626,8 @@ def test_lowers_to_triton(pretend_h200, causal, dtype, row_align):
     assert triton_calls_in_gpu_lowering(functools.partial(pallas_triton._backward,
                                                           interpret=False),
                                         shapes, 0.125, causal=causal,
-                                        config=qks.Config(cfg, cfg, scheme)) == kernels, scheme
+                                        config=qks.Config(cfg, cfg, scheme),
+                                        renormalize=renormalize) == kernels, scheme
 
 
 @pytest.mark.parametrize("sq, sk, rows", [(70, 33, 2), (33, 70, 1), (97, 97, 8)])

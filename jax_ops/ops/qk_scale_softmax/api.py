@@ -6,6 +6,11 @@ where it has one (the Pallas backends: the fused kernel that
 :func:`pallas_kernels.qk_scale_softmax.forward_kernel_for` picks, the logits never in
 memory), else plain jnp (:mod:`jax_ops.ops.qk_scale_softmax.reference`; the ``"xla"``
 backend). Residuals: Q, K and P.
+
+Every backend's backward computes the reference's ``renormalize=True`` form: a row of the
+bf16 P within ``2**-6`` of summing to 1 is corrected to sum to 1 and ``dL`` is rounded
+once, which keeps the gradient of a sharp softmax (``P_ii`` rounding to 1) that the spec's
+``dL`` loses (``docs/qk_scale_softmax.md``).
 """
 
 from __future__ import annotations

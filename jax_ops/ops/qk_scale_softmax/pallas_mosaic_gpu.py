@@ -4,7 +4,8 @@ for Hopper.
 Kernel: :mod:`pallas_kernels.qk_scale_softmax.pallas_mosaic_gpu` (TMA streams, wgmma, one
 producer and two consumer warpgroups; ``g`` and ``P`` read once). The problems it takes are
 those of :func:`pallas_kernels.qk_scale_softmax.dispatch.mosaic_gpu_reason` (rows of 128
-keys, ``D == 128``); forced with ``implementation="mosaic_gpu"`` on another problem or
+keys, ``D == 128``); it computes the op's ``dL`` (``renormalize=True``: P corrected to sum to
+1, ``dL`` rounded once). Forced with ``implementation="mosaic_gpu"`` on another problem or
 device it raises saying why. Residuals: Q, K and P. The op's forward is the Triton
 backend's (:func:`jax_ops.ops.qk_scale_softmax.pallas_triton.pallas_forward`).
 """
@@ -35,7 +36,7 @@ class QKSoftmaxMosaicGpu(backend.MosaicGpuBackend):
                interpret=False):
     return kernels.qk_scale_softmax_backward(grad_output, query, key, attn_weights, scaling,
                                              causal=causal, implementation="mosaic_gpu",
-                                             interpret=interpret)
+                                             renormalize=True, interpret=interpret)
 
 
 BACKEND = QKSoftmaxMosaicGpu()

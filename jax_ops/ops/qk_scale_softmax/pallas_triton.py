@@ -1,7 +1,8 @@
 """The ``"triton"`` backend of the qk_scale_softmax backward: Pallas Triton kernels, any CUDA GPU.
 
 Config and heuristic: ``pallas_kernels.qk_scale_softmax.default_config`` (tuned tables per
-device kind, a heuristic elsewhere). Residuals: Q, K and P (the reference backward's
+device kind, a heuristic elsewhere). The backward computes the op's ``dL``
+(``renormalize=True``: P corrected to sum to 1, ``dL`` rounded once). Residuals: Q, K and P (the reference backward's
 arguments). A causal call skips the key tiles above the diagonal. The op's forward is the
 fused forward kernel (:func:`pallas_forward`, shared with the Mosaic GPU backend).
 """
@@ -36,7 +37,8 @@ class QKSoftmaxTriton(backend.TritonBackend):
   def backward(self, grad_output, query, key, attn_weights, scaling, *, causal=False,
                interpret=False):
     return pallas_triton.qk_scale_softmax_backward(
-        grad_output, query, key, attn_weights, scaling, causal=causal, interpret=interpret)
+        grad_output, query, key, attn_weights, scaling, causal=causal, renormalize=True,
+        interpret=interpret)
 
 
 BACKEND = QKSoftmaxTriton()

@@ -1,8 +1,9 @@
 """Plain-jnp forward and backward of qk_scale_softmax: ``P = softmax((Q @ K^T) * scaling)``.
 
 The backward is the spec: ``dL`` rounded to the input dtype twice, as the reference model
-rounds it, then two GEMMs with fp32 accumulation. It is the ``"xla"`` backend and the
-yardstick of the kernels.
+rounds it, then two GEMMs with fp32 accumulation; or, with ``renormalize=True``, the op's
+form: P corrected to sum to 1 and ``dL`` rounded once. It is the yardstick of the kernels,
+and in the op's form the ``"xla"`` backend.
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ import jax.numpy as jnp
 
 from jax_ops._common import FLOATS, causal_mask, f32, mm, round_to
 from pallas_kernels import validation
+from pallas_kernels.qk_scale_softmax._common import RENORM_BAND
 
 
 def qk_scale_softmax_backward_reference(
     grad_output: jax.typing.ArrayLike, query: jax.typing.ArrayLike, key: jax.typing.ArrayLike,
     attn_weights: jax.typing.ArrayLike,
-    scaling: float | jax.typing.ArrayLike) -> tuple[jax.Array, jax.Array]:
+    scaling: float | jax.typing.ArrayLike, *,
+    renormalize: bool = False) -> tuple[jax.Array, jax.Array]:
   """Backward of ``softmax((Q @ K^T) * scaling)`` to Q and K.
 
   Args:
@@ -27,6 +30,12 @@ def qk_scale_softmax_backward_reference(
     attn_weights: ``[B, H, Sq, Sk]`` softmax output P (a causal P is zero above the
       diagonal, which the dense math handles).
     scaling: the logits' scale (``1/sqrt(D)`` in the usual case).
+    renormalize: ``False``, the spec: ``delta = rowsum(g P)``, ``dL = dtype(dtype(P (g -
+      delta)) * scaling)``. ``True``: a row of P whose sum is within ``2**-6`` of 1 is
+      corrected to sum to 1, ``P' = P (1 + r P)`` with ``r = (1 - rowsum(P)) /
+      rowsum(P^2)``, and ``dL = dtype(P' (g - rowsum(g P')) * scaling)`` is rounded once.
+      On a sharp row (``P_ii`` rounds to 1) the spec's ``g - delta`` is rounding noise;
+      this form keeps it.
 
   Returns:
     ``(grad_query [B, H, Sq, D], grad_key [B, H, Sk, D])`` in the inputs' dtype.
@@ -35,10 +44,19 @@ def qk_scale_softmax_backward_reference(
   dtype = query.dtype
   g = grad_output.astype(f32)
   probs = attn_weights.astype(f32)
-  # The two roundings of dL are explicit ops: XLA:GPU may otherwise drop a
-  # f32 -> bf16 -> f32 convert pair (excess precision) and skip them.
-  d_l = round_to(probs * (g - jnp.sum(g * probs, axis=-1, keepdims=True)), dtype)
-  d_l = round_to(d_l * jnp.asarray(scaling, f32), dtype).astype(dtype)
+  scale = jnp.asarray(scaling, f32)
+  # The roundings of dL are explicit ops: XLA may otherwise drop a f32 -> bf16 -> f32
+  # convert pair (excess precision) and skip them.
+  if renormalize:
+    deficit = 1.0 - jnp.sum(probs, axis=-1, keepdims=True)
+    near = jnp.abs(deficit) <= RENORM_BAND
+    r = (jnp.where(near, deficit, 0.0)
+         / jnp.where(near, jnp.sum(probs * probs, axis=-1, keepdims=True), 1.0))
+    probs = probs + r * (probs * probs)
+    d_l = probs * (g - jnp.sum(g * probs, axis=-1, keepdims=True)) * scale
+  else:
+    d_l = round_to(probs * (g - jnp.sum(g * probs, axis=-1, keepdims=True)), dtype) * scale
+  d_l = round_to(d_l, dtype).astype(dtype)
   grad_query = mm("bhqk,bhkd->bhqd", d_l, key)
   grad_key = mm("bhqk,bhqd->bhkd", d_l, query)
   return grad_query.astype(dtype), grad_key.astype(dtype)
