@@ -47,15 +47,17 @@ def qk_scale_softmax_backward_reference(
   scale = jnp.asarray(scaling, f32)
   # The roundings of dL are explicit ops: XLA may otherwise drop a f32 -> bf16 -> f32
   # convert pair (excess precision) and skip them.
+  row_sum = lambda x: jnp.sum(x, axis=-1, keepdims=True)
   if renormalize:
-    deficit = 1.0 - jnp.sum(probs, axis=-1, keepdims=True)
+    # Four sums from one read of g and P; delta = sum g P' = sum g P + r sum g P^2.
+    squares = probs * probs
+    deficit = 1.0 - row_sum(probs)
     near = jnp.abs(deficit) <= RENORM_BAND
-    r = (jnp.where(near, deficit, 0.0)
-         / jnp.where(near, jnp.sum(probs * probs, axis=-1, keepdims=True), 1.0))
-    probs = probs + r * (probs * probs)
-    d_l = probs * (g - jnp.sum(g * probs, axis=-1, keepdims=True)) * scale
+    r = jnp.where(near, deficit, 0.0) / jnp.where(near, row_sum(squares), 1.0)
+    delta = row_sum(g * probs) + r * row_sum(g * squares)
+    d_l = (probs + r * squares) * (g - delta) * scale
   else:
-    d_l = round_to(probs * (g - jnp.sum(g * probs, axis=-1, keepdims=True)), dtype) * scale
+    d_l = round_to(probs * (g - row_sum(g * probs)), dtype) * scale
   d_l = round_to(d_l, dtype).astype(dtype)
   grad_query = mm("bhqk,bhkd->bhqd", d_l, key)
   grad_key = mm("bhqk,bhqd->bhkd", d_l, query)
