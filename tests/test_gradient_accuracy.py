@@ -12,7 +12,7 @@ a backward that only has the rounded P loses the gradient: P_ii rounds to 1 and
 
 Where an op misses the target today, :data:`KNOWN_GAPS` holds the ratio it must stay under,
 and the case fails once it is under CLOSED * TARGET (then its entry goes). The gaps and fixes
-are in ``docs/qk_scale_softmax.md`` ("Open: the op's gradient on a sharp softmax") and
+are in ``docs/qk_scale_softmax.md`` ("The op's gradient on a sharp softmax") and
 ``docs/attention_softmax_dropout_value.md`` ("Open").
 """
 
