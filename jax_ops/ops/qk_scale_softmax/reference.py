@@ -49,12 +49,16 @@ def qk_scale_softmax_backward_reference(
   # convert pair (excess precision) and skip them.
   row_sum = lambda x: jnp.sum(x, axis=-1, keepdims=True)
   if renormalize:
-    # Four sums from one read of g and P; delta = sum g P' = sum g P + r sum g P^2.
+    # delta = sum g P' = sum g P + r sum g P^2: four row sums, one variadic reduce, so that
+    # XLA reads g and P once (four jnp.sum calls became separate passes on long rows).
     squares = probs * probs
-    deficit = 1.0 - row_sum(probs)
+    g_p, g_p2, total, sum_sq = (x[..., None] for x in jax.lax.reduce(
+        (g * probs, g * squares, probs, squares), (f32(0),) * 4,
+        lambda a, b: tuple(x + y for x, y in zip(a, b)), (probs.ndim - 1,)))
+    deficit = 1.0 - total
     near = jnp.abs(deficit) <= RENORM_BAND
-    r = jnp.where(near, deficit, 0.0) / jnp.where(near, row_sum(squares), 1.0)
-    delta = row_sum(g * probs) + r * row_sum(g * squares)
+    r = jnp.where(near, deficit, 0.0) / jnp.where(near, sum_sq, 1.0)
+    delta = g_p + r * g_p2
     d_l = (probs + r * squares) * (g - delta) * scale
   else:
     d_l = round_to(probs * (g - row_sum(g * probs)), dtype) * scale
