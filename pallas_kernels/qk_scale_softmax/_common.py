@@ -1,5 +1,6 @@
-"""What the Triton schemes of the qk_scale_softmax backward share: ``dL`` in either form, the
-row sums it needs, and the tile ranges of a causal ``P``.
+"""What the qk_scale_softmax backward kernels share: ``dL`` in either form and the row sums
+it needs (the Triton schemes and the Mosaic GPU kernel), and the tile ranges of a causal
+``P`` (Triton).
 
 Two forms of ``dL`` (``renormalize``):
 

@@ -79,9 +79,9 @@ def _dl_over_g(g_smem, p_smem, keys, other, p_done, read_barrier, dl_barrier, *,
 
   The row sums (``_common.row_sums``): each warpgroup sums the whole row (no exchange
   buffer), the other warpgroup's half first (its values die before this half's are
-  loaded). ``p_done`` is arrived once P
-  is read; ``read_barrier`` holds the dL write until both have read ``g``; ``dl_barrier``
-  until both halves are written (the GEMMs read the whole tile).
+  loaded). ``p_done`` is arrived once P is read; ``read_barrier`` holds the dL write until
+  both have read ``g``; ``dl_barrier`` until both halves are written (the GEMMs read the
+  whole tile).
   """
   layout = plgpu.Layout.WGMMA
   dtype = g_smem.dtype
