@@ -131,8 +131,7 @@ def _dl_kernel_classes(scale_ref, g_ref, p_ref, dl_ref, *, seq_q: int, seq_k: in
       _dl_block((pid - start) * block_q + lo, bh=bh, scale_ref=scale_ref,
                 g_ref=g_ref, p_ref=p_ref, dl_ref=dl_ref, seq_q=seq_q, seq_k=seq_k,
                 block_q=block_q, width=width, renormalize=renormalize, causal=True,
-                causal_tile=causal_tile,
-                row_end=hi, whole_blocks=(hi - lo) % block_q == 0)
+                causal_tile=causal_tile, row_end=hi, whole_blocks=(hi - lo) % block_q == 0)
 
     start += n
 
@@ -173,8 +172,8 @@ def dl_phased(seq_k: int, cfg: DlConfig, causal: bool, *sizes: int) -> bool:
                                              "renormalize"))
 def dl_pass(scale, g, p, *, causal=False, cfg, interpret, causal_tile=None, renormalize=False):
   """``dL [B*H, Sq, Sk]`` (the input dtype, in the form ``renormalize`` names: ``_common``,
-  rounded as the reference rounds it) from 3D
-  ``[B*H, Sq, Sk]`` views of ``g`` and ``P``, ``g`` and ``P`` read once. Dense:
+  rounded as the reference rounds it) from 3D ``[B*H, Sq, Sk]`` views of ``g`` and ``P``,
+  ``g`` and ``P`` read once. Dense:
   ``cfg.rows`` whole rows per program (:func:`_dl_kernel`, or :func:`_dl_kernel_phased`
   where :func:`dl_phased`). Causal (``causal_tile = (R, T)`` required): the row classes of
   :func:`dl_classes`; ``dL`` is 0 above the diagonal up to the first multiple of ``T`` keys

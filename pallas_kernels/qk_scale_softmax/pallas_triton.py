@@ -10,14 +10,14 @@ the gradients of ``Q`` (``[B, H, Sq, D]``) and ``K`` (``[B, H, Sk, D]``) are::
 
 ``delta`` is a full-row reduction that every ``dL`` element needs, and ``dL`` is rounded
 exactly as the reference rounds it. With ``renormalize=True`` a row of P whose sum is within
-``2**-6`` of 1 is first corrected to sum to 1, ``P' = P (1 + r P)``, and ``dL = dtype(P'
-(g - sum_j g_ij P'_ij) * scaling)`` is rounded once (``_common``): the gradient keeps
-``g - delta`` on a sharp row, where ``P_ii`` rounds to 1. The config (:func:`.config.default_config`) picks one
-of three schemes: ``"two_pass"`` (:mod:`.two_pass`: a row kernel for ``delta`` and
+``2**-6`` of 1 is first corrected to sum to 1, ``P' = P (1 + r P)``, and ``dL = dtype(P' (g -
+sum_j g_ij P'_ij) * scaling)`` is rounded once (``_common``): the gradient keeps ``g - delta``
+on a sharp row, where ``P_ii`` rounds to 1. The config (:func:`.config.default_config`) picks
+one of three schemes: ``"two_pass"`` (:mod:`.two_pass`: a row kernel for ``delta`` and
 ``grad_query``, a column kernel for ``grad_key``), ``"per_head"`` (:mod:`.per_head`: one
-program per head, short rows) and ``"dl_gemm"`` (:mod:`.dl_gemm`: ``dL`` written, then the
-two GEMMs in one launch). Causal (``causal=True``): the caller promises ``P_ij = 0`` for
-``j > i + (Sk - Sq)``, and tiles wholly above that diagonal are skipped.
+program per head, short rows) and ``"dl_gemm"`` (:mod:`.dl_gemm`: ``dL`` written, then the two
+GEMMs in one launch). Causal (``causal=True``): the caller promises ``P_ij = 0`` for ``j > i +
+(Sk - Sq)``, and tiles wholly above that diagonal are skipped.
 """
 
 from __future__ import annotations

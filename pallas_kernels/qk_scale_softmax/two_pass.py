@@ -2,12 +2,11 @@
 kernel (Pallas Triton).
 
 **Row kernel** (grid ``(cdiv(Sq, block_q), B*H)``): a program owns ``block_q`` rows; pass 1
-sums the row sums (``delta``; renormalized, also ``r``: ``_common``) over the row's key
-tiles, pass 2 walks them again newest first (the likeliest still in L2), forms ``dL`` and
-accumulates ``dL @ K_j``; it stores ``grad_query`` and the row stats (``[B*H, Sq]`` fp32
-each). A row of one key tile fuses the passes (``g`` and ``P`` read
-once). Dense rows of ``Sk % 8 != 0`` keys take 16-byte aligned tiles of every ``align``-th
-row (``pallas_kernels._phase``).
+sums the row sums (``delta``; renormalized, also ``r``: ``_common``) over the row's key tiles,
+pass 2 walks them again newest first (the likeliest still in L2), forms ``dL`` and accumulates
+``dL @ K_j``; it stores ``grad_query`` and the row stats (``[B*H, Sq]`` fp32 each). A row of
+one key tile fuses the passes (``g`` and ``P`` read once). Dense rows of ``Sk % 8 != 0`` keys
+take 16-byte aligned tiles of every ``align``-th row (``pallas_kernels._phase``).
 
 **Column kernel** (grid ``(cdiv(Sk, block_k), B*H)``): a program owns ``block_k`` keys,
 rebuilds ``dL`` from ``g``, ``P`` and the row stats over the query tiles and accumulates
@@ -125,8 +124,7 @@ def _row_kernel_one_tile(scale_ref, g_ref, p_ref, k_ref, dq_ref, *stat_refs, cau
     d_l = cm.dl_tile(g, p, stats, r.scale, r.dtype)
     return stats, carry[1] + dot(d_l, r.k(j))
 
-  stats, acc = tiles.fori_loop(0, n_tiles, fused,
-                               (cm.row_stats(r.zero_sums()), acc))
+  stats, acc = tiles.fori_loop(0, n_tiles, fused, (cm.row_stats(r.zero_sums()), acc))
   r.store(dq_ref, stat_refs, acc, stats)
 
 

@@ -2,9 +2,10 @@
 
 Config and heuristic: ``pallas_kernels.qk_scale_softmax.default_config`` (tuned tables per
 device kind, a heuristic elsewhere). The backward computes the op's ``dL``
-(``renormalize=True``: P corrected to sum to 1, ``dL`` rounded once). Residuals: Q, K and P (the reference backward's
-arguments). A causal call skips the key tiles above the diagonal. The op's forward is the
-fused forward kernel (:func:`pallas_forward`, shared with the Mosaic GPU backend).
+(``renormalize=True``: P corrected to sum to 1, ``dL`` rounded once). Residuals: Q, K and P
+(the reference backward's arguments). A causal call skips the key tiles above the diagonal.
+The op's forward is the fused forward kernel (:func:`pallas_forward`, shared with the Mosaic
+GPU backend).
 """
 
 from __future__ import annotations

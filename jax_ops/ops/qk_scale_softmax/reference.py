@@ -49,8 +49,8 @@ def qk_scale_softmax_backward_reference(
   # convert pair (excess precision) and skip them.
   row_sum = lambda x: jnp.sum(x, axis=-1, keepdims=True)
   if renormalize:
-    # delta = sum g P' = sum g P + r sum g P^2: four row sums, one variadic reduce, so that
-    # XLA reads g and P once (four jnp.sum calls became separate passes on long rows).
+    # delta = sum g P' = sum g P + r sum g P^2: the four row sums in one variadic reduce,
+    # which XLA computes in one read of g and P.
     squares = probs * probs
     g_p, g_p2, total, sum_sq = (x[..., None] for x in jax.lax.reduce(
         (g * probs, g * squares, probs, squares), (f32(0),) * 4,
